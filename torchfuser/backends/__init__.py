@@ -1,0 +1,103 @@
+"""The dispatch table: which backend runs an op for a given device.
+
+Backends see raw tensors only. Each backend package exposes ``<op>_fwd`` / ``<op>_bwd``
+functions; this module decides which package serves a call and imports it lazily, so the
+GPU path never imports torch-mlir and the CPU path never needs a GPU.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from functools import lru_cache
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("reference", "triton", "mlir")
+VALID_BACKENDS = ("auto",) + BACKENDS
+
+# Preferred backend per device type; anything not listed runs the reference backend.
+_PREFERRED = {"cuda": "triton", "cpu": "mlir"}
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run on this machine or device."""
+
+
+def check_name(name: str | None) -> str:
+    name = "auto" if name is None else name
+    if name not in VALID_BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid backends are {', '.join(VALID_BACKENDS)}")
+    return name
+
+
+def _triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@lru_cache(maxsize=None)
+def _has_module(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def unavailable_reason(name: str, device_type: str) -> str | None:
+    """Why backend ``name`` cannot run on ``device_type``; None when it can."""
+    if name == "reference":
+        return None
+    if name == "triton":
+        if not _has_module("triton"):
+            return "the triton package is not installed"
+        if device_type == "cuda":
+            return None
+        if device_type == "cpu" and _triton_interpret():
+            return None
+        if device_type == "cpu":
+            return "Triton kernels need a CUDA/ROCm device (set TRITON_INTERPRET=1 to run them on the CPU, slowly)"
+        return f"Triton kernels do not run on {device_type!r} tensors"
+    if name == "mlir":
+        if device_type != "cpu":
+            return f"the MLIR backend runs on CPU tensors only, not {device_type!r}"
+        if not _has_module("torch_mlir"):
+            return 'torch-mlir is not installed; install it with pip install -e ".[mlir]"'
+        return None
+    raise ValueError(f"unknown backend {name!r}")
+
+
+def resolve(name: str | None, device: torch.device | str) -> str:
+    """Turn ``None``/``"auto"``/a backend name into the concrete backend for ``device``.
+
+    ``auto`` falls back to ``reference`` when the preferred backend is unavailable (the
+    report says so); an explicitly named backend that cannot run raises.
+    """
+    name = check_name(name)
+    device_type = torch.device(device).type
+    if name == "auto":
+        preferred = _PREFERRED.get(device_type, "reference")
+        return preferred if unavailable_reason(preferred, device_type) is None else "reference"
+    reason = unavailable_reason(name, device_type)
+    if reason is not None:
+        raise BackendUnavailable(f"backend {name!r} cannot run here: {reason}")
+    return name
+
+
+def auto_fallback_reason(device: torch.device | str) -> str | None:
+    """Why ``auto`` on ``device`` does not get its preferred backend (None if it does)."""
+    device_type = torch.device(device).type
+    preferred = _PREFERRED.get(device_type)
+    return None if preferred is None else unavailable_reason(preferred, device_type)
+
+
+def kernels(name: str) -> ModuleType:
+    """The backend package ``name`` (imported on first use)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid backends are {', '.join(BACKENDS)}")
+    return importlib.import_module(f"torchfuser.backends.{name}")
+
+
+def kernel(name: str, fn: str):
+    """The function ``fn`` (e.g. ``"rms_norm_fwd"``) of backend ``name``."""
+    impl = getattr(kernels(name), fn, None)
+    if impl is None:
+        raise NotImplementedError(f"backend {name!r} has no kernel {fn!r} yet; use backend='reference'")
+    return impl

@@ -1,0 +1,37 @@
+"""Backward passes derived from the forward definitions by autograd, never written by hand."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """fp32 for fp16/bf16/fp32 inputs, fp64 when any input is fp64 (the test oracle)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def vjp(fn: Callable, inputs: Sequence[torch.Tensor | None], grads, *args) -> tuple:
+    return value_and_vjp(fn, inputs, grads, *args)[1]
+
+
+def value_and_vjp(fn: Callable, inputs: Sequence[torch.Tensor | None], grads, *args) -> tuple:
+    """``fn(*inputs, *args)`` and its gradients w.r.t. each tensor of ``inputs`` for output cotangents
+    ``grads``; a ``None`` input gets a ``None`` gradient.
+
+    ``torch.func.vjp`` rather than ``torch.autograd.grad``: custom-op implementations run below
+    the autograd dispatch key, where only functorch's transforms still differentiate.
+    """
+    present = [i for i, t in enumerate(inputs) if t is not None]
+
+    def only_present(*xs):
+        full = list(inputs)
+        for i, x in zip(present, xs):
+            full[i] = x
+        return fn(*full, *args)
+
+    value, pullback = torch.func.vjp(only_present, *[inputs[i] for i in present])
+    if not isinstance(grads, (tuple, list, torch.Tensor)):
+        grads = torch.full_like(value, grads)
+    got = iter(pullback(grads))
+    return value, tuple(next(got) if t is not None else None for t in inputs)

@@ -1,0 +1,45 @@
+"""Gated activations: swiglu = silu(gate) · up, geglu = gelu_tanh(gate) · up; and plain gelu."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ._autodiff import compute_dtype, vjp
+
+
+def swiglu(gate, up):
+    ct = compute_dtype(gate, up)
+    return (F.silu(gate.to(ct)) * up.to(ct)).to(gate.dtype)
+
+
+def geglu(gate, up):
+    ct = compute_dtype(gate, up)
+    return (F.gelu(gate.to(ct), approximate="tanh") * up.to(ct)).to(gate.dtype)
+
+
+def gelu(x, approximate: str):
+    return F.gelu(x.to(compute_dtype(x)), approximate=approximate).to(x.dtype)
+
+
+def swiglu_fwd(gate, up):
+    return swiglu(gate, up).contiguous()
+
+
+def swiglu_bwd(dy, gate, up):
+    return tuple(g.contiguous() for g in vjp(swiglu, (gate, up), dy))
+
+
+def geglu_fwd(gate, up):
+    return geglu(gate, up).contiguous()
+
+
+def geglu_bwd(dy, gate, up):
+    return tuple(g.contiguous() for g in vjp(geglu, (gate, up), dy))
+
+
+def gelu_fwd(x, approximate):
+    return gelu(x, approximate).contiguous()
+
+
+def gelu_bwd(dy, x, approximate):
+    (dx,) = vjp(gelu, (x,), dy, approximate)
+    return dx.contiguous()

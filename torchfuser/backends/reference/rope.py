@@ -1,0 +1,30 @@
+"""Rotary embedding, rotate-half convention: out = t · cos + rotate_half(t) · sin for t in (q, k)."""
+from __future__ import annotations
+
+import torch
+
+from ._autodiff import compute_dtype, vjp
+
+
+def _rotate_half(t):
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+def rope(q, k, cos, sin):
+    """q: B×Hq×S×D, k: B×Hk×S×D, cos/sin: (B or 1)×S×D shared by every head."""
+    ct = compute_dtype(q, k)
+    c, s = cos.to(ct).unsqueeze(1), sin.to(ct).unsqueeze(1)
+    qf, kf = q.to(ct), k.to(ct)
+    return (qf * c + _rotate_half(qf) * s).to(q.dtype), (kf * c + _rotate_half(kf) * s).to(k.dtype)
+
+
+def rope_fwd(q, k, cos, sin):
+    qo, ko = rope(q, k, cos, sin)
+    return qo.contiguous(), ko.contiguous()
+
+
+def rope_bwd(dq, dk, cos, sin):
+    # rope is linear in (q, k): its vjp does not depend on the point it is taken at.
+    gq, gk = vjp(lambda a, b: rope(a, b, cos, sin), (dq, dk), (dq, dk))
+    return gq.contiguous(), gk.contiguous()

@@ -1,0 +1,1 @@
+"""The Triton backend (CUDA/ROCm; the CPU under TRITON_INTERPRET=1). Kernels arrive per op."""

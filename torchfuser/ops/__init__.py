@@ -1,0 +1,13 @@
+"""One ``torch.library`` custom op per kernel (``torchfuser::<op>_fwd`` / ``_bwd``).
+
+Each op has a fake implementation (for torch.compile and the meta device) and registered
+autograd, and dispatches to the backend named in its last argument. Every backend returns
+contiguous outputs with exactly the shapes and dtypes the fake implementations give.
+"""
+from .gated import gelu, geglu, swiglu
+from .layer_norm import layer_norm
+from .linear_cross_entropy import linear_cross_entropy
+from .rms_norm import rms_norm
+from .rope import rope
+
+__all__ = ["rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy"]

@@ -1,0 +1,67 @@
+"""Linear + cross-entropy. The forward also returns the gradients for an upstream gradient of 1,
+so that no backend recomputes the logits: the backward only scales them."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from torchfuser.backends import kernel
+
+
+@torch.library.custom_op("torchfuser::linear_cross_entropy_fwd", mutates_args=())
+def linear_cross_entropy_fwd(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    labels: Tensor,
+    ignore_index: int,
+    softcap: Optional[float],
+    reduction: str,
+    need_grad: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns (loss fp32 scalar, dhidden, dweight, dbias); the gradients are empty unless need_grad."""
+    impl = kernel(backend, "linear_cross_entropy_fwd")
+    return impl(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad)
+
+
+@linear_cross_entropy_fwd.register_fake
+def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, backend):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    if not need_grad:
+        empty = hidden.new_empty(0)
+        return loss, empty, empty.clone(), empty.clone()
+    db = hidden.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
+
+
+def _setup(ctx, inputs, output):
+    bias, need_grad = inputs[2], inputs[7]
+    ctx.has_bias = bias is not None
+    ctx.need_grad = need_grad
+    ctx.save_for_backward(*output[1:])
+
+
+def _backward(ctx, dloss, *_):
+    if not ctx.need_grad:
+        raise RuntimeError(
+            "linear_cross_entropy was run without gradients (need_grad=False) but is being differentiated; "
+            "call it with grad mode on"
+        )
+    dh, dw, db = ctx.saved_tensors
+    scale = dloss.to(torch.float32)
+    grads = [(g * scale).to(g.dtype) for g in (dh, dw)]
+    dbias = (db * scale).to(db.dtype) if ctx.has_bias else None
+    return grads[0], grads[1], dbias, None, None, None, None, None, None
+
+
+linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, backend) -> Tensor:
+    need_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    return linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, backend)[0]
