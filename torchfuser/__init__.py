@@ -1,5 +1,20 @@
-"""TorchFuser: swap standard transformer blocks for fused kernels, keeping every parameter."""
+"""TorchFuser: swap standard transformer blocks for fused kernels, keeping every parameter.
+
+    report = torchfuser.report(torchfuser.optimize(model))
+"""
 from torchfuser import functional
+from torchfuser.api import optimize, report, restore
+from torchfuser.patterns import PATTERNS
+from torchfuser.report import FusionReport
 
 __version__ = "0.1.0"
-__all__ = ["functional", "__version__"]
+__all__ = ["optimize", "restore", "report", "functional", "FusionReport", "PATTERNS", "TorchFuserCallback", "__version__"]
+
+
+def __getattr__(name):
+    # The Trainer callback imports transformers' trainer machinery: load it only when asked.
+    if name == "TorchFuserCallback":
+        from torchfuser.integrations.hf_trainer import TorchFuserCallback
+
+        return TorchFuserCallback
+    raise AttributeError(f"module 'torchfuser' has no attribute {name!r}")

@@ -1,0 +1,65 @@
+"""The public entry points: optimize, restore, report."""
+from __future__ import annotations
+
+from torch import nn
+
+from torchfuser import backends, patterns as _patterns, walker
+from torchfuser.report import FusionReport
+
+__all__ = ["optimize", "restore", "report"]
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"torchfuser expects a torch.nn.Module, got {type(model).__name__}")
+
+
+def optimize(
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    patterns=None,
+    exclude=(),
+    strict: bool = False,
+    verbose: bool = False,
+) -> nn.Module:
+    """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
+
+    Parameters and ``state_dict`` keys stay exactly as they were. Calling it again changes
+    nothing already fused. ``torchfuser.report(model)`` says what was fused and what was
+    skipped, and why; ``torchfuser.restore(model)`` undoes it.
+
+    backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
+        ``"reference"``, ``"triton"`` or ``"mlir"``.
+    patterns / exclude: pattern names to use / to leave out (see ``torchfuser.PATTERNS``).
+    strict: raise, before changing anything, if any candidate block would be skipped.
+    verbose: print the report.
+    """
+    _check_model(model)
+    backend = backends.check_name(backend)
+    chosen = _patterns.select(patterns, exclude)
+    result = walker.fuse(model, chosen, backend, strict)
+    if not walker.state(model):
+        model.__dict__["_torchfuser_last_report"] = result
+    if verbose:
+        from rich.console import Console
+
+        Console().print(result)
+    return model
+
+
+def restore(model: nn.Module) -> nn.Module:
+    """Put every original module back (the same objects); harmless on an unoptimized model."""
+    _check_model(model)
+    model.__dict__.pop("_torchfuser_last_report", None)
+    return walker.restore(model)
+
+
+def report(model: nn.Module) -> FusionReport:
+    """The FusionReport of the last ``optimize`` call(s) on ``model``."""
+    _check_model(model)
+    st = walker.state(model)
+    if st is not None:
+        return st.report
+    last = model.__dict__.get("_torchfuser_last_report")
+    return last if last is not None else FusionReport(type(model).__name__, notes=["torchfuser.optimize was not called on this model"])

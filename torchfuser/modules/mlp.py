@@ -1,0 +1,64 @@
+"""Fused MLP blocks. The projections stay the original ``nn.Linear`` / ``Conv1D`` submodules;
+what is fused is the activation (and, for gated MLPs, the gating product)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from torchfuser import functional as F
+from torchfuser.modules.base import FusedModule, adopt
+
+
+@dataclass(frozen=True)
+class GatedMLPSpec:
+    """down(act(gate(x)) · up(x)); with ``gate_up`` one projection yields both halves."""
+
+    activation: str  # "silu" → swiglu, "gelu_tanh" → geglu
+    down: str
+    gate: str | None = None
+    up: str | None = None
+    gate_up: str | None = None
+    gate_first: bool = True  # order of the halves of gate_up's output
+    keep: tuple[str, ...] = ()  # other parameter-free submodules kept for state and repr
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """dropout(fc_out(gelu(fc_in(x))))."""
+
+    fc_in: str
+    fc_out: str
+    approximate: str  # "none" (erf GELU) or "tanh"
+    dropout: str | None = None
+    keep: tuple[str, ...] = ()
+
+
+class FusedGatedMLP(FusedModule):
+    def __init__(self, original: nn.Module, spec: GatedMLPSpec, backend: str = "auto"):
+        super().__init__(spec, backend)
+        names = (spec.gate, spec.up, spec.gate_up, spec.down) + spec.keep
+        adopt(self, original, [n for n in names if n is not None])
+        self._act = F.swiglu if spec.activation == "silu" else F.geglu
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.spec
+        if s.gate_up is not None:
+            first, second = getattr(self, s.gate_up)(x).chunk(2, dim=-1)
+            gate, up = (first, second) if s.gate_first else (second, first)
+        else:
+            gate, up = getattr(self, s.gate)(x), getattr(self, s.up)(x)
+        return getattr(self, s.down)(self._act(gate, up, backend=self.backend))
+
+
+class FusedMLP(FusedModule):
+    def __init__(self, original: nn.Module, spec: MLPSpec, backend: str = "auto"):
+        super().__init__(spec, backend)
+        names = (spec.fc_in, spec.fc_out, spec.dropout) + spec.keep
+        adopt(self, original, [n for n in names if n is not None])
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.spec
+        h = F.gelu(getattr(self, s.fc_in)(x), s.approximate, backend=self.backend)
+        h = getattr(self, s.fc_out)(h)
+        return h if s.dropout is None else getattr(self, s.dropout)(h)

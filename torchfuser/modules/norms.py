@@ -1,0 +1,48 @@
+"""Fused RMSNorm and LayerNorm. They own the original ``weight`` / ``bias`` parameters."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from torchfuser import functional as F
+from torchfuser.modules.base import FusedModule, adopt
+
+
+@dataclass(frozen=True)
+class RMSNormSpec:
+    """y = x · rsqrt(mean(x²) + eps) · (offset + w); Gemma-style norms have offset 1."""
+
+    eps: float
+    offset: float = 0.0
+    weight: str = "weight"
+
+
+@dataclass(frozen=True)
+class LayerNormSpec:
+    """y = (x − mean) · rsqrt(var + eps) · w + b; ``bias`` is None for bias-free norms."""
+
+    eps: float
+    weight: str = "weight"
+    bias: str | None = "bias"
+
+
+class FusedRMSNorm(FusedModule):
+    def __init__(self, original: nn.Module, spec: RMSNormSpec, backend: str = "auto"):
+        super().__init__(spec, backend)
+        adopt(self, original, [spec.weight])
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.spec
+        return F.rms_norm(x, getattr(self, s.weight), s.eps, offset=s.offset, backend=self.backend)
+
+
+class FusedLayerNorm(FusedModule):
+    def __init__(self, original: nn.Module, spec: LayerNormSpec, backend: str = "auto"):
+        super().__init__(spec, backend)
+        adopt(self, original, [n for n in (spec.weight, spec.bias) if n is not None])
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = self.spec
+        bias = None if s.bias is None else getattr(self, s.bias)
+        return F.layer_norm(x, getattr(self, s.weight), bias, s.eps, backend=self.backend)

@@ -1,0 +1,24 @@
+"""The pattern registry, in matching order: a module is claimed by the first pattern that
+recognises it as a candidate."""
+from __future__ import annotations
+
+from torchfuser.patterns.base import Applied, Pattern, Skip
+from torchfuser.patterns.mlp import GatedMLPPattern, MLPPattern
+from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
+
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern())}
+
+
+def select(include=None, exclude=()) -> list[Pattern]:
+    """The patterns named by ``include`` (all when None) minus ``exclude``; unknown names raise."""
+    for names in (include or (), exclude or ()):
+        if isinstance(names, str):
+            raise TypeError(f"pattern names must be a list or tuple of names, got the string {names!r}")
+        unknown = [n for n in names if n not in PATTERNS]
+        if unknown:
+            raise ValueError(f"unknown pattern name(s) {unknown}; valid patterns are {', '.join(PATTERNS)}")
+    chosen = PATTERNS if include is None else {n: PATTERNS[n] for n in PATTERNS if n in include}
+    return [p for n, p in chosen.items() if n not in set(exclude or ())]
+
+
+__all__ = ["PATTERNS", "Pattern", "Skip", "Applied", "select"]

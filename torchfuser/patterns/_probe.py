@@ -1,0 +1,107 @@
+"""Numerical probes: run a candidate block on small random float64 inputs and compare it with
+the formula a pattern would fuse it into. This is how patterns check the math, not the name.
+
+Probes never touch the model's own tensors (the model may live on the meta device or a GPU):
+they run a shallow copy of the module whose parameters and projection submodules are replaced
+by fresh random CPU float64 ones.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+try:  # GPT-2 style projections: weight stored (in, out)
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover - transformers is a dependency
+    Conv1D = None
+
+PROBE_ROWS = 4
+# fp32 arithmetic inside the probed forward bounds the agreement we can ask for.
+RTOL = 1e-5
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    a, b = a.double(), b.double()
+    return bool(((a - b).abs().max() <= RTOL * (b.abs().max() + 1e-12)).item())
+
+
+def shallow_copy(module: nn.Module) -> nn.Module:
+    """A copy sharing code and plain attributes, with its own parameter/buffer/module dicts."""
+    probe = copy.copy(module)
+    probe._parameters = dict(module._parameters)
+    probe._buffers = dict(module._buffers)
+    probe._modules = dict(module._modules)
+    probe.training = False  # not .eval(): that would recurse into children shared with the model
+    return probe
+
+
+def random_params(module: nn.Module, gen: torch.Generator) -> nn.Module:
+    """``shallow_copy`` with every direct parameter replaced by a random CPU float64 one."""
+    probe = shallow_copy(module)
+    for name, p in module._parameters.items():
+        if p is not None:
+            probe._parameters[name] = nn.Parameter(randn(*p.shape, gen=gen), requires_grad=False)
+    return probe
+
+
+def projection_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of a Linear or Conv1D projection, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if Conv1D is not None and isinstance(module, Conv1D):
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
+def small_projection(module: nn.Module, n_in: int, n_out: int, gen: torch.Generator) -> nn.Module:
+    """A random float64 CPU projection of the same kind (and bias-ness) with smaller dims."""
+    has_bias = getattr(module, "bias", None) is not None
+    if isinstance(module, nn.Linear):
+        small = nn.Linear(n_in, n_out, bias=has_bias, dtype=torch.float64)
+        small.weight.data = randn(n_out, n_in, gen=gen) / n_in**0.5
+    else:
+        small = Conv1D(n_out, n_in).double()
+        small.weight.data = randn(n_in, n_out, gen=gen) / n_in**0.5
+        if not has_bias:
+            raise ValueError("Conv1D without bias")
+    if has_bias:
+        small.bias.data = randn(n_out, gen=gen)
+    return small.requires_grad_(False)
+
+
+def run(probe: nn.Module, *args):
+    with torch.no_grad():
+        out = probe(*args)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def activation_kind(act) -> str | None:
+    """Which standard activation a callable computes: 'silu', 'gelu_tanh', 'gelu', or None."""
+    if isinstance(act, nn.Module) and any(True for _ in act.parameters()):
+        return None
+    x = randn(64, gen=generator(1)) * 3
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor):
+        return None
+    candidates = {
+        "silu": torch.nn.functional.silu(x),
+        "gelu_tanh": torch.nn.functional.gelu(x, approximate="tanh"),
+        "gelu": torch.nn.functional.gelu(x),
+    }
+    return next((k for k, ref in candidates.items() if close(y, ref)), None)

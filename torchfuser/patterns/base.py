@@ -1,0 +1,64 @@
+"""The pattern interface: recognise a block, say why not, build its fused replacement."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+from torch import nn
+
+from torchfuser.modules.base import FusedModule
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A candidate block that will not be fused, and why."""
+
+    reason: str
+
+
+@dataclass
+class Applied:
+    """A swap that happened: what replaced the block, and how to undo it."""
+
+    fused_type: str
+    undo: Callable[[], None]
+
+
+class Pattern:
+    """Recognises one kind of block by structure and math.
+
+    ``match`` returns None for modules that are not candidates at all, a ``Skip`` for
+    candidates it will not fuse (with the reason), or a frozen spec for blocks it will.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def match(self, module: nn.Module):
+        raise NotImplementedError
+
+    def build(self, module: nn.Module, spec, backend: str) -> FusedModule:
+        raise NotImplementedError
+
+    def apply(self, root: nn.Module, qualname: str, module: nn.Module, spec, backend: str) -> Applied:
+        """Swap ``module`` (at ``qualname`` under ``root``) for its fused module, in place."""
+        if not qualname:
+            raise ValueError("the root module itself cannot be replaced; optimize the model that contains it")
+        parent_name, _, attr = qualname.rpartition(".")
+        parent = root.get_submodule(parent_name)
+        fused = self.build(module, spec, backend)
+        fused.train(module.training)
+        parent._modules[attr] = fused
+
+        def undo() -> None:
+            # Give the original back whatever the fused module now holds (e.g. after .to()).
+            for name, param in fused._parameters.items():
+                module._parameters[name] = param
+            for name, buf in fused._buffers.items():
+                module._buffers[name] = buf
+            for name, child in fused._modules.items():
+                module._modules[name] = child
+            module.train(fused.training)
+            parent._modules[attr] = module
+
+        return Applied(type(fused).__name__, undo)

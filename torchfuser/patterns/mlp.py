@@ -1,0 +1,151 @@
+"""MLP blocks: gated (gate/up/down or a fused gate_up) and plain (fc_in → GELU → fc_out).
+
+A candidate has two or three projection children (``nn.Linear`` or GPT-2's ``Conv1D``) whose
+shapes chain H → I → H, a parameter-free activation child and perhaps a dropout. Which
+projection is the gate, the order of a fused ``gate_up`` and where the dropout sits are
+decided by a probe: the block's own forward, run with small random projections, must equal
+the formula exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP, GatedMLPSpec, MLPSpec
+from torchfuser.patterns import _probe
+from torchfuser.patterns.base import Pattern, Skip
+
+_H, _I = 8, 12  # probe widths: small, and I ≠ H so that shapes cannot line up by accident
+_ACT_FNS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+    "gelu": torch.nn.functional.gelu,
+}
+
+
+@dataclass
+class _Parts:
+    proj: dict[str, tuple[int, int]]
+    act: str
+    act_kind: str
+    dropout: str | None
+    others: list[str] = field(default_factory=list)
+
+
+class _Scale(nn.Module):
+    """Stands in for dropout in the probe: a visible, deterministic mark of where it is applied."""
+
+    def forward(self, x):
+        return 3.0 * x
+
+
+def _parts(module: nn.Module) -> _Parts | None:
+    proj = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(m))}
+    if len(proj) not in (2, 3) or len(module._parameters):
+        return None
+    rest = [n for n in module._modules if n not in proj]
+    acts = [(n, k) for n in rest if (k := _probe.activation_kind(module._modules[n]))]
+    drops = [n for n in rest if isinstance(module._modules[n], nn.Dropout)]
+    if len(acts) != 1 or len(drops) > 1:
+        return None
+    others = [n for n in rest if n != acts[0][0] and n not in drops]
+    return _Parts(proj, acts[0][0], acts[0][1], drops[0] if drops else None, others)
+
+
+def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int, int]]):
+    gen = _probe.generator(4)
+    probe = _probe.shallow_copy(module)
+    small = {n: _probe.small_projection(module._modules[n], *widths[n], gen) for n in widths}
+    probe._modules.update(small)
+    if parts.dropout is not None:
+        probe._modules[parts.dropout] = _Scale()
+    x = _probe.randn(_probe.PROBE_ROWS, _H, gen=gen)
+    try:
+        return small, x, _probe.run(probe, x)
+    except Exception as err:
+        return small, x, Skip(f"probe forward failed: {type(err).__name__}: {err}")
+
+
+class GatedMLPPattern(Pattern):
+    name = "gated_mlp"
+    description = "down(act(gate(x))·up(x)), SiLU → swiglu, tanh-GELU → geglu"
+
+    def match(self, module):
+        parts = _parts(module)
+        if parts is None:
+            return None
+        names = list(parts.proj)
+        if len(names) == 3:
+            downs = [n for n in names if all(parts.proj[n][0] == parts.proj[m][1] for m in names if m != n)]
+            if len(downs) != 1:
+                return None
+            down = downs[0]
+            a, b = [n for n in names if n != down]
+            hidden = parts.proj[down][1]
+            if parts.proj[a] != parts.proj[b] or parts.proj[a][0] != hidden:
+                return None
+            layouts = [dict(gate=a, up=b), dict(gate=b, up=a)]
+            widths = {a: (_H, _I), b: (_H, _I), down: (_I, _H)}
+        else:
+            first, second = names
+            down, gate_up = (first, second) if parts.proj[first][1] == parts.proj[second][0] else (second, first)
+            if parts.proj[gate_up][1] != 2 * parts.proj[down][0] or parts.proj[down][1] != parts.proj[gate_up][0]:
+                return None
+            layouts = [dict(gate_up=gate_up, gate_first=True), dict(gate_up=gate_up, gate_first=False)]
+            widths = {gate_up: (_H, 2 * _I), down: (_I, _H)}
+        if parts.others:
+            return Skip(f"unrecognised submodules {parts.others}")
+        if parts.dropout is not None:
+            return Skip("gated MLP with dropout is not fused")
+        if parts.act_kind not in ("silu", "gelu_tanh"):
+            return Skip(f"activation {parts.act_kind} has no fused gated kernel (silu and tanh-GELU do)")
+        small, x, y = _probe_module(module, parts, widths)
+        if isinstance(y, Skip):
+            return y
+        act = _ACT_FNS[parts.act_kind]
+        for layout in layouts:
+            if "gate_up" in layout:
+                g, u = small[gate_up](x).chunk(2, dim=-1)
+                g, u = (g, u) if layout["gate_first"] else (u, g)
+            else:
+                g, u = small[layout["gate"]](x), small[layout["up"]](x)
+            if _probe.close(y, small[down](act(g) * u)):
+                return GatedMLPSpec(activation=parts.act_kind, down=down, keep=(parts.act,), **layout)
+        return Skip("forward does not compute down(act(gate(x))·up(x))")
+
+    def build(self, module, spec, backend):
+        return FusedGatedMLP(module, spec, backend)
+
+
+class MLPPattern(Pattern):
+    name = "mlp"
+    description = "fc_out(gelu(fc_in(x))) with erf or tanh GELU (GPT-2 Conv1D, NeoX, Phi, Starcoder2)"
+
+    def match(self, module):
+        parts = _parts(module)
+        if parts is None or len(parts.proj) != 2:
+            return None
+        first, second = parts.proj
+        fc_in, fc_out = (first, second) if parts.proj[first][1] == parts.proj[second][0] else (second, first)
+        (h_in, inner), (inner2, h_out) = parts.proj[fc_in], parts.proj[fc_out]
+        if inner != inner2 or h_in != h_out:
+            return None
+        if parts.others:
+            return Skip(f"unrecognised submodules {parts.others}")
+        if parts.act_kind not in ("gelu", "gelu_tanh"):
+            return Skip(f"activation {parts.act_kind} in a plain MLP is not fused (GELU variants are)")
+        small, x, y = _probe_module(module, parts, {fc_in: (_H, _I), fc_out: (_I, _H)})
+        if isinstance(y, Skip):
+            return y
+        expected = small[fc_out](_ACT_FNS[parts.act_kind](small[fc_in](x)))
+        if parts.dropout is not None:
+            expected = 3.0 * expected
+        if not _probe.close(y, expected):
+            return Skip("forward does not compute fc_out(gelu(fc_in(x))) (then dropout)")
+        approximate = "tanh" if parts.act_kind == "gelu_tanh" else "none"
+        return MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,))
+
+    def build(self, module, spec, backend):
+        return FusedMLP(module, spec, backend)

@@ -1,0 +1,99 @@
+"""FusionReport: every candidate block the walker looked at, fused or skipped, and why."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # qualified module name ("" for the model itself)
+    pattern: str
+    original: str  # class name of the block that was found
+    fused: str | None = None  # class name of the replacement, None when skipped
+    backend: str | None = None
+    reason: str | None = None  # why it was skipped
+
+    @property
+    def is_fused(self) -> bool:
+        return self.fused is not None
+
+
+class FusionReport:
+    """What ``torchfuser.optimize`` did to a model. ``str()`` gives a plain table; rich renders it."""
+
+    def __init__(self, model_type: str = "", notes: list[str] | None = None):
+        self.model_type = model_type
+        self.notes = list(notes or [])
+        self._entries: dict[str, Entry] = {}
+
+    def add(self, entry: Entry) -> None:
+        self._entries[entry.name] = entry
+
+    @property
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    @property
+    def fused(self) -> list[Entry]:
+        return [e for e in self.entries if e.is_fused]
+
+    @property
+    def skipped(self) -> list[Entry]:
+        return [e for e in self.entries if not e.is_fused]
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """{pattern: {"fused": n, "skipped": m}}."""
+        fused = Counter(e.pattern for e in self.fused)
+        skipped = Counter(e.pattern for e in self.skipped)
+        return {p: {"fused": fused[p], "skipped": skipped[p]} for p in sorted(set(fused) | set(skipped))}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def summary(self) -> str:
+        if not self._entries:
+            return f"{self.model_type or 'model'}: nothing to fuse (no candidate blocks found); model unchanged"
+        per = ", ".join(f"{p} {c['fused']}" + (f" (+{c['skipped']} skipped)" if c["skipped"] else "") for p, c in self.counts().items())
+        return f"{self.model_type or 'model'}: {len(self.fused)} blocks fused, {len(self.skipped)} skipped — {per}"
+
+    def _rows(self) -> list[tuple[str, str, str, str]]:
+        rows = []
+        for e in self.entries:
+            what = f"{e.original} → {e.fused}" if e.is_fused else e.original
+            rows.append((e.name or "(model)", e.pattern, what, e.backend if e.is_fused else f"skipped: {e.reason}"))
+        return rows
+
+    def __str__(self) -> str:
+        lines = [self.summary()]
+        rows = self._rows()
+        if rows:
+            header = ("module", "pattern", "block", "backend / reason")
+            widths = [max(len(r[i]) for r in rows + [header]) for i in range(3)]
+            fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3]
+            lines += [fmt(header), fmt(tuple("-" * w for w in widths) + ("-" * 16,))]
+            lines += [fmt(r) for r in rows]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<FusionReport {self.summary()}>"
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table(title=self.summary(), title_justify="left", caption="\n".join(self.notes) or None)
+        for col in ("module", "pattern", "block"):
+            table.add_column(col, overflow="fold")
+        table.add_column("backend / reason", overflow="fold")
+        for e, row in zip(self.entries, self._rows()):
+            table.add_row(*row[:3], row[3] if e.is_fused else f"[yellow]{row[3]}[/]")
+        return table
+
+    def to_dict(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "counts": self.counts(),
+            "entries": [e.__dict__ for e in self.entries],
+            "notes": self.notes,
+        }

@@ -1,0 +1,95 @@
+"""The walker: offer every module of a model to the patterns, swap what matches, remember how
+to undo it, and record every candidate in the model's FusionReport."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchfuser import backends
+from torchfuser.modules.base import FusedModule
+from torchfuser.patterns import Applied, Pattern, Skip
+from torchfuser.report import Entry, FusionReport
+
+log = logging.getLogger("torchfuser")
+_STATE = "_torchfuser_state"
+
+
+@dataclass
+class _State:
+    report: FusionReport
+    undo: list[Applied] = field(default_factory=list)
+
+
+def state(model: nn.Module) -> _State | None:
+    return model.__dict__.get(_STATE)
+
+
+def _device(module: nn.Module) -> torch.device:
+    t = next(module.parameters(), None)
+    if t is None:
+        t = next(module.buffers(), None)
+    return t.device if t is not None else torch.device("cpu")
+
+
+def _backend_label(backend: str, device: torch.device) -> str:
+    if device.type == "meta":
+        return f"{backend} (decided when run)" if backend == "auto" else backend
+    chosen = backends.resolve(backend, device)
+    if backend == "auto" and (why := backends.auto_fallback_reason(device)):
+        return f"{chosen} ({why})"
+    return chosen
+
+
+def find(model: nn.Module, patterns: list[Pattern]):
+    """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, FusedModule):
+            continue
+        for pattern in patterns:
+            result = pattern.match(module)
+            if result is not None:
+                found.append((name, module, pattern, result))
+                break
+    return found
+
+
+def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool) -> FusionReport:
+    st = state(model)
+    if st is None:
+        st = _State(FusionReport(type(model).__name__))
+    found = find(model, patterns)
+    skipped = [(n, r.reason) for n, _, _, r in found if isinstance(r, Skip)]
+    if strict and skipped:
+        listing = "\n".join(f"  {n or '(model)'}: {why}" for n, why in skipped)
+        raise ValueError(f"strict=True and {len(skipped)} candidate block(s) would be skipped:\n{listing}")
+    if backend != "auto" and any(not isinstance(r, Skip) for *_, r in found):
+        backends.resolve(backend, _device(model))  # fail now, not at the first forward
+    entries = {}
+    # Deepest first: a block swapped later adopts its already-fused children.
+    for name, module, pattern, result in sorted(found, key=lambda f: -len(f[0].split("."))):
+        original = type(module).__name__
+        if isinstance(result, Skip):
+            entries[name] = Entry(name, pattern.name, original, reason=result.reason)
+            log.info("skipped %s (%s): %s", name or "(model)", original, result.reason)
+            continue
+        applied = pattern.apply(model, name, module, result, backend)
+        st.undo.append(applied)
+        label = _backend_label(backend, _device(module))
+        entries[name] = Entry(name, pattern.name, original, fused=applied.fused_type, backend=label)
+    for name, *_ in found:  # report in module order
+        st.report.add(entries[name])
+    if st.undo:
+        model.__dict__[_STATE] = st
+    return st.report
+
+
+def restore(model: nn.Module) -> nn.Module:
+    st = model.__dict__.pop(_STATE, None)
+    if st is not None:
+        for applied in reversed(st.undo):
+            applied.undo()
+    return model
