@@ -1,6 +1,7 @@
 """FusionReport: every candidate block the walker looked at, fused or skipped, and why."""
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -79,15 +80,23 @@ class FusionReport:
     def __repr__(self) -> str:
         return f"<FusionReport {self.summary()}>"
 
+    def grouped(self) -> list[tuple[str, int, tuple[str, str, str, str]]]:
+        """Rows that differ only in layer index, merged: [(name with * for indices, count, row)]."""
+        groups: dict[tuple, list[str]] = {}
+        for row in self._rows():
+            key = (re.sub(r"\.\d+\.", ".*.", row[0]),) + row[1:]
+            groups.setdefault(key, []).append(row[0])
+        return [(key[0], len(names), key) for key, names in groups.items()]
+
     def __rich__(self):
         from rich.table import Table
 
         table = Table(title=self.summary(), title_justify="left", caption="\n".join(self.notes) or None)
-        for col in ("module", "pattern", "block"):
-            table.add_column(col, overflow="fold")
-        table.add_column("backend / reason", overflow="fold")
-        for e, row in zip(self.entries, self._rows()):
-            table.add_row(*row[:3], row[3] if e.is_fused else f"[yellow]{row[3]}[/]")
+        for col in ("module", "n", "pattern", "block", "backend / reason"):
+            table.add_column(col, overflow="fold", justify="right" if col == "n" else "left")
+        for name, count, row in self.grouped():
+            status = row[3] if not row[3].startswith("skipped") else f"[yellow]{row[3]}[/]"
+            table.add_row(name, str(count), row[1], row[2], status)
         return table
 
     def to_dict(self) -> dict:

@@ -1,0 +1,40 @@
+"""A Hugging Face Trainer callback that fuses the Trainer's model before training starts."""
+from __future__ import annotations
+
+import logging
+
+from transformers import TrainerCallback
+
+from torchfuser.api import optimize, report
+
+log = logging.getLogger("torchfuser")
+
+
+class TorchFuserCallback(TrainerCallback):
+    """``Trainer(..., callbacks=[TorchFuserCallback(backend="auto")])``.
+
+    Optimizes the model at the end of ``Trainer.__init__``: before the optimizer is created
+    and before the model is wrapped for distributed training. Parameters stay the same
+    objects, so an optimizer built earlier keeps valid references, and checkpoints keep the
+    original ``state_dict`` keys (they load into plain ``transformers``).
+    """
+
+    def __init__(self, **optimize_kwargs):
+        self.optimize_kwargs = optimize_kwargs
+        self.report = None
+
+    def _fuse(self, model, state) -> None:
+        if model is None or self.report is not None:
+            return
+        optimize(model, **self.optimize_kwargs)
+        self.report = report(model)
+        if state is None or state.is_world_process_zero:
+            log.info("torchfuser: %s", self.report.summary())
+            log.debug("%s", self.report)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._fuse(model, state)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        # A model swapped into the Trainer after __init__ is fused here instead.
+        self._fuse(model, state)
