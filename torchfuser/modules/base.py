@@ -19,14 +19,18 @@ class FusedModule(nn.Module):
 
 def adopt(fused: nn.Module, original: nn.Module, names) -> None:
     """Register ``original``'s parameters, buffers and submodules ``names`` on ``fused`` as the
-    same objects under the same names (no copies)."""
-    for name in names:
-        if name in original._parameters:
-            fused.register_parameter(name, original._parameters[name])
-        elif name in original._buffers:
-            persistent = name not in original._non_persistent_buffers_set
-            fused.register_buffer(name, original._buffers[name], persistent=persistent)
-        elif name in original._modules:
-            fused.add_module(name, original._modules[name])
-        else:
-            raise AttributeError(f"{type(original).__name__} has no parameter, buffer or submodule {name!r}")
+    same objects under the same names, in the original's order (no copies; ``state_dict`` keys
+    and ``parameters()`` come out as before)."""
+    wanted = set(names)
+    for name, param in original._parameters.items():
+        if name in wanted:
+            fused.register_parameter(name, param)
+    for name, buf in original._buffers.items():
+        if name in wanted:
+            fused.register_buffer(name, buf, persistent=name not in original._non_persistent_buffers_set)
+    for name, child in original._modules.items():
+        if name in wanted:
+            fused.add_module(name, child)
+    missing = wanted - set(original._parameters) - set(original._buffers) - set(original._modules)
+    if missing:
+        raise AttributeError(f"{type(original).__name__} has no parameter, buffer or submodule {sorted(missing)}")

@@ -110,12 +110,15 @@ class LayerNormPattern(Pattern):
     description = "(x−mean)·rsqrt(var+eps)·w+b, with or without bias"
 
     def match(self, module):
+        if isinstance(module, nn.LayerNorm):
+            if len(module.normalized_shape) != 1:
+                return Skip(f"normalizes over {len(module.normalized_shape)} dims; only the last dim is fused")
+            if module.weight is None:
+                return Skip("no elementwise affine weight (elementwise_affine=False)")
         found = _candidate(module)
         if found is None or isinstance(found, Skip):
             return found
         (weight, bias), eps = found
-        if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
-            return Skip(f"normalizes over {len(module.normalized_shape)} dims; only the last dim is fused")
         probe, x, y = _run_probe(module, eps)
         if isinstance(y, Skip):
             return y if bias is not None else None

@@ -1,0 +1,154 @@
+"""optimize / restore / report on whole models: parity, state_dict, idempotence, errors."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import torchfuser
+from torchfuser.modules import FusedGatedMLP, FusedRMSNorm
+
+
+def tiny_llama(seed=0):
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_llama_parity_state_dict_and_restore():
+    model = tiny_llama()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 9))
+    originals = {n: m for n, m in model.named_modules()}
+    params = {n: p for n, p in model.named_parameters()}
+    out = torchfuser.optimize(model, backend="reference", patterns=["rms_norm", "gated_mlp"])
+    assert out is model
+    assert isinstance(model.model.norm, FusedRMSNorm) and isinstance(model.model.layers[0].mlp, FusedGatedMLP)
+    # The very same Parameter objects, under the same names; identical state_dict.
+    assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in params.items()}
+    sd, sd_ref = model.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref) and all(torch.equal(sd[k], sd_ref[k]) for k in sd)
+    loss, grads = loss_and_grads(model, ids)
+    loss_ref, grads_ref = loss_and_grads(ref, ids)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    # A fused model's checkpoint loads strictly into the plain class.
+    plain = tiny_llama(seed=1)
+    plain.load_state_dict(model.state_dict(), strict=True)
+    torchfuser.restore(model)
+    assert all(originals[n] is m for n, m in model.named_modules())
+
+
+def test_report_counts_and_rendering():
+    model = torchfuser.optimize(tiny_llama(), backend="reference", patterns=["rms_norm", "gated_mlp"])
+    rep = torchfuser.report(model)
+    counts = rep.counts()
+    assert counts["rms_norm"] == {"fused": 5, "skipped": 0}
+    assert counts["gated_mlp"] == {"fused": 2, "skipped": 0}
+    text = str(rep)
+    assert "model.layers.1.mlp" in text and "LlamaMLP → FusedGatedMLP" in text
+    assert rep.to_dict()["counts"] == counts
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(rep)
+    assert "model.layers.*.mlp" in console.export_text()
+
+
+def test_idempotent():
+    model = torchfuser.optimize(tiny_llama(), backend="reference")
+    tree = [(n, type(m)) for n, m in model.named_modules()]
+    before = str(torchfuser.report(model))
+    torchfuser.optimize(model, backend="reference")
+    assert [(n, type(m)) for n, m in model.named_modules()] == tree
+    assert str(torchfuser.report(model)) == before
+
+
+def test_exclude_and_patterns_select():
+    model = torchfuser.optimize(tiny_llama(), backend="reference", exclude=["gated_mlp"])
+    assert not isinstance(model.model.layers[0].mlp, FusedGatedMLP)
+    assert isinstance(model.model.norm, FusedRMSNorm)
+    model = torchfuser.optimize(tiny_llama(), backend="reference", patterns=["gated_mlp"])
+    assert isinstance(model.model.layers[0].mlp, FusedGatedMLP)
+    assert not isinstance(model.model.norm, FusedRMSNorm)
+
+
+def test_restore_after_to_keeps_original_in_sync():
+    model = torchfuser.optimize(tiny_llama(), backend="reference", patterns=["rms_norm"])
+    model.to(torch.float64)
+    torchfuser.restore(model)
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    assert model.model.norm.weight.dtype == torch.float64
+
+
+def test_restore_harmless_on_plain_model():
+    model = tiny_llama()
+    assert torchfuser.restore(model) is model
+    assert "not called" in str(torchfuser.report(model))
+
+
+def test_train_eval_mode_carries_over():
+    model = tiny_llama().eval()
+    torchfuser.optimize(model, backend="reference")
+    assert not model.model.norm.training
+    model.train()
+    assert model.model.norm.training
+
+
+class _NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_nothing_to_fuse():
+    model = _NoBlocks()
+    torchfuser.optimize(model)
+    assert isinstance(model.proj, nn.Linear)
+    assert "nothing to fuse" in str(torchfuser.report(model))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(backend="cuda"), ValueError, "valid backends are auto, reference, triton, mlir"),
+        (dict(patterns=["rmsnorm"]), ValueError, "valid patterns are"),
+        (dict(exclude=["nope"]), ValueError, "unknown pattern"),
+        (dict(patterns="rms_norm"), TypeError, "list or tuple"),
+    ],
+)
+def test_bad_arguments(kwargs, error, words):
+    with pytest.raises(error) as info:
+        torchfuser.optimize(tiny_llama(), **kwargs)
+    assert words in str(info.value)
+
+
+def test_non_module_is_type_error():
+    for fn in (torchfuser.optimize, torchfuser.restore, torchfuser.report):
+        with pytest.raises(TypeError, match="torch.nn.Module"):
+            fn("llama")
+
+
+def test_named_backend_that_cannot_run_fails_at_optimize():
+    with pytest.raises(RuntimeError, match="triton"):
+        import os
+
+        if os.environ.get("TRITON_INTERPRET"):
+            pytest.skip("TRITON_INTERPRET lets triton run on the CPU")
+        torchfuser.optimize(tiny_llama(), backend="triton")
