@@ -1,0 +1,78 @@
+"""The Hugging Face Trainer callback and the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import torchfuser
+from torchfuser import cli
+from torchfuser.modules import FusedRMSNorm
+
+
+def _tiny_cfg():
+    return LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
+
+
+def test_trainer_callback_fuses_trains_and_checkpoint_loads_into_plain_transformers(tmp_path):
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_cfg())
+    params_before = [id(p) for p in model.parameters()]
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, save_steps=2,
+                             logging_steps=1, report_to=[], use_cpu=True)
+    callback = torchfuser.TorchFuserCallback(backend="reference")
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    assert isinstance(model.model.norm, FusedRMSNorm)  # fused at Trainer init, before any step
+    assert callback.report is not None and callback.report.fused
+    trainer.train()
+    assert [id(p) for p in model.parameters()] == params_before  # the optimizer kept valid references
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "checkpoint-2")
+    assert not any(isinstance(m, FusedRMSNorm) for m in reloaded.modules())
+    ids = torch.randint(0, 64, (2, 10))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_inspect_model_type(capsys):
+    assert cli.main(["inspect", "llama", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model_type"] == "LlamaForCausalLM"
+    assert data["counts"]["rms_norm"]["fused"] == 65  # 32 layers × 2 + final norm, built on meta
+    assert data["counts"]["gated_mlp"]["fused"] == 32
+
+
+def test_inspect_config_json(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64,
+                                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen2ForCausalLM" in out and "rms_norm" in out
+
+
+@pytest.mark.parametrize("arg, words", [("not-a-model", "neither a config.json"), ("missing.json", "no such config file")])
+def test_inspect_bad_target(arg, words):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["inspect", arg])
+    assert words in str(info.value)
+
+
+def test_demo_runs_and_reports_parity():
+    from rich.console import Console
+
+    from torchfuser import demo
+
+    console = Console(record=True, width=120)
+    results = demo.run(device="cpu", steps=4, backend="reference", console=console)
+    text = console.export_text()
+    assert "loss parity" in text and "step time" in text
+    eager, fused = results["eager"]["losses"], results["torchfuser"]["losses"]
+    assert len(eager) == 4 and max(abs(a - b) for a, b in zip(eager, fused)) < 1e-3
