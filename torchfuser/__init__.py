@@ -4,15 +4,21 @@
 """
 from torchfuser import functional
 from torchfuser.api import optimize, report, restore
+from torchfuser.compiler import register as _register_dynamo_backend
 from torchfuser.patterns import PATTERNS
 from torchfuser.report import FusionReport
 
 __version__ = "0.1.0"
-__all__ = ["optimize", "restore", "report", "functional", "FusionReport", "PATTERNS", "TorchFuserCallback", "__version__"]
+_register_dynamo_backend()  # torch.compile(backend="torchfuser"); free when the entry point is installed
+__all__ = ["optimize", "restore", "report", "functional", "FusionReport", "PATTERNS", "TorchFuserCallback", "jit", "__version__"]
 
 
 def __getattr__(name):
     # The Trainer callback imports transformers' trainer machinery: load it only when asked.
+    if name == "jit":
+        from torchfuser.compiler.jit import jit
+
+        return jit
     if name == "TorchFuserCallback":
         from torchfuser.integrations.hf_trainer import TorchFuserCallback
 

@@ -1,0 +1,194 @@
+"""Stage 2: replace subgraphs that compute a known op by the ``torchfuser::`` custom op.
+
+Each rule (``compiler/rules``) proposes matches by structure: an anchor node (a mean over
+the last dim of a square, a silu times a tensor of the same shape, a rotate-half ``cat``, ...)
+and the chain of ops around it, looking through dtype casts and commutative operand order.
+A proposal is then *checked numerically*: its subgraph is cut out, run on random float64
+probes, and compared with the op's reference formula. Only a match that agrees is rewritten,
+so a structural false positive costs a skipped rewrite, never a wrong result.
+
+The rewrite runs before autodiff, so the backward of a rewritten op is the op's own
+``_bwd`` kernel rather than whatever autograd would derive from the user's formulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from torchfuser import backends
+from torchfuser.compiler.record import CompileRecord
+
+# probes larger than this (elements over all inputs) are not run: the match is skipped
+PROBE_LIMIT = 1 << 23
+
+
+@dataclass
+class Match:
+    op: str                                  # kernel family: rms_norm, layer_norm, swiglu, ...
+    output: Node                             # its uses are redirected to the fused result
+    inputs: dict[str, Node]                  # the tensor inputs, in the reference's order
+    consts: dict = field(default_factory=dict)
+    # reference(*probe inputs) → the expected float64 output, from the op's definition
+    reference: Callable = None
+    # build(graph, inputs, backend) → the node that replaces ``output`` (inserted before it)
+    build: Callable = None
+    extra_outputs: tuple = ()                # further (node, index) pairs the build also replaces
+    int_high: Callable = None                # probe shapes → upper bound for integer probes
+    note: str = ""
+
+    def describe(self) -> str:
+        ins = ", ".join(f"{k}={v.name}" for k, v in self.inputs.items())
+        consts = "".join(f", {k}={v}" for k, v in self.consts.items())
+        return f"{self.op}({ins}{consts}) → {self.output.name}{' ' + self.note if self.note else ''}"
+
+
+def kernel_backend(op: str, device: torch.device, policy, kernels: str) -> tuple[str | None, str]:
+    """The backend whose ``<op>_fwd`` the rewritten node will call, or None with the reason."""
+    try:
+        name = backends.resolve(kernels, device)
+    except backends.BackendUnavailable as e:
+        return None, str(e)
+    if name != "reference" and not hasattr(backends.kernels(name), f"{op}_fwd"):
+        name = "reference"
+    if name == "reference" and policy == "auto" and device.type != "meta":
+        return None, f"no compiled {op} kernel for {device.type} yet (reference only; rewrite=True forces it)"
+    return name, ""
+
+
+def _subgraph(m: Match) -> list[Node] | None:
+    """The nodes between ``m.inputs`` and ``m.output`` in graph order; None if it reads anything else."""
+    stop = set(m.inputs.values())
+    seen, todo = set(), [m.output]
+    for node, _ in m.extra_outputs:
+        todo.append(node)
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stop:
+            continue
+        if n.op == "placeholder":
+            return None
+        seen.add(n)
+        todo += n.all_input_nodes
+    return [n for n in m.output.graph.nodes if n in seen]
+
+
+def _extract(gm: GraphModule, m: Match, nodes: list[Node]) -> GraphModule:
+    g = Graph()
+    env = {m.inputs[k]: g.placeholder(k) for k in m.inputs}
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    outs = [env[m.output]] + [env[n] for n, _ in m.extra_outputs]
+    g.output(tuple(outs))
+    return GraphModule(gm, g)
+
+
+def _probe_shapes(m: Match, shrink: bool) -> list[tuple[int, ...]]:
+    vals = [n.meta["val"] for n in m.inputs.values()]
+    shapes = [tuple(int(optimization_hint(s)) for s in v.shape) for v in vals]
+    if not shrink:
+        return shapes
+    # Keep every feature size (the last dim of a float input: baked into slices and views);
+    # map every other size to a small one, the same size to the same small one.
+    keep = {s[-1] for s, v in zip(shapes, vals) if s and v.is_floating_point()}
+    small, nxt = {1: 1}, 2
+    for s in shapes:
+        for d in s:
+            if d not in keep and d not in small:
+                small[d], nxt = nxt, nxt + 1
+    return [tuple(d if d in keep else small[d] for d in s) for s in shapes]
+
+
+def _probe(m: Match, shapes) -> list[torch.Tensor]:
+    vals = [n.meta["val"] for n in m.inputs.values()]
+    high = m.int_high(shapes) if m.int_high else 2
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for v, s in zip(vals, shapes):
+        if v.is_floating_point():
+            out.append(torch.randn(s, generator=gen, dtype=torch.float64))
+        else:
+            out.append(torch.randint(0, high, s, generator=gen, dtype=v.dtype))
+    return out
+
+
+def verify(gm: GraphModule, m: Match) -> str | None:
+    """None when the matched subgraph computes the op on random float64 probes; else why not."""
+    if any(n.meta.get("val") is None for n in m.inputs.values()):
+        return "inputs without shape information"
+    nodes = _subgraph(m)
+    if nodes is None:
+        return "the subgraph reads tensors other than the op's inputs"
+    sub = _extract(gm, m, nodes)
+    last = "not probed"
+    with unset_fake_temporarily(), torch.no_grad():
+        for shrink in (True, False):
+            shapes = _probe_shapes(m, shrink)
+            if sum(torch.Size(s).numel() for s in shapes) > PROBE_LIMIT:
+                last = "probe too large to check numerically"
+                continue
+            probes = _probe(m, shapes)
+            try:
+                got = sub(*probes)
+                want = m.reference(*probes)
+            except Exception as e:  # baked shapes that need the real sizes, unsupported probes
+                last = f"probe failed: {type(e).__name__}: {e}"[:200]
+                continue
+            want = want if isinstance(want, tuple) else (want,)
+            for g_, w_ in zip(got, want):
+                g_, w_ = g_.double(), w_.double()
+                scale = w_.abs().max().item() if w_.numel() else 0.0
+                if g_.shape != w_.shape or not torch.allclose(g_, w_, rtol=1e-4, atol=1e-4 * max(scale, 1.0)):
+                    return "numeric check failed: the subgraph does not compute the op"
+            return None
+    return last
+
+
+def apply(m: Match, backend: str) -> None:
+    graph = m.output.graph
+    with graph.inserting_before(m.output):
+        new = m.build(graph, m.inputs, backend)
+    new = new if isinstance(new, tuple) else (new,)
+    m.output.replace_all_uses_with(new[0])
+    for (node, _), repl in zip(m.extra_outputs, new[1:]):
+        node.replace_all_uses_with(repl)
+    # Move the replaced output after the new nodes would break nothing: it is dead now.
+
+
+def device_of(m: Match) -> torch.device:
+    v = m.output.meta.get("val")
+    return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
+
+
+def run(gm: GraphModule, record: CompileRecord, policy, kernels: str) -> GraphModule:
+    """Apply every rule in order; each rule sees the graph the previous ones left."""
+    if policy is False:
+        record.note("rewrite disabled (rewrite=False)")
+        return gm
+    from torchfuser.compiler.rules import RULES
+
+    for rule in RULES:
+        claimed: set[Node] = set()
+        for m in rule(gm.graph):
+            outs = {m.output, *(n for n, _ in m.extra_outputs)}
+            if outs & claimed:
+                continue
+            backend, why = kernel_backend(m.op, device_of(m), policy, kernels)
+            if backend is None:
+                record.skip(f"{m.describe()}: {why}")
+                continue
+            why = verify(gm, m)
+            if why is not None:
+                record.skip(f"{m.describe()}: {why}")
+                continue
+            apply(m, backend)
+            claimed |= outs
+            record.rewrote(f"{m.describe()} [kernel backend {backend}]")
+        gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
