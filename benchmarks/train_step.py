@@ -1,0 +1,178 @@
+"""Whole training steps (forward, backward, AdamW) of recipe models, variant by variant.
+
+    python benchmarks/train_step.py --models llama1b qwen05b --out benchmarks/results/train-step.jsonl
+    python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
+
+Variants: eager, compile (torch.compile), torchfuser, torchfuser+compile, compile-torchfuser
+(torch.compile(backend="torchfuser")), liger (Liger-Kernel, when installed; it patches
+transformers classes globally, so it runs last for each model). Each variant builds the model
+afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
+parameters, and reports ms/step (median of the timed steps), tokens/s, peak memory and the
+first/last loss: one JSON line per variant, then a table with ratios against eager and compile.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torchfuser  # noqa: E402
+
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser+compile", "compile-torchfuser", "liger")
+
+
+def build(recipe: str, device: torch.device, seed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = json.loads((ROOT / "recipes" / f"{recipe}.json").read_text())
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with device:
+        model = AutoModelForCausalLM.from_config(cfg)
+    return model.float().train()
+
+
+def prepare(variant: str, model, backend: str = "auto"):
+    """The callable a step runs, for one variant."""
+    if variant == "eager":
+        return model
+    if variant == "compile":
+        return torch.compile(model)
+    if variant == "torchfuser":
+        return torchfuser.optimize(model, backend=backend)
+    if variant == "torchfuser+compile":
+        return torch.compile(torchfuser.optimize(model, backend=backend))
+    if variant == "compile-torchfuser":
+        return torch.compile(model, backend="torchfuser")
+    if variant == "liger":
+        import liger_kernel.transformers as liger
+
+        apply = getattr(liger, f"apply_liger_kernel_to_{model.config.model_type}")
+        apply(model=model)
+        return model
+    raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
+
+
+def run_variant(recipe, variant, args, device):
+    model = build(recipe, device, args.seed)
+    step_fn = prepare(variant, model, args.backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    losses, times = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.warmup + args.steps):
+        ids = batches[step % len(batches)]
+        sync()
+        start = time.perf_counter()
+        with autocast:
+            loss = step_fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    ms = statistics.median(times) * 1e3
+    row = {
+        "model": recipe, "variant": variant, "ms_per_step": round(ms, 2),
+        "tokens_per_s": round(args.batch * args.seq / ms * 1e3), "peak_gib": None if peak is None else round(peak, 2),
+        "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
+        "fused_blocks": len(torchfuser.report(model).fused),
+    }
+    del model, step_fn, opt
+    return row
+
+
+def environment(device):
+    import transformers
+
+    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+           "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        import triton
+
+        env["triton"] = triton.__version__
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        env["liger_kernel"] = version("liger-kernel")
+    except ImportError:
+        pass
+    return env
+
+
+def table(rows):
+    lines = [f"{'model':10} {'variant':20} {'ms/step':>9} {'tok/s':>9} {'peak GiB':>9} {'vs eager':>9} {'vs compile':>10} {'loss first→last':>18}"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['model']:10} {r['variant']:20} failed: {r['error'][:80]}")
+            continue
+        base = {v: x for x in rows if x["model"] == r["model"] and "error" not in x for v in [x["variant"]]}
+        ratio = lambda v: f"{base[v]['ms_per_step'] / r['ms_per_step']:.2f}×" if v in base else "-"
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
+        lines.append(f"{r['model']:10} {r['variant']:20} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9,d} {peak:>9} "
+                     f"{ratio('eager'):>9} {ratio('compile'):>10} {r['first_loss']:8.3f}→{r['last_loss']:<8.3f}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["llama1b", "qwen05b"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="auto", help="torchfuser backend for the torchfuser variants")
+    parser.add_argument("--out", help="append JSON lines here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    env = environment(device)
+    print(json.dumps({"environment": env}), flush=True)
+    rows = []
+    for recipe in args.models:
+        for variant in sorted(args.variants, key=lambda v: v == "liger"):
+            try:
+                row = run_variant(recipe, variant, args, device)
+            except Exception as err:  # one failing variant must not hide the others' numbers
+                traceback.print_exc()
+                row = {"model": recipe, "variant": variant, "error": f"{type(err).__name__}: {err}"}
+            row.update(batch=args.batch, seq=args.seq, **env)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()
+    print(table(rows))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
