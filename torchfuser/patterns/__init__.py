@@ -2,11 +2,12 @@
 recognises it as a candidate."""
 from __future__ import annotations
 
+from torchfuser.patterns.attention import AttentionPattern
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.mlp import GatedMLPPattern, MLPPattern
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern())}
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (AttentionPattern(), RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern())}
 
 
 def select(include=None, exclude=()) -> list[Pattern]:

@@ -1,0 +1,191 @@
+"""Fused self-attention: projections → (q/k norm) → rotary via ``functional.rope`` → PyTorch SDPA →
+output projection. One forward for every family; where families differ (a fused qkv projection
+and its layout, q/k norms, partial rotary, scaling, dropout placement) the difference is a field
+of ``AttentionSpec``.
+
+The projections, norms and dropouts stay the original submodules (adopted under their original
+names), so ``state_dict`` keys and values do not change. Anything this forward cannot reproduce
+at call time (an attention implementation other than eager/sdpa, a request for attention
+weights, rotary tables of an unexpected width) runs the original module instead.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.weak import WeakTensorKeyDictionary
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from torchfuser import functional as F
+from torchfuser.modules.base import FusedModule, adopt
+
+# Names the KV cache goes by in the attention forwards of different transformers versions and
+# families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+_IMPLEMENTATIONS = ("eager", "sdpa")
+# Given (not None) at call time, these turn a self-attention into cross-attention: run the original.
+_CROSS_KWARGS = ("encoder_hidden_states", "key_value_states")
+
+# mask tensor → (its version, whether some query row has every key masked). The model passes one
+# mask object to every layer, so the check runs once per forward, not once per layer.
+_EMPTY_ROWS = WeakTensorKeyDictionary()
+
+
+def _has_empty_rows(mask: Tensor) -> bool:
+    """Whether an additive float mask hides every key from some query (left padding does that)."""
+    hit = _EMPTY_ROWS.get(mask)
+    if hit is not None and hit[0] == mask._version:
+        return hit[1]
+    empty = bool((mask.amax(dim=-1) <= torch.finfo(mask.dtype).min).any())
+    _EMPTY_ROWS[mask] = (mask._version, empty)
+    return empty
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """softmax(q·kᵀ·scaling + mask)·v, with q, k, v from the projections below.
+
+    layout: ``"separate"`` (``qkv`` = q, k, v projections), ``"concat"`` (one projection whose
+    output is [q | k | v], Phi-3, GPT-2's ``c_attn``) or ``"per_head"`` (one projection whose output
+    is, per head, [q_h | k_h | v_h], GPT-NeoX).
+    """
+
+    layout: str
+    qkv: tuple[str, ...]
+    out: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    rotary_dim: int = 0  # rope on the first rotary_dim channels of each head; 0: no rotary
+    q_norm: str | None = None
+    k_norm: str | None = None
+    norm_per_head: bool = True  # q/k norm over head_dim (Qwen3) or over all heads at once (OLMo2)
+    dropout: str | None = None  # float attribute or nn.Dropout child giving the attention-prob dropout
+    out_dropout: str | None = None  # nn.Dropout child applied after the output projection (GPT-2)
+    is_causal: bool = True  # causal when no mask is given (the sdpa path's convention)
+    positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
+    keep: tuple[str, ...] = ()  # buffers kept for state_dict
+
+
+def _submodule_names(spec: AttentionSpec) -> list[str]:
+    names = (*spec.qkv, spec.out, spec.q_norm, spec.k_norm, spec.out_dropout, *spec.keep)
+    return [n for n in names if n is not None]
+
+
+class FusedAttention(FusedModule):
+    """Drop-in for a Hugging Face self-attention module; returns ``(output, None)`` like the sdpa path."""
+
+    def __init__(self, original: nn.Module, spec: AttentionSpec, backend: str = "auto"):
+        super().__init__(spec, backend)
+        names = _submodule_names(spec)
+        dropout_child = spec.dropout is not None and isinstance(getattr(original, spec.dropout), nn.Module)
+        adopt(self, original, names + ([spec.dropout] if dropout_child else []))
+        if spec.dropout is not None and not dropout_child:
+            setattr(self, spec.dropout, float(getattr(original, spec.dropout)))
+        # Read by transformers' sdpa function and by callers (e.g. cache setup).
+        self.config = getattr(original, "config", None)
+        self.layer_idx = getattr(original, "layer_idx", None)
+        self.num_key_value_groups = spec.num_heads // spec.num_kv_heads
+        self.is_causal = spec.is_causal
+        # Not a submodule: the fallback path, never part of state_dict or parameters().
+        self.__dict__["_original"] = original
+
+    # -- fallback -------------------------------------------------------------------------
+    def _fallback(self, hidden_states, kwargs):
+        """Run the original module on whatever this module now holds (after .to(), re-tying...)."""
+        original = self.__dict__["_original"]
+        for name, param in self._parameters.items():
+            original._parameters[name] = param
+        for name, buf in self._buffers.items():
+            original._buffers[name] = buf
+        for name, child in self._modules.items():
+            original._modules[name] = child
+        original.training = self.training
+        return original(hidden_states, **kwargs)
+
+    def _wants_fallback(self, kwargs) -> bool:
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl not in _IMPLEMENTATIONS:
+            return True
+        if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
+            return True  # SDPA never forms the attention weights
+        if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
+            return True
+        if self.spec.rotary_dim:
+            pe = kwargs.get("position_embeddings")
+            if pe is None or pe[0].shape[-1] != self.spec.rotary_dim:
+                return True
+        return False
+
+    # -- forward --------------------------------------------------------------------------
+    def _project(self, x: Tensor):
+        """q, k, v as B×S×H×D."""
+        s = self.spec
+        lead, d = x.shape[:-1], s.head_dim
+        if s.layout == "separate":
+            q, k, v = (getattr(self, n)(x) for n in s.qkv)
+            if s.q_norm is not None and not s.norm_per_head:
+                q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
+            return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
+        qkv = getattr(self, s.qkv[0])(x)
+        if s.layout == "per_head":
+            return qkv.view(*lead, -1, 3 * d).chunk(3, dim=-1)
+        q, k, v = qkv.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
+        if s.q_norm is not None and not s.norm_per_head:
+            q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
+        return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
+
+    def _rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
+        rd = self.spec.rotary_dim
+        if rd == q.shape[-1]:
+            return F.rope(q, k, cos, sin, backend=self.backend)
+        # Partial rotary: rope on the leading rd channels, the rest pass through.
+        qr, kr = F.rope(q[..., :rd], k[..., :rd], cos, sin, backend=self.backend)
+        return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
+
+    def _dropout_p(self) -> float:
+        s = self.spec
+        if not self.training or s.dropout is None:
+            return 0.0
+        value = getattr(self, s.dropout)
+        return float(value.p if isinstance(value, nn.Module) else value)
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs):
+        s = self.spec
+        if args:  # positional arguments, named as the original forward names them
+            kwargs.update(zip(s.positional, args))
+        if self._wants_fallback(kwargs):
+            return self._fallback(hidden_states, kwargs)
+        lead = hidden_states.shape[:-1]
+        q, k, v = self._project(hidden_states)
+        if s.q_norm is not None and s.norm_per_head:
+            q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if s.rotary_dim:
+            cos, sin = kwargs["position_embeddings"]
+            q, k = self._rope(q, k, cos, sin)
+        cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
+        if cache is not None:
+            # GPT-2 under an encoder-decoder cache keeps its self-attention states in a sub-cache.
+            cache = getattr(cache, "self_attention_cache", cache)
+            k, v = cache.update(k, v, self.layer_idx)
+        # Eager attention adds the mask it is given and nothing else; sdpa falls back on is_causal
+        # when the model passes no mask. Same convention here.
+        eager = self.config._attn_implementation == "eager"
+        mask = kwargs.get("attention_mask")
+        # Eager attention gives a query whose keys are all masked a uniform softmax (min + score
+        # rounds to min) and differentiates through it as plain math. PyTorch's fused SDPA kernels
+        # agree on the forward but not on the backward of such rows, so only then use the math kernel.
+        exact = eager and mask is not None and mask.is_floating_point() and _has_empty_rows(mask)
+        with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
+            out, _ = sdpa_attention_forward(
+                self, q, k, v, mask, dropout=self._dropout_p(), scaling=s.scaling, is_causal=False if eager else None
+            )
+        out = getattr(self, s.out)(out.reshape(*lead, -1).contiguous())
+        if s.out_dropout is not None:
+            out = getattr(self, s.out_dropout)(out)
+        return out, None

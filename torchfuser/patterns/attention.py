@@ -1,0 +1,295 @@
+"""Self-attention blocks, recognised by structure and checked by a numerical probe.
+
+A candidate is a module with two or more projection children (``nn.Linear`` / ``Conv1D``) that
+takes an ``attention_mask`` (or whose class name says attention). From its projection shapes and
+head attributes we enumerate the layouts it could have (separate q/k/v, one fused [q|k|v]
+projection, GPT-NeoX's per-head interleaving), which projection is the output, which norm is
+q's and which k's, where each dropout sits, and how wide the rotary part is. Each guess becomes
+an ``AttentionSpec``; the first whose ``FusedAttention`` computes exactly what the module's own
+forward computes on a probe wins. The probe runs both on float64 CPU copies whose projections
+are random and narrow on the model side (8 wide), whose norms are random stand-ins and whose
+dropouts are visible marks, with random cos/sin and a causal mask with padding: a wrong
+rotary convention, scaling, layout, norm or mask handling all show.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import torch
+from torch import nn
+
+from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
+from torchfuser.patterns import _probe
+from torchfuser.patterns.base import Pattern, Skip
+
+_MODEL_WIDTH = 8  # probe width on the model side of the projections
+_BATCH, _SEQ = 2, 5
+_UNSUPPORTED_ARGS = ("alibi", "position_bias")
+_SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
+
+
+class _ProbeNorm(nn.Module):
+    """Random-weight RMSNorm standing in for a q/k norm: where it is applied shows in the output."""
+
+    def __init__(self, width: int, gen: torch.Generator):
+        super().__init__()
+        self.weight = nn.Parameter(_probe.randn(width, gen=gen), requires_grad=False)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _ProbeDropout(nn.Module):
+    """Stands in for a dropout: a scale of its own wherever it is called (so two dropouts cannot
+    be mistaken for each other), while ``.p`` still reads as the real p."""
+
+    def __init__(self, p: float, factor: float):
+        super().__init__()
+        self.p, self.factor = p, factor
+
+    def forward(self, x):
+        return self.factor * x
+
+
+def _params(module: nn.Module) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _int_attr(obj, *names):
+    for n in names:
+        v = getattr(obj, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _heads(module: nn.Module, q_in: int):
+    """(num_heads, num_kv_heads, head_dim) from the module's attributes, falling back on its config."""
+    cfg = getattr(module, "config", None)
+    heads = _int_attr(module, "num_heads", "num_attention_heads") or _int_attr(cfg, "num_attention_heads", "n_head")
+    d = _int_attr(module, "head_dim", "head_size") or _int_attr(cfg, "head_dim")
+    if d is None and heads:
+        d = q_in // heads
+    groups = _int_attr(module, "num_key_value_groups")
+    kv = _int_attr(module, "num_key_value_heads", "num_kv_heads")
+    if kv is None and groups and heads:
+        kv = heads // groups
+    kv = kv or _int_attr(cfg, "num_key_value_heads") or heads
+    return heads, kv, d
+
+
+def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
+    """Rotary widths to try: the module's/config's partial rotary first, then the full head."""
+    dims = []
+    rd = _int_attr(module, "rotary_ndims", "rotary_dim", "rotary_emb_dim")
+    if rd:
+        dims.append(rd)
+    cfg = getattr(module, "config", None)
+    factor = (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    factor = factor if factor is not None else getattr(cfg, "partial_rotary_factor", None)
+    if isinstance(factor, (int, float)) and 0 < factor < 1:
+        dims.append(int(head_dim * factor))
+    dims.append(head_dim)
+    return list(dict.fromkeys(d for d in dims if d % 2 == 0))
+
+
+def _hint_rank(names, roles) -> int:
+    """How many names disagree with the role letters (q/k/v, o): orders guesses, decides nothing."""
+    words = {"q": ("q", "query"), "k": ("k", "key"), "v": ("v", "value"), "o": ("o_", "out", "c_proj", "dense", "wo")}
+    return sum(not any(n.lower().startswith(w) or w in n.lower() for w in words[r]) for n, r in zip(names, roles))
+
+
+def _is_norm(m: nn.Module) -> bool:
+    params = {n: p for n, p in m._parameters.items() if p is not None}
+    return not m._modules and "weight" in params and params["weight"].dim() == 1 and set(params) <= {"weight", "bias"}
+
+
+class AttentionPattern(Pattern):
+    name = "attention"
+    description = "projections → q/k norm → rope (functional.rope) → SDPA → output projection"
+
+    def match(self, module):
+        projs = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(m))}
+        params = _params(module)
+        names = [p.name for p in params]
+        hinted = "attention" in type(module).__name__.lower()
+        if len(projs) < 2 or not (hinted or "attention_mask" in names):
+            return None
+        why = self._unsupported(module, names)
+        if why:
+            return Skip(why)
+        found = self._parts(module, projs)
+        if isinstance(found, Skip):
+            return found
+        positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
+        last_error = None
+        takes_rope = "position_embeddings" in names
+        for spec in self._guesses(module, projs, found, positional, takes_rope):
+            ok, err = self._probe(module, spec)
+            if ok:
+                return spec
+            last_error = err or last_error
+        detail = f" (last probe error: {last_error})" if last_error else ""
+        return Skip("forward does not compute softmax(q·kᵀ·scale + mask)·v with the projections, norms, "
+                    f"rotary and dropouts found{detail}")
+
+    # -- what is never fused -------------------------------------------------------------
+    @staticmethod
+    def _unsupported(module: nn.Module, arg_names: list[str]) -> str | None:
+        cfg = getattr(module, "config", None)
+        if getattr(module, "is_cross_attention", False):
+            return "cross-attention (keys/values from an encoder) is not fused"
+        for attr in _SOFTCAP_ATTRS:
+            cap = getattr(module, attr, None)
+            if cap is not None:
+                return f"attention logit softcapping ({attr}={cap}): SDPA cannot apply tanh(s/c)·c to the scores"
+        for arg in _UNSUPPORTED_ARGS:
+            if arg in arg_names:
+                return f"forward takes {arg!r} (ALiBi / position bias): not reproduced by SDPA"
+        if any(p is not None for p in module._parameters.values()):
+            return f"attention with parameters of its own {list(module._parameters)} (e.g. sinks, learned biases)"
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl not in _IMPLEMENTATIONS:
+            return f"attention implementation {impl!r}: only eager and sdpa are reproduced (their masks are what SDPA takes)"
+        if getattr(cfg, "output_attentions", False):
+            return "config.output_attentions=True: SDPA does not form attention weights"
+        return None
+
+    @staticmethod
+    def _parts(module: nn.Module, projs):
+        """(norm children, dropout children, buffer names) or a Skip for unknown children."""
+        norms, drops, unknown = [], [], []
+        for n, m in module._modules.items():
+            if m is None or n in projs:
+                continue
+            if isinstance(m, nn.Dropout):
+                drops.append(n)
+            elif _is_norm(m):
+                norms.append(n)
+            else:
+                unknown.append(n)
+        if unknown:
+            return Skip(f"unrecognised submodules {unknown}")
+        if len(norms) not in (0, 2):
+            return Skip(f"{len(norms)} norm submodule(s) {norms}; q/k norms come in pairs")
+        return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
+
+    # -- guesses -------------------------------------------------------------------------
+    def _guesses(self, module, projs, parts, positional, takes_rope):
+        norms, drops, buffers = parts
+        for out in sorted(projs, key=lambda n: _hint_rank([n], "o")):
+            inputs = [n for n in projs if n != out]
+            h_in = {projs[n][0] for n in inputs}
+            if len(h_in) != 1 or projs[out][1] != h_in.pop():
+                continue
+            heads, kv, d = _heads(module, projs[out][0])
+            if not (heads and kv and d) or heads % kv or projs[out][0] != heads * d:
+                continue
+            for layout, qkv in self._layouts(inputs, projs, heads, kv, d):
+                for norm_roles in self._norm_roles(module, norms, heads, kv, d):
+                    for dropout, out_dropout in self._dropout_roles(module, drops):
+                        for rd in _rotary_dims(module, d) if takes_rope else (0,):
+                            yield AttentionSpec(
+                                layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
+                                scaling=self._scaling(module, d), rotary_dim=rd, **norm_roles,
+                                dropout=dropout, out_dropout=out_dropout,
+                                is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
+                            )
+
+    @staticmethod
+    def _layouts(inputs, projs, heads, kv, d):
+        if len(inputs) == 3:
+            for q, k, v in sorted(itertools.permutations(inputs), key=lambda p: _hint_rank(p, "qkv")):
+                if projs[q][1] == heads * d and projs[k][1] == projs[v][1] == kv * d:
+                    yield "separate", (q, k, v)
+        elif len(inputs) == 1:
+            (fused,) = inputs
+            if projs[fused][1] == (heads + 2 * kv) * d:
+                yield "concat", (fused,)
+                if heads == kv:
+                    yield "per_head", (fused,)
+
+    @staticmethod
+    def _norm_roles(module, norms, heads, kv, d):
+        if not norms:
+            yield {}
+            return
+        for qn, kn in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk")):
+            wq, wk = (module._modules[n].weight.shape[0] for n in (qn, kn))
+            if wq == wk == d:
+                yield dict(q_norm=qn, k_norm=kn, norm_per_head=True)
+            elif (wq, wk) == (heads * d, kv * d):
+                yield dict(q_norm=qn, k_norm=kn, norm_per_head=False)
+
+    @staticmethod
+    def _dropout_roles(module, drops):
+        """(attention-prob dropout, output dropout) pairs. A float ``attention_dropout`` attribute
+        is the prob dropout; a Dropout child can be either, and the probe sees the output one."""
+        attr = getattr(module, "attention_dropout", None)
+        float_attr = "attention_dropout" if isinstance(attr, (int, float)) and not isinstance(attr, bool) else None
+        if not drops:
+            yield float_attr, None
+        for out in drops:
+            rest = [n for n in drops if n != out]
+            if len(rest) == 0:
+                yield float_attr, out
+            elif len(rest) == 1 and float_attr is None:
+                yield rest[0], out
+        if len(drops) == 1 and float_attr is None:
+            yield drops[0], None
+
+    @staticmethod
+    def _scaling(module, d) -> float:
+        s = getattr(module, "scaling", None)
+        return float(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else d**-0.5
+
+    # -- the probe -----------------------------------------------------------------------
+    @staticmethod
+    def _probe(module, spec: AttentionSpec):
+        """(True, None) if FusedAttention(spec) computes what ``module`` computes, else (False, error)."""
+        gen = _probe.generator(5)
+        probe = _probe.shallow_copy(module)
+        try:
+            for n in spec.qkv:
+                probe._modules[n] = _probe.small_projection(module._modules[n], _MODEL_WIDTH, _probe.projection_dims(module._modules[n])[1], gen)
+            n_out = _probe.projection_dims(module._modules[spec.out])[0]
+            probe._modules[spec.out] = _probe.small_projection(module._modules[spec.out], n_out, _MODEL_WIDTH, gen)
+        except ValueError as err:
+            return False, str(err)
+        for n in (spec.q_norm, spec.k_norm):
+            if n is not None:
+                probe._modules[n] = _ProbeNorm(module._modules[n].weight.shape[0], gen)
+        drops = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
+        for i, n in enumerate(drops):
+            probe._modules[n] = _ProbeDropout(module._modules[n].p, 3.0 + 2 * i)
+        for n, b in module._buffers.items():  # never read the model's own (maybe meta/GPU) tensors
+            if b is not None:
+                probe._buffers[n] = torch.zeros(b.shape, dtype=torch.float64 if b.is_floating_point() else b.dtype)
+        x = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
+        mask = torch.full((_SEQ, _SEQ), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
+        mask = mask.expand(_BATCH, 1, _SEQ, _SEQ).clone()
+        mask[1, :, :, 1] = torch.finfo(torch.float64).min  # a padded key in the second sequence
+        kwargs = {"attention_mask": mask}
+        if spec.rotary_dim:
+            kwargs["position_embeddings"] = (
+                _probe.randn(_BATCH, _SEQ, spec.rotary_dim, gen=gen), _probe.randn(_BATCH, _SEQ, spec.rotary_dim, gen=gen)
+            )
+        try:
+            fused = FusedAttention(probe, spec, "reference")
+            fused.training = False
+            with torch.no_grad():
+                want = type(module).forward(probe, x, **kwargs)  # the class's forward: no hooks
+                got = fused(x, **kwargs)
+        except Exception as err:  # a wrong guess often fails on shapes
+            return False, f"{type(err).__name__}: {err}"
+        if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
+            return False, "forward does not return (output, weights)"
+        return _probe.close(got[0], want[0]), None
+
+    def build(self, module, spec, backend):
+        return FusedAttention(module, spec, backend)
+
