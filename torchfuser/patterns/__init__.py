@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from torchfuser.patterns.attention import AttentionPattern
 from torchfuser.patterns.base import Applied, Pattern, Skip
+from torchfuser.patterns.lm_head import LMHeadLossPattern
 from torchfuser.patterns.mlp import GatedMLPPattern, MLPPattern
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (AttentionPattern(), RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern())}
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (LMHeadLossPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern())}
 
 
 def select(include=None, exclude=()) -> list[Pattern]:

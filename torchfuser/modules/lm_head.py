@@ -1,0 +1,132 @@
+"""LM head + loss of a causal LM through ``functional.linear_cross_entropy``.
+
+The model itself cannot be swapped, so this is not a module in the tree: it is a per-instance
+``forward`` (stored in ``model.__dict__``; the class and every other instance are untouched).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from torchfuser import functional as F
+
+# What the capture head hands the model's forward in place of the logits; the forward's own
+# post-processing of these two values tells whether it does what the spec expects.
+_PROBE_LOGITS = (1.5, 45.0)
+
+
+@dataclass(frozen=True)
+class LMHeadLossSpec:
+    """loss = cross_entropy(softcap(h @ W.T + b), shifted labels), as HF's ``ForCausalLMLoss``."""
+
+    head: str = "lm_head"  # the nn.Linear child of the model that produces the logits
+    softcap: float | None = None  # Gemma-2's final_logit_softcapping: tanh(z/c)·c
+
+
+class _CaptureHead(nn.Module):
+    """Stands in for the head during one fused forward: keeps its input, returns two probe logits
+    per position instead of a vocabulary's worth."""
+
+    def __init__(self):
+        super().__init__()
+        self.inputs: list[Tensor] = []
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        self.inputs.append(hidden)
+        probe = torch.tensor(_PROBE_LOGITS, dtype=hidden.dtype, device=hidden.device)
+        return probe.expand(*hidden.shape[:-1], len(_PROBE_LOGITS)).clone()
+
+
+class FusedLMHeadLoss:
+    """The ``forward`` of one ``*ForCausalLM`` instance.
+
+    In training mode with ``labels``, the decoder runs as usual, the head's input (the final
+    hidden states) is captured and the loss comes from ``linear_cross_entropy``: the logits are
+    never materialised and **``output.logits`` is None** (a ``return_dict=False`` tuple leaves
+    them out, as it leaves out every None field). Labels are shifted, ``ignore_index`` (default
+    -100), ``shift_labels`` and the Trainer's ``num_items_in_batch`` (sum / num_items_in_batch)
+    are honoured exactly as in ``transformers.loss.loss_utils.ForCausalLMLoss``.
+
+    Without labels, in eval mode, or with ``logits_to_keep`` set, the original forward runs
+    unchanged.
+    """
+
+    def __init__(self, model: nn.Module, spec: LMHeadLossSpec, backend: str = "auto"):
+        self.model = model
+        self.spec = spec
+        self.backend = None if backend == "auto" else backend
+        # An instance forward already there (e.g. accelerate's hooks) is wrapped, and put back on undo.
+        self.previous = model.__dict__.get("forward")
+        # Keep the signature visible: generate() and the Trainer inspect model.forward's parameters.
+        self.__signature__ = inspect.signature(self._original())
+
+    def _original(self):
+        return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
+
+    def __repr__(self) -> str:
+        return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'})"
+
+    def __call__(self, *args, **kwargs):
+        original = self._original()
+        if args:  # name positional arguments so that labels can be found
+            bound = self.__signature__.bind_partial(*args, **kwargs)
+            kwargs = dict(bound.arguments)
+            for p in self.__signature__.parameters.values():
+                if p.kind is p.VAR_KEYWORD:
+                    kwargs.update(kwargs.pop(p.name, {}))
+                elif p.kind is p.VAR_POSITIONAL and kwargs.pop(p.name, ()):
+                    return original(*args)  # cannot name these; leave the call as it was
+        labels = kwargs.get("labels")
+        head = self.model._modules.get(self.spec.head)
+        keep = kwargs.get("logits_to_keep", 0)
+        if labels is None or not self.model.training or not isinstance(head, nn.Linear) or not (isinstance(keep, int) and keep == 0):
+            return original(**kwargs)
+        return self._fused(original, head, kwargs)
+
+    def _fused(self, original, head: nn.Linear, kwargs):
+        labels = kwargs.pop("labels")
+        capture = _CaptureHead()
+        self.model._modules[self.spec.head] = capture
+        try:
+            out = original(**kwargs, labels=None)
+        finally:
+            self.model._modules[self.spec.head] = head
+        self._check(out, capture)
+        hidden = capture.inputs[0]
+        ignore_index = kwargs.get("ignore_index", -100)
+        shift = kwargs.get("shift_labels")
+        if shift is None:  # tokens < n predict n; the last position has no target
+            shift = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift = shift.to(hidden.device)
+        n_items = kwargs.get("num_items_in_batch")
+        loss = F.linear_cross_entropy(
+            hidden, head.weight, shift, bias=head.bias, ignore_index=ignore_index,
+            reduction="mean" if n_items is None else "sum", softcap=self.spec.softcap, backend=self.backend,
+        )
+        if n_items is not None:
+            loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
+        if isinstance(out, tuple):  # return_dict=False: HF's tuple is (loss, logits, ...); logits left out
+            return (loss,) + tuple(out[1:])
+        return dataclasses.replace(out, loss=loss, logits=None)
+
+    def _check(self, out, capture: _CaptureHead) -> None:
+        """The forward must have called the head once and done to its output exactly what the spec
+        says (nothing, or the softcap). Otherwise the fused loss would be silently wrong."""
+        logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
+        ok = len(capture.inputs) == 1 and isinstance(logits, Tensor) and logits.shape[-1] == len(_PROBE_LOGITS)
+        if ok:
+            want = torch.tensor(_PROBE_LOGITS, dtype=torch.float64)
+            if self.spec.softcap is not None:
+                want = torch.tanh(want / self.spec.softcap) * self.spec.softcap
+            got = logits.detach().reshape(-1, len(_PROBE_LOGITS)).double().cpu()
+            ok = bool(torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=1e-2))
+        if not ok:
+            raise RuntimeError(
+                f"lm_head_loss: {type(self.model).__name__}.forward does not use {self.spec.head!r} the way the fused loss "
+                "assumes (one call, logits returned as computed" + (f", softcap {self.spec.softcap}" if self.spec.softcap else "")
+                + "); run torchfuser.optimize(model, exclude=['lm_head_loss'])"
+            )
