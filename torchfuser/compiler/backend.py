@@ -87,16 +87,38 @@ def dynamo_backend(gm: GraphModule, example_inputs, options: dict | None = None,
     if graph_backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(aten_gm, example_inputs)
+        return _first_call_unchecked(compile_fx(aten_gm, example_inputs))
 
     from torch._functorch.aot_autograd import aot_module_simplified
 
     fw = _lowering(record, "forward", graph_backend, dynamic)
-    return aot_module_simplified(
+    return _first_call_unchecked(aot_module_simplified(
         aten_gm,
         example_inputs,
         fw_compiler=fw,
         bw_compiler=_lowering(record, "backward", graph_backend, dynamic),
         inference_compiler=_lowering(record, "inference", graph_backend, dynamic),
         decompositions=_decompositions(),
-    )
+    ))
+
+
+def _first_call_unchecked(compiled):
+    """AOTAutograd runs the first call of a compiled graph under a dispatch mode that checks custom
+    ops for aliasing; kernels that use torch.func inside (the reference backend's vjp) fail under
+    it ("Cannot access storage of TensorWrapper"). Our ops declare no aliasing (fresh outputs), so
+    the check is switched off for that one call."""
+    from torch._functorch import config as functorch_config
+
+    state = {"first": True}
+
+    def run(*args):
+        if state["first"]:
+            state["first"] = False
+            with functorch_config.patch(check_custom_op_aliasing=False):
+                return compiled(*args)
+        return compiled(*args)
+
+    # keep the calling convention Dynamo will use (a boxed callable takes one list)
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True
+    return run

@@ -29,10 +29,32 @@ class _Tracked(torch.fx.Interpreter):
         return super().run_node(n)
 
 
+def fakeify(example_inputs, fake_mode):
+    """Dynamo hands backends real tensors; map each to the fake tensor Dynamo traced it as (same
+    symbols, same sources), the way AOTAutograd does."""
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    ctx = TracingContext.try_get()
+    out = []
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor) or isinstance(x, FakeTensor):
+            out.append(x)
+            continue
+        sym = ctx.tensor_to_context.get(x) if ctx is not None else None
+        source = getattr(sym, "tensor_source", None)
+        out.append(fake_mode.from_tensor(x, symbolic_context=sym, source=source, trace=sym is None))
+    return out
+
+
 def to_aten(gm: torch.fx.GraphModule, example_inputs) -> torch.fx.GraphModule:
     fake_mode = detect_fake_mode(example_inputs)
-    mode = "symbolic" if fake_mode is not None and fake_mode.shape_env is not None else "fake"
+    if fake_mode is not None:
+        example_inputs = fakeify(example_inputs, fake_mode)
     interp = _Tracked(gm)
+    # Trace Dynamo's own fake tensors under its fake mode ("real" mode = no re-fakeifying): new
+    # symbols made here would have no source and break Dynamo's guards.
+    mode = "real" if fake_mode is not None else "fake"
     try:
         with fake_mode if fake_mode is not None else nullcontext():
             traced = make_fx(interp.run, tracing_mode=mode, pre_dispatch=True, _allow_non_fake_inputs=True)(*example_inputs)

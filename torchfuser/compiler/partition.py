@@ -62,9 +62,10 @@ def _compile_graph():
     """``torchfuser.backends.mlir.compile_graph`` if the MLIR backend provides it yet, else None."""
     try:
         import torchfuser.backends.mlir as mlir
-    except Exception:  # torch-mlir missing or broken: eager regions, said in the record
+
+        return getattr(mlir, "compile_graph", None)
+    except Exception:  # torch-mlir missing, or the backend mid-change: eager regions, said in the record
         return None
-    return getattr(mlir, "compile_graph", None)
 
 
 def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic: bool) -> GraphModule:

@@ -53,8 +53,12 @@ def kernel_backend(op: str, device: torch.device, policy, kernels: str) -> tuple
         name = backends.resolve(kernels, device)
     except backends.BackendUnavailable as e:
         return None, str(e)
-    if name != "reference" and not hasattr(backends.kernels(name), f"{op}_fwd"):
-        name = "reference"
+    if name != "reference":
+        try:
+            has = hasattr(backends.kernels(name), f"{op}_fwd")
+        except Exception:  # the backend package fails to import: its kernels are not there
+            has = False
+        name = name if has else "reference"
     if name == "reference" and policy == "auto" and device.type != "meta":
         return None, f"no compiled {op} kernel for {device.type} yet (reference only; rewrite=True forces it)"
     return name, ""

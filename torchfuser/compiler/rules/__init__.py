@@ -6,6 +6,6 @@ from torchfuser.compiler.rules.norms import layer_norm, rms_norm
 from torchfuser.compiler.rules.rope import rope
 
 # Norms first: their weight multiply must not be taken by a later rule's operand.
-RULES = (rms_norm, layer_norm, rope, gated, linear_cross_entropy)
+RULES = (layer_norm, rms_norm, rope, gated, linear_cross_entropy)
 
 __all__ = ["RULES"]

@@ -8,6 +8,7 @@ from torch.fx import Node
 
 from torchfuser.backends.reference.linear_cross_entropy import linear_cross_entropy as ref_lce
 from torchfuser.compiler.rewrite import Match
+from torchfuser.ops.linear_cross_entropy import linear_cross_entropy as ops_lce
 from torchfuser.compiler.rules._util import aten, call, is_op, is_scalar, strip, val
 
 tf = torch.ops.torchfuser
@@ -60,7 +61,6 @@ def linear_cross_entropy(graph):
 
 
 def _match(ce: Node, h, w, b, labels, ignore, softcap, reduction):
-    need_grad = any(val(t) is not None and val(t).requires_grad for t in (h, w, b))
     out_dtype = val(ce).dtype
     inputs = {"hidden": h, "weight": w} | ({"bias": b} if b is not None else {}) | {"labels": labels}
 
@@ -69,11 +69,9 @@ def _match(ce: Node, h, w, b, labels, ignore, softcap, reduction):
         hdim = val(hid).shape[-1]
         h2 = call(g, aten.reshape.default, hid, [-1, hdim])
         y = call(g, aten.reshape.default, ins["labels"], [-1])
-        r = call(g, tf.linear_cross_entropy_fwd.default, h2, ins["weight"], ins.get("bias"), y, ignore, softcap,
-                 reduction, need_grad, backend)
-        import operator
-
-        loss = call(g, operator.getitem, r, 0)
+        # The ops-layer wrapper, not the custom op: it decides need_grad when AOTAutograd traces it,
+        # from the grad mode and requires_grad it sees then (unknown at this point of the pipeline).
+        loss = call(g, ops_lce, h2, ins["weight"], ins.get("bias"), y, ignore, softcap, reduction, backend)
         return loss if out_dtype == torch.float32 else call(g, aten.to.dtype, loss, out_dtype)
 
     def reference(hh, ww, *rest):

@@ -115,8 +115,8 @@ def _variances(c: Node, x: Node):
                 keep = v.kwargs.get("keepdim", v.args[3] if len(v.args) > 3 else False)
                 if (corr == 0 or unbiased is False) and keep and last_dim_list(v.args[1], ndim(v.args[0])):
                     yield v
-            elif _mean_last(v) and (sq := _square_of(v.args[0])) is not None and strip(sq) is c and src is c:
-                yield v
+            elif src is c and (sq := _square_of(v)) is not None and strip(sq) is c:
+                yield from (mm for mm in v.users if _mean_last(mm))
 
 
 def layer_norm(graph):
