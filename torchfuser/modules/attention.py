@@ -64,15 +64,15 @@ class AttentionSpec:
     q_norm: str | None = None
     k_norm: str | None = None
     norm_per_head: bool = True  # q/k norm over head_dim (Qwen3) or over all heads at once (OLMo2)
-    dropout: str | None = None  # float attribute or nn.Dropout child giving the attention-prob dropout
-    out_dropout: str | None = None  # nn.Dropout child applied after the output projection (GPT-2)
+    dropout: str | None = None  # float attribute or nn.Dropout child (its .p): the attention-prob dropout
+    out_dropout: str | None = None  # nn.Dropout child (GPT-2) or float p (Starcoder2) applied after `out`
     is_causal: bool = True  # causal when no mask is given (the sdpa path's convention)
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
 
 
 def _submodule_names(spec: AttentionSpec) -> list[str]:
-    names = (*spec.qkv, spec.out, spec.q_norm, spec.k_norm, spec.out_dropout, *spec.keep)
+    names = (*spec.qkv, spec.out, spec.q_norm, spec.k_norm, *spec.keep)
     return [n for n in names if n is not None]
 
 
@@ -81,11 +81,13 @@ class FusedAttention(FusedModule):
 
     def __init__(self, original: nn.Module, spec: AttentionSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        names = _submodule_names(spec)
-        dropout_child = spec.dropout is not None and isinstance(getattr(original, spec.dropout), nn.Module)
-        adopt(self, original, names + ([spec.dropout] if dropout_child else []))
-        if spec.dropout is not None and not dropout_child:
-            setattr(self, spec.dropout, float(getattr(original, spec.dropout)))
+        adopt(self, original, _submodule_names(spec))
+        for name in dict.fromkeys(n for n in (spec.dropout, spec.out_dropout) if n is not None):
+            value = getattr(original, name)
+            if isinstance(value, nn.Module):
+                adopt(self, original, [name])
+            else:  # a float p, read by the original forward from the same attribute
+                setattr(self, name, float(value))
         # Read by transformers' sdpa function and by callers (e.g. cache setup).
         self.config = getattr(original, "config", None)
         self.layer_idx = getattr(original, "layer_idx", None)
@@ -187,5 +189,6 @@ class FusedAttention(FusedModule):
             )
         out = getattr(self, s.out)(out.reshape(*lead, -1).contiguous())
         if s.out_dropout is not None:
-            out = getattr(self, s.out_dropout)(out)
+            drop = getattr(self, s.out_dropout)
+            out = drop(out) if isinstance(drop, nn.Module) else nn.functional.dropout(out, drop, self.training)
         return out, None

@@ -13,6 +13,8 @@ rotary convention, scaling, layout, norm or mask handling all show.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import itertools
 
@@ -25,6 +27,7 @@ from torchfuser.patterns.base import Pattern, Skip
 
 _MODEL_WIDTH = 8  # probe width on the model side of the projections
 _BATCH, _SEQ = 2, 5
+_MAX_PROBES = 48  # eval probes per module before giving up (each is a few ms)
 _UNSUPPORTED_ARGS = ("alibi", "position_bias")
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
 
@@ -108,6 +111,135 @@ def _is_norm(m: nn.Module) -> bool:
     return not m._modules and "weight" in params and params["weight"].dim() == 1 and set(params) <= {"weight", "bias"}
 
 
+def _scaling(module: nn.Module, d: int) -> float:
+    s = getattr(module, "scaling", None)
+    return float(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else d**-0.5
+
+
+def _layouts(inputs, projs, heads, kv, d):
+    if len(inputs) == 3:
+        for q, k, v in sorted(itertools.permutations(inputs), key=lambda p: _hint_rank(p, "qkv")):
+            if projs[q][1] == heads * d and projs[k][1] == projs[v][1] == kv * d:
+                yield "separate", (q, k, v)
+    elif len(inputs) == 1:
+        (fused,) = inputs
+        if projs[fused][1] == (heads + 2 * kv) * d:
+            yield "concat", (fused,)
+            if heads == kv:
+                yield "per_head", (fused,)
+
+
+def _shapes(module: nn.Module, projs):
+    """(output projection, layout, q/k/v projections, (heads, kv heads, head dim)) that the
+    projection shapes and head attributes allow, likeliest first."""
+    for out in sorted(projs, key=lambda n: _hint_rank([n], "o")):
+        inputs = [n for n in projs if n != out]
+        h_in = {projs[n][0] for n in inputs}
+        if len(h_in) != 1 or projs[out][1] != h_in.pop():
+            continue
+        heads, kv, d = _heads(module, projs[out][0])
+        if not (heads and kv and d) or heads % kv or projs[out][0] != heads * d:
+            continue
+        for layout, qkv in _layouts(inputs, projs, heads, kv, d):
+            yield out, layout, qkv, (heads, kv, d)
+
+
+def _norm_roles(module, norms, heads, kv, d):
+    if not norms:
+        yield {}
+        return
+    for qn, kn in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk")):
+        wq, wk = (module._modules[n].weight.shape[0] for n in (qn, kn))
+        if wq == wk == d:
+            yield dict(q_norm=qn, k_norm=kn, norm_per_head=True)
+        elif (wq, wk) == (heads * d, kv * d):
+            yield dict(q_norm=qn, k_norm=kn, norm_per_head=False)
+
+
+def _float_dropouts(module: nn.Module) -> list[str]:
+    """Float attributes that look like dropout probabilities, ``attention_dropout`` first."""
+    names = [n for n, v in vars(module).items() if "dropout" in n and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return sorted(names, key=lambda n: n != "attention_dropout")
+
+
+def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None):
+    """(attention-prob dropout, output dropout) pairs given the output Dropout child the eval probe
+    found. The prob dropout is a float attribute or another Dropout child (its ``.p``); without an
+    output child, a float attribute may be a functional dropout on the output (Starcoder2)."""
+    floats = _float_dropouts(module)
+    probs = [*floats, *(n for n in drops if n != out_child), None]
+    outs = [out_child] if out_child is not None else [None, *floats]
+    for out in outs:
+        for prob in probs:
+            if prob is None or prob != out:
+                yield prob, out
+
+
+def _probe_copy(module: nn.Module, spec: AttentionSpec):
+    """(probe module, input, kwargs): ``module`` on random float64 CPU parts (never the model's own
+    tensors, which may be on the meta device or a GPU), narrow on the model side."""
+    gen = _probe.generator(5)
+    probe = _probe.shallow_copy(module)
+    for n in spec.qkv:
+        probe._modules[n] = _probe.small_projection(module._modules[n], _MODEL_WIDTH, _probe.projection_dims(module._modules[n])[1], gen)
+    n_out = _probe.projection_dims(module._modules[spec.out])[0]
+    probe._modules[spec.out] = _probe.small_projection(module._modules[spec.out], n_out, _MODEL_WIDTH, gen)
+    for n in (spec.q_norm, spec.k_norm):
+        if n is not None:
+            probe._modules[n] = _ProbeNorm(module._modules[n].weight.shape[0], gen)
+    # Every dropout gets its own p (and every Dropout child its own mark), so that the training
+    # probe tells which one the forward applies where.
+    drops = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
+    for i, n in enumerate(drops):
+        probe._modules[n] = _ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i)
+    for i, n in enumerate(_float_dropouts(module)):
+        probe.__dict__[n] = 0.2 + 0.1 * i
+    for n, b in module._buffers.items():
+        if b is not None:
+            probe._buffers[n] = torch.zeros(b.shape, dtype=torch.float64 if b.is_floating_point() else b.dtype)
+    x = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
+    low = torch.finfo(torch.float64).min
+    mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
+    mask[1, :, :, 1] = low  # a padded key in the second sequence
+    kwargs = {"attention_mask": mask}
+    if spec.rotary_dim:  # random, not true cos/sin: any convention other than rotate-half shows
+        shape = (_BATCH, _SEQ, spec.rotary_dim)
+        kwargs["position_embeddings"] = (_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
+    return probe, x, kwargs
+
+
+def _run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
+    """(original output, fused output). In training both run the sdpa path from one seed: equal
+    outputs then mean the same dropouts with the same p at the same places."""
+    if training:
+        probe = copy.copy(probe)
+        probe.config = copy.copy(probe.config)
+        probe.config.__dict__["_attn_implementation_internal"] = "sdpa"
+    probe.training = training
+    fused = FusedAttention(probe, spec, "reference")
+    fused.training = training
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        want = type(probe).forward(probe, x, **kwargs)  # the class's forward: no hooks
+        torch.manual_seed(0)
+        got = fused(x, **kwargs)
+    return want, got
+
+
+def _check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
+    """None if FusedAttention(spec) computes what ``module`` computes, else why not."""
+    try:
+        probe, x, kwargs = _probe_copy(module, spec)
+        want, got = _run_both(probe, spec, x, kwargs, training)
+    except Exception as err:  # a wrong guess often fails on shapes
+        return f"{type(err).__name__}: {err}"
+    if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
+        return "forward does not return (output, attention weights)"
+    if not _probe.close(got[0], want[0]):
+        return "output differs" + (" in training (dropout)" if training else " (scaling, rotary convention, norms or mask)")
+    return None
+
+
 class AttentionPattern(Pattern):
     name = "attention"
     description = "projections → q/k norm → rope (functional.rope) → SDPA → output projection"
@@ -119,6 +251,8 @@ class AttentionPattern(Pattern):
         hinted = "attention" in type(module).__name__.lower()
         if len(projs) < 2 or not (hinted or "attention_mask" in names):
             return None
+        if not hinted and next(_shapes(module, projs), None) is None:
+            return None  # takes a mask but has no q/k/v/o projections (e.g. a decoder layer with an inline MLP)
         why = self._unsupported(module, names)
         if why:
             return Skip(why)
@@ -126,16 +260,7 @@ class AttentionPattern(Pattern):
         if isinstance(found, Skip):
             return found
         positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
-        last_error = None
-        takes_rope = "position_embeddings" in names
-        for spec in self._guesses(module, projs, found, positional, takes_rope):
-            ok, err = self._probe(module, spec)
-            if ok:
-                return spec
-            last_error = err or last_error
-        detail = f" (last probe error: {last_error})" if last_error else ""
-        return Skip("forward does not compute softmax(q·kᵀ·scale + mask)·v with the projections, norms, "
-                    f"rotary and dropouts found{detail}")
+        return self._search(module, projs, found, positional, "position_embeddings" in names)
 
     # -- what is never fused -------------------------------------------------------------
     @staticmethod
@@ -178,117 +303,40 @@ class AttentionPattern(Pattern):
             return Skip(f"{len(norms)} norm submodule(s) {norms}; q/k norms come in pairs")
         return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
 
-    # -- guesses -------------------------------------------------------------------------
-    def _guesses(self, module, projs, parts, positional, takes_rope):
+    # -- guesses and probes ----------------------------------------------------------------
+    def _search(self, module, projs, parts, positional, takes_rope):
+        """The first spec both probes accept, else a Skip. Two stages keep the search small: the
+        eval probe fixes layout, norms, rotary width and output Dropout child; the training probe
+        then picks the dropout probabilities."""
         norms, drops, buffers = parts
-        for out in sorted(projs, key=lambda n: _hint_rank([n], "o")):
-            inputs = [n for n in projs if n != out]
-            h_in = {projs[n][0] for n in inputs}
-            if len(h_in) != 1 or projs[out][1] != h_in.pop():
-                continue
-            heads, kv, d = _heads(module, projs[out][0])
-            if not (heads and kv and d) or heads % kv or projs[out][0] != heads * d:
-                continue
-            for layout, qkv in self._layouts(inputs, projs, heads, kv, d):
-                for norm_roles in self._norm_roles(module, norms, heads, kv, d):
-                    for dropout, out_dropout in self._dropout_roles(module, drops):
-                        for rd in _rotary_dims(module, d) if takes_rope else (0,):
-                            yield AttentionSpec(
-                                layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
-                                scaling=self._scaling(module, d), rotary_dim=rd, **norm_roles,
-                                dropout=dropout, out_dropout=out_dropout,
-                                is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
-                            )
+        first_reason, budget = None, _MAX_PROBES
+        for out, layout, qkv, (heads, kv, d) in _shapes(module, projs):
+            for norm_roles in _norm_roles(module, norms, heads, kv, d):
+                for out_child in [None, *drops]:
+                    for rd in _rotary_dims(module, d) if takes_rope else (0,):
+                        spec = AttentionSpec(
+                            layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
+                            scaling=_scaling(module, d), rotary_dim=rd, **norm_roles, out_dropout=out_child,
+                            is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
+                        )
+                        reason = _check(module, spec, training=False)
+                        budget -= 1
+                        if reason is None:
+                            return self._pick_dropouts(module, spec, drops)
+                        first_reason = first_reason or reason
+                        if budget <= 0:
+                            return Skip(f"no layout matched within {_MAX_PROBES} probes (likeliest: {first_reason})")
+        if first_reason is None:
+            return Skip("projection shapes fit no q/k/v/output layout with the head counts found")
+        return Skip(f"forward does not compute softmax(q·kᵀ·scale + mask)·v as fused (likeliest layout: {first_reason})")
 
     @staticmethod
-    def _layouts(inputs, projs, heads, kv, d):
-        if len(inputs) == 3:
-            for q, k, v in sorted(itertools.permutations(inputs), key=lambda p: _hint_rank(p, "qkv")):
-                if projs[q][1] == heads * d and projs[k][1] == projs[v][1] == kv * d:
-                    yield "separate", (q, k, v)
-        elif len(inputs) == 1:
-            (fused,) = inputs
-            if projs[fused][1] == (heads + 2 * kv) * d:
-                yield "concat", (fused,)
-                if heads == kv:
-                    yield "per_head", (fused,)
-
-    @staticmethod
-    def _norm_roles(module, norms, heads, kv, d):
-        if not norms:
-            yield {}
-            return
-        for qn, kn in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk")):
-            wq, wk = (module._modules[n].weight.shape[0] for n in (qn, kn))
-            if wq == wk == d:
-                yield dict(q_norm=qn, k_norm=kn, norm_per_head=True)
-            elif (wq, wk) == (heads * d, kv * d):
-                yield dict(q_norm=qn, k_norm=kn, norm_per_head=False)
-
-    @staticmethod
-    def _dropout_roles(module, drops):
-        """(attention-prob dropout, output dropout) pairs. A float ``attention_dropout`` attribute
-        is the prob dropout; a Dropout child can be either, and the probe sees the output one."""
-        attr = getattr(module, "attention_dropout", None)
-        float_attr = "attention_dropout" if isinstance(attr, (int, float)) and not isinstance(attr, bool) else None
-        if not drops:
-            yield float_attr, None
-        for out in drops:
-            rest = [n for n in drops if n != out]
-            if len(rest) == 0:
-                yield float_attr, out
-            elif len(rest) == 1 and float_attr is None:
-                yield rest[0], out
-        if len(drops) == 1 and float_attr is None:
-            yield drops[0], None
-
-    @staticmethod
-    def _scaling(module, d) -> float:
-        s = getattr(module, "scaling", None)
-        return float(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else d**-0.5
-
-    # -- the probe -----------------------------------------------------------------------
-    @staticmethod
-    def _probe(module, spec: AttentionSpec):
-        """(True, None) if FusedAttention(spec) computes what ``module`` computes, else (False, error)."""
-        gen = _probe.generator(5)
-        probe = _probe.shallow_copy(module)
-        try:
-            for n in spec.qkv:
-                probe._modules[n] = _probe.small_projection(module._modules[n], _MODEL_WIDTH, _probe.projection_dims(module._modules[n])[1], gen)
-            n_out = _probe.projection_dims(module._modules[spec.out])[0]
-            probe._modules[spec.out] = _probe.small_projection(module._modules[spec.out], n_out, _MODEL_WIDTH, gen)
-        except ValueError as err:
-            return False, str(err)
-        for n in (spec.q_norm, spec.k_norm):
-            if n is not None:
-                probe._modules[n] = _ProbeNorm(module._modules[n].weight.shape[0], gen)
-        drops = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
-        for i, n in enumerate(drops):
-            probe._modules[n] = _ProbeDropout(module._modules[n].p, 3.0 + 2 * i)
-        for n, b in module._buffers.items():  # never read the model's own (maybe meta/GPU) tensors
-            if b is not None:
-                probe._buffers[n] = torch.zeros(b.shape, dtype=torch.float64 if b.is_floating_point() else b.dtype)
-        x = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
-        mask = torch.full((_SEQ, _SEQ), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
-        mask = mask.expand(_BATCH, 1, _SEQ, _SEQ).clone()
-        mask[1, :, :, 1] = torch.finfo(torch.float64).min  # a padded key in the second sequence
-        kwargs = {"attention_mask": mask}
-        if spec.rotary_dim:
-            kwargs["position_embeddings"] = (
-                _probe.randn(_BATCH, _SEQ, spec.rotary_dim, gen=gen), _probe.randn(_BATCH, _SEQ, spec.rotary_dim, gen=gen)
-            )
-        try:
-            fused = FusedAttention(probe, spec, "reference")
-            fused.training = False
-            with torch.no_grad():
-                want = type(module).forward(probe, x, **kwargs)  # the class's forward: no hooks
-                got = fused(x, **kwargs)
-        except Exception as err:  # a wrong guess often fails on shapes
-            return False, f"{type(err).__name__}: {err}"
-        if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
-            return False, "forward does not return (output, weights)"
-        return _probe.close(got[0], want[0]), None
+    def _pick_dropouts(module, spec: AttentionSpec, drops):
+        for prob, out in _dropout_roles(module, drops, spec.out_dropout):
+            candidate = dataclasses.replace(spec, dropout=prob, out_dropout=out)
+            if _check(module, candidate, training=True) is None:
+                return candidate
+        return Skip("in training its output differs from SDPA with the dropouts found: a dropout it does not reproduce")
 
     def build(self, module, spec, backend):
         return FusedAttention(module, spec, backend)
