@@ -1,0 +1,200 @@
+"""Every architecture in the registry, tiny random configs (no downloads), CPU fp32, backend="reference":
+fused vs unfused loss and every gradient, state_dict, restore, report, padding, eval, KV cache,
+generate and the Trainer's num_items_in_batch."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import torchfuser
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+
+# model_type → (config overrides, attention implementation, patterns fused per model, skips expected)
+ARCHS = {
+    "llama": (dict(_LLAMA_LIKE), "sdpa"),
+    "mistral": (dict(_LLAMA_LIKE, sliding_window=6), "sdpa"),  # window < sequence: the mask carries it
+    "qwen2": (dict(_LLAMA_LIKE), "eager"),
+    "qwen3": (dict(_LLAMA_LIKE, head_dim=16), "sdpa"),
+    "gemma": (dict(_LLAMA_LIKE, head_dim=16), "eager"),
+    "gemma2": (dict(_LLAMA_LIKE, head_dim=16, sliding_window=6), "eager"),  # HF refuses sdpa for Gemma-2
+    "phi3": (dict(_LLAMA_LIKE, partial_rotary_factor=0.5), "sdpa"),
+    "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), "eager"),
+    "gpt_neox": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                      rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
+}
+# What each fuses besides attention (2 layers) and lm_head_loss (1).
+EXPECTED = {
+    "llama": {"rms_norm": 5, "gated_mlp": 2},
+    "mistral": {"rms_norm": 5, "gated_mlp": 2},
+    "qwen2": {"rms_norm": 5, "gated_mlp": 2},
+    "qwen3": {"rms_norm": 9, "gated_mlp": 2},  # + q_norm and k_norm per layer
+    "gemma": {"rms_norm": 5, "gated_mlp": 2},
+    "gemma2": {"rms_norm": 9, "gated_mlp": 2},  # four norms per layer + final
+    "phi3": {"rms_norm": 5, "gated_mlp": 2},
+    "gpt2": {"layer_norm": 5, "mlp": 2},
+    "gpt_neox": {"layer_norm": 5, "mlp": 2},
+}
+# Gemma-2's attention softcaps its logits: skipped, with the reason.
+SKIPPED_ATTENTION = {"gemma2": "softcapping"}
+
+
+def make(model_type: str, **overrides) -> torch.nn.Module:
+    extra, impl = ARCHS[model_type]
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **extra, **overrides})
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def batch(padded: bool = True):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if padded:  # left padding in the second row, as generation and many collators do
+        mask[1, :3] = 0
+        labels[1, :3] = -100
+    return ids, mask, labels
+
+
+def pair(model_type: str, **overrides):
+    ref = make(model_type, **overrides)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    return ref, fused
+
+
+def assert_grads_match(ref, fused):
+    for (name, p_ref), (name_f, p_fused) in zip(ref.named_parameters(), fused.named_parameters()):
+        assert name == name_f
+        assert (p_ref.grad is None) == (p_fused.grad is None), name
+        if p_ref.grad is not None:
+            torch.testing.assert_close(p_fused.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request):
+    return request.param
+
+
+def test_loss_and_every_gradient_match(arch):
+    ref, fused = pair(arch)
+    ref.train(), fused.train()
+    ids, mask, labels = batch(padded=True)
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out_fused = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out_fused.logits is None  # the fused loss never materialises the logits
+    torch.testing.assert_close(out_fused.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
+    out_ref.loss.backward()
+    out_fused.loss.backward()
+    assert_grads_match(ref, fused)
+
+
+def test_report_lists_fused_and_skipped(arch):
+    _, fused = pair(arch)
+    rep = torchfuser.report(fused)
+    counts = rep.counts()
+    want = dict(EXPECTED[arch], lm_head_loss=1)
+    for pattern, n in want.items():
+        assert counts[pattern]["fused"] == n, (pattern, str(rep))
+    if arch in SKIPPED_ATTENTION:
+        assert counts["attention"] == {"fused": 0, "skipped": 2}
+        assert all(SKIPPED_ATTENTION[arch] in e.reason for e in rep.skipped if e.pattern == "attention")
+    else:
+        assert counts["attention"] == {"fused": 2, "skipped": 0}
+    assert [e for e in rep.skipped if e.pattern != "attention"] == []
+    assert rep.entries[0].name == "" and rep.entries[0].fused == "FusedLMHeadLoss"
+
+
+def test_state_dict_identical_and_loads_strict_into_unfused(arch):
+    ref, fused = pair(arch)
+    sd_ref, sd_fused = ref.state_dict(), fused.state_dict()
+    assert list(sd_fused) == list(sd_ref)
+    for k in sd_ref:
+        assert torch.equal(sd_fused[k], sd_ref[k]), k
+    plain = make(arch)
+    for p in plain.parameters():
+        torch.nn.init.zeros_(p)
+    plain.load_state_dict(sd_fused, strict=True)
+    ids, mask, _ = batch()
+    ref.eval(), plain.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_restore_gives_back_original_modules(arch):
+    model = make(arch)
+    before = dict(model.named_modules())
+    params = {n: p for n, p in model.named_parameters()}
+    forward = model.forward
+    torchfuser.optimize(model, backend="reference")
+    assert "forward" in model.__dict__
+    torchfuser.restore(model)
+    after = dict(model.named_modules())
+    assert list(after) == list(before) and all(after[n] is before[n] for n in before)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert "forward" not in model.__dict__ and model.forward == forward
+    assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+
+
+def test_optimize_is_idempotent(arch):
+    _, fused = pair(arch)
+    n = len(torchfuser.report(fused).fused)
+    lm_forward = fused.__dict__["forward"]
+    torchfuser.optimize(fused, backend="reference")
+    assert fused.__dict__["forward"] is lm_forward
+    assert sum(type(m).__name__.startswith("Fused") for m in fused.modules()) == n - 1  # the LM head is no module
+
+
+def test_eval_and_no_labels_unchanged(arch):
+    ref, fused = pair(arch)
+    ids, mask, labels = batch()
+    ref.eval(), fused.eval()
+    with torch.no_grad():
+        out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        out_fused = fused(input_ids=ids, attention_mask=mask, labels=labels)  # eval: HF's own loss path
+    torch.testing.assert_close(out_fused.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_fused.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
+    ref.train(), fused.train()
+    with torch.no_grad():  # training mode without labels: the original forward, logits as before
+        a = ref(input_ids=ids, attention_mask=mask).logits
+        b = fused(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_and_generate_match(arch):
+    ref, fused = pair(arch)
+    ref.eval(), fused.eval()
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        # prefill then one cached step, against the same sequence in one go
+        full_ids = torch.cat([ids, ids[:, :1]], dim=1)
+        full_mask = torch.cat([mask, mask[:, :1]], dim=1)
+        whole = ref(input_ids=full_ids, attention_mask=full_mask).logits[:, -1]
+        pre = fused(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache = getattr(pre, "cache", None) or getattr(pre, "past_key_values", None)
+        assert cache is not None
+        kw = {"cache" if hasattr(pre, "cache") else "past_key_values": cache}
+        step = fused(input_ids=ids[:, :1], attention_mask=full_mask, use_cache=True, **kw).logits[:, -1]
+        torch.testing.assert_close(step, whole, rtol=1e-4, atol=1e-5)
+        gen = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(fused.generate(ids, **gen), ref.generate(ids, **gen))
+
+
+def test_num_items_in_batch_gives_hf_loss(arch):
+    ref, fused = pair(arch)
+    ref.train(), fused.train()
+    ids, mask, labels = batch()
+    n = torch.tensor(23)  # as the Trainer passes under gradient accumulation
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n)
+    out_fused = fused(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=n)
+    torch.testing.assert_close(out_fused.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
+    out_ref.loss.backward()
+    out_fused.loss.backward()
+    assert_grads_match(ref, fused)
