@@ -1,0 +1,244 @@
+"""The mlir backend (CPU): every op forward and every gradient against float64, odd shapes,
+non-contiguous inputs, cache behaviour, memory, and the error without torch-mlir."""
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import resource
+
+import pytest
+import torch
+
+pytest.importorskip("torch_mlir")
+
+from numerics import ATOL, assert_within_rule  # noqa: E402
+
+import torchfuser.functional as F  # noqa: E402
+from torchfuser.backends import BackendUnavailable, resolve  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tmp_cache(tmp_path_factory):
+    old = os.environ.get("TORCHFUSER_CACHE_DIR")
+    os.environ["TORCHFUSER_CACHE_DIR"] = str(tmp_path_factory.mktemp("mlir-cache"))
+    yield
+    if old is None:
+        os.environ.pop("TORCHFUSER_CACHE_DIR")
+    else:
+        os.environ["TORCHFUSER_CACHE_DIR"] = old
+
+
+def _run(fn, tensors, backend, dtype, grads_seed=1):
+    """fn(*tensors) forward and gradients w.r.t. every float tensor, inputs cast to dtype."""
+    xs = [t.detach().to(dtype).requires_grad_(True) for t in tensors]
+    out = fn(*xs, backend=backend)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(grads_seed)
+    cots = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, cots)
+    return [o.detach() for o in outs], [x.grad for x in xs]
+
+
+def _check(fn, tensors, dtype, what):
+    fused_o, fused_g = _run(fn, tensors, "mlir", dtype)
+    same_o, same_g = _run(fn, tensors, "reference", dtype)
+    ref_o, ref_g = _run(fn, tensors, "reference", torch.float64)
+    for i, (a, b, r) in enumerate(zip(fused_o, same_o, ref_o)):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous()
+        assert_within_rule(a, b, r, ATOL[dtype], f"{what} out{i} {dtype}")
+    for i, (a, b, r) in enumerate(zip(fused_g, same_g, ref_g)):
+        if r is None:
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert_within_rule(a, b, r, ATOL[dtype], f"{what} grad{i} {dtype}")
+
+
+SHAPES = [(1, 64), (37, 123), (2, 5, 64)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ln(x, w, b, backend):
+    return F.layer_norm(x, w, b, 1e-5, backend=backend)
+
+
+def _rms(x, w, backend):
+    return F.rms_norm(x, w, 1e-6, backend=backend)
+
+
+def _rms_gemma(x, w, backend):
+    return F.rms_norm(x, w, 1e-6, offset=1.0, backend=backend)
+
+
+def _ln_nobias(x, w, backend):
+    return F.layer_norm(x, w, None, 1e-5, backend=backend)
+
+
+def _gelu_none(x, backend):
+    return F.gelu(x, "none", backend=backend)
+
+
+def _gelu_tanh(x, backend):
+    return F.gelu(x, "tanh", backend=backend)
+
+
+OPS = {
+    "rms_norm": (_rms, "xw"),
+    "rms_norm_gemma": (_rms_gemma, "xw"),
+    "layer_norm": (_ln, "xwb"),
+    "layer_norm_nobias": (_ln_nobias, "xw"),
+    "swiglu": (F.swiglu, "xx"),
+    "geglu": (F.geglu, "xx"),
+    "gelu": (_gelu_none, "x"),
+    "gelu_tanh": (_gelu_tanh, "x"),
+}
+
+
+def _inputs(kinds, shape):
+    h = shape[-1]
+    return [torch.randn(shape, dtype=torch.float64) * (2 if k == "x" else 1) if k == "x" else torch.randn(h, dtype=torch.float64) for k in kinds]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("op", list(OPS))
+def test_op_forward_and_grads(op, shape, dtype):
+    fn, kinds = OPS[op]
+    _check(fn, _inputs(kinds, shape), dtype, op)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu", "gelu_tanh"])
+def test_fp16(op):
+    fn, kinds = OPS[op]
+    _check(fn, _inputs(kinds, (37, 123)), torch.float16, op)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "swiglu", "layer_norm"])
+def test_non_contiguous_inputs(op):
+    fn, kinds = OPS[op]
+    h = 96
+    base = torch.randn(41, 2 * h, dtype=torch.float64)
+    # row-strided (a half of a fused projection) and a transposed (inner-strided) input
+    xs = [base[:, :h] if k == "x" else torch.randn(h, dtype=torch.float64) for k in kinds]
+    if kinds.count("x") > 1:
+        xs[1] = torch.randn(h, 41, dtype=torch.float64).t()
+    _check(fn, xs, torch.float32, f"{op} non-contiguous")
+
+
+def test_hidden_8192():
+    _check(_rms, _inputs("xw", (3, 8192)), torch.float32, "rms_norm 8192")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cos_batch", [1, 2])
+def test_rope(dtype, cos_batch):
+    b, hq, hk, s, d = 2, 4, 2, 7, 16
+    q, k = torch.randn(b, hq, s, d, dtype=torch.float64), torch.randn(b, hk, s, d, dtype=torch.float64)
+    ang = torch.randn(cos_batch, s, d // 2, dtype=torch.float64).repeat(1, 1, 2)
+    cos, sin = ang.cos(), ang.sin()
+
+    def fn(q_, k_, backend):
+        return F.rope(q_, k_, cos.to(q_.dtype), sin.to(q_.dtype), backend=backend)
+
+    _check(fn, [q, k], dtype, "rope")
+
+
+def test_rope_non_contiguous_q():
+    b, h, s, d = 1, 3, 5, 8
+    qkv = torch.randn(b, s, 3, h, d, dtype=torch.float64)
+    q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    ang = torch.randn(1, s, d // 2, dtype=torch.float64).repeat(1, 1, 2)
+
+    def fn(q_, k_, backend):
+        return F.rope(q_, k_, ang.cos().to(q_.dtype), ang.sin().to(q_.dtype), backend=backend)
+
+    _check(fn, [q, k], torch.float32, "rope strided")
+
+
+def test_linear_cross_entropy_runs_on_mlir():
+    h, w = torch.randn(9, 16, requires_grad=True), torch.randn(33, 16, requires_grad=True)
+    y = torch.randint(0, 33, (9,))
+    a = F.linear_cross_entropy(h, w, y, backend="mlir")
+    b = F.linear_cross_entropy(h, w, y, backend="reference")
+    assert torch.allclose(a, b)
+
+
+def test_float64_rejected():
+    import torchfuser.backends.mlir as M
+
+    with pytest.raises(TypeError, match="float64"):
+        M.rms_norm_fwd(torch.randn(2, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64), 1e-6, 0.0)
+
+
+def test_cache_hit_and_new_batch_without_recompiling(tmp_path, monkeypatch):
+    from torchfuser.backends.mlir import cache
+
+    monkeypatch.setenv("TORCHFUSER_CACHE_DIR", str(tmp_path))
+    cache.clear_memory()
+    w = torch.randn(80)
+    F.rms_norm(torch.randn(4, 80), w, backend="mlir")
+    compiles = cache.stats.compiles
+    for n in (1, 7, 300):  # new batch sizes: same kernel
+        F.rms_norm(torch.randn(n, 3, 80), w, backend="mlir")
+    assert cache.stats.compiles == compiles
+    # a fresh process-level cache: the kernel comes from disk, no recompiling
+    cache.clear_memory()
+    hits = cache.stats.hits_disk
+    F.rms_norm(torch.randn(5, 80), w, backend="mlir")
+    assert cache.stats.compiles == compiles and cache.stats.hits_disk == hits + 1
+    assert any(f.endswith(".json") for f in os.listdir(os.path.join(str(tmp_path), "mlir")))
+
+
+def test_cache_concurrent_threads(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchfuser.backends.mlir import cache
+
+    monkeypatch.setenv("TORCHFUSER_CACHE_DIR", str(tmp_path))
+    cache.clear_memory()
+    before = cache.stats.compiles
+    x, w = torch.randn(6, 72), torch.randn(72)
+    with ThreadPoolExecutor(4) as pool:
+        ys = list(pool.map(lambda _: F.rms_norm(x, w, backend="mlir"), range(4)))
+    assert cache.stats.compiles == before + 1
+    assert all(torch.equal(y, ys[0]) for y in ys)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_memory_steady_over_1000_calls():
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(256, requires_grad=True)
+    for _ in range(50):
+        F.rms_norm(x, w, backend="mlir").sum().backward()
+    gc.collect()
+    start = _rss_mb()
+    for _ in range(1000):
+        F.rms_norm(x, w, backend="mlir").sum().backward()
+    gc.collect()
+    assert _rss_mb() - start < 20
+
+
+def test_clear_error_without_torch_mlir(monkeypatch):
+    import torchfuser.backends as backends
+
+    monkeypatch.setattr(backends, "_has_module", lambda name: False if name == "torch_mlir" else importlib.util.find_spec(name) is not None)
+    with pytest.raises(BackendUnavailable, match="torch-mlir is not installed"):
+        resolve("mlir", "cpu")
+    assert resolve("auto", "cpu") == "reference"
+    assert "torch-mlir" in backends.auto_fallback_reason("cpu")
+
+
+def test_stage_ir_is_printable():
+    from torchfuser.backends.mlir import pipeline
+    from torchfuser.backends.mlir.capture import ROW, ArgSpec, capture
+    from torchfuser.backends.reference.gated import swiglu
+
+    cap = capture("swiglu_fwd", swiglu, [ArgSpec(ROW, (32,), torch.float32)] * 2, 4)
+    art = pipeline.compile_captured(cap, dump={"all"}, out=None)
+    assert set(art.ir) >= {"capture", "import", "linalg", "fuse", "wrapper", "bufferize", "loops", "llvm"}
+    assert "linalg.generic" in art.ir["linalg"] and "llvm.func @kernel" in art.ir["llvm"]

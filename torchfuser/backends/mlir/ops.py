@@ -1,0 +1,216 @@
+"""The MLIR backend's launchers, same signatures and returns as the reference backend.
+
+Each launcher names the reference definition it compiles (forward, or its vjp for the
+backward), describes its arguments as row / broadcast tensors, gets the cached kernel for
+that (spec, dtypes, row shape) and runs it on views of the caller's tensors. Leading dims are
+flattened into rows, so one kernel serves every batch × sequence length.
+"""
+from __future__ import annotations
+
+import torch
+
+from torchfuser.backends.reference import gated as ref_gated
+from torchfuser.backends.reference import layer_norm as ref_ln
+from torchfuser.backends.reference import rms_norm as ref_rms
+from torchfuser.backends.reference import rope as ref_rope
+from torchfuser.backends.reference._autodiff import vjp
+
+from .capture import BCAST, ROW, ArgSpec
+from .compile import kernel_for
+from .runner import as_rows
+
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_dtypes(op: str, *tensors) -> None:
+    for t in tensors:
+        if t is not None and t.dtype not in SUPPORTED:
+            raise TypeError(
+                f"{op}: the mlir backend computes in fp32 for float32/bfloat16/float16 inputs; got {t.dtype}. "
+                "Use backend='reference' for float64."
+            )
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"{op}: the mlir backend runs on CPU tensors, got one on {t.device}")
+
+
+def _hidden(x: torch.Tensor) -> int:
+    return x.shape[-1] if x.dim() else 1
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return as_rows(x.reshape(1) if x.dim() == 0 else x, (_hidden(x),))
+
+
+# ---- rms_norm ------------------------------------------------------------------------------
+
+def rms_norm_fwd(x, weight, eps, offset):
+    check_dtypes("rms_norm", x, weight)
+    h = _hidden(x)
+    k = kernel_for(
+        "rms_norm_fwd", {"eps": eps, "offset": offset},
+        lambda a, w: ref_rms.rms_norm(a, w, eps, offset),
+        [ArgSpec(ROW, (h,), x.dtype), ArgSpec(BCAST, (h,), weight.dtype)],
+    )
+    y, rstd = k(_rows(x), weight)
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
+    check_dtypes("rms_norm", dy, x, weight)
+    h = _hidden(x)
+    k = kernel_for(
+        "rms_norm_bwd", {"eps": eps, "offset": offset},
+        lambda g, a, w: vjp(lambda a_, w_: ref_rms.rms_norm(a_, w_, eps, offset)[0], (a, w), g),
+        [ArgSpec(ROW, (h,), dy.dtype), ArgSpec(ROW, (h,), x.dtype), ArgSpec(BCAST, (h,), weight.dtype)],
+    )
+    dx, dw = k(_rows(dy), _rows(x), weight)
+    return dx.view(x.shape), dw
+
+
+# ---- layer_norm ----------------------------------------------------------------------------
+
+def layer_norm_fwd(x, weight, bias, eps):
+    check_dtypes("layer_norm", x, weight, bias)
+    h = _hidden(x)
+    args = [ArgSpec(ROW, (h,), x.dtype), ArgSpec(BCAST, (h,), weight.dtype)]
+    if bias is None:
+        fn = lambda a, w: ref_ln.layer_norm(a, w, None, eps)  # noqa: E731
+        tensors = (weight,)
+    else:
+        args.append(ArgSpec(BCAST, (h,), bias.dtype))
+        fn = lambda a, w, b: ref_ln.layer_norm(a, w, b, eps)  # noqa: E731
+        tensors = (weight, bias)
+    k = kernel_for("layer_norm_fwd", {"eps": eps, "bias": bias is not None}, fn, args)
+    y, mean, rstd = k(_rows(x), *tensors)
+    lead = x.shape[:-1]
+    return y.view(x.shape), mean.view(lead), rstd.view(lead)
+
+
+def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
+    check_dtypes("layer_norm", dy, x, weight, bias)
+    h = _hidden(x)
+    args = [ArgSpec(ROW, (h,), dy.dtype), ArgSpec(ROW, (h,), x.dtype), ArgSpec(BCAST, (h,), weight.dtype)]
+    if bias is None:
+        fn = lambda g, a, w: vjp(lambda a_, w_: ref_ln.layer_norm(a_, w_, None, eps)[0], (a, w), g)  # noqa: E731
+        tensors = (weight,)
+    else:
+        args.append(ArgSpec(BCAST, (h,), bias.dtype))
+        fn = lambda g, a, w, b: vjp(lambda a_, w_, b_: ref_ln.layer_norm(a_, w_, b_, eps)[0], (a, w, b), g)  # noqa: E731
+        tensors = (weight, bias)
+    k = kernel_for("layer_norm_bwd", {"eps": eps, "bias": bias is not None}, fn, args)
+    outs = k(_rows(dy), _rows(x), *tensors)
+    db = outs[2] if bias is not None else weight.new_empty(0)
+    return outs[0].view(x.shape), outs[1], db
+
+
+# ---- gated activations and gelu ------------------------------------------------------------
+
+def _pair(op: str, ref_fn, gate, up):
+    check_dtypes(op, gate, up)
+    h = _hidden(gate)
+    k = kernel_for(f"{op}_fwd", {}, ref_fn, [ArgSpec(ROW, (h,), gate.dtype), ArgSpec(ROW, (h,), up.dtype)])
+    (y,) = k(_rows(gate), _rows(up))
+    return y.view(gate.shape)
+
+
+def _pair_bwd(op: str, ref_fn, dy, gate, up):
+    check_dtypes(op, dy, gate, up)
+    h = _hidden(gate)
+    k = kernel_for(
+        f"{op}_bwd", {}, lambda g, a, b: vjp(ref_fn, (a, b), g),
+        [ArgSpec(ROW, (h,), dy.dtype), ArgSpec(ROW, (h,), gate.dtype), ArgSpec(ROW, (h,), up.dtype)],
+    )
+    dgate, dup = k(_rows(dy), _rows(gate), _rows(up))
+    return dgate.view(gate.shape), dup.view(up.shape)
+
+
+def swiglu_fwd(gate, up):
+    return _pair("swiglu", ref_gated.swiglu, gate, up)
+
+
+def swiglu_bwd(dy, gate, up):
+    return _pair_bwd("swiglu", ref_gated.swiglu, dy, gate, up)
+
+
+def geglu_fwd(gate, up):
+    return _pair("geglu", ref_gated.geglu, gate, up)
+
+
+def geglu_bwd(dy, gate, up):
+    return _pair_bwd("geglu", ref_gated.geglu, dy, gate, up)
+
+
+def gelu_fwd(x, approximate):
+    check_dtypes("gelu", x)
+    h = _hidden(x)
+    k = kernel_for("gelu_fwd", {"approximate": approximate}, lambda a: ref_gated.gelu(a, approximate), [ArgSpec(ROW, (h,), x.dtype)])
+    (y,) = k(_rows(x))
+    return y.view(x.shape)
+
+
+def gelu_bwd(dy, x, approximate):
+    check_dtypes("gelu", dy, x)
+    h = _hidden(x)
+    k = kernel_for(
+        "gelu_bwd", {"approximate": approximate},
+        lambda g, a: vjp(ref_gated.gelu, (a,), g, approximate)[0],
+        [ArgSpec(ROW, (h,), dy.dtype), ArgSpec(ROW, (h,), x.dtype)],
+    )
+    (dx,) = k(_rows(dy), _rows(x))
+    return dx.view(x.shape)
+
+
+# ---- rope ----------------------------------------------------------------------------------
+# Rows are sequence positions: for one batch entry, q[b] viewed as S × Hq × D (a permuted
+# view, no copy) shares row s with cos[b, s]. The reference works on B×H×S×D, so the traced
+# function only re-lays its arguments out around the reference call.
+
+def _rope_rows(fn):
+    def per_position(q, k, c, s):
+        outs = fn(q.permute(1, 0, 2).unsqueeze(0), k.permute(1, 0, 2).unsqueeze(0), c.unsqueeze(0), s.unsqueeze(0))
+        return tuple(o.squeeze(0).permute(1, 0, 2) for o in outs)
+
+    return per_position
+
+
+def _rope(op: str, fn, q, k, cos, sin):
+    check_dtypes("rope", q, k, cos, sin)
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    kern = kernel_for(
+        op, {}, _rope_rows(fn),
+        [ArgSpec(ROW, (hq, d), q.dtype), ArgSpec(ROW, (hk, d), k.dtype), ArgSpec(ROW, (d,), cos.dtype), ArgSpec(ROW, (d,), sin.dtype)],
+    )
+    qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
+    for i in range(b):
+        j = i if cos.shape[0] == b else 0
+        kern(q[i].transpose(0, 1), k[i].transpose(0, 1), cos[j], sin[j], out=[qo[i].transpose(0, 1), ko[i].transpose(0, 1)])
+    return qo, ko
+
+
+def rope_fwd(q, k, cos, sin):
+    return _rope("rope_fwd", ref_rope.rope, q, k, cos, sin)
+
+
+def rope_bwd(dq, dk, cos, sin):
+    def grad(q, k, c, s):
+        return vjp(lambda a, b_: ref_rope.rope(a, b_, c, s), (q, k), (q, k))
+
+    return _rope("rope_bwd", grad, dq, dk, cos, sin)
+
+
+# ---- linear_cross_entropy ------------------------------------------------------------------
+
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
+    """Not MLIR-fused yet: runs the reference (PyTorch) definition so that ``auto`` on CPU works.
+    Outputs are distinct tensors (the custom op forbids aliased returns)."""
+    from torchfuser.backends.reference import linear_cross_entropy_fwd as ref
+
+    check_dtypes("linear_cross_entropy", hidden, weight, bias)
+    loss, dh, dw, db = ref(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad)
+    seen = set()
+    outs = []
+    for t in (loss, dh, dw, db):
+        outs.append(t.clone() if id(t) in seen else t)
+        seen.add(id(t))
+    return tuple(outs)

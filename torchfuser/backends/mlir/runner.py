@@ -1,0 +1,109 @@
+"""Calls a compiled kernel on PyTorch tensors: allocation of outputs, row blocks, threads.
+
+Row inputs and outputs are viewed as (rows, *row_shape) without copies when their inner
+stride is 1 (any other stride is fine); only an input whose last dim is strided is made
+contiguous first. Outputs are allocated here by PyTorch, contiguous, and written in place
+by the kernel. Rows are split into one contiguous block per worker thread; every thread's
+fp32 sum outputs land in its own row of a (threads, ...) buffer that is added up at the end.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .capture import ROW
+
+# Below this many elements per block, a thread costs more than it saves.
+MIN_BLOCK_ELEMS = 1 << 16
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def num_threads() -> int:
+    env = os.environ.get("TORCHFUSER_MLIR_THREADS")
+    return max(1, int(env)) if env else max(1, torch.get_num_threads())
+
+
+def _executor(n: int) -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < n:
+            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="torchfuser-mlir")
+        return _pool
+
+
+def _memref_args(t: torch.Tensor, row0: int | None = None, rows: int | None = None) -> list[int]:
+    """Exploded memref descriptor of ``t`` (or of rows row0:row0+rows of it): pointers and ints."""
+    ptr = t.data_ptr()
+    sizes = list(t.shape)
+    strides = list(t.stride())
+    if row0 is not None:
+        ptr += row0 * strides[0] * t.element_size()
+        sizes[0] = rows
+    return [ptr, ptr, 0, *sizes, *strides]
+
+
+def as_rows(t: torch.Tensor, row_shape: tuple[int, ...]) -> torch.Tensor:
+    """(…, *row_shape) → (rows, *row_shape), a view whenever the layout allows."""
+    if row_shape and t.stride(-1) != 1:
+        t = t.contiguous()
+    if not row_shape and t.dim() and t.stride(-1) != 1:
+        t = t.contiguous()
+    k = len(row_shape)
+    lead = t.shape[: t.dim() - k]
+    n = 1
+    for d in lead:
+        n *= d
+    try:
+        return t.view(n, *row_shape)
+    except RuntimeError:
+        return t.reshape(n, *row_shape)
+
+
+def call_packed(fn, args: list[int]) -> None:
+    """``fn(void **)`` with one pointer per scalar; the scalars live in an int64 tensor."""
+    vals = torch.tensor(args, dtype=torch.int64)
+    ptrs = torch.arange(0, 8 * len(args), 8, dtype=torch.int64).add_(vals.data_ptr())
+    fn(ptrs.data_ptr())
+
+
+@dataclass
+class Call:
+    fn: object
+    roles: tuple[str, ...]          # per kernel arg after n: ROW / bcast for inputs, ROW / sum for outputs
+    n_inputs: int
+
+
+def run(kernel: Call, n: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], sums_shape_threads: int) -> None:
+    """Run rows [0, n) over ``sums_shape_threads`` blocks; ``outputs`` sum entries are (T, ...) buffers."""
+    threads = sums_shape_threads
+    bounds = [(n * i) // threads for i in range(threads + 1)]
+
+    def block(i: int) -> None:
+        r0, r1 = bounds[i], bounds[i + 1]
+        args = [r1 - r0]
+        for t, role in zip(inputs + outputs, kernel.roles):
+            if role == ROW:
+                args += _memref_args(t, r0, r1 - r0)
+            elif role == "sum":
+                args += _memref_args(t[i])
+            else:
+                args += _memref_args(t)
+        call_packed(kernel.fn, args)
+
+    if threads == 1:
+        block(0)
+    else:
+        list(_executor(threads).map(block, range(threads)))
+
+
+def plan_threads(n: int, row_elems: int) -> int:
+    """Worker threads for n rows of row_elems elements each."""
+    want = num_threads()
+    by_size = max(1, (n * max(row_elems, 1)) // MIN_BLOCK_ELEMS)
+    return max(1, min(want, by_size, n))
