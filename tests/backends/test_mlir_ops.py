@@ -242,3 +242,20 @@ def test_stage_ir_is_printable():
     art = pipeline.compile_captured(cap, dump={"all"}, out=None)
     assert set(art.ir) >= {"capture", "import", "linalg", "fuse", "wrapper", "bufferize", "loops", "llvm"}
     assert "linalg.generic" in art.ir["linalg"] and "llvm.func @kernel" in art.ir["llvm"]
+
+
+def test_compile_graph_dynamic_rows():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchfuser.backends.mlir import compile_graph
+
+    def f(x, w):
+        y = torch.sigmoid(x) * w
+        return y, (x * y).sum(0)
+
+    x, w = torch.randn(10, 32), torch.randn(32)
+    run = compile_graph(make_fx(f)(x, w), [x, w], dynamic=True)
+    for n in (1, 37):
+        xn = torch.randn(n, 32)
+        for a, b in zip(run(xn, w), f(xn, w)):
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
