@@ -44,6 +44,24 @@ def _has_empty_rows(mask: Tensor) -> bool:
     return empty
 
 
+def _record_attention_weights(original: nn.Module, out) -> None:
+    """transformers collects ``output_attentions`` through forward hooks it installs, on first use,
+    on modules of the attention *class*; a FusedAttention is not one, so when the hooks were
+    installed after fusion nothing would be recorded and ``outputs.attentions`` would silently come
+    back empty. Record the original's weights in the active collector then (transformers 5.x)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - other transformers versions: nothing to do
+        return
+    collected = _active_collector.get()
+    if not collected or "attentions" not in collected or not isinstance(out, tuple) or len(out) < 2:
+        return
+    if any(getattr(h, "__name__", "") == "output_capturing_hook" for h in original._forward_hooks.values()):
+        return  # hooked before fusion: the hook recorded it
+    if out[1] is not None:
+        collected["attentions"].append(out[1])
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """softmax(q·kᵀ·scaling + mask)·v, with q, k, v from the projections below.
@@ -81,13 +99,16 @@ class FusedAttention(FusedModule):
 
     def __init__(self, original: nn.Module, spec: AttentionSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        adopt(self, original, _submodule_names(spec))
-        for name in dict.fromkeys(n for n in (spec.dropout, spec.out_dropout) if n is not None):
-            value = getattr(original, name)
+        wanted = set(_submodule_names(spec))
+        for name in (spec.dropout, spec.out_dropout):
+            value = None if name is None else getattr(original, name)
             if isinstance(value, nn.Module):
-                adopt(self, original, [name])
-            else:  # a float p, read by the original forward from the same attribute
+                wanted.add(name)
+            elif name is not None:  # a float p, read by the original forward from the same attribute
                 setattr(self, name, float(value))
+        # In the original's order, so that state_dict keys come out in the same order too.
+        order = [*original._parameters, *original._buffers, *original._modules]
+        adopt(self, original, [n for n in order if n in wanted])
         # Read by transformers' sdpa function and by callers (e.g. cache setup).
         self.config = getattr(original, "config", None)
         self.layer_idx = getattr(original, "layer_idx", None)
@@ -107,7 +128,9 @@ class FusedAttention(FusedModule):
         for name, child in self._modules.items():
             original._modules[name] = child
         original.training = self.training
-        return original(hidden_states, **kwargs)
+        out = original(hidden_states, **kwargs)
+        _record_attention_weights(original, out)
+        return out
 
     def _wants_fallback(self, kwargs) -> bool:
         impl = getattr(self.config, "_attn_implementation", None)

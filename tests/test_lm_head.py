@@ -1,0 +1,166 @@
+"""The lm_head_loss pattern: HF's loss exactly (shift, ignore_index, num_items_in_batch, softcap),
+logits never materialised, per-instance and reversible, and skips for logit transforms it does not know."""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import torchfuser
+from torchfuser.modules import FusedLMHeadLoss
+
+from test_architectures import batch, make
+
+
+def lm_pair(model_type="llama", **overrides):
+    ref = make(model_type, **overrides)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference", patterns=["lm_head_loss"])
+    ref.train(), fused.train()
+    return ref, fused
+
+
+def both(ref, fused, **kwargs):
+    a, b = ref(**kwargs), fused(**kwargs)
+    return a, b
+
+
+def assert_same_loss_and_grads(a, b, ref, fused):
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    a.loss.backward()
+    b.loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_logits_are_never_materialised():
+    _, fused = lm_pair()
+    calls = []
+    fused.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    ids, mask, labels = batch()
+    out = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is None and out.loss.ndim == 0 and calls == []
+
+
+@pytest.mark.parametrize("case", ["ignore_index", "all_ignored_row", "num_items_tensor", "num_items_int", "shift_labels"])
+def test_loss_matches_hf(case):
+    ref, fused = lm_pair()
+    ids, mask, labels = batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if case == "ignore_index":
+        labels[0, ::2] = -100
+    elif case == "all_ignored_row":
+        labels[0] = -100
+    elif case == "num_items_tensor":
+        kwargs["num_items_in_batch"] = torch.tensor(37)
+    elif case == "num_items_int":
+        kwargs["num_items_in_batch"] = 11
+    elif case == "shift_labels":  # context-parallel style: labels already shifted by the caller
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+        shifted[1, -3:] = -100
+        kwargs["shift_labels"] = shifted
+    assert_same_loss_and_grads(*both(ref, fused, **kwargs), ref, fused)
+
+
+def test_custom_ignore_index_kwarg():
+    ref, fused = lm_pair()
+    ids, mask, labels = batch()
+    labels[labels == -100] = 7
+    labels[0, :4] = 7
+    assert_same_loss_and_grads(*both(ref, fused, input_ids=ids, attention_mask=mask, labels=labels, ignore_index=7), ref, fused)
+
+
+def test_all_labels_ignored_is_nan_like_hf():
+    ref, fused = lm_pair()
+    ids, mask, labels = batch()
+    a, b = both(ref, fused, input_ids=ids, attention_mask=mask, labels=torch.full_like(labels, -100))
+    assert torch.isnan(a.loss) and torch.isnan(b.loss)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 0.5, None])
+def test_gemma2_final_logit_softcapping(softcap):
+    ref, fused = lm_pair("gemma2", final_logit_softcapping=softcap)
+    assert fused.__dict__["forward"].spec.softcap == softcap
+    ids, mask, labels = batch()
+    assert_same_loss_and_grads(*both(ref, fused, input_ids=ids, attention_mask=mask, labels=labels), ref, fused)
+
+
+def test_return_dict_false_puts_loss_first():
+    ref, fused = lm_pair()
+    ids, mask, labels = batch()
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert isinstance(b, tuple) and len(b) == len(a) - 1  # the logits (None) are left out
+    torch.testing.assert_close(b[0], a[0], rtol=1e-5, atol=1e-6)
+
+
+def test_eval_no_labels_and_logits_to_keep_run_the_original():
+    ref, fused = lm_pair()
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        assert torch.equal(fused(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits)
+        a, b = both(ref, fused, input_ids=ids, attention_mask=mask, logits_to_keep=3)
+        assert torch.equal(b.logits, a.logits)
+        with pytest.raises(ValueError):  # HF's own error for labels with sliced logits: the original ran
+            fused(input_ids=ids, attention_mask=mask, labels=labels, logits_to_keep=3)
+        ref.eval(), fused.eval()
+        a, b = both(ref, fused, input_ids=ids, attention_mask=mask, labels=labels)
+        assert torch.equal(b.logits, a.logits) and torch.equal(b.loss, a.loss)
+
+
+def test_positional_labels():
+    ref, fused = lm_pair()
+    ids, mask, labels = batch()
+    names = list(inspect.signature(type(ref).forward).parameters)[1:]
+    args = [{"input_ids": ids, "attention_mask": mask, "labels": labels}.get(n) for n in names[: names.index("labels") + 1]]
+    a, b = ref(*args), fused(*args)
+    assert b.logits is None
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_per_instance_signature_kept_and_restore():
+    ref, fused = lm_pair()
+    other = make("llama")
+    assert "forward" not in other.__dict__ and "forward" not in ref.__dict__
+    assert isinstance(fused.__dict__["forward"], FusedLMHeadLoss)
+    assert inspect.signature(fused.forward) == inspect.signature(ref.forward)  # generate()/Trainer inspect it
+    torchfuser.restore(fused)
+    assert "forward" not in fused.__dict__
+    ids, mask, labels = batch()
+    assert fused(input_ids=ids, attention_mask=mask, labels=labels).logits is not None
+
+
+def test_forward_that_transforms_logits_unexpectedly_raises():
+    # Softcapping switched on after optimize: the spec said none, the forward now applies one.
+    _, fused = lm_pair("gemma2", final_logit_softcapping=None)
+    fused.config.final_logit_softcapping = 5.0
+    ids, mask, labels = batch()
+    with pytest.raises(RuntimeError, match="exclude=\\['lm_head_loss'\\]"):
+        fused(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def _tiny(model_type, **kw):
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, vocab_size=128, pad_token_id=0,
+                               bos_token_id=1, eos_token_id=2, **kw)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("model_type,attr", [("cohere", "logit_scale"), ("granite", "logits_scaling")])
+def test_unknown_logit_scaling_is_skipped(model_type, attr):
+    model = _tiny(model_type)
+    torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"])
+    (entry,) = torchfuser.report(model).entries
+    assert entry.name == "" and not entry.is_fused and attr in entry.reason
+    assert "forward" not in model.__dict__
+
+
+def test_custom_loss_function_is_skipped():
+    model = make("llama")
+    model.loss_function = lambda logits, labels, **kw: logits.sum()
+    torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"])
+    (entry,) = torchfuser.report(model).entries
+    assert not entry.is_fused and "loss_function" in entry.reason
