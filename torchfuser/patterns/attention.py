@@ -27,7 +27,7 @@ from torchfuser.patterns.base import Pattern, Skip
 
 _MODEL_WIDTH = 8  # probe width on the model side of the projections
 _BATCH, _SEQ = 2, 5
-_MAX_PROBES = 48  # eval probes per module before giving up (each is a few ms)
+_MAX_PROBES = 24  # eval probes per module before giving up (each is a few ms; hints put the right one first)
 _UNSUPPORTED_ARGS = ("alibi", "position_bias")
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
 
