@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchfuser.backends import kernel
+from ._call import kernel
 
 
 def _define_gated(name: str):

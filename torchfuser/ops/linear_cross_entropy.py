@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from torchfuser.backends import kernel
+from ._call import kernel
 
 
 @torch.library.custom_op("torchfuser::linear_cross_entropy_fwd", mutates_args=())

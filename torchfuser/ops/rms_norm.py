@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchfuser.backends import kernel
+from ._call import kernel
 
 
 @torch.library.custom_op("torchfuser::rms_norm_fwd", mutates_args=())

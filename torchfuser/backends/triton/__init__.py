@@ -1,1 +1,21 @@
-"""The Triton backend (CUDA/ROCm; the CPU under TRITON_INTERPRET=1). Kernels arrive per op."""
+"""The Triton backend (CUDA/ROCm; the CPU under TRITON_INTERPRET=1): one kernel file per op.
+
+Every function here has the signature and return values of its twin in ``backends/reference``
+and returns contiguous outputs in the input dtype (statistics in fp32). Only this package
+imports triton.
+"""
+from . import _interpret
+
+_interpret.apply()
+
+from .gated import gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, swiglu_bwd, swiglu_fwd
+from .layer_norm import layer_norm_bwd, layer_norm_fwd
+from .linear_cross_entropy import linear_cross_entropy_fwd
+from .rms_norm import rms_norm_bwd, rms_norm_fwd
+from .rope import rope_bwd, rope_fwd
+
+__all__ = [
+    "rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
+    "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
+    "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd",
+]

@@ -1,0 +1,341 @@
+"""The Triton backend's kernels, run on the CPU by Triton's interpreter (TRITON_INTERPRET=1).
+
+Every op, forward and every gradient, through the public API and the custom ops, in fp32 and
+bf16 (fp16 where cheap), against the reference backend run on float64 inputs, with the
+DESIGN.md rule: max|fused − ref64| ≤ 2·max|torch_same_dtype − ref64| + atol.
+Shapes stay small: the interpreter runs each Triton program as Python.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import torchfuser.functional as F
+from numerics import ATOL, assert_within_rule
+from torchfuser.backends import BackendUnavailable
+
+pytest.importorskip("triton")
+
+_BACKEND = "torchfuser.backends.triton"
+# On a CUDA machine the kernels are compiled and run on the GPU; elsewhere Triton interprets them.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pop_modules(is_ours):
+    return {m: sys.modules.pop(m) for m in [m for m in sys.modules if is_ours(m)]}
+
+
+def _is_backend(m):
+    return m == _BACKEND or m.startswith(_BACKEND + ".")
+
+
+def _is_triton_python(m):
+    # The C extension (triton._C) stays loaded: it cannot be imported twice, and does not care.
+    return (m == "triton" or m.startswith("triton.")) and not m.startswith("triton._C")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreter():
+    """The Triton backend module, interpreted on the CPU (TRITON_INTERPRET=1 for this module only).
+
+    Triton picks interpreted vs compiled when a function is decorated, at import, and that
+    includes its own library (tl.sum, ...). torch._dynamo imports triton, so triton may already
+    be loaded in compiled mode: this module gets a fresh interpreted import of triton's Python
+    modules and of the backend, and the originals are put back afterwards, so other tests (and
+    the TRITON_INTERPRET check of the dispatch) see the process as it was.
+    """
+    import torchfuser.backends as backends
+
+    if DEVICE == "cuda":
+        yield importlib.import_module(_BACKEND)
+        return
+    old_env = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    saved = {**_pop_modules(_is_triton_python), **_pop_modules(_is_backend)}
+    saved_attr = backends.__dict__.pop("triton", None)
+    try:
+        yield importlib.import_module(_BACKEND)
+    finally:
+        _pop_modules(_is_triton_python)
+        _pop_modules(_is_backend)
+        sys.modules.update(saved)
+        backends.__dict__.pop("triton", None)
+        if saved_attr is not None:
+            backends.triton = saved_attr
+        if old_env is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old_env
+
+
+# ---------------------------------------------------------------- helpers
+
+def _leaf(t, dtype, make=None):
+    """t in dtype as a leaf; ``make`` turns it into the (possibly non-contiguous) tensor used."""
+    leaf = t.detach().to(dtype).requires_grad_()
+    return leaf if make is None else make(leaf)
+
+
+def _check(op_fn, inputs, dtype, what, torch_fn=None, make=None):
+    """Compare op_fn(backend='triton') with op_fn(backend='reference') in float64 (the oracle)
+    and torch_fn (default: the reference backend) in ``dtype`` (the baseline)."""
+    make = make or {}
+
+    def run(fn, dt):
+        leaves = [_leaf(t, dt) if t.is_floating_point() else t for t in inputs]
+        used = [make[i](t) if i in make else t for i, t in enumerate(leaves)]
+        outs = fn(*used)  # gradients are taken w.r.t. the leaves, through the views
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        gen = torch.Generator().manual_seed(1)
+        cot = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outs]
+        req = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        return list(outs) + list(torch.autograd.grad(outs, req, cot)), len(outs)
+
+    ref, _ = run(lambda *a: op_fn(*a, backend="reference"), torch.float64)
+    same, _ = run(torch_fn or (lambda *a: op_fn(*a, backend="reference")), dtype)
+    got, n_out = run(lambda *a: op_fn(*a, backend="triton"), dtype)
+    for i, (g, s, r) in enumerate(zip(got, same, ref)):
+        assert g.dtype == s.dtype, f"{what} output {i}: dtype {g.dtype} != {s.dtype}"
+        # (gradients reach the leaves through autograd's view backward, in its layout)
+        assert i >= n_out or g.is_contiguous(), f"{what} output {i}: not contiguous"
+        assert_within_rule(g, s, r, ATOL[g.dtype] * max(1.0, r.abs().max().item()), f"{what} output {i}")
+
+
+def _rand(*shape, scale=1.0, shift=0.0):
+    # Never zeros: zeros hide unwritten outputs and wrong indexing.
+    return (torch.randn(*shape) * scale + shift).to(DEVICE)
+
+
+# Non-contiguous views of a leaf of shape (M, N): a row-strided slice of a wider buffer and a
+# transposed tensor (reshape copies).
+def _row_strided(t):
+    wide = torch.cat([t, t[..., :7].detach() * 0 + 3.0], dim=-1)
+    return wide[..., : t.shape[-1]]
+
+
+def _transposed(t):
+    return t.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+LOW = [torch.float32, torch.bfloat16]
+NORM_CASES = [  # (shape, dtypes, view)
+    ((1, 64), LOW, None),
+    ((37, 123), LOW + [torch.float16], None),
+    ((2, 3, 96), LOW, None),
+    ((37, 123), LOW, _row_strided),
+    ((37, 123), [torch.bfloat16], _transposed),
+    ((2, 8192), [torch.bfloat16], None),  # largest one-pass row
+    ((3, 20000), LOW, None),  # past MAX_FUSED: the chunked two-pass path
+]
+
+
+def _norm_params():
+    for shape, dtypes, view in NORM_CASES:
+        for dt in dtypes:
+            yield pytest.param(shape, dt, view, id=f"{'x'.join(map(str, shape))}-{str(dt)[6:]}-{getattr(view, '__name__', 'dense')}")
+
+
+# ---------------------------------------------------------------- norms
+
+@pytest.mark.parametrize("shape,dtype,view", list(_norm_params()))
+def test_rms_norm(shape, dtype, view):
+    offset = 1.0 if shape[-1] == 123 else 0.0
+    fn = lambda x, w, backend: F.rms_norm(x, w, 1e-6, offset=offset, backend=backend)  # noqa: E731
+    make = {0: view} if view else None
+    _check(fn, [_rand(*shape), _rand(shape[-1])], dtype, f"rms_norm{shape}", make=make)
+
+
+@pytest.mark.parametrize("shape,dtype,view", list(_norm_params()))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_layer_norm(shape, dtype, view, bias):
+    inputs = [_rand(*shape, shift=0.5), _rand(shape[-1])] + ([_rand(shape[-1])] if bias else [])
+    fn = lambda x, w, *b, backend: F.layer_norm(x, w, b[0] if b else None, 1e-5, backend=backend)  # noqa: E731
+    make = {0: view} if view else None
+    _check(fn, inputs, dtype, f"layer_norm{shape}", make=make)
+
+
+def test_norm_statistics(interpreter):
+    """rstd / mean of the kernels (fp32, one per row) against the reference's."""
+    from torchfuser.backends import reference as R
+
+    x, w, b = _rand(37, 123).bfloat16(), _rand(123).bfloat16(), _rand(123).bfloat16()
+    _, rstd = interpreter.rms_norm_fwd(x, w, 1e-6, 0.0)
+    _, rstd64 = R.rms_norm_fwd(x.double(), w.double(), 1e-6, 0.0)
+    assert rstd.dtype == torch.float32 and rstd.shape == (37,)
+    torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
+    _, mean, rstd = interpreter.layer_norm_fwd(x, w, b, 1e-5)
+    _, mean64, rstd64 = R.layer_norm_fwd(x.double(), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(mean.double(), mean64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------- gated activations, gelu
+
+GATED_CASES = [((1, 64), LOW), ((37, 123), LOW + [torch.float16]), ((2, 3, 96), [torch.bfloat16])]
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("shape,dtype", [(s, d) for s, ds in GATED_CASES for d in ds])
+def test_gated(op, shape, dtype):
+    fn = lambda g, u, backend: getattr(F, op)(g, u, backend=backend)  # noqa: E731
+    _check(fn, [_rand(*shape, scale=2.0), _rand(*shape)], dtype, f"{op}{shape}")
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("dtype", LOW)
+def test_gated_halves_of_fused_projection(op, dtype):
+    """gate and up as the two row-strided halves of one gate_up output: read without copies."""
+    fn = lambda gu, backend: getattr(F, op)(*gu.chunk(2, dim=-1), backend=backend)  # noqa: E731
+    _check(fn, [_rand(37, 246, scale=2.0)], dtype, f"{op} chunked")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", LOW + [torch.float16])
+def test_gelu(approximate, dtype):
+    fn = lambda x, backend: F.gelu(x, approximate, backend=backend)  # noqa: E731
+    _check(fn, [_rand(37, 123, scale=3.0)], dtype, f"gelu-{approximate}")
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_non_contiguous(approximate):
+    fn = lambda x, backend: F.gelu(x, approximate, backend=backend)  # noqa: E731
+    _check(fn, [_rand(37, 123, scale=3.0)], torch.bfloat16, "gelu transposed", make={0: _transposed})
+
+
+# ---------------------------------------------------------------- rope
+
+ROPE_CASES = [  # (B, Hq, Hk, S, D, cos batch, q from a transpose)
+    (1, 1, 1, 1, 16, 1, False),
+    (2, 4, 2, 5, 16, 1, True),
+    (2, 3, 1, 7, 12, 2, True),  # head-dim half 6: not a power of two
+    (1, 6, 6, 37, 32, 1, False),
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "B{}Hq{}Hk{}S{}D{}cos{}{}".format(*c[:6], "T" if c[6] else ""))
+@pytest.mark.parametrize("dtype", LOW)
+def test_rope(case, dtype):
+    b, hq, hk, s, d, cb, transposed = case
+    cos, sin = _rand(cb, s, d), _rand(cb, s, d)
+    if transposed:  # B×S×H×D projections viewed as B×H×S×D, as attention modules do
+        q, k = _rand(b, s, hq, d), _rand(b, s, hk, d)
+        make = {0: lambda t: t.transpose(1, 2), 1: lambda t: t.transpose(1, 2)}
+    else:
+        q, k, make = _rand(b, hq, s, d), _rand(b, hk, s, d), None
+    fn = lambda q, k, backend: F.rope(q, k, cos.to(q.dtype), sin.to(q.dtype), backend=backend)  # noqa: E731
+    _check(fn, [q, k], dtype, f"rope{case}", make=make)
+
+
+# ---------------------------------------------------------------- linear + cross-entropy
+
+def _plain_lce(reduction, softcap, ignore_index=-100):
+    """What a PyTorch program would run in the same dtype: nn.Linear then F.cross_entropy. The
+    reference backend upcasts the matrix products to fp32 (it is the oracle), so it is no
+    baseline for the error of a bf16 matrix product; this is."""
+
+    def fn(h, w, labels, bias=None):
+        logits = TF.linear(h, w, bias)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        return TF.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction=reduction)
+
+    return fn
+
+
+LCE_CASES = [  # (N, H, V, bias, softcap, reduction, chunk rows or None)
+    (1, 64, 123, False, None, "mean", None),
+    (37, 64, 123, False, None, "mean", None),
+    (37, 64, 123, True, 5.0, "sum", None),
+    (37, 48, 300, True, None, "mean", 8),  # several chunks: dW accumulates across them
+    (37, 64, 123, False, 3.0, "mean", 16),
+]
+
+
+@pytest.mark.parametrize("case", LCE_CASES, ids=lambda c: "N{}H{}V{}-bias{}-cap{}-{}-chunk{}".format(*c))
+@pytest.mark.parametrize("dtype", LOW)
+def test_linear_cross_entropy(case, dtype, interpreter, monkeypatch):
+    n, h, v, bias, softcap, reduction, chunk = case
+    if chunk is not None:
+        monkeypatch.setattr(interpreter.linear_cross_entropy, "LOGITS_CHUNK_BYTES", chunk * v * 4)
+        assert interpreter.linear_cross_entropy.chunk_rows(n, v) == chunk
+    labels = torch.randint(0, v, (n,)).to(DEVICE)
+    if n > 1:
+        labels[::5] = -100  # ignored tokens: no loss, no gradient, not counted by 'mean'
+    inputs = [_rand(n, h), _rand(v, h, scale=h**-0.5 * 2)] + ([_rand(v, scale=0.5)] if bias else [])
+
+    def fn(hid, w, *b, backend):
+        return F.linear_cross_entropy(hid, w, labels, bias=b[0] if b else None, reduction=reduction,
+                                      softcap=softcap, backend=backend)
+
+    plain = _plain_lce(reduction, softcap)
+    _check(fn, inputs, dtype, f"lce{case}", torch_fn=lambda hid, w, *b: plain(hid, w, labels, *b))
+
+
+def test_linear_cross_entropy_without_grad(interpreter):
+    """need_grad=False: the loss alone, empty gradients, in the fake impl's shapes."""
+    h, w = _rand(37, 64).bfloat16(), _rand(123, 64, scale=0.25).bfloat16()
+    labels = torch.randint(0, 123, (37,)).to(DEVICE)
+    loss, dh, dw, db = interpreter.linear_cross_entropy_fwd(h, w, None, labels, -100, None, "mean", False)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert dh.numel() == dw.numel() == db.numel() == 0
+    ref = TF.cross_entropy(h.double() @ w.double().T, labels)
+    assert abs(loss.item() - ref.item()) < 1e-4
+    with torch.no_grad():
+        assert torch.equal(F.linear_cross_entropy(h, w, labels, backend="triton"), loss)
+
+
+# ---------------------------------------------------------------- contract with the ops layer
+
+def _fake_vs_real(op, *args):
+    """The kernels' outputs have exactly the fake impl's shapes, dtypes and contiguity."""
+    real = op(*args, "triton")
+    meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+    fake = op(*meta, "triton")
+    for r, f in zip(real if isinstance(real, tuple) else (real,), fake if isinstance(fake, tuple) else (fake,)):
+        assert (r.shape, r.dtype, r.is_contiguous()) == (f.shape, f.dtype, True)
+
+
+def test_outputs_match_fake_impls():
+    ops = torch.ops.torchfuser
+    x, w, b = _rand(2, 5, 96).bfloat16(), _rand(96).bfloat16(), _rand(96).bfloat16()
+    y, rstd = ops.rms_norm_fwd(x, w, 1e-6, 0.0, "triton")
+    _fake_vs_real(ops.rms_norm_fwd, x, w, 1e-6, 0.0)
+    _fake_vs_real(ops.rms_norm_bwd, y, x, w, rstd, 1e-6, 0.0)
+    y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5, "triton")
+    _fake_vs_real(ops.layer_norm_fwd, x, w, None, 1e-5)
+    _fake_vs_real(ops.layer_norm_bwd, y, x, w, None, mean, rstd, 1e-5)
+    _fake_vs_real(ops.layer_norm_bwd, y, x, w, b, mean, rstd, 1e-5)
+    _fake_vs_real(ops.swiglu_bwd, x, x, y)
+    _fake_vs_real(ops.gelu_fwd, x, "tanh")
+    q, k, cos = _rand(2, 4, 3, 16), _rand(2, 2, 3, 16), _rand(1, 3, 16)
+    _fake_vs_real(ops.rope_fwd, q, k, cos, cos)
+    h, wt, labels = _rand(7, 16), _rand(11, 16), torch.randint(0, 11, (7,)).to(DEVICE)
+    for bias in (None, _rand(11)):
+        for need_grad in (True, False):
+            _fake_vs_real(ops.linear_cross_entropy_fwd, h, wt, bias, labels, -100, None, "mean", need_grad)
+
+
+# ---------------------------------------------------------------- errors
+
+def test_rejects_float64(interpreter):
+    x = _rand(4, 8).double()
+    with pytest.raises(TypeError, match="float64.*backend='reference'"):
+        interpreter.rms_norm_fwd(x, _rand(8).double(), 1e-6, 0.0)
+    with pytest.raises(TypeError, match="triton backend supports"):
+        F.swiglu(x, x, backend="triton")
+    with pytest.raises(TypeError, match="triton backend supports"):
+        interpreter.linear_cross_entropy_fwd(x, x, None, torch.zeros(4, dtype=torch.long, device=DEVICE), -100, None, "mean", True)
+
+
+def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    x = torch.randn(4, 8)
+    with pytest.raises(BackendUnavailable, match="TRITON_INTERPRET=1"):
+        F.rms_norm(x, torch.randn(8), backend="triton")
+    with pytest.raises(BackendUnavailable, match="CUDA"):
+        F.linear_cross_entropy(x, torch.randn(5, 8), torch.zeros(4, dtype=torch.long), backend="triton")

@@ -1,0 +1,206 @@
+"""Gated activations and GELU in Triton (elementwise, memory-bound).
+
+    swiglu(g, u) = silu(g) · u,       silu(g) = g·σ(g),        silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
+    geglu(g, u)  = gelu_tanh(g) · u,  gelu_tanh(g) = ½g(1 + t), t = tanh(k0·(g + k1·g³)),
+                   gelu_tanh'(g) = ½(1 + t) + ½g·(1 − t²)·k0·(1 + 3k1·g²)
+    gelu(x)      = ½x(1 + erf(x/√2)), gelu'(x) = ½(1 + erf(x/√2)) + x·φ(x)   (or the tanh form)
+Backward: dg = dy · u · act'(g), du = dy · act(g). Saved for the backward: the inputs only
+(recomputing act(g) is cheaper than storing it). Math in fp32, one rounding per output.
+
+Inputs are read through their row stride (gate and up are often the two halves of one fused
+gate_up projection), so such views cost no copy; fully contiguous inputs are walked flat.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtypes, next_pow2, rows_view, warps_for
+from ._math import tanh
+
+_TILE = 4096
+_K0 = tl.constexpr(0.7978845608028654)  # sqrt(2/pi)
+_K1 = tl.constexpr(0.044715)
+_INV_SQRT2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+
+
+@triton.jit
+def _tile(M, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    n_col = tl.cdiv(N, BLOCK_N)
+    rows = (pid // n_col) * ROWS + tl.arange(0, ROWS)
+    cols = (pid % n_col) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _silu(g):
+    s = tl.sigmoid(g)
+    return g * s, s * (1.0 + g * (1.0 - s))
+
+
+@triton.jit
+def _gelu_tanh(g):
+    t = tanh(_K0 * (g + _K1 * g * g * g))
+    d = 0.5 * (1.0 + t) + 0.5 * g * ((1.0 - t) * (1.0 + t)) * _K0 * (1.0 + 3.0 * _K1 * g * g)
+    return 0.5 * g * (1.0 + t), d
+
+
+@triton.jit
+def _gelu_erf(x):
+    cdf = 0.5 * (1.0 + tl.erf(x * _INV_SQRT2))
+    return x * cdf, cdf + x * tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+@triton.jit
+def _swiglu_fwd_kernel(G, U, Y, M, N, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
+    g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _silu(g)
+    tl.store(Y + r * N + c, (a * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
+    dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
+    a, da = _silu(g)
+    tl.store(DG + r * N + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + r * N + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _geglu_fwd_kernel(G, U, Y, M, N, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
+    g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _gelu_tanh(g)
+    tl.store(Y + r * N + c, (a * u).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _geglu_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
+    dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
+    a, da = _gelu_tanh(g)
+    tl.store(DG + r * N + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + r * N + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_fwd_kernel(X, Y, M, N, sx, TANH: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
+    x = tl.load(X + r * sx + c, mask=mask, other=0.0).to(tl.float32)
+    if TANH:
+        a, _ = _gelu_tanh(x)
+    else:
+        a, _ = _gelu_erf(x)
+    tl.store(Y + r * N + c, a.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gelu_bwd_kernel(DY, X, DX, M, N, sdy, sx, TANH: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
+    dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + r * sx + c, mask=mask, other=0.0).to(tl.float32)
+    if TANH:
+        _, d = _gelu_tanh(x)
+    else:
+        _, d = _gelu_erf(x)
+    tl.store(DX + r * N + c, (dy * d).to(DX.dtype.element_ty), mask=mask)
+
+
+@lru_cache(maxsize=None)
+def _config(flat: bool, n: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_N, num_warps); flat: one long row of n elements."""
+    block = min(_TILE, next_pow2(n))
+    rows = 1 if flat else max(1, min(64, _TILE // block))
+    return rows, block, warps_for(rows * block, hi=8)
+
+
+def _layout(n: int, *ts: torch.Tensor):
+    """The tensors as M×N matrices with dense rows, and (M, N, grid, ROWS, BLOCK_N, warps)."""
+    if all(t.is_contiguous() for t in ts):
+        views = [t.view(1, -1) for t in ts]
+        m, n, flat = 1, ts[0].numel(), True
+    else:
+        views = [rows_view(t, n) for t in ts]
+        m, flat = views[0].shape[0], False
+    rows, block, warps = _config(flat, n)
+    grid = triton.cdiv(m, rows) * triton.cdiv(n, block)
+    return views, m, n, (grid,), rows, block, warps
+
+
+def _gated_fwd(kernel, op, gate, up):
+    check_dtypes(op, gate=gate, up=up)
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.numel() == 0:
+        return y
+    (g, u), m, n, grid, rows, block, warps = _layout(gate.shape[-1], gate, up)
+    kernel[grid](g, u, y, m, n, g.stride(0), u.stride(0), ROWS=rows, BLOCK_N=block, num_warps=warps)
+    return y
+
+
+def _gated_bwd(kernel, op, dy, gate, up):
+    check_dtypes(op, dy=dy, gate=gate, up=up)
+    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    if gate.numel() == 0:
+        return dg, du
+    (d, g, u), m, n, grid, rows, block, warps = _layout(gate.shape[-1], dy, gate, up)
+    kernel[grid](d, g, u, dg, du, m, n, d.stride(0), g.stride(0), u.stride(0), ROWS=rows, BLOCK_N=block, num_warps=warps)
+    return dg, du
+
+
+def swiglu_fwd(gate, up):
+    return _gated_fwd(_swiglu_fwd_kernel, "swiglu", gate, up)
+
+
+def swiglu_bwd(dy, gate, up):
+    return _gated_bwd(_swiglu_bwd_kernel, "swiglu", dy, gate, up)
+
+
+def geglu_fwd(gate, up):
+    return _gated_fwd(_geglu_fwd_kernel, "geglu", gate, up)
+
+
+def geglu_bwd(dy, gate, up):
+    return _gated_bwd(_geglu_bwd_kernel, "geglu", dy, gate, up)
+
+
+def _check_approximate(approximate):
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return approximate == "tanh"
+
+
+def gelu_fwd(x, approximate):
+    check_dtypes("gelu", x=x)
+    tanh_form = _check_approximate(approximate)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y
+    (xv,), m, n, grid, rows, block, warps = _layout(x.shape[-1] if x.dim() else 1, x)
+    _gelu_fwd_kernel[grid](xv, y, m, n, xv.stride(0), TANH=tanh_form, ROWS=rows, BLOCK_N=block, num_warps=warps)
+    return y
+
+
+def gelu_bwd(dy, x, approximate):
+    check_dtypes("gelu", dy=dy, x=x)
+    tanh_form = _check_approximate(approximate)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return dx
+    (d, xv), m, n, grid, rows, block, warps = _layout(x.shape[-1] if x.dim() else 1, dy, x)
+    _gelu_bwd_kernel[grid](d, xv, dx, m, n, d.stride(0), xv.stride(0), TANH=tanh_form, ROWS=rows, BLOCK_N=block, num_warps=warps)
+    return dx

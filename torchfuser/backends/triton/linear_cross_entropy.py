@@ -1,0 +1,179 @@
+"""Linear + cross-entropy in Triton, chunked over tokens: the full logits never exist.
+
+Per token n with hidden h (H), label y, logits l = h·Wᵀ + b (V), z = softcap·tanh(l/softcap) or l:
+    loss_n = logsumexp(z) − z_y                      (0 when y == ignore_index)
+    ∂loss_n/∂l = (softmax(z) − onehot(y)) · (1 − tanh²(l/softcap) if softcap) · scale
+with scale = 1/#counted tokens ('mean') or 1 ('sum'). For an upstream gradient of 1:
+    dh = dl · W,   dW = Σ_chunks dlᵀ · h,   db = Σ_tokens dl
+Nothing is saved for the backward but these gradients (the ops layer scales them by dloss).
+
+Per chunk of C tokens: cuBLAS writes the fp32 logits (C×V), one Triton program per token makes
+two passes over its row (online max/sum-exp, then softmax − onehot) and writes dl back in
+place, in the input dtype, over the first half of the same row's bytes; cuBLAS then reads dl
+through that strided view for dh and dW. Extra memory: C×V×4 bytes + the gradients.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtypes
+from ._math import tanh
+
+# Bytes of one chunk's fp32 logits. 256 MiB keeps the chunk at ≥ 512 tokens for a 128k vocab
+# (large enough for cuBLAS to run at full rate) and the total extra memory of the op at
+# 8192×2048×128256 bf16 under 1 GiB: 256 MiB logits + 501 MiB dW + 32 MiB dh.
+LOGITS_CHUNK_BYTES = 256 << 20
+_BLOCK_V = 4096
+_WARPS = 8
+
+
+@triton.jit
+def _logit(Z, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    """(z, l/softcap's tanh) for the given columns; masked lanes give z = −inf."""
+    z = tl.load(Z + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    t = z
+    if SOFTCAP:
+        t = tanh(z / softcap)
+        z = softcap * t
+    return tl.where(mask, z, float("-inf")), t
+
+
+@triton.jit
+def _linear_cross_entropy_fwd_kernel(
+    Z, stride_z, DL, stride_dl, B, LABELS, LOSS, NVALID, V, ignore_index, softcap,
+    HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_GRAD: tl.constexpr, MEAN: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = Z + row * stride_z
+    label = tl.load(LABELS + row)
+    valid = label != ignore_index
+    target = tl.where(valid, label, 0)
+    cols = tl.arange(0, BLOCK_V)
+
+    # Pass 1: per-lane running max and sum of exp, merged once at the end. The max starts at a
+    # finite floor so that all-masked lanes give exp(−inf − floor) = 0, never inf − inf = nan.
+    m = tl.full([BLOCK_V], -1e30, dtype=tl.float32)
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        z, _ = _logit(z_row, B, c, c < V, softcap, HAS_BIAS, SOFTCAP)
+        m_new = tl.maximum(m, z)
+        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
+
+    # The target logit is read before pass 2 overwrites the row's bytes.
+    z_y = tl.load(z_row + target).to(tl.float32)
+    if HAS_BIAS:
+        z_y += tl.load(B + target).to(tl.float32)
+    if SOFTCAP:
+        z_y = softcap * tanh(z_y / softcap)
+    tl.store(LOSS + row, tl.where(valid, lse - z_y, 0.0))
+
+    if NEED_GRAD:
+        if MEAN:
+            scale = 1.0 / tl.load(NVALID).to(tl.float32)
+        else:
+            scale = 1.0
+        scale = tl.where(valid, scale, 0.0)
+        dl_row = DL + row * stride_dl
+        # Pass 2 walks the row in increasing column order: the dl block it stores covers bytes
+        # of fp32 logits at columns ≤ its own, which this program has already read.
+        for start in range(0, V, BLOCK_V):
+            c = start + cols
+            mask = c < V
+            z, t = _logit(z_row, B, c, mask, softcap, HAS_BIAS, SOFTCAP)
+            g = tl.exp(z - lse) - (c == target).to(tl.float32)
+            if SOFTCAP:
+                g = g * (1.0 - t) * (1.0 + t)
+            tl.store(dl_row + c, (g * scale).to(DL.dtype.element_ty), mask=mask)
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(z, dl): h·Wᵀ in fp32 (fp32 accumulation, logits never rounded to bf16/fp16), and the
+    view that the kernel writes dl into: z itself for fp32, else a (C, V) view of z's storage in
+    the input dtype with row stride 2V."""
+    if h.dtype == torch.float32:
+        z = torch.mm(h, weight.t())
+        return z, z
+    dev = h.device.type
+    z = None
+    if _MM_OUT_DTYPE.get(dev, True):
+        try:
+            z = torch.mm(h, weight.t(), out_dtype=torch.float32)
+            _MM_OUT_DTYPE[dev] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[dev] = False
+    if z is None:
+        if dev != "cpu":
+            # No fp32-output GEMM for this dtype here: keep the logits in the input dtype (as
+            # eager nn.Linear would) rather than upcast a V×H weight per chunk.
+            z = torch.mm(h, weight.t())
+            return z, z
+        z = torch.mm(h.float(), weight.float().t())  # CPU, interpreter tests: memory is no concern
+    return z, z.view(h.dtype)[:, : weight.shape[0]]
+
+
+def chunk_rows(n: int, v: int) -> int:
+    rows = max(1, LOGITS_CHUNK_BYTES // (4 * v))
+    if rows >= n:
+        return n
+    return rows - rows % 64 if rows >= 128 else rows
+
+
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
+    check_dtypes("linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"linear_cross_entropy: hidden and weight dtypes differ ({hidden.dtype}, {weight.dtype})")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    n, _ = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    labels = labels.contiguous()
+    losses = torch.empty(n, dtype=torch.float32, device=dev)
+    nvalid = (labels != ignore_index).sum()  # stays on the device: no host sync, graph-capturable
+    # Three distinct empties: a custom op's outputs may not alias one another.
+    dh, dw, db = (hidden.new_empty(0) for _ in range(3))
+    if need_grad:
+        dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
+        # dW accumulates in the weight's dtype: an fp32 accumulator for a 128k×2k bf16 head would
+        # alone cost 1 GiB. cuBLAS sums each chunk's product in fp32 and rounds once per chunk.
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
+        if bias is not None:
+            db = torch.zeros(v, dtype=torch.float32, device=dev)
+    rows = chunk_rows(n, v)
+    mean = reduction == "mean"
+    for start in range(0, n, rows):
+        h = hidden[start:start + rows]
+        z, dl = _logits(h, weight)
+        _linear_cross_entropy_fwd_kernel[(h.shape[0],)](
+            z, z.stride(0), dl, dl.stride(0), weight if bias is None else bias,
+            labels[start:start + rows], losses[start:start + rows], nvalid, v, int(ignore_index),
+            1.0 if softcap is None else float(softcap),
+            HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, NEED_GRAD=bool(need_grad), MEAN=mean,
+            BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(v)), num_warps=_WARPS,
+        )
+        if need_grad:
+            torch.mm(dl, weight, out=dh[start:start + rows])
+            if start == 0:
+                torch.mm(dl.t(), h, out=dw)
+            else:
+                dw.addmm_(dl.t(), h)
+            if bias is not None:
+                db += dl.sum(0, dtype=torch.float32)
+    loss = losses.sum()
+    if mean:
+        loss = loss / nvalid
+    if need_grad and bias is not None:
+        db = db.to(bias.dtype)
+    return loss, dh, dw, db

@@ -1,0 +1,161 @@
+"""RMSNorm in Triton.
+
+Forward, per row x of length N:   r = rsqrt(Σx²/N + eps),  y = x · r · (offset + w)
+Saved for the backward: x, w and r (fp32, one value per row); y is not kept.
+Backward, with w' = offset + w and g = dy · w':
+    dx = r · (g − x · r² · Σ(g·x)/N)        dw = Σ_rows dy · x · r
+All arithmetic in fp32; y and dx are rounded once, to x's dtype, on the store.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtypes, device_key, next_pow2, num_programs_cap, rows_view, warps_for
+
+# Rows up to this many elements are held in registers whole (one read of x); longer rows are
+# walked in chunks of _CHUNK, re-reading x from L2 instead of spilling.
+MAX_FUSED = 16384
+_CHUNK = 4096
+_TILE = 4096  # elements per program in the one-pass case: short rows are packed several per program
+
+
+@lru_cache(maxsize=None)
+def norm_config(n: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm."""
+    if n <= MAX_FUSED:
+        block = next_pow2(n)
+        rows = max(1, min(64, _TILE // block))
+        return block, rows, True, warps_for(rows * block)
+    return _CHUNK, 1, False, warps_for(_CHUNK)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X, W, Y, RSTD, M, N, stride_x, eps, offset,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_N)
+    x_rows = X + rows[:, None] * stride_x
+    y_rows = Y + rows[:, None] * N
+    if ONE_PASS:
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # Per-lane partial sums, reduced once at the end: fewer cross-warp reductions.
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c < N)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = row_ok[:, None] & (c < N)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32) + offset
+            y = x * rstd[:, None] * w[None, :]
+            tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DWP, M, N, stride_dy, stride_x, TILES_PER_PROG, offset,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    # Persistent grid: each program walks row tiles pid, pid+G, ... and keeps its share of dw
+    # in fp32; the G partial rows are summed on the host side (one small reduction launch).
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    if ONE_PASS:
+        col_ok = cols < N
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(0, TILES_PER_PROG):
+            tile = pid + i * n_prog
+            rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+            row_ok = rows < M
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            g = dy * w[None, :]
+            c = tl.sum(g * x, axis=1) * rstd * rstd / N
+            dx = rstd[:, None] * (g - x * c[:, None])
+            tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            dw += tl.sum(dy * x * rstd[:, None], axis=0)
+        tl.store(DWP + pid * N + cols, dw, mask=col_ok)
+    else:
+        for i in range(0, TILES_PER_PROG):
+            tile = pid + i * n_prog
+            row = tile.to(tl.int64)
+            row_ok = row < M  # the last round of tiles may run past M
+            rstd = tl.load(RSTD + row, mask=row_ok, other=0.0)
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                m = (c < N) & row_ok
+                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
+                dy = tl.load(DY + row * stride_dy + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32) + offset
+                acc += dy * w * x
+            coef = tl.sum(acc, axis=0) * rstd * rstd / N
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                m = (c < N) & row_ok
+                x = tl.load(X + row * stride_x + c, mask=m, other=0.0).to(tl.float32)
+                dy = tl.load(DY + row * stride_dy + c, mask=m, other=0.0).to(tl.float32)
+                w = tl.load(W + c, mask=m, other=0.0).to(tl.float32) + offset
+                dx = rstd * (dy * w - x * coef)
+                tl.store(DX + row * N + c, dx.to(DX.dtype.element_ty), mask=m)
+                # This program's own partial row: no other program touches it, no atomics needed.
+                p = DWP + pid * N + c
+                tl.store(p, tl.load(p, mask=m, other=0.0) + dy * x * rstd, mask=m)
+
+
+def rms_norm_fwd(x, weight, eps, offset):
+    check_dtypes("rms_norm", x=x, weight=weight)
+    n = x.shape[-1]
+    x2 = rows_view(x, n)
+    m = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, rstd
+    block, rows, one_pass, warps = norm_config(n)
+    _rms_norm_fwd_kernel[(triton.cdiv(m, rows),)](
+        x2, weight, y, rstd, m, n, x2.stride(0), float(eps), float(offset),
+        ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
+    )
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
+    check_dtypes("rms_norm", dy=dy, x=x, weight=weight)
+    n = x.shape[-1]
+    x2, dy2 = rows_view(x, n), rows_view(dy, n)
+    m = x2.shape[0]
+    block, rows, one_pass, warps = norm_config(n)
+    grid = max(1, min(num_programs_cap(device_key(x)), triton.cdiv(m, rows)))
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    # The looped path accumulates into its partial row, so that row must start at zero.
+    alloc = torch.empty if one_pass and m > 0 else torch.zeros
+    dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
+    if m > 0:
+        _rms_norm_bwd_kernel[(grid,)](
+            dy2, x2, weight, rstd.contiguous(), dx, dwp, m, n, dy2.stride(0), x2.stride(0), triton.cdiv(triton.cdiv(m, rows), grid), float(offset),
+            ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
+        )
+    return dx, dwp.sum(0).to(weight.dtype)

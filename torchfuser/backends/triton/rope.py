@@ -1,0 +1,105 @@
+"""Rotary embedding in Triton, rotate-half convention, q and k in one launch.
+
+For t in (q, k), split each head vector into halves t = [t1, t2] (and cos = [c1, c2], sin = [s1, s2]):
+    forward:   o1 = t1·c1 − t2·s1,   o2 = t2·c2 + t1·s2          (o = t·cos + rotate_half(t)·sin)
+    backward:  d1 = g1·c1 + g2·s2,   d2 = g2·c2 − g1·s1          (the transpose of that linear map)
+Nothing but cos and sin is saved for the backward: rope is linear in (q, k).
+
+One program per (batch, position): cos/sin for that position are read once and reused by every
+q and k head. q/k are read through their strides (B×H×S×D views made by transposing B×S×H×D
+projections cost no copy); outputs are contiguous B×H×S×D. Math in fp32, one rounding.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtypes, next_pow2, warps_for
+
+
+@triton.jit
+def _rotate_heads(X, sxh, O, soh, H, HALF, d, dm, c1, c2, s1, s2,
+                  BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+    for h0 in range(0, H, BLOCK_H):
+        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+        mask = (h < H)[:, None] & dm[None, :]
+        xp = X + h[:, None] * sxh + d[None, :]
+        x1 = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=mask, other=0.0).to(tl.float32)
+        if BACKWARD:
+            o1 = x1 * c1 + x2 * s2
+            o2 = x2 * c2 - x1 * s1
+        else:
+            o1 = x1 * c1 - x2 * s1
+            o2 = x2 * c2 + x1 * s2
+        op = O + h[:, None] * soh + d[None, :]
+        tl.store(op, o1.to(O.dtype.element_ty), mask=mask)
+        tl.store(op + HALF, o2.to(O.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_fwd_kernel(
+    Q, K, COS, SIN, QO, KO, S, HQ, HK, HALF,
+    sqb, sqh, sqs, skb, skh, sks, scb, scs, ssb, sss,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // S
+    s = pid % S
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HALF
+    cp = COS + b * scb + s * scs + d
+    sp = SIN + b * ssb + s * sss + d
+    c1 = tl.load(cp, mask=dm, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cp + HALF, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sp, mask=dm, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sp + HALF, mask=dm, other=0.0).to(tl.float32)[None, :]
+    D = 2 * HALF
+    _rotate_heads(Q + b * sqb + s * sqs, sqh, QO + (b * HQ * S + s) * D, S * D, HQ, HALF,
+                  d, dm, c1, c2, s1, s2, BLOCK_H, BACKWARD)
+    _rotate_heads(K + b * skb + s * sks, skh, KO + (b * HK * S + s) * D, S * D, HK, HALF,
+                  d, dm, c1, c2, s1, s2, BLOCK_H, BACKWARD)
+
+
+@lru_cache(maxsize=None)
+def _config(h: int, half: int) -> tuple[int, int, int]:
+    block_d = next_pow2(half)
+    block_h = max(1, min(next_pow2(h), 2048 // block_d))
+    return block_h, block_d, warps_for(2 * block_h * block_d, hi=8)
+
+
+def _dense_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(q, k, cos, sin, backward: bool):
+    check_dtypes("rope", q=q, k=k, cos=cos, sin=sin)
+    q, k, cos, sin = (_dense_last(t) for t in (q, k, cos, sin))
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if q.numel() == 0 and k.numel() == 0:
+        return qo, ko
+    block_h, block_d, warps = _config(max(hq, hk), d // 2)
+    # A broadcast batch dim of cos/sin (size 1) is read with stride 0.
+    scb = cos.stride(0) if cos.shape[0] > 1 else 0
+    ssb = sin.stride(0) if sin.shape[0] > 1 else 0
+    _rope_fwd_kernel[(b * s,)](
+        q, k, cos, sin, qo, ko, s, hq, hk, d // 2,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        scb, cos.stride(1), ssb, sin.stride(1),
+        BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward, num_warps=warps,
+    )
+    return qo, ko
+
+
+def rope_fwd(q, k, cos, sin):
+    return _launch(q, k, cos, sin, backward=False)
+
+
+def rope_bwd(dq, dk, cos, sin):
+    return _launch(dq, dk, cos, sin, backward=True)
