@@ -7,6 +7,8 @@ with a note in the compile record and the log: slower, never wrong.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.fx import GraphModule, Node
@@ -19,7 +21,9 @@ aten = torch.ops.aten
 
 REDUCTIONS = {aten.sum, aten.mean, aten.amax, aten.amin, aten.prod, aten.var, aten.var_mean, aten.argmax,
               aten.argmin, aten.any, aten.all, aten.max, aten.min}
-# layout ops that are free inside a region but not worth a region of their own
+# Layout ops stay ATen calls between regions (free in eager): a region is elementwise work and
+# reductions over trailing dims only, which is the shape of kernel the MLIR backend builds (rows ×
+# features); a view that reshapes the row dim inside a region would break that.
 VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.permute, aten.squeeze, aten.unsqueeze,
          aten.t, aten.transpose, aten.alias, aten.slice, aten.select}
 OTHER = {aten.full, aten.scalar_tensor, aten._to_copy, aten.clone, aten.where, aten.full_like,
@@ -32,7 +36,9 @@ def fusible(node: Node) -> bool:
     if node.target.namespace != "aten":
         return False
     p = node.target.overloadpacket
-    if torch.Tag.pointwise in node.target.tags or p in REDUCTIONS or p in VIEWS or p in OTHER:
+    if p in VIEWS:
+        return False
+    if torch.Tag.pointwise in node.target.tags or p in REDUCTIONS or p in OTHER:
         # nothing random, nothing mutating: a region is a pure function of its inputs
         return not node.target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
     return False
@@ -44,18 +50,40 @@ class _Support(OperatorSupport):
 
 
 class _Compiled(nn.Module):
-    """A region after compilation: the callable the MLIR backend returned."""
+    """A region after compilation: the callable the MLIR backend returned (it always returns a
+    tuple; the parent graph expects a bare tensor from a one-output region)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, single: bool):
         super().__init__()
         self.fn = fn
+        self.single = single
 
     def forward(self, *args):
-        return self.fn(*args)
+        out = self.fn(*args)
+        return out[0] if self.single else out
 
 
-def _view_names() -> list[str]:
-    return [str(op) for p in VIEWS for op in (getattr(p, o) for o in p.overloads())]
+def _single_output(sub: GraphModule) -> bool:
+    (out,) = [n for n in sub.graph.nodes if n.op == "output"]
+    return not isinstance(out.args[0], (tuple, list))
+
+
+def _real_examples(node: Node):
+    """Real tensors shaped like the region's inputs (the MLIR backend compiles from real
+    tensors, at the size hints when shapes are symbolic); None if an input is not a tensor."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    out = []
+    with unset_fake_temporarily():
+        for a in node.args:
+            v = a.meta.get("val") if isinstance(a, Node) else a
+            if not isinstance(v, torch.Tensor):
+                return None
+            shape = [int(optimization_hint(s)) for s in v.shape]
+            t = torch.zeros(shape, dtype=v.dtype) if not v.is_floating_point() else torch.randn(shape).to(v.dtype)
+            out.append(t)
+    return out
 
 
 def _compile_graph():
@@ -68,10 +96,41 @@ def _compile_graph():
         return None
 
 
+def _check_against_eager(sub: GraphModule, compiled, examples, single: bool) -> str | None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with torch.no_grad(), unset_fake_temporarily():
+        return _compare(sub, compiled, examples, single)
+
+
+def _compare(sub: GraphModule, compiled, examples, single: bool) -> str | None:
+    """Run the compiled region and the ATen region on the same random inputs once; a mismatch
+    (a miscompile, or a region outside what the backend supports but did not reject) sends the
+    region back to eager. Tolerances allow for reassociated sums and fast math."""
+    want = sub(*examples)
+    got = _Compiled(compiled, single)(*examples)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    if len(got) != len(want):
+        return f"returned {len(got)} outputs, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"output {i}: {tuple(g.shape)} {g.dtype}, expected {tuple(w.shape)} {w.dtype}"
+        if w.is_floating_point():
+            finite = torch.nan_to_num(w.float(), nan=0.0, posinf=0.0, neginf=0.0)
+            scale = max(finite.abs().max().item(), 1.0) if w.numel() else 1.0
+            tol = 1e-3 if w.dtype == torch.float32 else 3e-2
+            if not torch.allclose(g.float(), w.float(), rtol=tol, atol=tol * scale, equal_nan=True):
+                return f"output {i} differs from eager by {(g.float() - w.float()).abs().max().item():.3g}"
+        elif not torch.equal(g, w):
+            return f"output {i} differs from eager"
+    return None
+
+
 def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic: bool) -> GraphModule:
-    partitions = CapabilityBasedPartitioner(
-        gm, _Support(), allows_single_node_partition=True, non_compute_ops=_view_names()
-    ).propose_partitions()
+    partitions = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
     if not partitions:
         return gm
     from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
@@ -90,15 +149,24 @@ def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic:
         record.regions.append(region)
         if compile_graph is None:
             continue
-        examples = [a.meta.get("val") if isinstance(a, Node) else a for a in node.args]
+        examples = _real_examples(node)
+        if examples is None:
+            region.compiled_by = "eager (a region input is not a tensor: a symbolic size)"
+            record.note(f"{which}/{node.target}: {region.compiled_by}")
+            continue
         try:
             compiled = compile_graph(sub, examples, dynamic=bool(dynamic))
         except Exception as e:  # an op the MLIR pipeline does not lower: this region runs eagerly
             region.compiled_by = f"eager ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
             record.note(f"{which}/{node.target}: MLIR compile failed, region runs eagerly: {region.compiled_by}")
             continue
+        why = _check_against_eager(sub, compiled, examples, _single_output(sub))
+        if why is not None:
+            region.compiled_by = f"eager (MLIR result rejected: {why})"
+            record.note(f"{which}/{node.target}: {region.compiled_by}", logging.WARNING)
+            continue
         region.compiled_by = "mlir"
         region.stages = dict(getattr(compiled, "stages", None) or getattr(compiled, "ir", None) or {})
-        setattr(fused, node.target, _Compiled(compiled))
+        setattr(fused, node.target, _Compiled(compiled, _single_output(sub)))
     fused.recompile()
     return fused

@@ -152,15 +152,18 @@ def verify(gm: GraphModule, m: Match) -> str | None:
     return last
 
 
-def apply(m: Match, backend: str) -> None:
+def apply(m: Match, backend: str) -> dict[Node, Node]:
+    """Insert the fused op and redirect the uses of the replaced outputs; returns old → new."""
     graph = m.output.graph
     with graph.inserting_before(m.output):
         new = m.build(graph, m.inputs, backend)
     new = new if isinstance(new, tuple) else (new,)
-    m.output.replace_all_uses_with(new[0])
-    for (node, _), repl in zip(m.extra_outputs, new[1:]):
-        node.replace_all_uses_with(repl)
-    # Move the replaced output after the new nodes would break nothing: it is dead now.
+    olds = [m.output] + [node for node, _ in m.extra_outputs]
+    for old, repl in zip(olds, new):
+        old.replace_all_uses_with(repl)
+        # later matches read shapes and dtypes from "val": the replacement has the old one's
+        repl.meta.setdefault("val", old.meta.get("val"))
+    return dict(zip(olds, new))
 
 
 def device_of(m: Match) -> torch.device:
@@ -177,7 +180,11 @@ def run(gm: GraphModule, record: CompileRecord, policy, kernels: str) -> GraphMo
 
     for rule in RULES:
         claimed: set[Node] = set()
-        for m in rule(gm.graph):
+        replaced: dict[Node, Node] = {}
+        # propose first, then apply: applying changes the users the rule walks
+        for m in list(rule(gm.graph)):
+            # a match may read the output of one just rewritten (two norms in a row)
+            m.inputs = {k: replaced.get(v, v) for k, v in m.inputs.items()}
             outs = {m.output, *(n for n, _ in m.extra_outputs)}
             if outs & claimed:
                 continue
@@ -189,7 +196,7 @@ def run(gm: GraphModule, record: CompileRecord, policy, kernels: str) -> GraphMo
             if why is not None:
                 record.skip(f"{m.describe()}: {why}")
                 continue
-            apply(m, backend)
+            replaced.update(apply(m, backend))
             claimed |= outs
             record.rewrote(f"{m.describe()} [kernel backend {backend}]")
         gm.graph.eliminate_dead_code()

@@ -18,12 +18,11 @@ _REDUCTIONS = {1: "mean", 2: "sum"}
 
 
 def _through_views(n):
+    """Back from the loss input through views and casts that nothing else reads."""
     while is_op(n, *_VIEWS) or strip(n) is not n:
-        n = strip(n)
-        if is_op(n, *_VIEWS):
-            if len(n.users) > 1:
-                return None
-            n = n.args[0]
+        if len(n.users) > 1:
+            return None
+        n = n.args[0]
     return n
 
 

@@ -107,7 +107,7 @@ def _centered(n):
 
 def _variances(c: Node, x: Node):
     """Nodes computing the biased variance over the last dim of x, from ``c`` = x − mean."""
-    for src in (c, *x.users):
+    for src in (c, x):
         for v in src.users:
             if is_op(v, aten.var) and strip(v.args[0]) in (x, c):
                 corr = v.kwargs.get("correction", None)
