@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import runner
+from . import memory, runner
 from .capture import ROW, Captured
 from .jit import Loaded
 
@@ -47,19 +47,19 @@ class Kernel:
         row_elems = 1
         for d in next((a.shape for a in cap.args if a.role == ROW), ()):
             row_elems *= d
-        threads = runner.plan_threads(n, row_elems)
+        plan = runner.plan(n, row_elems)
         outs = []
         for j, (role, shape, dtype) in enumerate(zip(cap.out_roles, cap.out_shapes, cap.out_dtypes)):
             given = None if out is None else out[j]
             if given is not None:
                 outs.append(given)
             elif role == ROW:
-                outs.append(torch.empty((n, *shape), dtype=dtype))
+                outs.append(memory.empty((n, *shape), dtype))
             else:
-                outs.append(torch.empty((threads, *shape), dtype=torch.float32))
+                outs.append(torch.empty((plan.blocks, *shape), dtype=torch.float32))
         call = runner.Call(self.loaded.fn, tuple(a.role for a in cap.args) + cap.out_roles, len(ins))
         if n > 0:
-            runner.run(call, n, ins, outs, threads)
+            runner.run(call, n, ins, outs, plan)
         else:
             for o, role in zip(outs, cap.out_roles):
                 if role != ROW:
@@ -67,7 +67,7 @@ class Kernel:
         result = []
         for o, role, final in zip(outs, cap.out_roles, cap.final_dtypes):
             if role != ROW:
-                o = o[0] if threads == 1 else o.sum(0)
+                o = o[0] if plan.blocks == 1 else o.sum(0)
                 o = o.to(final)
             result.append(o)
         return result

@@ -3,11 +3,13 @@
 Row inputs and outputs are viewed as (rows, *row_shape) without copies when their inner
 stride is 1 (any other stride is fine); only an input whose last dim is strided is made
 contiguous first. Outputs are allocated here by PyTorch, contiguous, and written in place
-by the kernel. Rows are split into one contiguous block per worker thread; every thread's
-fp32 sum outputs land in its own row of a (threads, ...) buffer that is added up at the end.
+by the kernel. Rows are split into contiguous blocks that worker threads take one at a time
+(the ctypes call releases the GIL); every block's fp32 sum outputs land in its own row of a
+(blocks, ...) buffer that is added up at the end.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -17,8 +19,12 @@ import torch
 
 from .capture import ROW
 
-# Below this many elements per block, a thread costs more than it saves.
+# Below this many elements per worker, a thread costs more than it saves.
 MIN_BLOCK_ELEMS = 1 << 16
+# Dynamic blocks: about this many elements each (4 MiB of fp32 per row tensor), at most
+# MAX_BLOCKS_PER_THREAD per worker (each block is one ctypes call, ~10–20 µs).
+BLOCK_ELEMS = 1 << 20
+MAX_BLOCKS_PER_THREAD = 8
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -79,10 +85,15 @@ class Call:
     n_inputs: int
 
 
-def run(kernel: Call, n: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], sums_shape_threads: int) -> None:
-    """Run rows [0, n) over ``sums_shape_threads`` blocks; ``outputs`` sum entries are (T, ...) buffers."""
-    threads = sums_shape_threads
-    bounds = [(n * i) // threads for i in range(threads + 1)]
+def run(kernel: Call, n: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], plan: "Plan") -> None:
+    """Run rows [0, n) as ``plan.blocks`` row blocks on ``plan.threads`` workers.
+
+    Workers (the calling thread and pool threads) take the next block from a shared counter
+    until none is left: a worker that the OS schedules less (a loaded machine) simply runs
+    fewer blocks. Block ``i`` writes its sums into row ``i`` of each (blocks, ...) sum buffer.
+    """
+    blocks = plan.blocks
+    bounds = [(n * i) // blocks for i in range(blocks + 1)]
 
     def block(i: int) -> None:
         r0, r1 = bounds[i], bounds[i + 1]
@@ -96,14 +107,36 @@ def run(kernel: Call, n: int, inputs: list[torch.Tensor], outputs: list[torch.Te
                 args += _memref_args(t)
         call_packed(kernel.fn, args)
 
-    if threads == 1:
-        block(0)
-    else:
-        list(_executor(threads).map(block, range(threads)))
+    if plan.threads == 1:
+        for i in range(blocks):
+            block(i)
+        return
+    counter = itertools.count()   # next() is atomic under the GIL
+
+    def worker() -> None:
+        while (i := next(counter)) < blocks:
+            block(i)
+
+    futures = [_executor(plan.threads - 1).submit(worker) for _ in range(plan.threads - 1)]
+    worker()
+    for f in futures:
+        f.result()
 
 
-def plan_threads(n: int, row_elems: int) -> int:
-    """Worker threads for n rows of row_elems elements each."""
+@dataclass(frozen=True)
+class Plan:
+    threads: int
+    blocks: int
+
+
+def plan(n: int, row_elems: int) -> Plan:
+    """Workers and row blocks for n rows of row_elems elements each: about ``BLOCK_ELEMS``
+    per block (several per worker, so that the counter can balance), at least
+    ``MIN_BLOCK_ELEMS`` per worker."""
     want = num_threads()
-    by_size = max(1, (n * max(row_elems, 1)) // MIN_BLOCK_ELEMS)
-    return max(1, min(want, by_size, n))
+    total = n * max(row_elems, 1)
+    threads = max(1, min(want, total // MIN_BLOCK_ELEMS, n))
+    if threads == 1:
+        return Plan(1, 1)
+    blocks = max(threads, min(n, total // BLOCK_ELEMS, threads * MAX_BLOCKS_PER_THREAD))
+    return Plan(threads, blocks)
