@@ -24,11 +24,11 @@ def linear_cross_entropy(hidden, weight, bias, labels, ignore_index: int, softca
 
 def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
     args = (labels, ignore_index, softcap, reduction)
-    empty = hidden.new_empty(0)
-    if not need_grad:
-        return linear_cross_entropy(hidden, weight, bias, *args).float(), empty, empty, empty
+    if not need_grad:  # three distinct empties: custom-op outputs must not alias each other
+        loss = linear_cross_entropy(hidden, weight, bias, *args).float()
+        return loss, hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
     loss, (dh, dw, db) = value_and_vjp(
         lambda h, w, b: linear_cross_entropy(h, w, b, *args), (hidden, weight, bias), 1.0
     )
-    db = empty if db is None else db.contiguous()
+    db = hidden.new_empty(0) if db is None else db.contiguous()
     return loss.float(), dh.contiguous(), dw.contiguous(), db
