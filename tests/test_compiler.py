@@ -318,7 +318,8 @@ def _tiny(kind):
         return LlamaForCausalLM(LlamaConfig(**common))
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common))
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     model.loss_type = "ForCausalLM"  # else HF logs a warning on every call: a graph break of HF's own
     return model
 
