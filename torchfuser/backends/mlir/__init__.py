@@ -19,9 +19,7 @@ __all__ = [
 
 def __getattr__(name):
     if name == "linear_cross_entropy_fwd":
-        # Not MLIR-fused yet: the reference (PyTorch) implementation, so backend="auto" on CPU
-        # keeps working. See benchmarks/results/NOTES-mlir.md.
-        from .ops import linear_cross_entropy_fwd
+        from .lce import linear_cross_entropy_fwd
 
         return linear_cross_entropy_fwd
     if name == "compile_graph":

@@ -197,20 +197,3 @@ def rope_bwd(dq, dk, cos, sin):
         return vjp(lambda a, b_: ref_rope.rope(a, b_, c, s), (q, k), (q, k))
 
     return _rope("rope_bwd", grad, dq, dk, cos, sin)
-
-
-# ---- linear_cross_entropy ------------------------------------------------------------------
-
-def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
-    """Not MLIR-fused yet: runs the reference (PyTorch) definition so that ``auto`` on CPU works.
-    Outputs are distinct tensors (the custom op forbids aliased returns)."""
-    from torchfuser.backends.reference import linear_cross_entropy_fwd as ref
-
-    check_dtypes("linear_cross_entropy", hidden, weight, bias)
-    loss, dh, dw, db = ref(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad)
-    seen = set()
-    outs = []
-    for t in (loss, dh, dw, db):
-        outs.append(t.clone() if id(t) in seen else t)
-        seen.add(id(t))
-    return tuple(outs)
