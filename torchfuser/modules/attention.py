@@ -205,7 +205,10 @@ class FusedAttention(FusedModule):
         # Eager attention gives a query whose keys are all masked a uniform softmax (min + score
         # rounds to min) and differentiates through it as plain math. PyTorch's fused SDPA kernels
         # agree on the forward but not on the backward of such rows, so only then use the math kernel.
-        exact = eager and mask is not None and mask.is_floating_point() and _has_empty_rows(mask)
+        # Compiled code cannot branch on the mask's values: take the exact kernel whenever it might matter.
+        exact = eager and mask is not None and mask.is_floating_point() and (
+            torch.compiler.is_compiling() or _has_empty_rows(mask)
+        )
         with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
             out, _ = sdpa_attention_forward(
                 self, q, k, v, mask, dropout=self._dropout_p(), scaling=s.scaling, is_causal=False if eager else None
