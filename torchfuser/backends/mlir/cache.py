@@ -13,6 +13,7 @@ file. The directory is trimmed to ``MAX_BYTES`` (least recently used first) afte
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -58,6 +59,7 @@ def cache_dir() -> str | None:
     return os.path.join(root, "mlir")
 
 
+@functools.lru_cache(maxsize=None)
 def torch_mlir_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -86,9 +86,21 @@ def _build(directory, key, op: str, fn: Callable, args, rows: int) -> Kernel:
     return Kernel(cap, loaded, {"source": "compile", "timings": timings})
 
 
+# (op, spec, args, rows) → cache key: hashing the key's json costs more than a small kernel.
+_keys: dict[tuple, str] = {}
+
+
 def kernel_for(op: str, spec: dict, fn: Callable, args: Sequence[ArgSpec], rows: int | None = None) -> Kernel:
     """The compiled kernel of ``fn`` (a function of the tensors described by ``args``)."""
     args = tuple(args)
     rows = rows or default_rows(args)
-    key = cache.make_key(op, spec, list(args), rows)
+    try:
+        fast = (op, tuple(sorted(spec.items())), args, rows)
+        key = _keys.get(fast)
+    except TypeError:  # an unhashable spec value
+        fast, key = None, None
+    if key is None:
+        key = cache.make_key(op, spec, list(args), rows)
+        if fast is not None and len(_keys) < 4096:
+            _keys[fast] = key
     return cache.get(key, _load, lambda d, k: _build(d, k, op, fn, args, rows))
