@@ -195,3 +195,17 @@ def test_compile_fullgraph_reference_ops():
     (g,) = torch.autograd.grad(out.sum(), args[0])
     (g_ref,) = torch.autograd.grad(block(*args).sum(), args[0])
     torch.testing.assert_close(g, g_ref)
+
+
+def test_works_under_saved_tensor_hooks():
+    """Activation offloading and memory accounting register saved-tensor hooks; the ops still run."""
+    x, w = torch.randn(4, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    h, W, labels = torch.randn(6, 16, requires_grad=True), torch.randn(20, 16, requires_grad=True), torch.randint(0, 20, (6,))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = F.rms_norm(x, w, backend="reference")
+        loss = F.linear_cross_entropy(h, W, labels, backend="reference") + y.square().mean()
+    loss.backward()
+    assert packed and x.grad is not None and W.grad is not None
+    (g,) = torch.autograd.grad(_torch_rms(x, w).square().mean(), x)
+    torch.testing.assert_close(x.grad, g)
