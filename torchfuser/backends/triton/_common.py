@@ -36,7 +36,10 @@ def next_pow2(n: int) -> int:
 
 @lru_cache(maxsize=None)
 def num_programs_cap(device_index: int | None) -> int:
-    """Persistent-grid size for kernels that reduce over rows: a few programs per SM."""
+    """Persistent-grid size for the norm backwards: 2 programs per SM. Measured on an H200
+    (benchmarks/results/NOTES-triton.md): 8 per SM sped up rms_norm's backward at 32768×4096
+    by 12% but slowed layer_norm's by 30% (4× the fp32 partial dw/db rows to write and sum)
+    and both at 8192×2048 under CUDA graphs, so 2 stays."""
     if device_index is None:  # CPU under TRITON_INTERPRET: each program runs in Python, keep it few
         return 4
     return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count

@@ -171,6 +171,7 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
                 dw.addmm_(dl.t(), h)
             if bias is not None:
                 db += dl.sum(0, dtype=torch.float32)
+        del z, dl  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = losses.sum()
     if mean:
         loss = loss / nvalid
