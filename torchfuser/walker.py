@@ -10,7 +10,7 @@ from torch import nn
 
 from torchfuser import backends
 from torchfuser.modules.base import FusedModule
-from torchfuser.patterns import Applied, Pattern, Skip
+from torchfuser.patterns import Applied, Pattern, Skip, _probe
 from torchfuser.report import Entry, FusionReport
 
 log = logging.getLogger("torchfuser")
@@ -46,14 +46,15 @@ def _backend_label(backend: str, device: torch.device) -> str:
 def find(model: nn.Module, patterns: list[Pattern]):
     """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order."""
     found = []
-    for name, module in model.named_modules():
-        if isinstance(module, FusedModule):
-            continue
-        for pattern in patterns:
-            result = pattern.match(module)
-            if result is not None:
-                found.append((name, module, pattern, result))
-                break
+    with _probe.one_thread():
+        for name, module in model.named_modules():
+            if isinstance(module, FusedModule):
+                continue
+            for pattern in patterns:
+                result = pattern.match(module)
+                if result is not None:
+                    found.append((name, module, pattern, result))
+                    break
     return found
 
 

@@ -7,6 +7,7 @@ by fresh random CPU float64 ones.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -105,3 +106,14 @@ def activation_kind(act) -> str | None:
         "gelu": torch.nn.functional.gelu(x),
     }
     return next((k for k, ref in candidates.items() if close(y, ref)), None)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Probe matmuls are tiny: on a busy machine a thread pool makes each one ~100× slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

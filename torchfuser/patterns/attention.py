@@ -13,7 +13,6 @@ rotary convention, scaling, layout, norm or mask handling all show.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect
@@ -227,17 +226,6 @@ def _run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
     return want, got
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Probe matmuls are tiny: on a busy machine a thread pool makes each one ~100× slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def _check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
     """None if FusedAttention(spec) computes what ``module`` computes, else why not."""
     try:
@@ -272,8 +260,7 @@ class AttentionPattern(Pattern):
         if isinstance(found, Skip):
             return found
         positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
-        with _one_thread():
-            return self._search(module, projs, found, positional, "position_embeddings" in names)
+        return self._search(module, projs, found, positional, "position_embeddings" in names)
 
     # -- what is never fused -------------------------------------------------------------
     @staticmethod
