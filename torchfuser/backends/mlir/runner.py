@@ -19,8 +19,9 @@ import torch
 
 from .capture import ROW
 
-# Below this many elements per worker, a thread costs more than it saves.
-MIN_BLOCK_ELEMS = 1 << 16
+# Below this many elements per worker, handing a block to a thread costs more than it saves
+# (≈0.1 ms on a loaded 2-core machine; NOTES-mlir.md).
+MIN_BLOCK_ELEMS = 1 << 18
 # Dynamic blocks: about this many elements each (4 MiB of fp32 per row tensor), at most
 # MAX_BLOCKS_PER_THREAD per worker (each block is one ctypes call, ~10–20 µs).
 BLOCK_ELEMS = 1 << 20
