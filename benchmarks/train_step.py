@@ -92,6 +92,8 @@ def run_variant(recipe, variant, args, device):
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if args.profile_dir:
+        profile(step_fn, opt, batches[0], autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant}.txt")
     ms = statistics.median(times) * 1e3
     row = {
         "model": recipe, "variant": variant, "ms_per_step": round(ms, 2),
@@ -101,6 +103,25 @@ def run_variant(recipe, variant, args, device):
     }
     del model, step_fn, opt
     return row
+
+
+def profile(step_fn, opt, ids, autocast, device, path):
+    """Two steps under the profiler: the kernels and ops that take the time, for the notes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(2):
+            with autocast:
+                loss = step_fn(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
 
 
 def environment(device):
@@ -149,6 +170,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="auto", help="torchfuser backend for the torchfuser variants")
     parser.add_argument("--out", help="append JSON lines here")
+    parser.add_argument("--profile-dir", help="write a profiler table per variant here")
     args = parser.parse_args()
     device = torch.device(args.device)
     env = environment(device)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the device tool): the benchmark stages named on the command line,
+# in order, each under its own time limit; logs, JSON lines and profiles land in $OUT.
+#   bash benchmarks/gpu_run.sh train-fast train-compile convergence
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/tf-out}; mkdir -p "$OUT/prof"
+if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python packages for comparisons (liger-kernel)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+ts=benchmarks/train_step.py
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    train-fast) timeout 240 python3 $ts --models llama1b qwen05b --variants eager torchfuser liger --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
+    train-compile-llama) timeout 300 python3 $ts --models llama1b --variants compile torchfuser+compile compile-torchfuser --out "$OUT/train-step.jsonl" ;;
+    train-compile-qwen) timeout 300 python3 $ts --models qwen05b --variants compile torchfuser+compile compile-torchfuser --out "$OUT/train-step.jsonl" ;;
+    convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
+    ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
+    triton-tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
+    *) echo "unknown stage $stage" ;;
+  esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
+done
+tar -C "$OUT" -czf "$OUT/profiles.tgz" prof && rm -rf "$OUT/prof"
