@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-from functools import lru_cache
 from types import ModuleType
 
 import torch
@@ -36,9 +35,13 @@ def _triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@lru_cache(maxsize=None)
+# Looked up once (find_spec does not import): resolve() stays a plain dict read, which
+# torch.compile traces without a cache wrapper or an import machinery call in the graph.
+_INSTALLED = {m: importlib.util.find_spec(m) is not None for m in ("triton", "torch_mlir")}
+
+
 def _has_module(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    return _INSTALLED[module]
 
 
 def unavailable_reason(name: str, device_type: str) -> str | None:

@@ -72,7 +72,7 @@ def _real_examples(node: Node):
     """Real tensors shaped like the region's inputs (the MLIR backend compiles from real
     tensors, at the size hints when shapes are symbolic); None if an input is not a tensor."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    from torchfuser.compiler._compat import size_hint
 
     out = []
     with unset_fake_temporarily():
@@ -80,7 +80,7 @@ def _real_examples(node: Node):
             v = a.meta.get("val") if isinstance(a, Node) else a
             if not isinstance(v, torch.Tensor):
                 return None
-            shape = [int(optimization_hint(s)) for s in v.shape]
+            shape = [int(size_hint(s)) for s in v.shape]
             t = torch.zeros(shape, dtype=v.dtype) if not v.is_floating_point() else torch.randn(shape).to(v.dtype)
             out.append(t)
     return out

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch.fx import Graph, GraphModule, Node
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torchfuser.compiler._compat import size_hint
 
 from torchfuser import backends
 from torchfuser.compiler.record import CompileRecord
@@ -93,7 +93,7 @@ def _extract(gm: GraphModule, m: Match, nodes: list[Node]) -> GraphModule:
 
 def _probe_shapes(m: Match, shrink: bool) -> list[tuple[int, ...]]:
     vals = [n.meta["val"] for n in m.inputs.values()]
-    shapes = [tuple(int(optimization_hint(s)) for s in v.shape) for v in vals]
+    shapes = [tuple(int(size_hint(s)) for s in v.shape) for v in vals]
     if not shrink:
         return shapes
     # Keep every feature size (the last dim of a float input: baked into slices and views);

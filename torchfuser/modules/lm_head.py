@@ -6,6 +6,7 @@ The model itself cannot be swapped, so this is not a module in the tree: it is a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -63,9 +64,11 @@ class FusedLMHeadLoss:
         self.previous = model.__dict__.get("forward")
         # Keep the signature visible: generate() and the Trainer inspect model.forward's parameters.
         self.__signature__ = inspect.signature(self._original())
+        self.values_checked = False  # the value check syncs with the device: once per instance
 
     def _original(self):
-        return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
+        # functools.partial, not function.__get__: torch.compile traces the former, not the latter.
+        return self.previous if self.previous is not None else functools.partial(type(self.model).forward, self.model)
 
     def __repr__(self) -> str:
         return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'})"
@@ -115,15 +118,19 @@ class FusedLMHeadLoss:
 
     def _check(self, out, capture: _CaptureHead) -> None:
         """The forward must have called the head once and done to its output exactly what the spec
-        says (nothing, or the softcap). Otherwise the fused loss would be silently wrong."""
+        says (nothing, or the softcap). Otherwise the fused loss would be silently wrong.
+
+        The forward's code does not change between calls, so the value half of the check (which
+        waits for the device) runs on the first eager call only; under torch.compile it is skipped
+        (a data-dependent check would break the graph)."""
         logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
         ok = len(capture.inputs) == 1 and isinstance(logits, Tensor) and logits.shape[-1] == len(_PROBE_LOGITS)
-        if ok:
+        if ok and not self.values_checked and not torch.compiler.is_compiling():
             want = torch.tensor(_PROBE_LOGITS, dtype=torch.float64)
             if self.spec.softcap is not None:
                 want = torch.tanh(want / self.spec.softcap) * self.spec.softcap
             got = logits.detach().reshape(-1, len(_PROBE_LOGITS)).double().cpu()
-            ok = bool(torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=1e-2))
+            ok = self.values_checked = bool(torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=1e-2))
         if not ok:
             raise RuntimeError(
                 f"lm_head_loss: {type(self.model).__name__}.forward does not use {self.spec.head!r} the way the fused loss "
