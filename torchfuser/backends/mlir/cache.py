@@ -29,6 +29,10 @@ from typing import Callable
 import torch
 
 VERSION = "1"   # bump when the pipeline changes what a key compiles to
+# ... and, so that a forgotten bump cannot serve a stale kernel, the key also holds a hash of
+# the sources that decide what a kernel compiles to (a stale expf-calling SwiGLU kernel from
+# before mathlib.py was once served from disk this way: 3.8 ns/element instead of 0.5).
+_PIPELINE_SOURCES = ("capture.py", "importer.py", "passes.py", "wrapper.py", "mathlib.py", "fastmath.py", "pipeline.py", "jit.py")
 MAX_BYTES = int(os.environ.get("TORCHFUSER_MLIR_CACHE_MAX_MB", "256")) << 20
 MAX_MEMORY_ENTRIES = 512
 
@@ -60,6 +64,16 @@ def cache_dir() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def pipeline_hash() -> str:
+    h = hashlib.sha256()
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in _PIPELINE_SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
 def torch_mlir_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -78,6 +92,7 @@ def make_key(op: str, spec: dict, args: list, rows: int) -> str:
         "torch_mlir": torch_mlir_version(),
         "torch": torch.__version__,
         "backend": VERSION,
+        "pipeline": pipeline_hash(),
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
     return f"{op}-{digest}"
