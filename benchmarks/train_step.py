@@ -83,7 +83,7 @@ def run_variant(recipe, variant, args, device):
         sync()
         start = time.perf_counter()
         with autocast:
-            loss = step_fn(input_ids=ids, labels=ids).loss
+            loss = step_fn(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -113,7 +113,7 @@ def profile(step_fn, opt, ids, autocast, device, path):
     with torch_profile(activities=activities) as prof:
         for _ in range(2):
             with autocast:
-                loss = step_fn(input_ids=ids, labels=ids).loss
+                loss = step_fn(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -209,3 +209,11 @@ def test_works_under_saved_tensor_hooks():
     assert packed and x.grad is not None and W.grad is not None
     (g,) = torch.autograd.grad(_torch_rms(x, w).square().mean(), x)
     torch.testing.assert_close(x.grad, g)
+
+
+def test_linear_cross_entropy_second_backward_is_refused_not_doubled():
+    hid, w = torch.randn(5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    loss = F.linear_cross_entropy(hid, w, torch.randint(0, 11, (5,)), backend="reference")
+    (2 * loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

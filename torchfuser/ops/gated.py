@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import kernel
+from ._call import autograd, kernel, run
 
 
 def _define_gated(name: str):
@@ -31,23 +31,22 @@ def _define_gated(name: str):
 
     def backward(ctx, dy):
         gate, up = ctx.saved_tensors
-        dgate, dup = bwd(dy, gate, up, ctx.backend)
+        dgate, dup = run(bwd, dy, gate, up, ctx.backend)
         return dgate, dup, None
 
-    fwd.register_autograd(backward, setup_context=setup)
-    return fwd, bwd
+    return fwd, bwd, autograd(fwd, setup, backward)
 
 
-swiglu_fwd, swiglu_bwd = _define_gated("swiglu")
-geglu_fwd, geglu_bwd = _define_gated("geglu")
+swiglu_fwd, swiglu_bwd, _swiglu = _define_gated("swiglu")
+geglu_fwd, geglu_bwd, _geglu = _define_gated("geglu")
 
 
 def swiglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
-    return swiglu_fwd(gate, up, backend)
+    return _swiglu(gate, up, backend)
 
 
 def geglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
-    return geglu_fwd(gate, up, backend)
+    return _geglu(gate, up, backend)
 
 
 @torch.library.custom_op("torchfuser::gelu_fwd", mutates_args=())
@@ -77,11 +76,11 @@ def _gelu_setup(ctx, inputs, output):
 
 def _gelu_backward(ctx, dy):
     (x,) = ctx.saved_tensors
-    return gelu_bwd(dy, x, *ctx.args), None, None
+    return run(gelu_bwd, dy, x, *ctx.args), None, None
 
 
-gelu_fwd.register_autograd(_gelu_backward, setup_context=_gelu_setup)
+_gelu = autograd(gelu_fwd, _gelu_setup, _gelu_backward)
 
 
 def gelu(x: Tensor, approximate: str, backend: str) -> Tensor:
-    return gelu_fwd(x, approximate, backend)
+    return _gelu(x, approximate, backend)

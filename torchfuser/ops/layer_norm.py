@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._call import kernel
+from ._call import autograd, kernel, run
 
 
 @torch.library.custom_op("torchfuser::layer_norm_fwd", mutates_args=())
@@ -43,12 +43,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy, _dmean, _drstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, *ctx.args)
+    dx, dw, db = run(layer_norm_bwd, dy, x, weight, bias, mean, rstd, *ctx.args)
     return dx, dw, (db if bias is not None else None), None, None
 
 
-layer_norm_fwd.register_autograd(_backward, setup_context=_setup)
+_layer_norm = autograd(layer_norm_fwd, _setup, _backward)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, backend: str) -> Tensor:
-    return layer_norm_fwd(x, weight, bias, eps, backend)[0]
+    return _layer_norm(x, weight, bias, eps, backend)[0]

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._call import kernel
+from ._call import autograd, kernel
 
 
 @torch.library.custom_op("torchfuser::linear_cross_entropy_fwd", mutates_args=())
@@ -52,16 +52,24 @@ def _backward(ctx, dloss, *_):
         )
     dh, dw, db = ctx.saved_tensors
     scale = dloss.to(torch.float32)
-    grads = [(g * scale).to(g.dtype) for g in (dh, dw)]
-    dbias = (db * scale).to(db.dtype) if ctx.has_bias else None
+    grads = [dh, dw] + ([db] if ctx.has_bias else [])
+    if torch.compiler.is_compiling():
+        grads = [(g * scale).to(g.dtype) for g in grads]
+    else:
+        # In place: a scaled copy of dweight alone would add V×H elements to the peak. A second
+        # backward through the same graph (retain_graph=True) then fails autograd's saved-tensor
+        # version check instead of scaling twice.
+        for g in grads:
+            g.mul_(scale)
+    dbias = grads[2] if ctx.has_bias else None
     return grads[0], grads[1], dbias, None, None, None, None, None, None
 
 
-linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup)
+_linear_cross_entropy = autograd(linear_cross_entropy_fwd, _setup, _backward)
 
 
 def linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, backend) -> Tensor:
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    return linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, backend)[0]
+    return _linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, backend)[0]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import kernel
+from ._call import autograd, kernel, run
 
 
 @torch.library.custom_op("torchfuser::rms_norm_fwd", mutates_args=())
@@ -36,12 +36,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_bwd(dy, x, weight, rstd, *ctx.args)
+    dx, dw = run(rms_norm_bwd, dy, x, weight, rstd, *ctx.args)
     return dx, dw, None, None, None
 
 
-rms_norm_fwd.register_autograd(_backward, setup_context=_setup)
+_rms_norm = autograd(rms_norm_fwd, _setup, _backward)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> Tensor:
-    return rms_norm_fwd(x, weight, eps, offset, backend)[0]
+    return _rms_norm(x, weight, eps, offset, backend)[0]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import kernel
+from ._call import autograd, kernel, run
 
 
 @torch.library.custom_op("torchfuser::rope_fwd", mutates_args=())
@@ -34,12 +34,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    gq, gk = rope_bwd(dq.contiguous(), dk.contiguous(), cos, sin, ctx.backend)
+    gq, gk = run(rope_bwd, dq.contiguous(), dk.contiguous(), cos, sin, ctx.backend)
     return gq, gk, None, None, None
 
 
-rope_fwd.register_autograd(_backward, setup_context=_setup)
+_rope = autograd(rope_fwd, _setup, _backward)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
-    return rope_fwd(q, k, cos, sin, backend)
+    return _rope(q, k, cos, sin, backend)
