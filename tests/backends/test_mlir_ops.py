@@ -259,3 +259,26 @@ def test_compile_graph_dynamic_rows():
         xn = torch.randn(n, 32)
         for a, b in zip(run(xn, w), f(xn, w)):
             assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu"])
+def test_many_blocks_on_threads(op, monkeypatch):
+    """Dynamic row blocks on 3 workers (tiny blocks): row outputs and summed weight gradients."""
+    from torchfuser.backends.mlir import runner
+
+    monkeypatch.setenv("TORCHFUSER_MLIR_THREADS", "3")
+    monkeypatch.setattr(runner, "MIN_BLOCK_ELEMS", 64)
+    monkeypatch.setattr(runner, "BLOCK_ELEMS", 7 * 96)
+    plan = runner.plan(301, 96)
+    assert plan.threads == 3 and plan.blocks == 3 * runner.MAX_BLOCKS_PER_THREAD
+    fn, kinds = OPS[op]
+    _check(fn, _inputs(kinds, (301, 96)), torch.float32, f"{op} threads")
+
+
+def test_huge_page_outputs_are_plain_tensors():
+    from torchfuser.backends.mlir import memory
+
+    t = memory.empty((1024, 4096), torch.float32)
+    assert t.is_contiguous() and t.shape == (1024, 4096) and t.storage_offset() == 0
+    t.fill_(1.5)
+    assert float(t.sum()) == 1.5 * t.numel()
