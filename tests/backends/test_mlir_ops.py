@@ -282,3 +282,17 @@ def test_huge_page_outputs_are_plain_tensors():
     assert t.is_contiguous() and t.shape == (1024, 4096) and t.storage_offset() == 0
     t.fill_(1.5)
     assert float(t.sum()) == 1.5 * t.numel()
+
+
+def test_compile_graph_refuses_outputs_that_are_neither_per_row_nor_sums():
+    """A broadcast input scaled (dim 0 ≠ rows, not a sum over rows) must raise, not come out wrong."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchfuser.backends.mlir import compile_graph
+
+    def f(a, b, s):
+        return a * s, b * s
+
+    args = (torch.randn(10, 16), torch.randn(40, 16), torch.randn(()))
+    with pytest.raises(NotImplementedError, match="neither per-row nor a sum"):
+        compile_graph(make_fx(f)(*args), args, dynamic=False)

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F
-from torchfuser.modules.base import FusedModule, adopt
+from torchfuser.modules.base import FusedModule, adopt, hand_back
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
 # families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
@@ -121,13 +121,7 @@ class FusedAttention(FusedModule):
     def _fallback(self, hidden_states, kwargs):
         """Run the original module on whatever this module now holds (after .to(), re-tying...)."""
         original = self.__dict__["_original"]
-        for name, param in self._parameters.items():
-            original._parameters[name] = param
-        for name, buf in self._buffers.items():
-            original._buffers[name] = buf
-        for name, child in self._modules.items():
-            original._modules[name] = child
-        original.training = self.training
+        hand_back(self, original)
         out = original(hidden_states, **kwargs)
         _record_attention_weights(original, out)
         return out

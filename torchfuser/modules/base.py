@@ -34,3 +34,15 @@ def adopt(fused: nn.Module, original: nn.Module, names) -> None:
     missing = wanted - set(original._parameters) - set(original._buffers) - set(original._modules)
     if missing:
         raise AttributeError(f"{type(original).__name__} has no parameter, buffer or submodule {sorted(missing)}")
+
+
+def hand_back(fused: nn.Module, original: nn.Module) -> None:
+    """Give ``original`` whatever ``fused`` now holds under the adopted names: after ``.to()``,
+    re-tying or a swapped child, the original must see the current objects, not stale ones."""
+    for name, param in fused._parameters.items():
+        original._parameters[name] = param
+    for name, buf in fused._buffers.items():
+        original._buffers[name] = buf
+    for name, child in fused._modules.items():
+        original._modules[name] = child
+    original.training = fused.training  # not .train(): the children are shared and already set

@@ -6,7 +6,7 @@ from typing import Callable, ClassVar
 
 from torch import nn
 
-from torchfuser.modules.base import FusedModule
+from torchfuser.modules.base import FusedModule, hand_back
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,7 @@ class Pattern:
         parent._modules[attr] = fused
 
         def undo() -> None:
-            # Give the original back whatever the fused module now holds (e.g. after .to()).
-            for name, param in fused._parameters.items():
-                module._parameters[name] = param
-            for name, buf in fused._buffers.items():
-                module._buffers[name] = buf
-            for name, child in fused._modules.items():
-                module._modules[name] = child
-            module.train(fused.training)
+            hand_back(fused, module)
             parent._modules[attr] = module
 
         return Applied(type(fused).__name__, undo)
