@@ -65,13 +65,15 @@ def test_inspect_bad_target(arg, words):
     assert words in str(info.value)
 
 
-def test_demo_runs_and_reports_parity():
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_demo_runs_and_reports_parity(backend):
+    """The demo counts saved activations with saved-tensor hooks: every backend must run under them."""
     from rich.console import Console
 
     from torchfuser import demo
 
     console = Console(record=True, width=120)
-    results = demo.run(device="cpu", steps=4, backend="reference", console=console)
+    results = demo.run(device="cpu", steps=4, backend=backend, console=console)
     text = console.export_text()
     assert "loss parity" in text and "step time" in text
     eager, fused = results["eager"]["losses"], results["torchfuser"]["losses"]

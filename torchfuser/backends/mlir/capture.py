@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from torchfuser.backends._saved_hooks import hooks_set_aside
+
 ROW, BCAST = "row", "bcast"
 _CASTS = {torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default}
 
@@ -79,7 +81,8 @@ def trace(fn: Callable, examples: Sequence[torch.Tensor]) -> torch.fx.GraphModul
     # functionalize: decompositions of some backward ops write in place (copy_), which the
     # torch-mlir importer only takes in value semantics.
     pure = torch.func.functionalize(fn, remove="mutations")
-    gm = make_fx(pure, decomposition_table=decompositions(), tracing_mode="real")(*examples)
+    with hooks_set_aside():
+        gm = make_fx(pure, decomposition_table=decompositions(), tracing_mode="real")(*examples)
     _static_factories(gm)
     return gm
 

@@ -1,12 +1,11 @@
 """Backward passes derived from the forward definitions by autograd, never written by hand."""
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Sequence
 
 import torch
 
-_autograd = torch._C._autograd
+from torchfuser.backends._saved_hooks import hooks_set_aside
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -33,25 +32,10 @@ def value_and_vjp(fn: Callable, inputs: Sequence[torch.Tensor | None], grads, *a
             full[i] = x
         return fn(*full, *args)
 
-    with _caller_hooks_set_aside():
+    with hooks_set_aside():
         value, pullback = torch.func.vjp(only_present, *[inputs[i] for i in present])
         if not isinstance(grads, (tuple, list, torch.Tensor)):
             grads = torch.full_like(value, grads)
         got = iter(pullback(grads))
     return value, tuple(next(got) if t is not None else None for t in inputs)
 
-
-@contextlib.contextmanager
-def _caller_hooks_set_aside():
-    """torch.func refuses to run while saved-tensor hooks are registered (activation offloading,
-    memory accounting). The tensors it saves are internal to this kernel, never the caller's graph,
-    so the caller's hooks are set aside for the kernel's duration and put back after."""
-    stack = []
-    while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
-        stack.append(top)
-        _autograd._pop_saved_tensors_default_hooks()
-    try:
-        yield
-    finally:
-        for pack, unpack in reversed(stack):
-            _autograd._push_saved_tensors_default_hooks(pack, unpack)
