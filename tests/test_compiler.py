@@ -367,3 +367,19 @@ def test_optimize_then_inductor_fullgraph(kind):
     torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_cpu_regions_are_compiled_by_mlir_not_left_eager():
+    """A fallback keeps results right, so only this tells that the regions really were compiled."""
+    pytest.importorskip("torch_mlir")
+
+    @torchfuser.jit
+    def gated(x, w, b):
+        h = x @ w
+        return torch.nn.functional.silu(h + b) * h.sigmoid()
+
+    x, w, b = torch.randn(8, 16, requires_grad=True), torch.randn(16, 16), torch.randn(16)
+    gated(x, w, b).sum().backward()
+    text = str(gated.explain(x, w, b))
+    assert "region forward/forward_region_0 [mlir]" in text
+    assert "region backward/backward_region_0 [mlir]" in text

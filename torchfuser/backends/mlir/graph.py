@@ -61,27 +61,25 @@ def _check_row_contract(fn, inputs, args, n: int) -> None:
     """The kernel runs the graph chunk by chunk of rows: each output must be per-row (the chunks'
     outputs stacked) or a sum over rows (the chunks' outputs added). Check that on the example
     inputs, split in two, so that any other output raises here instead of coming out wrong."""
-    with torch.no_grad():
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    # Under torch.compile a fake-tensor mode is active; this check runs on the real examples.
+    with torch.no_grad(), unset_fake_temporarily():
         full = fn(*inputs)
         if n < 2:
             if any(o.dim() == 0 or o.shape[0] != n for o in full):
                 raise NotImplementedError("compile_graph: needs at least 2 example rows to check its outputs are per-row or sums over rows")
             return
-        cut = n // 2
-        halves = [
-            fn(*[t[sl] if a.role == ROW else t for t, a in zip(inputs, args)])
-            for sl in (slice(0, cut), slice(cut, n))
-        ]
-    for i, out in enumerate(full):
-        a, b = halves[0][i], halves[1][i]
-        ref = out.double()
-        tol = 1e-3 * (ref.abs().max().item() + 1.0)
-        if out.dim() >= 1 and out.shape[0] == n and torch.cat([a, b]).shape == out.shape:
-            if (torch.cat([a, b]).double() - ref).abs().max().item() <= tol:
+        halves = [fn(*[t[rows] if a.role == ROW else t for t, a in zip(inputs, args)]) for rows in (slice(0, n // 2), slice(n // 2, n))]
+        for i, (out, a, b) in enumerate(zip(full, *halves)):
+            ref, a, b = out.double(), a.double(), b.double()
+            tol = 1e-3 * (ref.abs().max().item() + 1.0)
+            stacked = out.dim() >= 1 and torch.cat([a, b]).shape == out.shape
+            if stacked and (torch.cat([a, b]) - ref).abs().max().item() <= tol:
                 continue
-        if a.shape == out.shape and ((a.double() + b.double()) - ref).abs().max().item() <= tol:
-            continue
-        raise NotImplementedError(
-            f"compile_graph: output {i} (shape {tuple(out.shape)}) is neither per-row nor a sum over rows; "
-            "keep this region in ATen"
-        )
+            if a.shape == out.shape and (a + b - ref).abs().max().item() <= tol:
+                continue
+            raise NotImplementedError(
+                f"compile_graph: output {i} (shape {tuple(out.shape)}) is neither per-row nor a sum over rows; "
+                "keep this region in ATen"
+            )
