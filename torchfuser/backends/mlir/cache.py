@@ -67,9 +67,13 @@ def cache_dir() -> str | None:
 def pipeline_hash() -> str:
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in _PIPELINE_SOURCES:
-        with open(os.path.join(here, name), "rb") as f:
-            h.update(name.encode() + b"\0" + f.read())
+    # The kernels are derived from the reference definitions: a changed definition is a new kernel.
+    reference = os.path.join(os.path.dirname(here), "reference")
+    sources = [os.path.join(here, n) for n in _PIPELINE_SOURCES]
+    sources += sorted(os.path.join(reference, n) for n in os.listdir(reference) if n.endswith(".py"))
+    for path in sources:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read())
     return h.hexdigest()[:16]
 
 

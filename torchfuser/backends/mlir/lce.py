@@ -13,13 +13,15 @@ and ∂z = scale · ∂loss/∂z = scale · (softmax(s) − onehot(label)) · �
 derived by ``torch.func.vjp`` from ``head`` (never written by hand); ``scale`` is 1/#valid
 tokens for ``mean`` and 1 for ``sum``. The label is picked with an iota comparison instead of
 gather/scatter, so the row stays a pure elementwise + reduction program for the pipeline.
-This is the reference's softcap + ``F.cross_entropy`` (reference/linear_cross_entropy.py);
-the tests hold it to the float64 reference. Full logits never exist: peak extra memory is
+``head`` is the reference's own ``token_loss`` (reference/linear_cross_entropy.py), the one
+definition of the loss. Full logits never exist: peak extra memory is
 one C×V fp32 chunk (``CHUNK_BYTES``) and, for bf16/fp16 weights, an fp32 copy of W.
 """
 from __future__ import annotations
 
 import torch
+
+from torchfuser.backends.reference.linear_cross_entropy import token_loss
 
 from .capture import BCAST, ROW, ArgSpec
 from .compile import kernel_for
@@ -29,14 +31,9 @@ CHUNK_BYTES = 32 << 20   # fp32 logits of one chunk
 MIN_CHUNK_ROWS = 64      # below this the matmuls lose too much efficiency
 
 
-def _head(ignore_index: int, softcap: float | None, vocab: int):
+def _head(ignore_index: int, softcap: float | None):
     def head(z, label):
-        s = z if softcap is None else torch.tanh(z / softcap) * softcap
-        m = s.amax(-1, keepdim=True).detach()
-        lse = (s - m).exp().sum(-1).log() + m.squeeze(-1)
-        onehot = torch.arange(vocab, dtype=label.dtype) == label.unsqueeze(-1)
-        picked = torch.where(onehot, s, torch.zeros((), dtype=s.dtype)).sum(-1)
-        return torch.where(label != ignore_index, lse - picked, torch.zeros((), dtype=s.dtype))
+        return token_loss(z, label, ignore_index, softcap)
 
     def head_and_grad(z, label, scale):
         loss, pullback = torch.func.vjp(lambda z_: head(z_, label), z)
@@ -49,7 +46,7 @@ def _head(ignore_index: int, softcap: float | None, vocab: int):
 def _kernel(vocab: int, ignore_index: int, softcap: float | None):
     return kernel_for(
         "lce_head", {"ignore_index": ignore_index, "softcap": softcap},
-        _head(ignore_index, softcap, vocab),
+        _head(ignore_index, softcap),
         [ArgSpec(ROW, (vocab,), torch.float32), ArgSpec(ROW, (), torch.int64), ArgSpec(BCAST, (), torch.float32)],
     )
 

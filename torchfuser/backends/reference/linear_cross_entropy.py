@@ -7,9 +7,23 @@ backward is a scale.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._autodiff import compute_dtype, value_and_vjp
+
+
+def token_loss(z, label, ignore_index: int, softcap: float | None):
+    """Cross-entropy of each row of logits ``z`` (…×V) against ``label`` (…), 0 where ignored.
+
+    The label's logit is picked by comparing with an iota rather than by gather, so that the
+    same definition compiles as a pure elementwise + reduction row program (the MLIR backend
+    derives its kernel from this function).
+    """
+    s = z if softcap is None else torch.tanh(z / softcap) * softcap
+    m = s.amax(-1, keepdim=True).detach()  # a constant for the gradient: it cancels
+    lse = (s - m).exp().sum(-1).log() + m.squeeze(-1)
+    onehot = torch.arange(z.shape[-1], dtype=label.dtype, device=z.device) == label.unsqueeze(-1)
+    picked = torch.where(onehot, s, torch.zeros((), dtype=s.dtype, device=s.device)).sum(-1)
+    return torch.where(label != ignore_index, lse - picked, torch.zeros((), dtype=s.dtype, device=s.device))
 
 
 def linear_cross_entropy(hidden, weight, bias, labels, ignore_index: int, softcap: float | None, reduction: str):
@@ -17,9 +31,9 @@ def linear_cross_entropy(hidden, weight, bias, labels, ignore_index: int, softca
     logits = hidden.to(ct) @ weight.to(ct).T
     if bias is not None:
         logits = logits + bias.to(ct)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
+    total = token_loss(logits, labels, ignore_index, softcap).sum()
+    # mean over counted tokens; with none counted this is 0/0 = nan, as F.cross_entropy gives
+    return total if reduction == "sum" else total / (labels != ignore_index).sum()
 
 
 def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
