@@ -98,9 +98,17 @@ def kernels(name: str) -> ModuleType:
     return importlib.import_module(f"torchfuser.backends.{name}")
 
 
+_KERNELS: dict[tuple[str, str], object] = {}
+
+
 def kernel(name: str, fn: str):
-    """The function ``fn`` (e.g. ``"rms_norm_fwd"``) of backend ``name``."""
+    """The function ``fn`` (e.g. ``"rms_norm_fwd"``) of backend ``name``. Remembered after the first
+    lookup: every fused-op call asks, and ``import_module`` is a few µs of host time each."""
+    impl = _KERNELS.get((name, fn))
+    if impl is not None:
+        return impl
     impl = getattr(kernels(name), fn, None)
     if impl is None:
         raise NotImplementedError(f"backend {name!r} has no kernel {fn!r} yet; use backend='reference'")
+    _KERNELS[(name, fn)] = impl
     return impl

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtypes, next_pow2, rows_view, warps_for
+from ._common import Launcher, check_dtypes, next_pow2, rows_of, warps_for
 from ._math import tanh
 
 _TILE = 4096
@@ -129,16 +129,23 @@ def _config(flat: bool, n: int) -> tuple[int, int, int]:
 
 
 def _layout(n: int, *ts: torch.Tensor):
-    """The tensors as M×N matrices with dense rows, and (M, N, grid, ROWS, BLOCK_N, warps)."""
+    """The tensors as M×N matrices with dense rows (pointer, row stride), and (M, N, grid, ROWS,
+    BLOCK_N, warps). Contiguous tensors are walked as one flat row, passed as they are."""
     if all(t.is_contiguous() for t in ts):
-        views = [t.view(1, -1) for t in ts]
         m, n, flat = 1, ts[0].numel(), True
+        views = [(t, n) for t in ts]
     else:
-        views = [rows_view(t, n) for t in ts]
-        m, flat = views[0].shape[0], False
+        views = [rows_of(t, n) for t in ts]
+        m, flat = views[0][1], False
+        views = [(t, stride) for t, _, stride in views]
     rows, block, warps = _config(flat, n)
     grid = triton.cdiv(m, rows) * triton.cdiv(n, block)
     return views, m, n, (grid,), rows, block, warps
+
+
+_swiglu_fwd, _swiglu_bwd = Launcher(_swiglu_fwd_kernel), Launcher(_swiglu_bwd_kernel)
+_geglu_fwd, _geglu_bwd = Launcher(_geglu_fwd_kernel), Launcher(_geglu_bwd_kernel)
+_gelu_fwd, _gelu_bwd = Launcher(_gelu_fwd_kernel), Launcher(_gelu_bwd_kernel)
 
 
 def _gated_fwd(kernel, op, gate, up):
@@ -146,8 +153,8 @@ def _gated_fwd(kernel, op, gate, up):
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel() == 0:
         return y
-    (g, u), m, n, grid, rows, block, warps = _layout(gate.shape[-1], gate, up)
-    kernel[grid](g, u, y, m, n, g.stride(0), u.stride(0), ROWS=rows, BLOCK_N=block, num_warps=warps)
+    ((g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(gate.shape[-1], gate, up)
+    kernel(grid, g, u, y, m, n, sg, su, ROWS=rows, BLOCK_N=block, num_warps=warps)
     return y
 
 
@@ -157,25 +164,25 @@ def _gated_bwd(kernel, op, dy, gate, up):
     du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     if gate.numel() == 0:
         return dg, du
-    (d, g, u), m, n, grid, rows, block, warps = _layout(gate.shape[-1], dy, gate, up)
-    kernel[grid](d, g, u, dg, du, m, n, d.stride(0), g.stride(0), u.stride(0), ROWS=rows, BLOCK_N=block, num_warps=warps)
+    ((d, sd), (g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(gate.shape[-1], dy, gate, up)
+    kernel(grid, d, g, u, dg, du, m, n, sd, sg, su, ROWS=rows, BLOCK_N=block, num_warps=warps)
     return dg, du
 
 
 def swiglu_fwd(gate, up):
-    return _gated_fwd(_swiglu_fwd_kernel, "swiglu", gate, up)
+    return _gated_fwd(_swiglu_fwd, "swiglu", gate, up)
 
 
 def swiglu_bwd(dy, gate, up):
-    return _gated_bwd(_swiglu_bwd_kernel, "swiglu", dy, gate, up)
+    return _gated_bwd(_swiglu_bwd, "swiglu", dy, gate, up)
 
 
 def geglu_fwd(gate, up):
-    return _gated_fwd(_geglu_fwd_kernel, "geglu", gate, up)
+    return _gated_fwd(_geglu_fwd, "geglu", gate, up)
 
 
 def geglu_bwd(dy, gate, up):
-    return _gated_bwd(_geglu_bwd_kernel, "geglu", dy, gate, up)
+    return _gated_bwd(_geglu_bwd, "geglu", dy, gate, up)
 
 
 def _check_approximate(approximate):
@@ -190,8 +197,8 @@ def gelu_fwd(x, approximate):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return y
-    (xv,), m, n, grid, rows, block, warps = _layout(x.shape[-1] if x.dim() else 1, x)
-    _gelu_fwd_kernel[grid](xv, y, m, n, xv.stride(0), TANH=tanh_form, ROWS=rows, BLOCK_N=block, num_warps=warps)
+    ((xv, sx),), m, n, grid, rows, block, warps = _layout(x.shape[-1] if x.dim() else 1, x)
+    _gelu_fwd(grid, xv, y, m, n, sx, TANH=tanh_form, ROWS=rows, BLOCK_N=block, num_warps=warps)
     return y
 
 
@@ -201,6 +208,6 @@ def gelu_bwd(dy, x, approximate):
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return dx
-    (d, xv), m, n, grid, rows, block, warps = _layout(x.shape[-1] if x.dim() else 1, dy, x)
-    _gelu_bwd_kernel[grid](d, xv, dx, m, n, d.stride(0), xv.stride(0), TANH=tanh_form, ROWS=rows, BLOCK_N=block, num_warps=warps)
+    ((d, sd), (xv, sx)), m, n, grid, rows, block, warps = _layout(x.shape[-1] if x.dim() else 1, dy, x)
+    _gelu_bwd(grid, d, xv, dx, m, n, sd, sx, TANH=tanh_form, ROWS=rows, BLOCK_N=block, num_warps=warps)
     return dx

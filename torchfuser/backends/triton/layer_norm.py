@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtypes, device_key, num_programs_cap, rows_view
-from .rms_norm import norm_config
+from ._common import Launcher, check_dtypes, device_key, num_programs_cap, rows_of
+from .rms_norm import norm_config, sum_partials
 
 
 @triton.jit
@@ -137,19 +137,26 @@ def _layer_norm_bwd_kernel(
                     tl.store(p, tl.load(p, mask=m, other=0.0) + dy, mask=m)
 
 
+_fwd = Launcher(_layer_norm_fwd_kernel)
+_bwd = Launcher(_layer_norm_bwd_kernel)
+
+
+def _dense(t):
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def layer_norm_fwd(x, weight, bias, eps):
     check_dtypes("layer_norm", x=x, weight=weight, bias=bias)
     n = x.shape[-1]
-    x2 = rows_view(x, n)
-    m = x2.shape[0]
+    x2, m, sx = rows_of(x, n)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if m == 0:
         return y, mean, rstd
     block, rows, one_pass, warps = norm_config(n)
-    _layer_norm_fwd_kernel[(triton.cdiv(m, rows),)](
-        x2, weight, weight if bias is None else bias, y, mean, rstd, m, n, x2.stride(0), float(eps),
+    _fwd(
+        (triton.cdiv(m, rows),), x2, weight, weight if bias is None else bias, y, mean, rstd, m, n, sx, float(eps),
         HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
     )
     return y, mean, rstd
@@ -158,8 +165,7 @@ def layer_norm_fwd(x, weight, bias, eps):
 def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
     check_dtypes("layer_norm", dy=dy, x=x, weight=weight, bias=bias)
     n = x.shape[-1]
-    x2, dy2 = rows_view(x, n), rows_view(dy, n)
-    m = x2.shape[0]
+    (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
     block, rows, one_pass, warps = norm_config(n)
     grid = max(1, min(num_programs_cap(device_key(x)), triton.cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -167,10 +173,12 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
     dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
     dbp = alloc((grid, n), dtype=torch.float32, device=x.device) if bias is not None else dwp
     if m > 0:
-        _layer_norm_bwd_kernel[(grid,)](
-            dy2, x2, weight, mean.contiguous(), rstd.contiguous(), dx, dwp, dbp, m, n, dy2.stride(0), x2.stride(0), triton.cdiv(triton.cdiv(m, rows), grid),
+        _bwd(
+            (grid,), dy2, x2, weight, _dense(mean), _dense(rstd), dx, dwp, dbp, m, n, sdy, sx,
+            triton.cdiv(triton.cdiv(m, rows), grid),
             HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
         )
-    dw = dwp.sum(0).to(weight.dtype)
-    db = weight.new_empty(0) if bias is None else dbp.sum(0).to(bias.dtype)
+    if bias is None:
+        return dx, sum_partials(dwp, weight.dtype), weight.new_empty(0)
+    dw, db = sum_partials(dwp, weight.dtype, dbp, bias.dtype)
     return dx, dw, db

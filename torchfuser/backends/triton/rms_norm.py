@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtypes, device_key, next_pow2, num_programs_cap, rows_view, warps_for
+from ._common import Launcher, check_dtypes, device_key, next_pow2, num_programs_cap, rows_of, warps_for
 
 # Rows up to this many elements are held in registers whole (one read of x); longer rows are
 # walked in chunks of _CHUNK, re-reading x from L2 instead of spilling.
@@ -125,18 +125,54 @@ def _rms_norm_bwd_kernel(
                 tl.store(p, tl.load(p, mask=m, other=0.0) + dy * x * rstd, mask=m)
 
 
+@triton.jit
+def _sum_partials_kernel(P, OUT, Q, OUT_Q, G, N, TWO: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+    # OUT = Σ_g P[g, :] (and OUT_Q = Σ_g Q[g, :]): the backwards' G fp32 partial rows of dw (db),
+    # summed in fp32 and rounded once to the parameter's dtype; one launch instead of sum + cast.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    acc = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    acc_q = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        g = (g0 + tl.arange(0, BLOCK_G)).to(tl.int64)
+        mask = (g < G)[:, None] & col_ok[None, :]
+        offs = g[:, None] * N + cols[None, :]
+        acc += tl.load(P + offs, mask=mask, other=0.0)
+        if TWO:
+            acc_q += tl.load(Q + offs, mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_ok)
+    if TWO:
+        tl.store(OUT_Q + cols, tl.sum(acc_q, axis=0).to(OUT_Q.dtype.element_ty), mask=col_ok)
+
+
+_fwd = Launcher(_rms_norm_fwd_kernel)
+_bwd = Launcher(_rms_norm_bwd_kernel)
+_sum_partials = Launcher(_sum_partials_kernel)
+_SUM_BLOCK_N = 128
+
+
+def sum_partials(p, dtype, q=None, q_dtype=None):
+    """Column sums of the fp32 partial rows ``p`` (and ``q``) in ``dtype`` (``q_dtype``)."""
+    g, n = p.shape
+    out = torch.empty(n, dtype=dtype, device=p.device)
+    out_q = torch.empty(n, dtype=q_dtype, device=p.device) if q is not None else out
+    if n > 0:
+        _sum_partials((triton.cdiv(n, _SUM_BLOCK_N),), p, out, p if q is None else q, out_q, g, n,
+                      TWO=q is not None, BLOCK_G=32, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
+    return out if q is None else (out, out_q)
+
+
 def rms_norm_fwd(x, weight, eps, offset):
     check_dtypes("rms_norm", x=x, weight=weight)
     n = x.shape[-1]
-    x2 = rows_view(x, n)
-    m = x2.shape[0]
+    x2, m, sx = rows_of(x, n)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd
     block, rows, one_pass, warps = norm_config(n)
-    _rms_norm_fwd_kernel[(triton.cdiv(m, rows),)](
-        x2, weight, y, rstd, m, n, x2.stride(0), float(eps), float(offset),
+    _fwd(
+        (triton.cdiv(m, rows),), x2, weight, y, rstd, m, n, sx, float(eps), float(offset),
         ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
     )
     return y, rstd
@@ -145,8 +181,7 @@ def rms_norm_fwd(x, weight, eps, offset):
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
     check_dtypes("rms_norm", dy=dy, x=x, weight=weight)
     n = x.shape[-1]
-    x2, dy2 = rows_view(x, n), rows_view(dy, n)
-    m = x2.shape[0]
+    (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
     block, rows, one_pass, warps = norm_config(n)
     grid = max(1, min(num_programs_cap(device_key(x)), triton.cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -154,8 +189,9 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
     alloc = torch.empty if one_pass and m > 0 else torch.zeros
     dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
     if m > 0:
-        _rms_norm_bwd_kernel[(grid,)](
-            dy2, x2, weight, rstd.contiguous(), dx, dwp, m, n, dy2.stride(0), x2.stride(0), triton.cdiv(triton.cdiv(m, rows), grid), float(offset),
+        _bwd(
+            (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dx, dwp, m, n, sdy, sx,
+            triton.cdiv(triton.cdiv(m, rows), grid), float(offset),
             ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
         )
-    return dx, dwp.sum(0).to(weight.dtype)
+    return dx, sum_partials(dwp, weight.dtype)

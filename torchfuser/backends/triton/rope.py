@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtypes, next_pow2, warps_for
+from ._common import Launcher, check_dtypes, next_pow2, warps_for
 
 
 @triton.jit
@@ -71,13 +71,16 @@ def _config(h: int, half: int) -> tuple[int, int, int]:
     return block_h, block_d, warps_for(2 * block_h * block_d, hi=8)
 
 
+_rope = Launcher(_rope_fwd_kernel)
+
+
 def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _launch(q, k, cos, sin, backward: bool):
     check_dtypes("rope", q=q, k=k, cos=cos, sin=sin)
-    q, k, cos, sin = (_dense_last(t) for t in (q, k, cos, sin))
+    q, k, cos, sin = _dense_last(q), _dense_last(k), _dense_last(cos), _dense_last(sin)
     b, hq, s, d = q.shape
     hk = k.shape[1]
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -88,8 +91,8 @@ def _launch(q, k, cos, sin, backward: bool):
     # A broadcast batch dim of cos/sin (size 1) is read with stride 0.
     scb = cos.stride(0) if cos.shape[0] > 1 else 0
     ssb = sin.stride(0) if sin.shape[0] > 1 else 0
-    _rope_fwd_kernel[(b * s,)](
-        q, k, cos, sin, qo, ko, s, hq, hk, d // 2,
+    _rope(
+        (b * s,), q, k, cos, sin, qo, ko, s, hq, hk, d // 2,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         scb, cos.stride(1), ssb, sin.stride(1),
         BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward, num_warps=warps,
