@@ -296,3 +296,75 @@ def test_compile_graph_refuses_outputs_that_are_neither_per_row_nor_sums():
     args = (torch.randn(10, 16), torch.randn(40, 16), torch.randn(()))
     with pytest.raises(NotImplementedError, match="neither per-row nor a sum"):
         compile_graph(make_fx(f)(*args), args, dynamic=False)
+
+
+def _ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|got − ref| in f32 ulps of the float64 reference (of 2⁻¹²⁶ for results below that)."""
+    scale = ref.abs().clamp_min(2.0**-126) * torch.finfo(torch.float32).eps
+    return (got.double() - ref).abs() / scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compile_graph_sin_cos_vectorised_polynomial(dtype):
+    """sin/cos are compiled to mathlib's polynomial (not libm): within 2 ulps of float64 at every
+    magnitude up to the bound, next to multiples of π/2 too; bf16 held to the DESIGN rule."""
+    import math
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchfuser.backends.mlir import compile_graph
+    from torchfuser.backends.mlir.mathlib import TRIG_BOUND
+
+    def f(x, y):
+        return torch.sin(x) * y, torch.cos(x) + y
+
+    g = torch.Generator().manual_seed(0)
+    cols = 256
+    rows = [torch.randn(64, cols, generator=g)]
+    for e in (2, 8, 16, 24, 29):
+        rows.append((torch.rand(16, cols, generator=g) * 2 - 1) * 2.0**e)
+    k = (torch.rand(64, cols, generator=g, dtype=torch.float64) * (TRIG_BOUND / 2)).floor() + 1
+    rows.append((k * math.pi / 2).float())
+    rows.append((torch.arange(1, 16 * cols + 1, dtype=torch.float64).view(16, cols) * math.pi / 2).float())
+    x = torch.cat(rows).to(dtype)
+    y = torch.randn(x.shape, generator=g).to(dtype)
+    run = compile_graph(make_fx(f)(x, y), [x, y], dynamic=True)
+    got = run(x, y)
+    ref = f(x.double(), y.double())
+    if dtype == torch.float32:
+        sin_g, cos_g = run(x, torch.ones_like(y))[0], run(x, torch.zeros_like(y))[1]
+        assert _ulps(sin_g, torch.sin(x.double())).max() <= 2
+        assert _ulps(cos_g, torch.cos(x.double())).max() <= 2
+    same = f(x, y)
+    for a, b, r in zip(got, same, ref):
+        assert_within_rule(a, b, r, ATOL[dtype], f"sin/cos {dtype}")
+
+
+def test_compile_graph_sin_cos_beyond_the_bound_are_exact():
+    """Arguments the polynomial's reduction cannot take (|x| ≥ TRIG_BOUND, inf, NaN) make the
+    call fall back to ATen: the same values as torch, NaN where torch gives NaN, −0 kept."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchfuser.backends.mlir import compile_graph
+    from torchfuser.backends.mlir.mathlib import TRIG_BOUND
+
+    def f(x):
+        return torch.sin(x), torch.cos(2 * x)
+
+    x = torch.randn(40, 64)
+    run = compile_graph(make_fx(f)(x), [x], dynamic=True)
+    x[0, :4] = torch.tensor([-0.0, float("nan"), float("inf"), -float("inf")])
+    small = run(x)
+    assert torch.signbit(small[0][0, 0]) and small[0][0, 1:4].isnan().all() and small[1][0, 1:4].isnan().all()
+    for big in (TRIG_BOUND, 3e38, -2.0**40):
+        xb = x.clone()
+        xb[17, 5] = big
+        for a, b in zip(run(xb), f(xb)):
+            assert torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    # the cos argument 2x crosses the bound first: the count is per sin/cos argument
+    xb = x.clone()
+    xb[3, 3] = TRIG_BOUND * 0.75
+    for a, b in zip(run(xb), f(xb)):
+        assert torch.allclose(torch.nan_to_num(a), torch.nan_to_num(b), atol=1e-6)
+        assert a[3, 3] == b[3, 3]

@@ -7,7 +7,10 @@ import torch
 
 from .capture import BCAST, ROW, ArgSpec
 from .compile import kernel_for
+from .mathlib import TRIG_BOUND
 from .ops import SUPPORTED
+
+_TRIG = (torch.ops.aten.sin.default, torch.ops.aten.cos.default)
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tensor], *, dynamic: bool):
@@ -45,16 +48,54 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
         out = gm(*xs)
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
+    # sin/cos compile to a vectorised polynomial that is exact only for |x| < TRIG_BOUND
+    # (mathlib.py): the kernel also returns, per sin/cos, a per-row count of arguments beyond
+    # it; if any is non-zero the call is recomputed by ATen (libm's exact reduction).
+    guarded = any(n.op == "call_function" and n.target in _TRIG for n in gm.graph.nodes)
+    kernel_fn = _with_trig_counts(gm) if guarded else fn
     _check_row_contract(fn, example_inputs, args, n)
-    kernel = kernel_for("graph", {"code": gm.code}, fn, args)
+    spec = {"code": gm.code, "trig_bound": TRIG_BOUND if guarded else None}
+    kernel = kernel_for("graph", spec, kernel_fn, args)
+    n_out = len(kernel.cap.out_roles)
 
     def run(*xs):
         if not dynamic and xs[0].shape[0] != n:
             raise ValueError(f"compile_graph(dynamic=False) kernel compiled for {n} rows, got {xs[0].shape[0]}")
-        return tuple(kernel(*xs))
+        outs = kernel(*xs)
+        if not guarded:
+            return tuple(outs)
+        counts = outs[n_out - kernel_fn.n_counts:]
+        if any(bool(c.any()) for c in counts):
+            with torch.no_grad():
+                return fn(*xs)
+        return tuple(outs[: n_out - kernel_fn.n_counts])
 
     run.kernel = kernel
     return run
+
+
+def _with_trig_counts(gm: torch.fx.GraphModule):
+    """``gm``'s outputs followed by, for every sin/cos, Σ(|arg| ≥ TRIG_BOUND) over all but dim 0
+    (a per-row output; a 0-d argument gives a 0-d count)."""
+
+    class Counting(torch.fx.Interpreter):
+        def call_function(self, target, a, kw):
+            if target in _TRIG:
+                x = a[0]
+                big = (x.abs() >= TRIG_BOUND).to(torch.float32)
+                self.counts.append(big.sum(dim=tuple(range(1, x.dim()))) if x.dim() > 1 else big)
+            return super().call_function(target, a, kw)
+
+    def fn(*xs):
+        it = Counting(gm)
+        it.counts = []
+        out = it.run(*xs)
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        fn.n_counts = len(it.counts)
+        return out + tuple(it.counts)
+
+    fn.n_counts = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in _TRIG)
+    return fn
 
 
 def _check_row_contract(fn, inputs, args, n: int) -> None:

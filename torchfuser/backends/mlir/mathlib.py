@@ -8,6 +8,13 @@ inlines them into the loops.
 exp: Cody–Waite range reduction x = n·ln2 + r, |r| ≤ ln2/2, a degree-6 minimax polynomial
 (Cephes expf, ≈1 ulp), 2ⁿ built in the exponent bits. Over/underflow and NaN as IEEE.
 tanh: sign(x)·(1 − e)/(1 + e) with e = exp(−2|x|); x − x³/3 below |x| < 2⁻⁸ (no cancellation).
+sin, cos: x = n·π/2 + r reduced in f64 (n = round(x·2/π), r by three FMAs with π/2 split into
+three doubles: exact enough for |x| < TRIG_BOUND, see below), then the Cephes sinf/cosf
+polynomials on |r| ≤ π/4 in f32 (fma and roundeven as LLVM intrinsics: the ``llvm`` stage's
+math-expand-ops would split math.fma into a rounded multiply and add) and the quadrant n mod 4 picks ±sin r or ±cos r. Inf and NaN
+give NaN. |x| ≥ TRIG_BOUND is outside this reduction's accuracy: ``graph.py`` makes every
+kernel that uses these functions count such arguments and recomputes the call in ATen if
+there are any (libm reduces exactly), so results are never wrong, only slower there.
 """
 from __future__ import annotations
 
@@ -93,13 +100,107 @@ func.func private @__tf_tanhf(%x: f32) -> f32 {
 }
 """
 
-_CALLS = {"exp": "__tf_expf", "tanh": "__tf_tanhf"}
-_PATTERN = re.compile(r"math\.(exp|tanh) (%[\w#]+)(?: fastmath<[\w,]+>)? : f32\b")
+TRIG = r"""
+func.func private @__tf_trigf(%x: f32, %off: i64) -> f32 {
+  %twoopi = arith.constant 0.6366197723675814 : f64
+  %p1 = arith.constant -1.5707963267948966 : f64
+  %p2 = arith.constant -6.123233995736766e-17 : f64
+  %p3 = arith.constant 1.4973849048591698e-33 : f64
+  %quarter = arith.constant 0.25 : f64
+  %four = arith.constant 4.0 : f64
+  %zero = arith.constant 0.0 : f64
+  %bound = arith.constant TRIG_BOUND : f32
+  %nanv = arith.constant 0x7FC00000 : f32
+  %one = arith.constant 1.0 : f32
+  %mhalf = arith.constant -0.5 : f32
+  %s0 = arith.constant -1.9515295891e-4 : f32
+  %s1 = arith.constant 8.3321608736e-3 : f32
+  %s2 = arith.constant -1.6666654611e-1 : f32
+  %c0 = arith.constant 2.443315711809948e-5 : f32
+  %c1 = arith.constant -1.388731625493765e-3 : f32
+  %c2 = arith.constant 4.166664568298827e-2 : f32
+  %i1 = arith.constant 1 : i64
+  %i2 = arith.constant 2 : i64
+  %i3 = arith.constant 3 : i64
+  %zi = arith.constant 0 : i64
+  %inf = arith.constant 0x7F800000 : f32
+  %ax = math.absf %x : f32
+  %ok = arith.cmpf olt, %ax, %bound : f32
+  %xs = arith.select %ok, %x, %one : f32
+  %xd = arith.extf %xs : f32 to f64
+  %t = arith.mulf %xd, %twoopi : f64
+  %n = llvm.intr.roundeven(%t) : (f64) -> f64
+  %ra = llvm.intr.fma(%n, %p1, %xd) : (f64, f64, f64) -> f64
+  %rb = llvm.intr.fma(%n, %p2, %ra) : (f64, f64, f64) -> f64
+  %rc = llvm.intr.fma(%n, %p3, %rb) : (f64, f64, f64) -> f64
+  %n4 = arith.mulf %n, %quarter : f64
+  %fl = math.floor %n4 : f64
+  %m4 = arith.mulf %fl, %four : f64
+  %qd = arith.subf %n, %m4 : f64
+  %qi = arith.fptosi %qd : f64 to i64
+  %q0 = arith.addi %qi, %off : i64
+  %q = arith.andi %q0, %i3 : i64
+  %r = arith.truncf %rc : f64 to f32
+  %z = arith.mulf %r, %r : f32
+  %sa = arith.mulf %s0, %z : f32
+  %sb = arith.addf %sa, %s1 : f32
+  %sc = arith.mulf %sb, %z : f32
+  %sd = arith.addf %sc, %s2 : f32
+  %se = arith.mulf %sd, %z : f32
+  %sf = arith.mulf %se, %r : f32
+  %sinr = arith.addf %sf, %r : f32
+  %ca = arith.mulf %c0, %z : f32
+  %cb = arith.addf %ca, %c1 : f32
+  %cc = arith.mulf %cb, %z : f32
+  %cd = arith.addf %cc, %c2 : f32
+  %ce = arith.mulf %cd, %z : f32
+  %cf = arith.mulf %ce, %z : f32
+  %cg = arith.mulf %z, %mhalf : f32
+  %ch = arith.addf %cf, %cg : f32
+  %cosr = arith.addf %ch, %one : f32
+  %odd = arith.andi %q, %i1 : i64
+  %isodd = arith.cmpi ne, %odd, %zi : i64
+  %neg = arith.andi %q, %i2 : i64
+  %isneg = arith.cmpi ne, %neg, %zi : i64
+  %v = arith.select %isodd, %cosr, %sinr : f32
+  %nv = arith.negf %v : f32
+  %w = arith.select %isneg, %nv, %v : f32
+  %fin = arith.cmpf one, %ax, %inf : f32
+  %good = arith.andi %ok, %fin : i1
+  %res = arith.select %good, %w, %nanv : f32
+  return %res : f32
+}
+
+func.func private @__tf_sinf(%x: f32) -> f32 {
+  %q = arith.constant 0 : i64
+  %y = func.call @__tf_trigf(%x, %q) : (f32, i64) -> f32
+  return %y : f32
+}
+
+func.func private @__tf_cosf(%x: f32) -> f32 {
+  %q = arith.constant 1 : i64
+  %y = func.call @__tf_trigf(%x, %q) : (f32, i64) -> f32
+  return %y : f32
+}
+"""
+
+# |x| below this: the f64 reduction leaves an absolute error in r of about n·2⁻¹⁰⁶ + 2⁻⁵³·|r|,
+# < 2⁻⁷⁵ here, far below an f32 ulp of any r an f32 x can produce (tests/backends/test_mlir_ops.py
+# checks arguments next to multiples of π/2 up to the bound against float64).
+TRIG_BOUND = float(1 << 30)
+TRIG = TRIG.replace("TRIG_BOUND", repr(TRIG_BOUND))
+
+_CALLS = {"exp": "__tf_expf", "tanh": "__tf_tanhf", "sin": "__tf_sinf", "cos": "__tf_cosf"}
+_PATTERN = re.compile(r"math\.(exp|tanh|sin|cos) (%[\w#]+)(?: fastmath<[\w,]+>)? : f32\b")
+
+
+def _call(m) -> str:
+    return f"func.call @{_CALLS[m.group(1)]}({m.group(2)}) : (f32) -> f32"
 
 
 def substitute(text: str) -> str:
-    """Rewrite scalar f32 math.exp/math.tanh into calls and append the library to the module."""
-    new, count = _PATTERN.subn(lambda m: f"func.call @{_CALLS[m.group(1)]}({m.group(2)}) : (f32) -> f32", text)
+    """Rewrite scalar f32 math.exp/tanh/sin/cos into calls and append the library to the module."""
+    new, count = _PATTERN.subn(_call, text)
     if not count:
         return text
-    return new.rstrip().rstrip("}") + LIB + "\n}\n"
+    return new.rstrip().rstrip("}") + LIB + TRIG + "\n}\n"
