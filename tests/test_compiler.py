@@ -383,3 +383,19 @@ def test_cpu_regions_are_compiled_by_mlir_not_left_eager():
     text = str(gated.explain(x, w, b))
     assert "region forward/forward_region_0 [mlir]" in text
     assert "region backward/backward_region_0 [mlir]" in text
+
+
+def test_cpu_auto_leaves_swiglu_inside_a_pointwise_region_to_the_region_compiler():
+    """rewrite="auto" on the CPU: silu(x)·y feeding further pointwise ops stays in the MLIR region
+    (one loop instead of a kernel boundary); a SwiGLU between matmuls is still rewritten."""
+    f = torchfuser.jit(chain)
+    check_parity(f, chain, [randn(33, 65) for _ in range(3)])
+    (rec,) = f.records
+    assert not rec.rewrites and any("larger pointwise region" in s for s in rec.skipped)
+
+    def mlp(x, wg, wu, wd):
+        return (F.silu(x @ wg) * (x @ wu)) @ wd
+
+    g = torchfuser.jit(mlp)
+    check_parity(g, mlp, [randn(9, 16), randn(16, 24), randn(16, 24), randn(24, 16)])
+    assert any(r.startswith("swiglu(") for r in g.records[0].rewrites)

@@ -81,7 +81,7 @@ def dynamo_backend(gm: GraphModule, example_inputs, options: dict | None = None,
     record.graphs["dynamo"] = gm.code
     aten_gm = capture.to_aten(gm, example_inputs)
     record.graphs["capture"] = aten_gm.code
-    rewrite.run(aten_gm, record, opts.rewrite, opts.kernels)
+    rewrite.run(aten_gm, record, opts.rewrite, opts.kernels, graph_backend)
     record.graphs["rewrite"] = aten_gm.code
 
     if graph_backend == "inductor":

@@ -171,8 +171,29 @@ def device_of(m: Match) -> torch.device:
     return v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
 
 
-def run(gm: GraphModule, record: CompileRecord, policy, kernels: str) -> GraphModule:
-    """Apply every rule in order; each rule sees the graph the previous ones left."""
+# Ops that are pure pointwise math: the MLIR region compiler fuses them with their neighbours.
+POINTWISE_OPS = {"swiglu", "geglu"}
+
+
+def in_pointwise_region(m: Match) -> bool:
+    """Whether the match reads or feeds other pointwise ops, i.e. would sit inside a larger region.
+
+    On the CPU the fused kernel is then a kernel boundary in the middle of what the region compiler
+    builds as one loop: 1024×4096 silu(x)·y + 0.5·sin(b), forward + backward, 15.6 ms rewritten vs
+    12.7 ms left to the region (NOTES-compiler.md). A SwiGLU between matmuls (an MLP) keeps it."""
+    from torchfuser.compiler.partition import fusible
+
+    outs = [m.output, *(n for n, _ in m.extra_outputs)]
+    if any(fusible(u) for o in outs for u in o.users):
+        return True
+    return any(fusible(n) for n in m.inputs.values())
+
+
+def run(gm: GraphModule, record: CompileRecord, policy, kernels: str, graph_backend: str | None = None) -> GraphModule:
+    """Apply every rule in order; each rule sees the graph the previous ones left.
+
+    ``graph_backend="mlir"`` with ``policy="auto"``: pointwise ops (SwiGLU, GeGLU) that are part
+    of a larger pointwise region are left to the region compiler."""
     if policy is False:
         record.note("rewrite disabled (rewrite=False)")
         return gm
@@ -191,6 +212,9 @@ def run(gm: GraphModule, record: CompileRecord, policy, kernels: str) -> GraphMo
             backend, why = kernel_backend(m.op, device_of(m), policy, kernels)
             if backend is None:
                 record.skip(f"{m.describe()}: {why}")
+                continue
+            if policy == "auto" and graph_backend == "mlir" and m.op in POINTWISE_OPS and in_pointwise_region(m):
+                record.skip(f"{m.describe()}: part of a larger pointwise region, left to the MLIR region compiler")
                 continue
             why = verify(gm, m)
             if why is not None:
