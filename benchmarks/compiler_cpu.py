@@ -3,7 +3,7 @@
 torchfuser.jit (MLIR regions) vs eager vs torch.compile (Inductor), in one process.
 Writes benchmarks/results/compiler-cpu-<date>.json.
 
-    python benchmarks/compiler_cpu.py [--n 4096] [--iters 10]
+    python benchmarks/compiler_cpu.py [--n 4096] [--iters 10] [--out PATH]
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None, help="JSON path (default results/compiler-cpu-<date>.json)")
     a = ap.parse_args()
     torch.manual_seed(0)
     args = [torch.randn(a.n, a.n, requires_grad=True) for _ in range(3)] + [torch.randn(a.n, a.n)]
@@ -82,7 +83,8 @@ def main():
         "torchfuser_regions": regions,
         "torchfuser_notes": [n for rec in jitted.records for n in rec.notes],
     }
-    out = Path(__file__).parent / "results" / f"compiler-cpu-{summary['date']}.json"
+    summary["load_avg"] = os.getloadavg()
+    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"compiler-cpu-{summary['date']}.json"
     out.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary["speedup_vs_eager"], indent=2))
     print("regions:", regions)
