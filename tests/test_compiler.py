@@ -399,3 +399,17 @@ def test_cpu_auto_leaves_swiglu_inside_a_pointwise_region_to_the_region_compiler
     g = torchfuser.jit(mlp)
     check_parity(g, mlp, [randn(9, 16), randn(16, 24), randn(16, 24), randn(24, 16)])
     assert any(r.startswith("swiglu(") for r in g.records[0].rewrites)
+
+
+def test_rewrite_checks_large_inputs_on_shrunk_probes():
+    """A leading dim equal to the feature dim (seq 2048 = hidden 2048) must not make the numeric
+    check too large to run: the rewrite still fires."""
+
+    def norm(x, w):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+    f = torchfuser.jit(norm, backend="eager", rewrite=True)
+    x, w = torch.randn(3, 2048, 2048), torch.randn(2048)
+    torch.testing.assert_close(f(x, w), norm(x, w), rtol=1e-5, atol=1e-5)
+    assert "rms_norm_fwd" in str(f.explain(x, w))

@@ -91,20 +91,30 @@ def _extract(gm: GraphModule, m: Match, nodes: list[Node]) -> GraphModule:
     return GraphModule(gm, g)
 
 
-def _probe_shapes(m: Match, shrink: bool) -> list[tuple[int, ...]]:
+def _probe_shapes(m: Match, shrink: str) -> list[tuple[int, ...]]:
+    """Probe shapes: ``"position"`` keeps the last dim of each float input and maps every other
+    dim to a small size (the same size to the same small one); ``"value"`` also keeps any dim
+    equal to a kept feature size (for subgraphs whose views bake the sizes in); ``"none"`` keeps
+    the real shapes."""
     vals = [n.meta["val"] for n in m.inputs.values()]
     shapes = [tuple(int(size_hint(s)) for s in v.shape) for v in vals]
-    if not shrink:
+    if shrink == "none":
         return shapes
-    # Keep every feature size (the last dim of a float input: baked into slices and views);
-    # map every other size to a small one, the same size to the same small one.
-    keep = {s[-1] for s, v in zip(shapes, vals) if s and v.is_floating_point()}
+    features = {s[-1] for s, v in zip(shapes, vals) if s and v.is_floating_point()}
     small, nxt = {1: 1}, 2
-    for s in shapes:
-        for d in s:
-            if d not in keep and d not in small:
-                small[d], nxt = nxt, nxt + 1
-    return [tuple(d if d in keep else small[d] for d in s) for s in shapes]
+
+    def smaller(d: int) -> int:
+        nonlocal nxt
+        if d not in small:
+            small[d], nxt = nxt, nxt + 1
+        return small[d]
+
+    out = []
+    for s, v in zip(shapes, vals):
+        last = len(s) - 1 if v.is_floating_point() else -1
+        keep = lambda i, d: i == last or (shrink == "value" and d in features)
+        out.append(tuple(d if keep(i, d) else smaller(d) for i, d in enumerate(s)))
+    return out
 
 
 def _probe(m: Match, shapes) -> list[torch.Tensor]:
@@ -130,7 +140,7 @@ def verify(gm: GraphModule, m: Match) -> str | None:
     sub = _extract(gm, m, nodes)
     last = "not probed"
     with unset_fake_temporarily(), torch.no_grad():
-        for shrink in (True, False):
+        for shrink in ("position", "value", "none"):
             shapes = _probe_shapes(m, shrink)
             if sum(torch.Size(s).numel() for s in shapes) > PROBE_LIMIT:
                 last = "probe too large to check numerically"
