@@ -1,7 +1,6 @@
 """linear_cross_entropy on the mlir backend (chunked matmuls + MLIR-fused head) against float64."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -13,15 +12,7 @@ from numerics import ATOL, assert_within_rule  # noqa: E402
 import torchfuser.functional as F  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tmp_cache(tmp_path_factory):
-    old = os.environ.get("TORCHFUSER_CACHE_DIR")
-    os.environ["TORCHFUSER_CACHE_DIR"] = str(tmp_path_factory.mktemp("mlir-cache"))
-    yield
-    if old is None:
-        os.environ.pop("TORCHFUSER_CACHE_DIR")
-    else:
-        os.environ["TORCHFUSER_CACHE_DIR"] = old
+pytestmark = pytest.mark.usefixtures("mlir_tmp_cache")
 
 
 def _run(h, w, b, y, dtype, backend, **kw):

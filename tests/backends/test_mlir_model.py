@@ -3,7 +3,6 @@ every parameter's gradient, then one optimizer step and a second forward (fp32, 
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -16,15 +15,7 @@ import torchfuser  # noqa: E402
 VOCAB = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tmp_cache(tmp_path_factory):
-    old = os.environ.get("TORCHFUSER_CACHE_DIR")
-    os.environ["TORCHFUSER_CACHE_DIR"] = str(tmp_path_factory.mktemp("mlir-cache"))
-    yield
-    if old is None:
-        os.environ.pop("TORCHFUSER_CACHE_DIR")
-    else:
-        os.environ["TORCHFUSER_CACHE_DIR"] = old
+pytestmark = pytest.mark.usefixtures("mlir_tmp_cache")
 
 
 def _tiny_llama():

@@ -18,15 +18,7 @@ import torchfuser.functional as F  # noqa: E402
 from torchfuser.backends import BackendUnavailable, resolve  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tmp_cache(tmp_path_factory):
-    old = os.environ.get("TORCHFUSER_CACHE_DIR")
-    os.environ["TORCHFUSER_CACHE_DIR"] = str(tmp_path_factory.mktemp("mlir-cache"))
-    yield
-    if old is None:
-        os.environ.pop("TORCHFUSER_CACHE_DIR")
-    else:
-        os.environ["TORCHFUSER_CACHE_DIR"] = old
+pytestmark = pytest.mark.usefixtures("mlir_tmp_cache")
 
 
 def _run(fn, tensors, backend, dtype, grads_seed=1):
