@@ -243,6 +243,7 @@ def _check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None
 class AttentionPattern(Pattern):
     name = "attention"
     description = "projections → q/k norm → rope (functional.rope) → SDPA → output projection"
+    fused = FusedAttention
 
     def match(self, module):
         projs = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(m))}
@@ -337,7 +338,4 @@ class AttentionPattern(Pattern):
             if _check(module, candidate, training=True) is None:
                 return candidate
         return Skip("in training its output differs from SDPA with the dropouts found: a dropout it does not reproduce")
-
-    def build(self, module, spec, backend):
-        return FusedAttention(module, spec, backend)
 

@@ -33,12 +33,13 @@ class Pattern:
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
+    fused: ClassVar[type] = None  # what build() makes: fused(module, spec, backend)
 
     def match(self, module: nn.Module):
         raise NotImplementedError
 
     def build(self, module: nn.Module, spec, backend: str) -> FusedModule:
-        raise NotImplementedError
+        return self.fused(module, spec, backend)
 
     def apply(self, root: nn.Module, qualname: str, module: nn.Module, spec, backend: str) -> Applied:
         """Swap ``module`` (at ``qualname`` under ``root``) for its fused module, in place."""

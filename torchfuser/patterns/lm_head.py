@@ -43,6 +43,7 @@ _CAUSAL_LM = _causal_lm_names()
 class LMHeadLossPattern(Pattern):
     name = "lm_head_loss"
     description = "causal-LM loss via linear_cross_entropy, full logits never materialised (training with labels)"
+    fused = FusedLMHeadLoss
 
     def match(self, module):
         cls = type(module).__name__
@@ -80,9 +81,6 @@ class LMHeadLossPattern(Pattern):
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         return LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
-
-    def build(self, module, spec, backend):
-        return FusedLMHeadLoss(module, spec, backend)
 
     def apply(self, root, qualname, module, spec, backend):
         """Install the fused forward on this instance only (the root cannot be swapped)."""

@@ -71,6 +71,7 @@ def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int,
 class GatedMLPPattern(Pattern):
     name = "gated_mlp"
     description = "down(act(gate(x))·up(x)), SiLU → swiglu, tanh-GELU → geglu"
+    fused = FusedGatedMLP
 
     def match(self, module):
         parts = _parts(module)
@@ -115,13 +116,11 @@ class GatedMLPPattern(Pattern):
                 return GatedMLPSpec(activation=parts.act_kind, down=down, keep=(parts.act,), **layout)
         return Skip("forward does not compute down(act(gate(x))·up(x))")
 
-    def build(self, module, spec, backend):
-        return FusedGatedMLP(module, spec, backend)
-
 
 class MLPPattern(Pattern):
     name = "mlp"
     description = "fc_out(gelu(fc_in(x))) with erf or tanh GELU (GPT-2 Conv1D, NeoX, Phi, Starcoder2)"
+    fused = FusedMLP
 
     def match(self, module):
         parts = _parts(module)
@@ -146,6 +145,3 @@ class MLPPattern(Pattern):
             return Skip("forward does not compute fc_out(gelu(fc_in(x))) (then dropout)")
         approximate = "tanh" if parts.act_kind == "gelu_tanh" else "none"
         return MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,))
-
-    def build(self, module, spec, backend):
-        return FusedMLP(module, spec, backend)

@@ -82,6 +82,7 @@ def _ln(x, w, b, eps):
 class RMSNormPattern(Pattern):
     name = "rms_norm"
     description = "x·rsqrt(mean(x²)+eps)·(offset+w), incl. Gemma's 1+w"
+    fused = FusedRMSNorm
 
     def match(self, module):
         found = _candidate(module)
@@ -101,13 +102,11 @@ class RMSNormPattern(Pattern):
             return None  # a bias-free LayerNorm
         return Skip("forward does not compute x·rsqrt(mean(x²)+eps)·(offset+w)")
 
-    def build(self, module, spec, backend):
-        return FusedRMSNorm(module, spec, backend)
-
 
 class LayerNormPattern(Pattern):
     name = "layer_norm"
     description = "(x−mean)·rsqrt(var+eps)·w+b, with or without bias"
+    fused = FusedLayerNorm
 
     def match(self, module):
         if isinstance(module, nn.LayerNorm):
@@ -128,6 +127,3 @@ class LayerNormPattern(Pattern):
         if bias is None:
             return None  # RMSNorm's business
         return Skip("forward does not compute (x−mean)·rsqrt(var+eps)·w+b")
-
-    def build(self, module, spec, backend):
-        return FusedLayerNorm(module, spec, backend)
