@@ -14,7 +14,7 @@ __all__ = ["optimize", "restore", "report", "functional", "FusionReport", "PATTE
 
 
 def __getattr__(name):
-    # The Trainer callback imports transformers' trainer machinery: load it only when asked.
+    # Loaded only when asked: the callback imports transformers' trainer machinery, jit the compiler.
     if name == "jit":
         from torchfuser.compiler.jit import jit
 
