@@ -58,41 +58,28 @@ def _gelu_erf(x):
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, Y, M, N, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gated_fwd_kernel(G, U, Y, M, N, sg, su, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # GELU picks the activation at compile time: swiglu (silu) or geglu (tanh-GELU).
     r, c, mask = _tile(M, N, ROWS, BLOCK_N)
     g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
-    a, _ = _silu(g)
+    if GELU:
+        a, _ = _gelu_tanh(g)
+    else:
+        a, _ = _silu(g)
     tl.store(Y + r * N + c, (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gated_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     r, c, mask = _tile(M, N, ROWS, BLOCK_N)
     dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
-    a, da = _silu(g)
-    tl.store(DG + r * N + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + r * N + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _geglu_fwd_kernel(G, U, Y, M, N, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
-    g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
-    a, _ = _gelu_tanh(g)
-    tl.store(Y + r * N + c, (a * u).to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _geglu_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    r, c, mask = _tile(M, N, ROWS, BLOCK_N)
-    dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
-    a, da = _gelu_tanh(g)
+    if GELU:
+        a, da = _gelu_tanh(g)
+    else:
+        a, da = _silu(g)
     tl.store(DG + r * N + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + r * N + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
@@ -143,46 +130,45 @@ def _layout(n: int, *ts: torch.Tensor):
     return views, m, n, (grid,), rows, block, warps
 
 
-_swiglu_fwd, _swiglu_bwd = Launcher(_swiglu_fwd_kernel), Launcher(_swiglu_bwd_kernel)
-_geglu_fwd, _geglu_bwd = Launcher(_geglu_fwd_kernel), Launcher(_geglu_bwd_kernel)
+_gated_fwd_launch, _gated_bwd_launch = Launcher(_gated_fwd_kernel), Launcher(_gated_bwd_kernel)
 _gelu_fwd, _gelu_bwd = Launcher(_gelu_fwd_kernel), Launcher(_gelu_bwd_kernel)
 
 
-def _gated_fwd(kernel, op, gate, up):
+def _gated_fwd(op, gate, up):
     check_dtypes(op, gate=gate, up=up)
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.numel() == 0:
         return y
     ((g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(gate.shape[-1], gate, up)
-    kernel(grid, g, u, y, m, n, sg, su, ROWS=rows, BLOCK_N=block, num_warps=warps)
+    _gated_fwd_launch(grid, g, u, y, m, n, sg, su, GELU=op == "geglu", ROWS=rows, BLOCK_N=block, num_warps=warps)
     return y
 
 
-def _gated_bwd(kernel, op, dy, gate, up):
+def _gated_bwd(op, dy, gate, up):
     check_dtypes(op, dy=dy, gate=gate, up=up)
     dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     if gate.numel() == 0:
         return dg, du
     ((d, sd), (g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(gate.shape[-1], dy, gate, up)
-    kernel(grid, d, g, u, dg, du, m, n, sd, sg, su, ROWS=rows, BLOCK_N=block, num_warps=warps)
+    _gated_bwd_launch(grid, d, g, u, dg, du, m, n, sd, sg, su, GELU=op == "geglu", ROWS=rows, BLOCK_N=block, num_warps=warps)
     return dg, du
 
 
 def swiglu_fwd(gate, up):
-    return _gated_fwd(_swiglu_fwd, "swiglu", gate, up)
+    return _gated_fwd("swiglu", gate, up)
 
 
 def swiglu_bwd(dy, gate, up):
-    return _gated_bwd(_swiglu_bwd, "swiglu", dy, gate, up)
+    return _gated_bwd("swiglu", dy, gate, up)
 
 
 def geglu_fwd(gate, up):
-    return _gated_fwd(_geglu_fwd, "geglu", gate, up)
+    return _gated_fwd("geglu", gate, up)
 
 
 def geglu_bwd(dy, gate, up):
-    return _gated_bwd(_geglu_bwd, "geglu", dy, gate, up)
+    return _gated_bwd("geglu", dy, gate, up)
 
 
 def _check_approximate(approximate):
