@@ -7,10 +7,10 @@ with scale = 1/#counted tokens ('mean') or 1 ('sum'). For an upstream gradient o
     dh = dl · W,   dW = Σ_chunks dlᵀ · h,   db = Σ_tokens dl
 Nothing is saved for the backward but these gradients (the ops layer scales them by dloss).
 
-Per chunk of C tokens: cuBLAS writes the fp32 logits (C×V), one Triton program per token makes
-two passes over its row (online max/sum-exp, then softmax − onehot) and writes dl back in
-place, in the input dtype, over the first half of the same row's bytes; cuBLAS then reads dl
-through that strided view for dh and dW. Extra memory: C×V×4 bytes + the gradients.
+Per chunk of C tokens: cuBLAS writes the logits (C×V, input dtype, fp32 accumulation), one Triton
+program per token makes two passes over its row in fp32 (online max/sum-exp, then softmax −
+onehot) and writes dl back in place over the logits; cuBLAS then reads dl for dh and dW.
+Extra memory: one chunk of logits (≤ LOGITS_CHUNK_BYTES) + the gradients.
 """
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ import triton.language as tl
 from ._common import check_dtypes
 from ._math import tanh
 
-# Bytes of one chunk's fp32 logits. 256 MiB keeps the chunk at ≥ 512 tokens for a 128k vocab
-# (large enough for cuBLAS to run at full rate) and the total extra memory of the op at
-# 8192×2048×128256 bf16 under 1 GiB: 256 MiB logits + 501 MiB dW + 32 MiB dh.
-LOGITS_CHUNK_BYTES = 256 << 20
+# Bytes of one chunk's logits. At 8192×2048×128256 bf16, 384 MiB gives 6 chunks of 1408 tokens
+# (each dW accumulation reads and writes the 501 MiB dW: fewer chunks, less traffic) and keeps the
+# op's extra memory under 1 GiB: ≤ 384 MiB logits + 501 MiB dW + 32 MiB dh.
+LOGITS_CHUNK_BYTES = 384 << 20
 _BLOCK_V = 4096
 _WARPS = 8
 
@@ -44,7 +44,7 @@ def _logit(Z, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.conste
 
 @triton.jit
 def _linear_cross_entropy_fwd_kernel(
-    Z, stride_z, DL, stride_dl, B, LABELS, LOSS, NVALID, V, ignore_index, softcap,
+    Z, stride_z, B, LABELS, LOSS, NVALID, V, ignore_index, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_GRAD: tl.constexpr, MEAN: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -82,9 +82,7 @@ def _linear_cross_entropy_fwd_kernel(
         else:
             scale = 1.0
         scale = tl.where(valid, scale, 0.0)
-        dl_row = DL + row * stride_dl
-        # Pass 2 walks the row in increasing column order: the dl block it stores covers bytes
-        # of fp32 logits at columns ≤ its own, which this program has already read.
+        # Pass 2 overwrites each block of logits with its dl after reading it.
         for start in range(0, V, BLOCK_V):
             c = start + cols
             mask = c < V
@@ -92,42 +90,19 @@ def _linear_cross_entropy_fwd_kernel(
             g = tl.exp(z - lse) - (c == target).to(tl.float32)
             if SOFTCAP:
                 g = g * (1.0 - t) * (1.0 + t)
-            tl.store(dl_row + c, (g * scale).to(DL.dtype.element_ty), mask=mask)
+            tl.store(z_row + c, (g * scale).to(Z.dtype.element_ty), mask=mask)
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}
-
-
-def _logits(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(z, dl): h·Wᵀ in fp32 (fp32 accumulation, logits never rounded to bf16/fp16), and the
-    view that the kernel writes dl into: z itself for fp32, else a (C, V) view of z's storage in
-    the input dtype with row stride 2V."""
-    if h.dtype == torch.float32:
-        z = torch.mm(h, weight.t())
-        return z, z
-    dev = h.device.type
-    z = None
-    if _MM_OUT_DTYPE.get(dev, True):
-        try:
-            z = torch.mm(h, weight.t(), out_dtype=torch.float32)
-            _MM_OUT_DTYPE[dev] = True
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[dev] = False
-    if z is None:
-        if dev != "cpu":
-            # No fp32-output GEMM for this dtype here: keep the logits in the input dtype (as
-            # eager nn.Linear would) rather than upcast a V×H weight per chunk.
-            z = torch.mm(h, weight.t())
-            return z, z
-        z = torch.mm(h.float(), weight.float().t())  # CPU, interpreter tests: memory is no concern
-    return z, z.view(h.dtype)[:, : weight.shape[0]]
-
-
-def chunk_rows(n: int, v: int) -> int:
-    rows = max(1, LOGITS_CHUNK_BYTES // (4 * v))
-    if rows >= n:
+def chunk_rows(n: int, v: int, itemsize: int) -> int:
+    """Tokens per chunk: as many as fit in LOGITS_CHUNK_BYTES, spread evenly over the chunks
+    (no small last chunk), a multiple of 64 when large (full cuBLAS tiles)."""
+    most = max(1, LOGITS_CHUNK_BYTES // (itemsize * v))
+    if most >= n:
         return n
-    return rows - rows % 64 if rows >= 128 else rows
+    rows = -(-n // -(-n // most))  # ceil(n / number of chunks)
+    if rows >= 128:
+        rows = min(most - most % 64, -(-rows // 64) * 64)
+    return rows
 
 
 def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
@@ -151,27 +126,29 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
         if bias is not None:
             db = torch.zeros(v, dtype=torch.float32, device=dev)
-    rows = chunk_rows(n, v)
+    rows = chunk_rows(n, v, hidden.element_size())
     mean = reduction == "mean"
     for start in range(0, n, rows):
         h = hidden[start:start + rows]
-        z, dl = _logits(h, weight)
+        # Logits in the input dtype, as nn.Linear gives them (fp32 accumulation, one rounding);
+        # the kernel works in fp32. bf16 logits halve its reads and double the tokens per chunk.
+        z = torch.mm(h, weight.t())
         _linear_cross_entropy_fwd_kernel[(h.shape[0],)](
-            z, z.stride(0), dl, dl.stride(0), weight if bias is None else bias,
+            z, z.stride(0), weight if bias is None else bias,
             labels[start:start + rows], losses[start:start + rows], nvalid, v, int(ignore_index),
             1.0 if softcap is None else float(softcap),
             HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, NEED_GRAD=bool(need_grad), MEAN=mean,
             BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(v)), num_warps=_WARPS,
         )
-        if need_grad:
-            torch.mm(dl, weight, out=dh[start:start + rows])
+        if need_grad:  # z now holds dl
+            torch.mm(z, weight, out=dh[start:start + rows])
             if start == 0:
-                torch.mm(dl.t(), h, out=dw)
+                torch.mm(z.t(), h, out=dw)
             else:
-                dw.addmm_(dl.t(), h)
+                dw.addmm_(z.t(), h)
             if bias is not None:
-                db += dl.sum(0, dtype=torch.float32)
-        del z, dl  # before the next chunk's logits are allocated: one chunk alive at a time
+                db += z.sum(0, dtype=torch.float32)
+        del z  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = losses.sum()
     if mean:
         loss = loss / nvalid
