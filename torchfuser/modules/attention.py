@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F
 from torchfuser.modules.base import FusedModule, adopt, hand_back
+from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
 # families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
@@ -146,7 +147,7 @@ class FusedAttention(FusedModule):
         s = self.spec
         lead, d = x.shape[:-1], s.head_dim
         if s.layout == "separate":
-            q, k, v = (getattr(self, n)(x) for n in s.qkv)
+            q, k, v = project(x, [getattr(self, n) for n in s.qkv])
             if s.q_norm is not None and not s.norm_per_head:
                 q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
             return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)

@@ -1,0 +1,107 @@
+"""q, k, v as one GEMM under autocast (modules/projections.py): same outputs and every gradient
+as the separate projections within the DESIGN.md rule, and the separate path wherever a
+projection must run as itself."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchfuser
+from numerics import ATOL, assert_within_rule
+from torchfuser.modules import FusedAttention
+from torchfuser.modules.projections import project
+
+from test_architectures import batch, make
+
+
+def _linears(bias: bool, sizes=(48, 16, 16), k=32):
+    torch.manual_seed(0)
+    return nn.ModuleList(nn.Linear(k, n, bias=bias) for n in sizes)
+
+
+def _run(linears, x, joint: bool):
+    """Outputs and the gradients of x and every parameter, for one random upstream gradient each."""
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=x.dtype != torch.float64):
+        ys = project(x, list(linears)) if joint else [m(x) for m in linears]
+    g = torch.Generator().manual_seed(3)
+    loss = sum((y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64)).sum() for y in ys)
+    params = list(linears.parameters())
+    grads = torch.autograd.grad(loss, [x, *params])
+    return [y.detach() for y in ys] + list(grads)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_gemm_matches_float64_within_rule(bias):
+    linears = _linears(bias)
+    x = torch.randn(2, 7, 32)
+    ref = _run(copy.deepcopy(linears).double(), x.double(), joint=False)
+    plain = _run(linears, x, joint=False)
+    joint = _run(linears, x, joint=True)
+    names = ["q", "k", "v", "dx"] + [n for n, _ in linears.named_parameters()]
+    assert len(joint) == len(ref) == len(names)
+    for name, j, p, r in zip(names, joint, plain, ref):
+        assert j.dtype == p.dtype, name
+        assert_within_rule(j, p, r, ATOL[torch.float32], name)
+
+
+def test_outputs_come_from_one_product():
+    linears = _linears(True)
+    x = torch.randn(5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = project(x, list(linears))
+    assert all(y.dtype == torch.bfloat16 for y in ys)
+    assert len({y.untyped_storage().data_ptr() for y in ys}) == 1  # views of one GEMM's output
+
+
+def _separate(linears, x) -> bool:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = project(x, list(linears))
+    return len({y.untyped_storage().data_ptr() for y in ys}) == len(ys)
+
+
+def test_separate_without_autocast_with_hooks_or_other_modules():
+    linears, x = _linears(True), torch.randn(5, 32)
+    ys = project(x, list(linears))
+    assert all(torch.equal(y, m(x)) for y, m in zip(ys, linears))  # no autocast: each module as is
+    seen = []
+    handle = linears[1].register_forward_hook(lambda m, i, o: seen.append(o))
+    assert _separate(linears, x) and len(seen) == 1  # the hook fired
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
+    try:
+        assert _separate(linears, x)
+    finally:
+        handle.remove()
+
+    class LoRALike(nn.Linear):
+        pass
+
+    mixed = nn.ModuleList([*linears[:2], LoRALike(32, 16)])
+    assert _separate(mixed, x)
+    mixed_bias = nn.ModuleList([*linears[:2], nn.Linear(32, 16, bias=False)])
+    assert _separate(mixed_bias, x)
+    assert not _separate(linears, x)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q, k, v with biases
+def test_model_under_autocast_matches_float64_within_rule(arch):
+    """Loss and every gradient of a fused tiny model under bf16 autocast, against the float64
+    model, within twice the error of the unfused model under the same autocast."""
+    ids, mask, labels = batch(padded=False)  # fully masked rows give NaN in the float64 eager model
+    ref, plain = make(arch).double(), make(arch)
+    fused = copy.deepcopy(plain)
+    torchfuser.optimize(fused)  # the CPU default backend: MLIR kernels
+    assert any(isinstance(m, FusedAttention) for m in fused.modules())
+    results = []
+    for model, dtype in ((ref, None), (plain, torch.bfloat16), (fused, torch.bfloat16)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    names = ["loss"] + [n for n, _ in plain.named_parameters()]
+    for name, r, p, f in zip(names, *results):
+        assert_within_rule(f, p, r, ATOL[torch.bfloat16], name)
