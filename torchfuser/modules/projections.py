@@ -40,8 +40,10 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
             or not _plain(linears)):
         return [m(x) for m in linears]
     dtype = torch.get_autocast_dtype(device)
-    weight = torch.cat([m.weight.to(dtype) for m in linears])
-    bias = None if linears[0].bias is None else torch.cat([m.bias.to(dtype) for m in linears])
+    # Concatenate, then cast: two launches whatever the number of projections, and one cast
+    # back in the backward (weights are small next to activations; the launches count).
+    weight = torch.cat([m.weight for m in linears]).to(dtype)
+    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears]).to(dtype)
     with torch.autocast(device, enabled=False):
         y = nn.functional.linear(x.to(dtype), weight, bias)
     return list(y.split([m.out_features for m in linears], dim=-1))
