@@ -18,6 +18,9 @@ for stage in "$@"; do
     train-compile-llama) timeout 300 python3 $ts --models llama1b --variants compile torchfuser+compile compile-torchfuser --out "$OUT/train-step.jsonl" ;;
     train-compile-qwen) timeout 300 python3 $ts --models qwen05b --variants compile torchfuser+compile compile-torchfuser --out "$OUT/train-step.jsonl" ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
+    check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;
+    lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;
+    lce-probe) timeout 150 python3 benchmarks/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
     ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
     triton-tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
     *) echo "unknown stage $stage" ;;

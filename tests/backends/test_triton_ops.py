@@ -261,9 +261,10 @@ LCE_CASES = [  # (N, H, V, bias, softcap, reduction, chunk rows or None)
 def test_linear_cross_entropy(case, dtype, interpreter, monkeypatch):
     n, h, v, bias, softcap, reduction, chunk = case
     if chunk is not None:
-        itemsize = torch.finfo(dtype).bits // 8
-        monkeypatch.setattr(interpreter.linear_cross_entropy, "LOGITS_CHUNK_BYTES", chunk * v * itemsize)
-        assert interpreter.linear_cross_entropy.chunk_rows(n, v, itemsize) <= chunk < n
+        itemsize, module = torch.finfo(dtype).bits // 8, interpreter.linear_cross_entropy
+        monkeypatch.setattr(module, "EXTRA_BYTES", 0)
+        monkeypatch.setattr(module, "MIN_CHUNK_BYTES", chunk * v * itemsize)
+        assert module.chunk_rows(n, v, itemsize, 1 << 20) == chunk
     labels = torch.randint(0, v, (n,)).to(DEVICE)
     if n > 1:
         labels[::5] = -100  # ignored tokens: no loss, no gradient, not counted by 'mean'

@@ -10,7 +10,7 @@ Nothing is saved for the backward but these gradients (the ops layer scales them
 Per chunk of C tokens: cuBLAS writes the logits (C×V, input dtype, fp32 accumulation), one Triton
 program per token makes two passes over its row in fp32 (online max/sum-exp, then softmax −
 onehot) and writes dl back in place over the logits; cuBLAS then reads dl for dh and dW.
-Extra memory: one chunk of logits (≤ LOGITS_CHUNK_BYTES) + the gradients.
+Extra memory: one chunk of logits + the gradients, held near EXTRA_BYTES.
 """
 from __future__ import annotations
 
@@ -21,10 +21,14 @@ import triton.language as tl
 from ._common import check_dtypes
 from ._math import tanh
 
-# Bytes of one chunk's logits. At 8192×2048×128256 bf16, 384 MiB gives 6 chunks of 1408 tokens
-# (each dW accumulation reads and writes the 501 MiB dW: fewer chunks, less traffic) and keeps the
-# op's extra memory under 1 GiB: ≤ 384 MiB logits + 501 MiB dW + 32 MiB dh.
-LOGITS_CHUNK_BYTES = 384 << 20
+# The op's extra memory (one chunk of logits + the dh, dW, db it returns) is held near
+# EXTRA_BYTES; a chunk's logits get at least MIN_CHUNK_BYTES. Measured on an H200
+# (benchmarks/lce_probe.py, NOTES-triton.md): chunks of 1024–2048 tokens run at the same speed,
+# token counts that are not a multiple of 512 (1408, 1664) up to 10% slower, and fewer than
+# ~1000 tokens per chunk slower again. At 8192×2048×128256 bf16 this gives 1536-token chunks and
+# 0.89 GiB; at 8192×896×151936, 2048-token chunks and 0.85 GiB.
+EXTRA_BYTES = 960 << 20
+MIN_CHUNK_BYTES = 128 << 20
 _BLOCK_V = 4096
 _WARPS = 8
 
@@ -93,16 +97,15 @@ def _linear_cross_entropy_fwd_kernel(
             tl.store(z_row + c, (g * scale).to(Z.dtype.element_ty), mask=mask)
 
 
-def chunk_rows(n: int, v: int, itemsize: int) -> int:
-    """Tokens per chunk: as many as fit in LOGITS_CHUNK_BYTES, spread evenly over the chunks
-    (no small last chunk), a multiple of 64 when large (full cuBLAS tiles)."""
-    most = max(1, LOGITS_CHUNK_BYTES // (itemsize * v))
+def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int) -> int:
+    """Tokens per chunk: the most whose logits fit in what EXTRA_BYTES leaves beside the returned
+    gradients, rounded down to a multiple of 512 when that many fit (cuBLAS's fast shapes)."""
+    budget = max(MIN_CHUNK_BYTES, EXTRA_BYTES - grad_bytes)
+    most = max(1, budget // (itemsize * v))
     if most >= n:
         return n
-    rows = -(-n // -(-n // most))  # ceil(n / number of chunks)
-    if rows >= 128:
-        rows = min(most - most % 64, -(-rows // 64) * 64)
-    return rows
+    unit = 512 if most >= 512 else 64 if most >= 128 else 1
+    return most - most % unit
 
 
 def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
@@ -126,7 +129,7 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
         if bias is not None:
             db = torch.zeros(v, dtype=torch.float32, device=dev)
-    rows = chunk_rows(n, v, hidden.element_size())
+    rows = chunk_rows(n, v, hidden.element_size(), dh.nbytes + dw.nbytes + db.nbytes)
     mean = reduction == "mean"
     for start in range(0, n, rows):
         h = hidden[start:start + rows]
