@@ -108,6 +108,8 @@ def correctness(quick: bool):
               [r(8192, 8192, scale=2), r(8192, 8192)], bf)
         check(f"{op}(8192,2x8192 halves)", lambda gu, backend, op=op: getattr(F, op)(*gu.chunk(2, -1), backend=backend),
               [r(8192, 16384, scale=2)], bf)
+        check(f"{op}(8192,2x8192 packed)", lambda gu, backend, op=op: getattr(F, op)(gu, backend=backend),
+              [r(4, 2048, 16384, scale=2)], bf)
     for approx in ("none", "tanh"):
         check(f"gelu-{approx}(8192,8192)", lambda x, backend, a=approx: F.gelu(x, a, backend=backend),
               [r(8192, 8192, scale=3)], bf)

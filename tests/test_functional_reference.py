@@ -73,6 +73,19 @@ def test_gated(shape, dtype, op):
     _check(fused, lambda g, u: act(g) * u, [gate, up], dtype, f"{op}{shape}")
 
 
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_gated_packed_is_the_halves(op):
+    gu = (torch.randn(3, 5, 64) * 2).requires_grad_()
+    packed = getattr(F, op)(gu, backend="reference")
+    gu2 = gu.detach().clone().requires_grad_()
+    halves = getattr(F, op)(*gu2.chunk(2, dim=-1), backend="reference")
+    torch.testing.assert_close(packed, halves)
+    cot = torch.randn_like(packed)
+    packed.backward(cot)
+    halves.backward(cot)
+    torch.testing.assert_close(gu.grad, gu2.grad)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gelu(dtype, approximate):
@@ -160,6 +173,7 @@ def test_nan_propagates():
         (lambda: F.rms_norm(torch.randint(0, 3, (2, 8)), torch.randn(8)), TypeError, "int64"),
         (lambda: F.rms_norm([1.0], torch.randn(8)), TypeError, "torch.Tensor"),
         (lambda: F.swiglu(torch.randn(2, 8), torch.randn(2, 9)), ValueError, "same shape"),
+        (lambda: F.geglu(torch.randn(2, 7)), ValueError, "must be even"),
         (lambda: F.swiglu(torch.randn(2, 8), torch.randn(2, 8).half()), TypeError, "same dtype"),
         (lambda: F.rope(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 3, 6), torch.randn(1, 3, 6)), ValueError, "cos and sin"),
         (lambda: F.rope(torch.randn(2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4)), ValueError, "4-D"),

@@ -87,21 +87,27 @@ def test_separate_without_autocast_with_hooks_or_other_modules():
     assert not _separate(linears, x)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q, k, v with biases
-def test_model_under_autocast_matches_float64_within_rule(arch):
+# qwen2: q, k, v with biases; phi3: one fused gate_up projection (packed without autocast too)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_model_under_autocast_matches_float64_within_rule(arch, monkeypatch):
     """Loss and every gradient of a fused tiny model under bf16 autocast, against the float64
-    model, within twice the error of the unfused model under the same autocast."""
+    model, within twice the error of the unfused model under the same autocast; the gated MLPs
+    take the packed [gate | up] path."""
     ids, mask, labels = batch(padded=False)  # fully masked rows give NaN in the float64 eager model
     ref, plain = make(arch).double(), make(arch)
     fused = copy.deepcopy(plain)
     torchfuser.optimize(fused)  # the CPU default backend: MLIR kernels
     assert any(isinstance(m, FusedAttention) for m in fused.modules())
+    packed_calls = []
+    real = torchfuser.ops.swiglu_packed
+    monkeypatch.setattr(torchfuser.ops, "swiglu_packed", lambda *a: packed_calls.append(1) or real(*a))
     results = []
     for model, dtype in ((ref, None), (plain, torch.bfloat16), (fused, torch.bfloat16)):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    assert len(packed_calls) == 2  # both layers' MLPs, under autocast
     names = ["loss"] + [n for n, _ in plain.named_parameters()]
     for name, r, p, f in zip(names, *results):
         assert_within_rule(f, p, r, ATOL[torch.bfloat16], name)

@@ -67,14 +67,25 @@ def _check_pair(op: str, gate: Tensor, up: Tensor) -> torch.device:
     return _check_same_device(op, gate=gate, up=up)
 
 
-def swiglu(gate: Tensor, up: Tensor, *, backend: str | None = None) -> Tensor:
-    """silu(gate) · up."""
-    return ops.swiglu(gate, up, resolve(backend, _check_pair("swiglu", gate, up)))
+def _gated(op: str, gate: Tensor, up: Tensor | None, backend: str | None) -> Tensor:
+    if up is not None:
+        return getattr(ops, op)(gate, up, resolve(backend, _check_pair(op, gate, up)))
+    _check_float("gate", gate, op)
+    if gate.dim() == 0 or gate.shape[-1] % 2:
+        raise ValueError(f"{op}: with up=None, gate holds [gate | up] along its last dim, which must be even; "
+                         f"got shape {tuple(gate.shape)}")
+    return getattr(ops, f"{op}_packed")(gate, resolve(backend, gate.device))
 
 
-def geglu(gate: Tensor, up: Tensor, *, backend: str | None = None) -> Tensor:
-    """gelu_tanh(gate) · up."""
-    return ops.geglu(gate, up, resolve(backend, _check_pair("geglu", gate, up)))
+def swiglu(gate: Tensor, up: Tensor | None = None, *, backend: str | None = None) -> Tensor:
+    """silu(gate) · up. With ``up=None``, ``gate`` is one [gate | up] tensor (a fused gate_up
+    projection's output) and its gradient comes back as one tensor, never concatenated."""
+    return _gated("swiglu", gate, up, backend)
+
+
+def geglu(gate: Tensor, up: Tensor | None = None, *, backend: str | None = None) -> Tensor:
+    """gelu_tanh(gate) · up; ``up=None`` as for ``swiglu``."""
+    return _gated("geglu", gate, up, backend)
 
 
 def gelu(x: Tensor, approximate: str = "none", *, backend: str | None = None) -> Tensor:

@@ -194,6 +194,23 @@ def test_gated_halves_of_fused_projection(op, dtype):
     _check(fn, [_rand(37, 246, scale=2.0)], dtype, f"{op} chunked")
 
 
+PACKED_CASES = [(1, 128), (37, 246), (2, 3, 192)]  # one row (walked flat), odd halves, leading dims
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("shape", PACKED_CASES, ids=str)
+@pytest.mark.parametrize("dtype", LOW)
+def test_gated_packed(op, shape, dtype):
+    """up=None: one [gate | up] tensor in, one [dgate | dup] gradient out (no concatenation)."""
+    fn = lambda gu, backend: getattr(F, op)(gu, backend=backend)  # noqa: E731
+    _check(fn, [_rand(*shape, scale=2.0)], dtype, f"{op} packed{shape}")
+
+
+def test_gated_packed_of_a_strided_tensor():
+    fn = lambda gu, backend: F.swiglu(gu, backend=backend)  # noqa: E731
+    _check(fn, [_rand(37, 246, scale=2.0)], torch.bfloat16, "swiglu packed transposed", make={0: _transposed})
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", LOW + [torch.float16])
 def test_gelu(approximate, dtype):
@@ -313,6 +330,9 @@ def test_outputs_match_fake_impls():
     _fake_vs_real(ops.layer_norm_bwd, y, x, w, None, mean, rstd, 1e-5)
     _fake_vs_real(ops.layer_norm_bwd, y, x, w, b, mean, rstd, 1e-5)
     _fake_vs_real(ops.swiglu_bwd, x, x, y)
+    gu = _rand(2, 5, 192).bfloat16()
+    _fake_vs_real(ops.geglu_packed_fwd, gu)
+    _fake_vs_real(ops.swiglu_packed_bwd, _rand(2, 5, 96).bfloat16(), gu)
     _fake_vs_real(ops.gelu_fwd, x, "tanh")
     q, k, cos = _rand(2, 4, 3, 16), _rand(2, 2, 3, 16), _rand(1, 3, 16)
     _fake_vs_real(ops.rope_fwd, q, k, cos, cos)

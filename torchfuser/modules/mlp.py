@@ -1,5 +1,6 @@
 """Fused MLP blocks. The projections stay the original ``nn.Linear`` / ``Conv1D`` submodules;
-what is fused is the activation (and, for gated MLPs, the gating product)."""
+what is fused is the activation (and, for gated MLPs, the gating product, on the one [gate | up]
+output of a fused gate_up projection or, under autocast, of gate and up run as one GEMM)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.modules.base import FusedModule, adopt
+from torchfuser.modules.projections import joint
 
 
 @dataclass(frozen=True)
@@ -44,11 +46,17 @@ class FusedGatedMLP(FusedModule):
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
         if s.gate_up is not None:
-            first, second = getattr(self, s.gate_up)(x).chunk(2, dim=-1)
-            gate, up = (first, second) if s.gate_first else (second, first)
+            packed, gate_first = getattr(self, s.gate_up)(x), s.gate_first
+        else:  # gate and up as one GEMM under autocast; None where that would differ
+            packed, gate_first = joint(x, [getattr(self, s.gate), getattr(self, s.up)]), True
+        if packed is None:
+            h = self._act(getattr(self, s.gate)(x), getattr(self, s.up)(x), backend=self.backend)
+        elif gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
+            h = self._act(packed, backend=self.backend)
         else:
-            gate, up = getattr(self, s.gate)(x), getattr(self, s.up)(x)
-        return getattr(self, s.down)(self._act(gate, up, backend=self.backend))
+            up, gate = packed.chunk(2, dim=-1)
+            h = self._act(gate, up, backend=self.backend)
+        return getattr(self, s.down)(h)
 
 
 class FusedMLP(FusedModule):

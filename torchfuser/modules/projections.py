@@ -1,4 +1,5 @@
-"""Several linear projections of one input as one matrix product (q, k and v of attention).
+"""Several linear projections of one input as one matrix product (attention's q, k and v; a gated
+MLP's gate and up).
 
 Under autocast, ``[m(x) for m in linears]`` casts ``x`` to the autocast dtype once per
 projection, saves each cast copy for the backward, runs a small GEMM per projection, and in the
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
+_SMALL_BYTES = 32 << 20
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 
@@ -33,17 +35,32 @@ def _plain(linears) -> bool:
     )
 
 
-def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
-    """``[m(x) for m in linears]``, as one GEMM where that gives the same result."""
+def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:
+    """``torch.cat([m(x) for m in linears], -1)`` as one GEMM, under autocast; None where that
+    would not give the same result (see the module docstring): then call each projection."""
     device = x.device.type
     if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not torch.is_autocast_enabled(device)
             or not _plain(linears)):
-        return [m(x) for m in linears]
+        return None
     dtype = torch.get_autocast_dtype(device)
-    # Concatenate, then cast: two launches whatever the number of projections, and one cast
-    # back in the backward (weights are small next to activations; the launches count).
-    weight = torch.cat([m.weight for m in linears]).to(dtype)
-    bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears]).to(dtype)
+    weight = _cast_cat([m.weight for m in linears], dtype)
+    bias = None if linears[0].bias is None else _cast_cat([m.bias for m in linears], dtype)
     with torch.autocast(device, enabled=False):
-        y = nn.functional.linear(x.to(dtype), weight, bias)
+        return nn.functional.linear(x.to(dtype), weight, bias)
+
+
+def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
+    """``[m(x) for m in linears]``, as one GEMM where that gives the same result."""
+    y = joint(x, linears)
+    if y is None:
+        return [m(x) for m in linears]
     return list(y.split([m.out_features for m in linears], dim=-1))
+
+
+def _cast_cat(params: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The parameters cast to ``dtype`` and concatenated. Small ones: concatenate, then cast (two
+    launches, one cast back in the backward). Large ones: cast each, then concatenate (fewer
+    bytes: the fp32 concatenation of an MLP's 2 × 16M weights would move 268 MB more)."""
+    if sum(p.numel() for p in params) * params[0].element_size() <= _SMALL_BYTES:
+        return torch.cat(params).to(dtype)
+    return torch.cat([p.to(dtype) for p in params])

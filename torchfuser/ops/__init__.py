@@ -4,10 +4,12 @@ Each op has a fake implementation (for torch.compile and the meta device) and re
 autograd, and dispatches to the backend named in its last argument. Every backend returns
 contiguous outputs with exactly the shapes and dtypes the fake implementations give.
 """
-from .gated import gelu, geglu, swiglu
+from .gated import gelu, geglu, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .rms_norm import rms_norm
 from .rope import rope
 
-__all__ = ["rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy"]
+__all__ = [
+    "rms_norm", "layer_norm", "swiglu", "geglu", "swiglu_packed", "geglu_packed", "gelu", "rope", "linear_cross_entropy",
+]

@@ -1,4 +1,5 @@
-"""swiglu / geglu (gate, up → act(gate)·up) and gelu; nothing is saved but the inputs."""
+"""swiglu / geglu (gate, up → act(gate)·up; or one packed [gate | up] tensor) and gelu; nothing
+is saved but the inputs."""
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,40 @@ def _define_gated(name: str):
     return fwd, bwd, autograd(fwd, setup, backward)
 
 
+def _define_packed(name: str):
+    """The same activation on one [gate | up] tensor; its backward returns one [dgate | dup]."""
+
+    @torch.library.custom_op(f"torchfuser::{name}_packed_fwd", mutates_args=())
+    def fwd(gate_up: Tensor, backend: str) -> Tensor:
+        return kernel(backend, f"{name}_packed_fwd")(gate_up)
+
+    @fwd.register_fake
+    def _(gate_up, backend):
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+    @torch.library.custom_op(f"torchfuser::{name}_packed_bwd", mutates_args=())
+    def bwd(dy: Tensor, gate_up: Tensor, backend: str) -> Tensor:
+        return kernel(backend, f"{name}_packed_bwd")(dy, gate_up)
+
+    @bwd.register_fake
+    def _(dy, gate_up, backend):
+        return gate_up.new_empty(gate_up.shape)
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.backend = inputs[1]
+
+    def backward(ctx, dy):
+        (gate_up,) = ctx.saved_tensors
+        return run(bwd, dy, gate_up, ctx.backend), None
+
+    return fwd, bwd, autograd(fwd, setup, backward)
+
+
 swiglu_fwd, swiglu_bwd, _swiglu = _define_gated("swiglu")
 geglu_fwd, geglu_bwd, _geglu = _define_gated("geglu")
+swiglu_packed_fwd, swiglu_packed_bwd, _swiglu_packed = _define_packed("swiglu")
+geglu_packed_fwd, geglu_packed_bwd, _geglu_packed = _define_packed("geglu")
 
 
 def swiglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
@@ -47,6 +80,14 @@ def swiglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
 
 def geglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
     return _geglu(gate, up, backend)
+
+
+def swiglu_packed(gate_up: Tensor, backend: str) -> Tensor:
+    return _swiglu_packed(gate_up, backend)
+
+
+def geglu_packed(gate_up: Tensor, backend: str) -> Tensor:
+    return _geglu_packed(gate_up, backend)
 
 
 @torch.library.custom_op("torchfuser::gelu_fwd", mutates_args=())

@@ -140,6 +140,24 @@ def geglu_bwd(dy, gate, up):
     return _pair_bwd("geglu", ref_gated.geglu, dy, gate, up)
 
 
+# Packed [gate | up]: the same kernels on the two halves (row-strided views); the backward
+# concatenates the halves' gradients (on the CPU that copy is small next to the kernel).
+def swiglu_packed_fwd(gate_up):
+    return swiglu_fwd(*ref_gated.halves(gate_up))
+
+
+def swiglu_packed_bwd(dy, gate_up):
+    return torch.cat(swiglu_bwd(dy, *ref_gated.halves(gate_up)), dim=-1)
+
+
+def geglu_packed_fwd(gate_up):
+    return geglu_fwd(*ref_gated.halves(gate_up))
+
+
+def geglu_packed_bwd(dy, gate_up):
+    return torch.cat(geglu_bwd(dy, *ref_gated.halves(gate_up)), dim=-1)
+
+
 def gelu_fwd(x, approximate):
     check_dtypes("gelu", x)
     h = _hidden(x)

@@ -1,4 +1,5 @@
-"""Gated activations: swiglu = silu(gate) · up, geglu = gelu_tanh(gate) · up; and plain gelu."""
+"""Gated activations: swiglu = silu(gate) · up, geglu = gelu_tanh(gate) · up; and plain gelu.
+The ``*_packed`` variants take one [gate | up] tensor and give its gradient as one tensor."""
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -34,6 +35,30 @@ def geglu_fwd(gate, up):
 
 def geglu_bwd(dy, gate, up):
     return tuple(g.contiguous() for g in vjp(geglu, (gate, up), dy))
+
+
+def halves(gate_up):
+    """[gate | up] along the last dim → (gate, up), views."""
+    n = gate_up.shape[-1] // 2
+    return gate_up[..., :n], gate_up[..., n:]
+
+
+def swiglu_packed_fwd(gate_up):
+    return swiglu_fwd(*halves(gate_up))
+
+
+def swiglu_packed_bwd(dy, gate_up):
+    (d,) = vjp(lambda gu: swiglu(*halves(gu)), (gate_up,), dy)
+    return d.contiguous()
+
+
+def geglu_packed_fwd(gate_up):
+    return geglu_fwd(*halves(gate_up))
+
+
+def geglu_packed_bwd(dy, gate_up):
+    (d,) = vjp(lambda gu: geglu(*halves(gu)), (gate_up,), dy)
+    return d.contiguous()
 
 
 def gelu_fwd(x, approximate):

@@ -8,7 +8,9 @@ Backward: dg = dy · u · act'(g), du = dy · act(g). Saved for the backward: th
 (recomputing act(g) is cheaper than storing it). Math in fp32, one rounding per output.
 
 Inputs are read through their row stride (gate and up are often the two halves of one fused
-gate_up projection), so such views cost no copy; fully contiguous inputs are walked flat.
+gate_up projection), so such views cost no copy; fully contiguous inputs are walked flat. The
+``*_packed`` entry points take that [gate | up] tensor itself and write the backward's
+[dgate | dup] as one tensor, so autograd never concatenates the two halves' gradients.
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ def _gated_fwd_kernel(G, U, Y, M, N, sg, su, GELU: tl.constexpr, ROWS: tl.conste
 
 
 @triton.jit
-def _gated_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gated_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, sd, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # sd: row stride of DG and DU (N, or 2N when they are the halves of one packed gradient)
     r, c, mask = _tile(M, N, ROWS, BLOCK_N)
     dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
@@ -80,8 +83,8 @@ def _gated_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, GELU: tl.constexpr, R
         a, da = _gelu_tanh(g)
     else:
         a, da = _silu(g)
-    tl.store(DG + r * N + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + r * N + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + r * sd + c, (dy * u * da).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + r * sd + c, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -144,15 +147,45 @@ def _gated_fwd(op, gate, up):
     return y
 
 
-def _gated_bwd(op, dy, gate, up):
+def _gated_bwd(op, dy, gate, up, packed=None):
+    """(dgate, dup); with ``packed`` (the [gate | up] tensor that gate and up are the halves of),
+    the single [dgate | dup] tensor instead, written in place of a concatenation."""
     check_dtypes(op, dy=dy, gate=gate, up=up)
-    dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+    n = gate.shape[-1]
+    if packed is None:
+        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        du, outs, out_stride = torch.empty(up.shape, dtype=up.dtype, device=up.device), None, 0
+    else:
+        outs = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+        dg, du, out_stride = outs[..., :n], outs[..., n:], 2 * n
     if gate.numel() == 0:
-        return dg, du
-    ((d, sd), (g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(gate.shape[-1], dy, gate, up)
-    _gated_bwd_launch(grid, d, g, u, dg, du, m, n, sd, sg, su, GELU=op == "geglu", ROWS=rows, BLOCK_N=block, num_warps=warps)
-    return dg, du
+        return (dg, du) if outs is None else outs
+    # Packed halves are never contiguous (but for one row), so they are walked row by row.
+    ((d, sdy), (g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(n, dy, gate, up)
+    _gated_bwd_launch(grid, d, g, u, dg, du, m, n, sdy, sg, su, out_stride or n, GELU=op == "geglu",
+                      ROWS=rows, BLOCK_N=block, num_warps=warps)
+    return (dg, du) if outs is None else outs
+
+
+def _packed_halves(gate_up):
+    n = gate_up.shape[-1] // 2
+    return gate_up[..., :n], gate_up[..., n:]
+
+
+def swiglu_packed_fwd(gate_up):
+    return _gated_fwd("swiglu", *_packed_halves(gate_up))
+
+
+def swiglu_packed_bwd(dy, gate_up):
+    return _gated_bwd("swiglu", dy, *_packed_halves(gate_up), packed=gate_up)
+
+
+def geglu_packed_fwd(gate_up):
+    return _gated_fwd("geglu", *_packed_halves(gate_up))
+
+
+def geglu_packed_bwd(dy, gate_up):
+    return _gated_bwd("geglu", dy, *_packed_halves(gate_up), packed=gate_up)
 
 
 def swiglu_fwd(gate, up):
