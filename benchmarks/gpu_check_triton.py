@@ -87,7 +87,8 @@ def r(*shape, scale=1.0, shift=0.0):
 def correctness(quick: bool):
     bf, f32 = torch.bfloat16, torch.float32
     norm_shapes = [((8192, 2048), bf), ((8192, 4096), bf), ((4096, 16384), bf), ((8192, 2048), f32),
-                   ((1, 4096), bf), ((37, 123), bf), ((256, 20000), bf)]
+                   ((1, 4096), bf), ((37, 123), bf), ((256, 20000), bf),
+                   ((32768, 4096), bf), ((32768, 2048), f32)]  # ≥ 64 row tiles a program: pipelined backward
     if quick:
         norm_shapes = norm_shapes[:1]
     rowstrided = {0: lambda t: torch.cat([t, t[..., :8].detach()], -1)[..., : t.shape[-1]]}

@@ -174,6 +174,21 @@ def test_norm_statistics(interpreter):
     torch.testing.assert_close(rstd.double(), rstd64, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_norm_backward_pipelined_loop(op, interpreter, monkeypatch):
+    """The software-pipelined row-tile loop (taken on a GPU from 64 tiles a program on) gives the
+    same results; here every shape takes it."""
+    monkeypatch.setattr(interpreter._common, "_MIN_TILES_TO_PIPELINE", 1)
+    assert interpreter._common.bwd_stages(1, 1, 128, 2) > 1
+    if op == "rms_norm":
+        fn = lambda x, w, backend: F.rms_norm(x, w, 1e-6, backend=backend)  # noqa: E731
+        inputs = [_rand(37, 96), _rand(96)]
+    else:
+        fn = lambda x, w, b, backend: F.layer_norm(x, w, b, 1e-5, backend=backend)  # noqa: E731
+        inputs = [_rand(37, 96, shift=0.5), _rand(96), _rand(96)]
+    _check(fn, inputs, torch.bfloat16, f"{op} pipelined")
+
+
 # ---------------------------------------------------------------- gated activations, gelu
 
 GATED_CASES = [((1, 64), LOW), ((37, 123), LOW + [torch.float16]), ((2, 3, 96), [torch.bfloat16])]

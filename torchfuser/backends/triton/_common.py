@@ -45,6 +45,23 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+PROGRAMS_PER_SM = 2
+# Software pipelining of the norm backwards' loop over row tiles: loads of the next tiles are in
+# flight while this one is reduced. Measured on an H200 (benchmarks/norm_bwd_probe.py,
+# NOTES-triton.md): at 32768×4096 bf16, 3 stages take rms_norm's backward from 78% to 90% of the
+# copy bandwidth and layer_norm's from 61% to 91%; with ~30 tiles per program (8192×2048) the
+# prologue costs as much as it saves. The staged tiles live in shared memory: capped below.
+BWD_STAGES = 3
+_MIN_TILES_TO_PIPELINE = 64
+_STAGED_BYTES = 96 << 10
+
+
+def bwd_stages(tiles_per_program: int, rows: int, block: int, itemsize: int) -> int:
+    """num_stages for a norm backward's row-tile loop (x and dy tiles are staged)."""
+    staged = BWD_STAGES * 2 * rows * block * itemsize
+    return BWD_STAGES if tiles_per_program >= _MIN_TILES_TO_PIPELINE and staged <= _STAGED_BYTES else 1
+
+
 @lru_cache(maxsize=None)
 def num_programs_cap(device_index: int | None) -> int:
     """Persistent-grid size for the norm backwards: 2 programs per SM. Measured on an H200
@@ -53,7 +70,7 @@ def num_programs_cap(device_index: int | None) -> int:
     and both at 8192×2048 under CUDA graphs, so 2 stays."""
     if device_index is None:  # CPU under TRITON_INTERPRET: each program runs in Python, keep it few
         return 4
-    return 2 * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def device_key(t: torch.Tensor) -> int | None:

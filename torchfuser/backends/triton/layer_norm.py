@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, check_dtypes, device_key, num_programs_cap, rows_of
+from ._common import Launcher, bwd_stages, check_dtypes, device_key, num_programs_cap, rows_of
 from .rms_norm import norm_config, sum_partials
 
 
@@ -71,7 +71,7 @@ def _layer_norm_fwd_kernel(
 @triton.jit
 def _layer_norm_bwd_kernel(
     DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, stride_dy, stride_x, TILES_PER_PROG,
-    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent grid as in rms_norm: fp32 partial dw/db per program, summed afterwards.
     pid = tl.program_id(0)
@@ -82,7 +82,7 @@ def _layer_norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
         db = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in range(0, TILES_PER_PROG):
+        for i in tl.range(0, TILES_PER_PROG, num_stages=STAGES):
             tile = pid + i * n_prog
             rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
             row_ok = rows < M
@@ -173,10 +173,11 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
     dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
     dbp = alloc((grid, n), dtype=torch.float32, device=x.device) if bias is not None else dwp
     if m > 0:
+        tiles = triton.cdiv(triton.cdiv(m, rows), grid)
+        stages = bwd_stages(tiles, rows, block, x.element_size()) if one_pass else 1
         _bwd(
             (grid,), dy2, x2, weight, _dense(mean), _dense(rstd), dx, dwp, dbp, m, n, sdy, sx,
-            triton.cdiv(triton.cdiv(m, rows), grid),
-            HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
+            tiles, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages, num_warps=warps,
         )
     if bias is None:
         return dx, sum_partials(dwp, weight.dtype), weight.new_empty(0)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, check_dtypes, device_key, next_pow2, num_programs_cap, rows_of, warps_for
+from ._common import Launcher, bwd_stages, check_dtypes, device_key, next_pow2, num_programs_cap, rows_of, warps_for
 
 # Rows up to this many elements are held in registers whole (one read of x); longer rows are
 # walked in chunks of _CHUNK, re-reading x from L2 instead of spilling.
@@ -72,7 +72,7 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DWP, M, N, stride_dy, stride_x, TILES_PER_PROG, offset,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent grid: each program walks row tiles pid, pid+G, ... and keeps its share of dw
     # in fp32; the G partial rows are summed on the host side (one small reduction launch).
@@ -83,7 +83,7 @@ def _rms_norm_bwd_kernel(
         col_ok = cols < N
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
         dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i in range(0, TILES_PER_PROG):
+        for i in tl.range(0, TILES_PER_PROG, num_stages=STAGES):
             tile = pid + i * n_prog
             rows = (tile * ROWS + tl.arange(0, ROWS)).to(tl.int64)
             row_ok = rows < M
@@ -189,9 +189,11 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
     alloc = torch.empty if one_pass and m > 0 else torch.zeros
     dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
     if m > 0:
+        tiles = triton.cdiv(triton.cdiv(m, rows), grid)
+        stages = bwd_stages(tiles, rows, block, x.element_size()) if one_pass else 1
         _bwd(
             (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dx, dwp, m, n, sdy, sx,
-            triton.cdiv(triton.cdiv(m, rows), grid), float(offset),
-            ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
+            tiles, float(offset),
+            ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages, num_warps=warps,
         )
     return dx, sum_partials(dwp, weight.dtype)
