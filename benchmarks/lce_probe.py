@@ -52,7 +52,8 @@ def main():
         torch.cuda.synchronize()
         extra = (torch.cuda.max_memory_allocated() - base) / 2**30
         del out
-        emit(what="op fwd+bwd", rule=lce.chunk_rows is rule, rows=rows, ms=round(do_bench(fn, rep=300), 3), extra_gib=round(extra, 3))
+        emit(what="op fwd+bwd", rule=lce.chunk_rows is rule, rows=rows, ms=round(do_bench(fn, rep=300), 3),
+             extra_gib=round(extra, 3))
     lce.chunk_rows = rule
 
     for rows in (1408, 2048, 4096, 8192) if a.parts else ():

@@ -73,7 +73,8 @@ def _gated_fwd_kernel(G, U, Y, M, N, sg, su, GELU: tl.constexpr, ROWS: tl.conste
 
 
 @triton.jit
-def _gated_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, sd, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _gated_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, sd,
+                      GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     # sd: row stride of DG and DU (N, or 2N when they are the halves of one packed gradient)
     r, c, mask = _tile(M, N, ROWS, BLOCK_N)
     dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)

@@ -177,7 +177,8 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
         stages = bwd_stages(tiles, rows, block, x.element_size()) if one_pass else 1
         _bwd(
             (grid,), dy2, x2, weight, _dense(mean), _dense(rstd), dx, dwp, dbp, m, n, sdy, sx,
-            tiles, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages, num_warps=warps,
+            tiles, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages,
+            num_warps=warps,
         )
     if bias is None:
         return dx, sum_partials(dwp, weight.dtype), weight.new_empty(0)
