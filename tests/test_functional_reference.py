@@ -147,6 +147,26 @@ def test_linear_cross_entropy(dtype, bias, softcap, reduction):
     _check(fused, plain, inputs, dtype, "linear_cross_entropy")
 
 
+@pytest.mark.parametrize("backend", ["reference", "mlir"])
+def test_implementations_do_not_see_autocast(backend):
+    """Under autocast an op casts its inputs as its functional says, and its implementation then
+    runs on those dtypes with autocast off (as in compiled graphs): the same result as the call on
+    pre-cast inputs outside autocast, to the bit, forward and gradients."""
+    hid, w = torch.randn(37, 48), torch.randn(123, 48) / 48**0.5
+    labels = torch.randint(0, 123, (37,))
+    results = []
+    for under_autocast in (True, False):
+        h = hid.clone().requires_grad_() if under_autocast else hid.bfloat16().requires_grad_()
+        ww = w.clone().requires_grad_() if under_autocast else w.bfloat16().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+            loss = F.linear_cross_entropy(h, ww, labels, backend=backend)
+            y = F.rms_norm(h.bfloat16(), ww[0].bfloat16(), backend=backend)
+        (loss + y.float().square().mean()).backward()
+        results.append([loss, y, h.grad.bfloat16(), ww.grad.bfloat16()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_linear_cross_entropy_leading_dims_and_autocast():
     hid, w = torch.randn(2, 5, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True)
     labels = torch.randint(0, 30, (2, 5))

@@ -33,8 +33,18 @@ def _with_keys(fn, *args):
         return fn(*args)
 
 
+def _without_autocast(fn, *args):
+    with _C._DisableAutocast():
+        return fn(*args)
+
+
 def kernel(backend: str, name: str):
     fn = _backend_kernel(backend, name)
+    if _C._is_any_autocast_enabled():
+        # An implementation sees its inputs' dtypes, never autocast's: compiled graphs run it that
+        # way (autocast is applied when tracing, around the op), and the reference backend's fp32
+        # products must not be turned back into bf16 ones in eager.
+        fn = (lambda f: lambda *args: _without_autocast(f, *args))(fn)
     if not _C._dispatch_tls_local_exclude_set().has(_DK.FuncTorchDynamicLayerFrontMode):
         return fn
     return lambda *args: _with_keys(fn, *args)
