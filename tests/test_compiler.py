@@ -230,6 +230,21 @@ def test_rewrite_then_inductor():
     assert rec.graph_backend == "inductor" and "torch.ops.torchfuser.rms_norm_fwd" in rec.graphs["rewrite"]
 
 
+def test_inductor_keeps_elementwise_ops_with_auto_rewrite():
+    """rewrite="auto" under Inductor: norms, gated activations and rope stay Inductor's (it fuses
+    them with their neighbours), each with its reason in the record; linear + cross-entropy is
+    still rewritten (the logits never exist)."""
+    opts = dict(backend="inductor")
+    norm = torch.compile(rms_hf, backend="torchfuser", options=opts)
+    check_parity(norm, rms_hf, [randn(6, 32), randn(32)], atol=5e-5, rtol=5e-5)
+    rec = torchfuser.compiler.last_record()
+    assert not rec.rewrites and any("left to Inductor" in s and "rms_norm" in s for s in rec.skipped)
+    fn, make, _ = REWRITES["linear_ce"]
+    loss = torch.compile(fn, backend="torchfuser", options=opts)
+    check_parity(loss, fn, make(), atol=5e-5, rtol=5e-5)
+    assert any(r.startswith("linear_cross_entropy") for r in torchfuser.compiler.last_record().rewrites)
+
+
 def test_no_grad_region_is_kept():
     def f(x):
         with torch.no_grad():

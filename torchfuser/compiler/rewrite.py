@@ -183,6 +183,11 @@ def device_of(m: Match) -> torch.device:
 
 # Ops that are pure pointwise math: the MLIR region compiler fuses them with their neighbours.
 POINTWISE_OPS = {"swiglu", "geglu"}
+# Under Inductor these stay Inductor's with rewrite="auto": as opaque custom ops they stop its
+# fusion (casts, residual adds) and each costs a dispatcher call from its wrapper; whole training
+# steps on an H200 ran 2–17% slower with them rewritten (benchmarks/results/NOTES-compiler.md).
+# What a rewrite still brings there is linear_cross_entropy: the logits never exist.
+INDUCTOR_FUSES = {"rms_norm", "layer_norm", "swiglu", "geglu", "rope"}
 
 
 def in_pointwise_region(m: Match) -> bool:
@@ -225,6 +230,9 @@ def run(gm: GraphModule, record: CompileRecord, policy, kernels: str, graph_back
                 continue
             if policy == "auto" and graph_backend == "mlir" and m.op in POINTWISE_OPS and in_pointwise_region(m):
                 record.skip(f"{m.describe()}: part of a larger pointwise region, left to the MLIR region compiler")
+                continue
+            if policy == "auto" and graph_backend == "inductor" and m.op in INDUCTOR_FUSES:
+                record.skip(f"{m.describe()}: left to Inductor, which fuses it with its neighbours (rewrite=True forces it)")
                 continue
             why = verify(gm, m)
             if why is not None:
