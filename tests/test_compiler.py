@@ -300,6 +300,10 @@ def test_explain_shows_regions_rewrites_and_stages():
     text = str(e)
     assert "rms_norm(" in text and "region forward/" in text and "=== graph after rewrite ===" in text
     assert e.regions and e.rewrites
+    # each region's MLIR after every pipeline stage
+    compiled = [r for r in e.regions if r.compiled_by == "mlir"]
+    assert compiled and all({"import", "linalg", "fuse", "bufferize", "llvm"} <= set(r.stages) for r in compiled)
+    assert "linalg.generic" in e.ir("linalg") and "llvm.func" in e.ir("llvm") and "--- fuse ---" in text
     assert x.grad is None and w.grad is None  # explain differentiates without touching .grad
 
 

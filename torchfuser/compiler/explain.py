@@ -5,6 +5,9 @@ from __future__ import annotations
 class Explanation:
     def __init__(self, records):
         self.records = list(records)
+        for region in self.regions:  # each compiled region's IR after every MLIR pipeline stage
+            if region.stage_ir is not None and not region.stages:
+                region.stages = region.stage_ir()
 
     @property
     def regions(self):
@@ -13,6 +16,11 @@ class Explanation:
     @property
     def rewrites(self):
         return [r for rec in self.records for r in rec.rewrites]
+
+    def ir(self, stage: str) -> str:
+        """Every region's MLIR after pipeline ``stage`` ("capture", "import", "linalg", "fuse",
+        "wrapper", "inline", "bufferize", "loops", "llvm"), joined."""
+        return "\n".join(r.stages.get(stage, "") for r in self.regions)
 
     def graph(self, stage: str) -> str:
         """The FX code after ``stage`` ("dynamo", "capture", "rewrite", "forward", "backward",

@@ -166,7 +166,7 @@ def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic:
             record.note(f"{which}/{node.target}: {region.compiled_by}", logging.WARNING)
             continue
         region.compiled_by = "mlir"
-        region.stages = dict(getattr(compiled, "stages", None) or getattr(compiled, "ir", None) or {})
+        region.stage_ir = getattr(compiled, "stage_ir", None)
         setattr(fused, node.target, _Compiled(compiled, _single_output(sub)))
     fused.recompile()
     return fused

@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 
 log = logging.getLogger("torchfuser.compiler")
+_STAGE_LINES = 24  # lines of each MLIR stage in the printed record; Explanation.ir has them all
 
 
 @dataclass
@@ -18,7 +19,9 @@ class Region:
     ops: list[str]
     compiled_by: str                # "mlir", or "eager (why)"
     fx: str = ""                    # the region's FX code
-    stages: dict[str, str] = field(default_factory=dict)  # MLIR after each pipeline stage, when exposed
+    stages: dict[str, str] = field(default_factory=dict)  # MLIR after each pipeline stage, once asked for
+    # () → stages: computed on demand (explain), since it recompiles the region with every dump on
+    stage_ir: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -62,8 +65,11 @@ class CompileRecord:
             out.append(f"region {r.graph}/{r.name} [{r.compiled_by}]: {', '.join(r.ops)}")
             if r.stages:
                 for stage, text in r.stages.items():
+                    lines = text.rstrip().splitlines()
                     out.append(f"  --- {stage} ---")
-                    out += ["    " + line for line in text.rstrip().splitlines()]
+                    out += ["    " + line for line in lines[:_STAGE_LINES]]
+                    if len(lines) > _STAGE_LINES:
+                        out.append(f"    … {len(lines) - _STAGE_LINES} more lines (explanation.ir({stage!r}))")
             elif r.fx:
                 out.append("  --- fx (no MLIR stage dumps exposed by the backend) ---")
                 out += ["    " + line for line in r.fx.strip().splitlines()]

@@ -104,3 +104,11 @@ def kernel_for(op: str, spec: dict, fn: Callable, args: Sequence[ArgSpec], rows:
         if fast is not None and len(_keys) < 4096:
             _keys[fast] = key
     return cache.get(key, _load, lambda d, k: _build(d, k, op, fn, args, rows))
+
+
+def stage_ir(op: str, fn: Callable, args: Sequence[ArgSpec], rows: int | None = None) -> dict[str, str]:
+    """The IR after each pipeline stage for ``fn`` over ``args``, compiled afresh (not cached, not
+    loaded): what ``torchfuser.jit(...).explain`` shows for a region."""
+    args = tuple(args)
+    cap = capture(op, fn, args, rows or default_rows(args))
+    return pipeline.compile_captured(cap, dump=("all",), out=None).ir

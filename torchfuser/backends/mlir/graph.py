@@ -1,12 +1,13 @@
 """``compile_graph``: an FX graph of ATen pointwise ops and reductions through the same pipeline."""
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
 from .capture import BCAST, ROW, ArgSpec
-from .compile import kernel_for
+from .compile import kernel_for, stage_ir
 from .mathlib import TRIG_BOUND
 from .ops import SUPPORTED
 
@@ -71,6 +72,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
         return tuple(outs[: n_out - kernel_fn.n_counts])
 
     run.kernel = kernel
+    run.stage_ir = functools.cache(lambda: stage_ir("graph", kernel_fn, args))  # for explain, on demand
     return run
 
 
