@@ -209,12 +209,12 @@ def test_gated_halves_of_fused_projection(op, dtype):
     _check(fn, [_rand(37, 246, scale=2.0)], dtype, f"{op} chunked")
 
 
-PACKED_CASES = [(1, 128), (37, 246), (2, 3, 192)]  # one row (walked flat), odd halves, leading dims
+# one row (walked flat), odd halves, leading dims, halves of 8192
+PACKED_CASES = [((1, 128), LOW), ((37, 246), LOW + [torch.float16]), ((2, 3, 192), LOW), ((2, 16384), [torch.bfloat16])]
 
 
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])
-@pytest.mark.parametrize("shape", PACKED_CASES, ids=str)
-@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("shape,dtype", [(s, d) for s, ds in PACKED_CASES for d in ds], ids=str)
 def test_gated_packed(op, shape, dtype):
     """up=None: one [gate | up] tensor in, one [dgate | dup] gradient out (no concatenation)."""
     fn = lambda gu, backend: getattr(F, op)(gu, backend=backend)  # noqa: E731
