@@ -12,6 +12,8 @@ stays excluded, as it is for any custom-op implementation. Outside a mode this i
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
@@ -44,7 +46,7 @@ def kernel(backend: str, name: str):
         # An implementation sees its inputs' dtypes, never autocast's: compiled graphs run it that
         # way (autocast is applied when tracing, around the op), and the reference backend's fp32
         # products must not be turned back into bf16 ones in eager.
-        fn = (lambda f: lambda *args: _without_autocast(f, *args))(fn)
+        fn = functools.partial(_without_autocast, fn)
     if not _C._dispatch_tls_local_exclude_set().has(_DK.FuncTorchDynamicLayerFrontMode):
         return fn
     return lambda *args: _with_keys(fn, *args)
