@@ -17,6 +17,8 @@ for stage in "$@"; do
     train-fast) timeout 240 python3 $ts --models llama1b qwen05b --variants eager torchfuser liger --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
     train-compile-llama) timeout 300 python3 $ts --models llama1b --variants compile torchfuser+compile compile-torchfuser --out "$OUT/train-step.jsonl" ;;
     train-compile-qwen) timeout 300 python3 $ts --models qwen05b --variants compile torchfuser+compile compile-torchfuser --out "$OUT/train-step.jsonl" ;;
+    graphs-tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py ;;
+    train-graphs) timeout 480 python3 $ts --models qwen05b llama1b --variants eager compile torchfuser torchfuser-graphs --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;
     lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;

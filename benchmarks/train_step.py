@@ -3,7 +3,8 @@
     python benchmarks/train_step.py --models llama1b qwen05b --out benchmarks/results/train-step.jsonl
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
-Variants: eager, compile (torch.compile), torchfuser, torchfuser+compile, compile-torchfuser
+Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
+cuda_graphs=True)), torchfuser+compile, compile-torchfuser
 (torch.compile(backend="torchfuser")), liger (Liger-Kernel, when installed; it patches
 transformers classes globally, so it runs last for each model). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
@@ -30,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
 
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser+compile", "compile-torchfuser", "liger")
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "compile-torchfuser", "liger")
 
 
 def build(recipe: str, device: torch.device, seed: int):
@@ -53,6 +54,8 @@ def prepare(variant: str, model, backend: str = "auto"):
         return torch.compile(model)
     if variant == "torchfuser":
         return torchfuser.optimize(model, backend=backend)
+    if variant == "torchfuser-graphs":
+        return torchfuser.optimize(model, backend=backend, cuda_graphs=True)
     if variant == "torchfuser+compile":
         return torch.compile(torchfuser.optimize(model, backend=backend))
     if variant == "compile-torchfuser":

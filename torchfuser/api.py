@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from torchfuser import backends, patterns as _patterns, walker
+from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, walker
 from torchfuser.report import FusionReport
 
 __all__ = ["optimize", "restore", "report"]
@@ -22,6 +22,7 @@ def optimize(
     exclude=(),
     strict: bool = False,
     verbose: bool = False,
+    cuda_graphs: bool = False,
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
@@ -34,6 +35,10 @@ def optimize(
     patterns / exclude: pattern names to use / to leave out (see ``torchfuser.PATTERNS``).
     strict: raise, before changing anything, if any candidate block would be skipped.
     verbose: print the report.
+    cuda_graphs: also capture each stack of fused layers (the decoder layers) into CUDA graphs at
+        the first training step and replay them after: far fewer host launches, for models whose
+        step is bound by the host. Costs memory (activations and gradients stay allocated) and
+        fixes shapes; see ``torchfuser.cuda_graphs`` and the report's notes.
     """
     _check_model(model)
     backend = backends.check_name(backend)
@@ -41,6 +46,8 @@ def optimize(
     result = walker.fuse(model, chosen, backend, strict)
     if not walker.state(model):
         model.__dict__["_torchfuser_last_report"] = result
+    if cuda_graphs:
+        result.notes += [n for n in _cuda_graphs.install(model) if n not in result.notes]
     if verbose:
         from rich.console import Console
 
@@ -52,6 +59,7 @@ def restore(model: nn.Module) -> nn.Module:
     """Put every original module back (the same objects); harmless on an unoptimized model."""
     _check_model(model)
     model.__dict__.pop("_torchfuser_last_report", None)
+    _cuda_graphs.remove(model)
     return walker.restore(model)
 
 
@@ -59,7 +67,10 @@ def report(model: nn.Module) -> FusionReport:
     """The FusionReport of the last ``optimize`` call(s) on ``model``."""
     _check_model(model)
     st = walker.state(model)
-    if st is not None:
-        return st.report
-    last = model.__dict__.get("_torchfuser_last_report")
-    return last if last is not None else FusionReport(type(model).__name__, notes=["torchfuser.optimize was not called on this model"])
+    result = st.report if st is not None else model.__dict__.get("_torchfuser_last_report")
+    if result is None:
+        return FusionReport(type(model).__name__, notes=["torchfuser.optimize was not called on this model"])
+    live = _cuda_graphs.describe(model)
+    if live:  # the graphs' notes change as the model trains: replays, captures, eager calls
+        result.notes = [n for n in result.notes if not _cuda_graphs.is_live_note(n)] + live
+    return result

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F
-from torchfuser.modules.base import FusedModule, adopt, hand_back
+from torchfuser.modules.base import FusedModule, adopt, hand_back, host_reads_allowed
 from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
@@ -200,9 +200,10 @@ class FusedAttention(FusedModule):
         # Eager attention gives a query whose keys are all masked a uniform softmax (min + score
         # rounds to min) and differentiates through it as plain math. PyTorch's fused SDPA kernels
         # agree on the forward but not on the backward of such rows, so only then use the math kernel.
-        # Compiled code cannot branch on the mask's values: take the exact kernel whenever it might matter.
+        # Compiled code and CUDA graphs cannot branch on the mask's values: take the exact kernel
+        # whenever it might matter.
         exact = eager and mask is not None and mask.is_floating_point() and (
-            torch.compiler.is_compiling() or _has_empty_rows(mask)
+            not host_reads_allowed() or _has_empty_rows(mask)
         )
         with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
             out, _ = sdpa_attention_forward(

@@ -1,7 +1,28 @@
 """What every fused module shares: the spec it was built from and the backend it asks for."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
+import torch
 from torch import nn
+
+_graphing = threading.local()
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """While CUDA graphs are warmed up and captured: forward code must not branch on tensor
+    values read back to the host (a capture cannot, and the graph would replay one branch)."""
+    before, _graphing.on = getattr(_graphing, "on", False), True
+    try:
+        yield
+    finally:
+        _graphing.on = before
+
+
+def host_reads_allowed() -> bool:
+    return not (torch.compiler.is_compiling() or getattr(_graphing, "on", False))
 
 
 class FusedModule(nn.Module):

@@ -1,0 +1,282 @@
+"""optimize(model, cuda_graphs=True): decoder layers captured into CUDA graphs and replayed.
+
+The oracle is the same fused model without graphs: a replay runs the very kernels the eager
+call runs, so losses and every gradient must agree to rounding, step after step, through the
+optimizer. The GPU tests run on the device machine; on the CPU the install path is checked.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import torchfuser
+from torchfuser import cuda_graphs
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+VOCAB = 256
+
+
+def tiny_llama(device="cpu", layers=3, attn="sdpa", family="llama"):
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, attn_implementation=attn)
+    if family == "gpt2":
+        shape = dict(n_embd=128, n_layer=layers, n_head=4, vocab_size=VOCAB, attn_implementation=attn,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = AutoConfig.for_model(family, **shape)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to(device).train()
+
+
+def test_split_and_join_call_round_trip():
+    x, cos, sin = torch.randn(2, 3), torch.randn(3), torch.randn(3)
+    args, kwargs = (x,), {"attention_mask": None, "position_embeddings": (cos, sin), "use_cache": False, "k": 2}
+    layout, tensors = cuda_graphs.split_call(args, kwargs)
+    assert [t is u for t, u in zip(tensors, (x, cos, sin))] == [True] * 3
+    args2, kwargs2 = cuda_graphs.join_call(layout, tensors)
+    assert args2[0] is x and kwargs2["position_embeddings"] == (cos, sin)
+    assert kwargs2 == {**kwargs, "position_embeddings": kwargs2["position_embeddings"]}
+    # True and 1 hash alike: the layout keeps their types apart, so they are different signatures.
+    assert cuda_graphs.split_call((x,), {"k": True})[0] != cuda_graphs.split_call((x,), {"k": 1})[0]
+    layout, name = cuda_graphs.split_call((x,), {"cache": object()})
+    assert layout is None and name == "object"
+
+
+def test_cpu_model_is_left_alone_with_a_reason():
+    model = tiny_llama()
+    torchfuser.optimize(model, backend="reference", cuda_graphs=True)
+    notes = [n for n in torchfuser.report(model).notes if n.startswith("cuda graphs")]
+    assert notes == ["cuda graphs: not used for model.layers — the model is on cpu; CUDA graphs need CUDA"]
+    assert "forward" not in model.model.layers[0].__dict__
+
+
+def test_unfused_model_has_no_stack():
+    model = tiny_llama()
+    torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"], cuda_graphs=True)
+    assert any("no stack of fused layers" in n for n in torchfuser.report(model).notes)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _step(model, ids, opt=None, autocast=False):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _pair(**kw):
+    """The same fused model twice (same seed), the second one graphed."""
+    return torchfuser.optimize(tiny_llama("cuda", **kw)), torchfuser.optimize(tiny_llama("cuda", **kw), cuda_graphs=True)
+
+
+def _close(a, b, what):
+    assert a.keys() == b.keys(), what
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=2e-5, atol=2e-6, msg=lambda m: f"{what}: {n}\n{m}")
+
+
+def _stack(model):
+    return model.__dict__[cuda_graphs._ATTR][0]
+
+
+@cuda
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_graphed_training_matches_eager(autocast):
+    plain, graphed = _pair()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, graphed)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids = torch.randint(0, VOCAB, (2, 32), generator=gen).cuda()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (la, ga), (lb, gb) = (_step(m, ids, o, autocast) for m, o in zip((plain, graphed), opts))
+        # No cross-stream gradient accumulation: the accumulators were made on the caller's stream.
+        assert not [w for w in caught if "AccumulateGrad node's stream" in str(w.message)]
+        torch.testing.assert_close(la, lb, rtol=2e-5, atol=2e-6)
+        _close(ga, gb, f"step {step}")
+    stack = _stack(graphed)
+    assert stack.captures == 1 and stack.replays == 4 * 3 and not stack.eager  # step 0 captures in layer 0's call
+    note = next(n for n in torchfuser.report(graphed).notes if n.startswith("cuda graphs: model.layers"))
+    assert "12 layer calls replayed, 1 capture(s)" in note
+
+
+@cuda
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_other_families_and_autograd_grad(family):
+    plain, graphed = _pair(family=family)
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    for _ in range(2):
+        (la, ga), (lb, gb) = _step(plain, ids), _step(graphed, ids)
+        torch.testing.assert_close(la, lb, rtol=2e-5, atol=2e-6)
+        _close(ga, gb, family)
+        for m in (plain, graphed):
+            m.zero_grad(set_to_none=True)
+    assert _stack(graphed).replays == 2 * 3 and not _stack(graphed).eager
+    # torch.autograd.grad gets the gradients without touching .grad
+    grads = [torch.autograd.grad(m(input_ids=ids, labels=ids, use_cache=False).loss, list(m.parameters()), allow_unused=True)
+             for m in (plain, graphed)]
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+    assert all(p.grad is None for p in graphed.parameters())
+
+
+@cuda
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_accumulation_across_backwards(set_to_none):
+    plain, graphed = _pair()
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, VOCAB, (2, 16), generator=gen).cuda() for _ in range(3)]
+    for model in (plain, graphed):
+        model(input_ids=batches[0], labels=batches[0], use_cache=False).loss.backward()  # capture
+        model.zero_grad(set_to_none=set_to_none)
+        for ids in batches[1:]:  # two micro-batches summed into .grad
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    grads = [{n: p.grad for n, p in m.named_parameters()} for m in (plain, graphed)]
+    _close(*grads, "accumulated")
+
+
+@cuda
+def test_two_forwards_before_one_backward_fall_back():
+    plain, graphed = _pair()
+    a, b = (torch.randint(0, VOCAB, (2, 16)).cuda() for _ in range(2))
+    for model in (plain, graphed):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=a, labels=a, use_cache=False).loss.backward()  # graphed captures here
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=a, labels=a, use_cache=False).loss + model(input_ids=b, labels=b, use_cache=False).loss
+        loss.backward()
+    _close(*({n: p.grad for n, p in m.named_parameters()} for m in (plain, graphed)), "two forwards")
+    assert _stack(graphed).eager["an earlier forward of this layer still waits for its backward"] == 3
+
+
+@cuda
+def test_second_backward_through_a_replay_raises():
+    _, graphed = _pair()
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    _step(graphed, ids)  # capture
+    # The decoder's output, not the fused loss (which refuses a second backward itself).
+    loss = graphed.model(input_ids=ids, use_cache=False).last_hidden_state.square().mean()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+@cuda
+def test_new_shape_recaptures_and_leaf_input_grads_accumulate():
+    plain, graphed = _pair()
+    for seq in (16, 24, 16):
+        ids = torch.randint(0, VOCAB, (2, seq)).cuda()
+        ga, gb = (_step(m, ids)[1] for m in (plain, graphed))
+        _close(ga, gb, f"seq {seq}")
+        for m in (plain, graphed):
+            m.zero_grad(set_to_none=True)
+    assert _stack(graphed).captures == 3
+    # Gradients reaching a leaf input are the caller's to keep: two backwards add up.
+    embeds = [m.model.embed_tokens(ids).detach().requires_grad_() for m in (plain, graphed)]
+    for m, e in zip((plain, graphed), embeds):
+        for _ in range(2):
+            m(inputs_embeds=e, labels=ids, use_cache=False).loss.backward()
+    torch.testing.assert_close(embeds[0].grad, embeds[1].grad, rtol=2e-5, atol=2e-6)
+
+
+@cuda
+def test_calls_a_graph_cannot_serve_run_eagerly_with_reasons():
+    plain, graphed = _pair()
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    graphed(input_ids=ids, labels=ids).loss.backward()  # use_cache defaults to True: a cache object
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(input_ids=ids).logits, plain(input_ids=ids).logits)
+    eager = _stack(graphed).eager
+    assert eager["a DynamicCache object is passed (in training: pass use_cache=False)"] == 3
+    assert eager["grad is disabled (graphs are captured for training steps)"] == 3
+    note = next(n for n in torchfuser.report(graphed).notes if n.startswith("cuda graphs: model.layers"))
+    assert "DynamicCache" in note and _stack(graphed).replays == 0
+
+
+@cuda
+def test_compile_and_restore():
+    plain, graphed = _pair()
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    compiled = torch.compile(graphed, fullgraph=True)
+    la, ga = _step(plain, ids)
+    lb, gb = _step(compiled, ids)
+    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+    assert _stack(graphed).replays == 0 and _stack(graphed).captures == 0
+    torchfuser.restore(graphed)
+    assert all("forward" not in layer.__dict__ for layer in graphed.model.layers)
+    assert cuda_graphs.describe(graphed) is None
+
+
+@cuda
+def test_hidden_states_and_layer_hooks_see_the_replayed_outputs():
+    plain, graphed = _pair()
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    _step(graphed, ids)  # capture
+    seen = []
+    graphed.model.layers[1].register_forward_hook(lambda mod, args, out: seen.append(out.detach().clone()))
+    outs = [m(input_ids=ids, labels=ids, use_cache=False, output_hidden_states=True) for m in (plain, graphed)]
+    for a, b in zip(outs[0].hidden_states, outs[1].hidden_states):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(seen[0], outs[1].hidden_states[2])
+    outs[1].loss.backward()
+    assert _stack(graphed).replays == 2 * 3 and not _stack(graphed).eager
+
+
+@cuda
+def test_eager_attention_with_a_padding_mask():
+    plain, graphed = _pair(attn="eager")
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, 12:] = 0  # right padding: no query row is fully masked
+    for step in range(2):
+        (la, ga), (lb, gb) = (_step_masked(m, ids, mask) for m in (plain, graphed))
+        torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+        for n in ga:  # graphs take the exact (math) SDPA kernel, the plain call a fused one
+            torch.testing.assert_close(ga[n], gb[n], rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}\n{m}")
+    assert _stack(graphed).replays == 2 * 3
+
+
+def _step_masked(model, ids, mask):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _with_mlp_wrapped(model, wrap):
+    mlp = model.model.layers[1].mlp
+    inner = mlp.forward
+    mlp.forward = lambda x: wrap(inner(x))
+
+
+@cuda
+@pytest.mark.parametrize("where", ["warm-up", "capture"])
+def test_a_layer_that_cannot_be_captured_runs_eagerly_and_rng_survives(where):
+    plain, graphed = _pair()
+    if where == "warm-up":  # reads a value on the host: found before any capture starts
+        _with_mlp_wrapped(graphed, lambda y: y * (1.0 + 0.0 * float(y.sum())))
+    else:  # something a capture refuses, done only while capturing
+        def wrap(y):
+            if torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()
+            return y
+        _with_mlp_wrapped(graphed, wrap)
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    (la, ga), (lb, gb) = _step(plain, ids), _step(graphed, ids)
+    torch.testing.assert_close(la, lb, rtol=2e-5, atol=2e-6)
+    _close(ga, gb, where)
+    stack = _stack(graphed)
+    assert stack.disabled and stack.replays == 0 and stack.eager[stack.disabled] == 3
+    if where == "warm-up":
+        assert "reads tensor values on the host" in stack.disabled
+    torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)  # the generator still works
