@@ -6,6 +6,7 @@ optimizer. The GPU tests run on the device machine; on the CPU the install path 
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -50,6 +51,23 @@ def test_cpu_model_is_left_alone_with_a_reason():
     notes = [n for n in torchfuser.report(model).notes if n.startswith("cuda graphs")]
     assert notes == ["cuda graphs: not used for model.layers — the model is on cpu; CUDA graphs need CUDA"]
     assert "forward" not in model.model.layers[0].__dict__
+
+
+def test_install_and_restore_on_a_stand_in_device(monkeypatch):
+    """What install does to a model, checked on the CPU by letting it through the CUDA check."""
+    monkeypatch.setattr(cuda_graphs, "_unsupported", lambda model, layers: None)
+    model = tiny_llama()
+    torchfuser.optimize(model, backend="reference", cuda_graphs=True)
+    layers = model.model.layers
+    assert all(isinstance(layer.__dict__.get("forward"), functools.partial) for layer in layers)
+    notes = torchfuser.report(model).notes
+    assert "cuda graphs: model.layers (3 × LlamaDecoderLayer): captured at the first training step" in notes
+    assert any("use_cache is True" in n for n in notes)
+    assert list(model.state_dict()) == list(tiny_llama().state_dict())
+    torchfuser.optimize(model, cuda_graphs=True)  # again: nothing installed twice
+    assert len(model.__dict__[cuda_graphs._ATTR]) == 1
+    torchfuser.restore(model)
+    assert all("forward" not in layer.__dict__ for layer in layers) and cuda_graphs.describe(model) is None
 
 
 def test_unfused_model_has_no_stack():

@@ -70,7 +70,5 @@ def report(model: nn.Module) -> FusionReport:
     result = st.report if st is not None else model.__dict__.get("_torchfuser_last_report")
     if result is None:
         return FusionReport(type(model).__name__, notes=["torchfuser.optimize was not called on this model"])
-    live = _cuda_graphs.describe(model)
-    if live:  # the graphs' notes change as the model trains: replays, captures, eager calls
-        result.notes = [n for n in result.notes if not _cuda_graphs.is_live_note(n)] + live
+    result.notes = _cuda_graphs.refresh_notes(model, result.notes)  # replays, captures, eager calls
     return result

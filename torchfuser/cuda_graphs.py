@@ -271,8 +271,11 @@ class Stack:
                  time.perf_counter() - start)
         return None
 
+    def head(self) -> str:
+        return f"cuda graphs: {self.name} ({len(self.layers)} × {type(self.layers[0]).__name__})"
+
     def describe(self) -> str:
-        head = f"cuda graphs: {self.name} ({len(self.layers)} × {type(self.layers[0]).__name__})"
+        head = self.head()
         if self.captures == 0 and not self.eager:
             return f"{head}: captured at the first training step"
         text = f"{head}: {self.replays} layer calls replayed, {self.captures} capture(s) in {self.capture_s:.1f} s"
@@ -447,6 +450,9 @@ def install(model: nn.Module) -> list[str]:
         notes.append(stack.describe())
     if stacks:
         model.__dict__[_ATTR] = stacks
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            notes.append("cuda graphs: model.config.use_cache is True, so training calls pass a KV cache, which a "
+                         "graph cannot capture: pass use_cache=False or set model.config.use_cache = False")
     return notes
 
 
@@ -457,8 +463,13 @@ def remove(model: nn.Module) -> None:
         stack.graphs = None
 
 
-def is_live_note(note: str) -> bool:
-    return note.startswith("cuda graphs: ") and not note.startswith("cuda graphs: not used")
+def refresh_notes(model: nn.Module, notes: list[str]) -> list[str]:
+    """``notes`` with each graphed stack's line brought up to date (replays, captures, eager calls)."""
+    stacks = model.__dict__.get(_ATTR)
+    if not stacks:
+        return notes
+    heads = tuple(s.head() for s in stacks)
+    return [n for n in notes if not n.startswith(heads)] + [s.describe() for s in stacks]
 
 
 def describe(model: nn.Module) -> list[str] | None:
