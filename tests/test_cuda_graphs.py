@@ -49,7 +49,8 @@ def test_cpu_model_is_left_alone_with_a_reason():
     model = tiny_llama()
     torchfuser.optimize(model, backend="reference", cuda_graphs=True)
     notes = [n for n in torchfuser.report(model).notes if n.startswith("cuda graphs")]
-    assert notes == ["cuda graphs: not used for model.layers — the model is on cpu; CUDA graphs need CUDA"]
+    assert notes == ["cuda graphs: not used for model.layers — the model is on cpu: move it to a CUDA device "
+                     "before optimize(..., cuda_graphs=True)"]
     assert "forward" not in model.model.layers[0].__dict__
 
 

@@ -416,7 +416,7 @@ def find_stacks(model: nn.Module):
 def _unsupported(model: nn.Module, layers) -> str | None:
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cuda":
-        return f"the model is on {p.device if p is not None else 'no device'}; CUDA graphs need CUDA"
+        return f"the model is on {p.device if p is not None else 'no device'}: move it to a CUDA device before optimize(..., cuda_graphs=True)"
     for layer in layers:
         if "forward" in layer.__dict__:
             return "a layer's forward is already replaced on the instance (accelerate hooks?)"
