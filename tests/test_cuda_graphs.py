@@ -43,6 +43,8 @@ def test_split_and_join_call_round_trip():
     assert cuda_graphs.split_call((x,), {"k": True})[0] != cuda_graphs.split_call((x,), {"k": 1})[0]
     layout, name = cuda_graphs.split_call((x,), {"cache": object()})
     assert layout is None and name == "object"
+    # The loss's token count reaches the layers but not their math: it is no part of a signature.
+    assert cuda_graphs.split_call((x,), {"num_items_in_batch": 7}) == cuda_graphs.split_call((x,), {})
 
 
 def test_cpu_model_is_left_alone_with_a_reason():
@@ -299,3 +301,27 @@ def test_a_layer_that_cannot_be_captured_runs_eagerly_and_rng_survives(where):
     if where == "warm-up":
         assert "reads tensor values on the host" in stack.disabled
     torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)  # the generator still works
+
+
+@cuda
+def test_trainer_callback_with_accumulation_clipping_and_bf16(tmp_path):
+    """The Hugging Face Trainer path: gradient accumulation, gradient clipping, bf16 autocast."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, VOCAB, (16, 24))]
+    runs = []
+    for graphs in (False, True):
+        model = tiny_llama("cuda")
+        model.config.use_cache = False
+        args = TrainingArguments(output_dir=str(tmp_path / str(graphs)), per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, max_steps=3, learning_rate=1e-3, max_grad_norm=0.5,
+                                 bf16=True, logging_steps=1, save_strategy="no", report_to=[], seed=0)
+        callback = torchfuser.TorchFuserCallback(cuda_graphs=graphs)
+        Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+        runs.append(model)
+    plain, graphed = runs
+    stack = _stack(graphed)
+    assert stack.replays == 3 * 2 * 3 and not stack.eager  # 3 steps × 2 micro-batches × 3 layers
+    for (n, a), b in zip(plain.named_parameters(), graphed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}\n{m}")

@@ -44,6 +44,9 @@ log = logging.getLogger("torchfuser")
 _ATTR = "_torchfuser_cuda_graphs"
 MAX_RECAPTURES = 3
 _SCALARS = (bool, int, float, str)
+# transformers hands the loss's keyword arguments down to every decoder layer, which ignores them;
+# a count that changes with every batch must not make every call a new signature.
+_LOSS_ONLY = ("num_items_in_batch",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,6 +60,8 @@ def split_call(args: tuple, kwargs: dict):
     n tensors (rotary cos/sin), ``(name, "v", type, value)`` a constant."""
     layout, tensors = [], []
     for name, v in itertools.chain(enumerate(args), kwargs.items()):
+        if name in _LOSS_ONLY:
+            continue
         if isinstance(v, Tensor):
             layout.append((name, "t"))
             tensors.append(v)
