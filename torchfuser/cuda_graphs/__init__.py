@@ -1,0 +1,114 @@
+"""CUDA graphs for a model's repeated blocks: ``torchfuser.optimize(model, cuda_graphs=True)``.
+
+A training step of a small model is bound by the host: every fused op and every ATen op around
+it costs tens of microseconds of Python and launch time, more than its kernel. Here each decoder
+layer's forward and backward are captured once into two CUDA graphs and then replayed, so the
+host launches two graphs per layer instead of every kernel in it.
+
+A graph fixes what it saw at capture, so that is what a call must match to replay: the shapes,
+strides, dtypes and ``requires_grad`` of its tensor arguments, the values of the others, the
+autocast state, train/eval mode and the parameters' storage. One signature per stack is kept;
+a new one is captured in its place (at most ``MAX_RECAPTURES`` times, then the stack stays
+eager). A call a graph cannot serve runs the layer's own forward, and the reason is counted in
+``torchfuser.report(model)``: under torch.compile, without grad, with a KV-cache object
+(``use_cache=True`` in training), with gradient checkpointing, with hooks on modules inside the
+layer, or while an earlier replay of the same layer still waits for its backward (several
+forwards before one backward). A layer that reads tensor values on the host is found during the
+warm-up before capture and left eager.
+
+The price of replay:
+- A layer's outputs live in the graph's buffers and the next step's replay overwrites them:
+  clone what you keep across steps (``output_hidden_states``).
+- Activations and gradients stay allocated between steps, in the graphs' memory pools.
+- One backward per forward: a second backward through the same replay raises.
+
+Files: ``signature.py`` (what a call must match), ``capture.py`` (warm-up and capture),
+``replay.py`` (the autograd Function that replays a layer, and the per-stack decisions).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from torchfuser.cuda_graphs.replay import MAX_RECAPTURES, Stack
+from torchfuser.cuda_graphs.signature import join_call, split_call
+from torchfuser.modules.base import FusedModule
+
+__all__ = ["install", "remove", "refresh_notes", "describe", "find_stacks", "split_call", "join_call", "MAX_RECAPTURES"]
+_ATTR = "_torchfuser_cuda_graphs"
+
+
+def find_stacks(model: nn.Module):
+    """[(qualified name, ModuleList)]: lists of two or more layers of one class that hold fused modules."""
+    found = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(m) for m in mod}) == 1:
+            if any(isinstance(sub, FusedModule) for sub in mod[0].modules()):
+                found.append((name, mod))
+    return found
+
+
+def _unsupported(model: nn.Module, layers) -> str | None:
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cuda":
+        return f"the model is on {p.device if p is not None else 'no device'}: move it to a CUDA device before optimize(..., cuda_graphs=True)"
+    for layer in layers:
+        if "forward" in layer.__dict__:
+            return "a layer's forward is already replaced on the instance (accelerate hooks?)"
+        for q in layer.parameters():
+            if type(q) is not nn.Parameter or type(q.data) is not torch.Tensor or q.device != p.device:
+                return "parameters are sharded, wrapped or spread over devices"
+            if q._backward_hooks or getattr(q, "_post_accumulate_grad_hooks", None):
+                return "parameters have gradient hooks (they would run only at capture)"
+        if any(b.requires_grad for b in layer.buffers()):
+            return "a buffer requires grad"
+    return None
+
+
+def install(model: nn.Module) -> list[str]:
+    """Route every stack's layers through their graphs; report notes, one per stack."""
+    if model.__dict__.get(_ATTR):
+        return [s.describe() for s in model.__dict__[_ATTR]]
+    stacks, notes = [], []
+    found = find_stacks(model)
+    if not found:
+        return ["cuda graphs: not used — no stack of fused layers (a ModuleList of one layer class) found"]
+    for name, layers in found:
+        why = _unsupported(model, layers)
+        if why:
+            notes.append(f"cuda graphs: not used for {name} — {why}")
+            continue
+        stack = Stack(name, list(layers), [layer.forward for layer in layers])
+        for i, layer in enumerate(layers):
+            layer.forward = partial(stack.call, i)
+        stacks.append(stack)
+        notes.append(stack.describe())
+    if stacks:
+        model.__dict__[_ATTR] = stacks
+        if getattr(getattr(model, "config", None), "use_cache", False):
+            notes.append("cuda graphs: model.config.use_cache is True, so training calls pass a KV cache, which a "
+                         "graph cannot capture: pass use_cache=False or set model.config.use_cache = False")
+    return notes
+
+
+def remove(model: nn.Module) -> None:
+    for stack in model.__dict__.pop(_ATTR, []):
+        for layer in stack.layers:
+            layer.__dict__.pop("forward", None)
+        stack.graphs = None
+
+
+def refresh_notes(model: nn.Module, notes: list[str]) -> list[str]:
+    """``notes`` with each graphed stack's line brought up to date (replays, captures, eager calls)."""
+    stacks = model.__dict__.get(_ATTR)
+    if not stacks:
+        return notes
+    heads = tuple(s.head() for s in stacks)
+    return [n for n in notes if not n.startswith(heads)] + [s.describe() for s in stacks]
+
+
+def describe(model: nn.Module) -> list[str] | None:
+    stacks = model.__dict__.get(_ATTR)
+    return None if stacks is None else [s.describe() for s in stacks]

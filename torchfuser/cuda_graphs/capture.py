@@ -1,0 +1,153 @@
+"""Capturing a stack of layers: warm-up, the forward graphs in order, the backward graphs in reverse."""
+from __future__ import annotations
+
+import gc
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from torchfuser.cuda_graphs.signature import autocast_key, join_call, param_key
+from torchfuser.modules.base import no_host_reads
+
+
+@dataclass(eq=False)
+class LayerGraphs:
+    """One layer's captured forward and backward graphs and the static tensors they read and write."""
+
+    fwd: torch.cuda.CUDAGraph
+    bwd: torch.cuda.CUDAGraph | None
+    inputs: list[Tensor]  # static tensor arguments, in call order
+    params: tuple[nn.Parameter, ...]
+    param_key: tuple
+    outputs: tuple[Tensor, ...]  # flattened static outputs
+    out_spec: pytree.TreeSpec | None  # None: the forward returns one tensor
+    stand_ins: list[nn.Parameter]  # what the capture's autograd graph differentiated for ``params``
+    grad_outputs: list[Tensor | None] = field(default_factory=list)
+    grad_inputs: tuple[Tensor | None, ...] = ()  # per input, then per parameter
+    waiting: weakref.ref | None = None
+
+    def pending(self) -> bool:
+        return self.waiting is not None and self.waiting() is not None
+
+
+def _static_copy(t: Tensor) -> Tensor:
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+@contextmanager
+def _syncs_raise():
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
+def recover_from_failed_capture(device) -> None:
+    """A capture that failed part-way can leave the CUDA generator marked as capturing, and every
+    later random op would then fail. Dropping the failed graphs and ending one small capture
+    cleanly resets it; if even that fails, say so now rather than at the user's next dropout."""
+    gc.collect()
+    try:
+        probe = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(probe):
+            torch.rand(1, device=device)
+        del probe
+        torch.rand(1, device=device)
+    except Exception as err:
+        raise RuntimeError(
+            "torchfuser: a failed CUDA graph capture left CUDA's random generator unusable in this "
+            "process; restart it and optimize the model without cuda_graphs=True"
+        ) from err
+
+
+@contextmanager
+def _stand_ins(layer: nn.Module, params):
+    """The layer's parameters replaced, for the span, by new leaves over the same storage.
+
+    A capture then reads the parameters' memory, as it must, but its autograd graph ends at
+    leaves of its own: the parameters' gradient accumulators, which the caller's autograd graph
+    may hold on another stream (a cross-stream wait breaks a capture), are never touched, and the
+    replays' gradients reach them through ``_Replay`` on the caller's stream."""
+    stand = {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in params}
+    slots = [(m, name, q) for m in layer.modules() for name, q in m._parameters.items() if q is not None and id(q) in stand]
+    for m, name, q in slots:
+        m._parameters[name] = stand[id(q)]
+    try:
+        yield [stand[id(p)] for p in params]
+    finally:
+        for m, name, q in slots:
+            m._parameters[name] = q
+
+
+def capture(layers, forwards, params, layout, tensors) -> list[LayerGraphs]:
+    """Capture every layer's forward (in order), then every backward (in reverse): the order they
+    replay in, which is what lets all the captures share one memory pool (a backward's scratch
+    reuses what later layers' activations held)."""
+    pool = torch.cuda.graph_pool_handle()
+    enabled, dtype = autocast_key()
+
+    def call(i, ts):
+        args, kwargs = join_call(layout, ts)
+        return forwards[i](*args, **kwargs)
+
+    with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False), no_host_reads():
+        # Warm-up off the capture: compiles kernels, picks cuBLAS/cuDNN algorithms, and finds a
+        # layer that reads values back to the host (which would break the capture) while that
+        # is still harmless.
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), _syncs_raise():
+            for i in range(len(forwards)):
+                sample = [_static_copy(t) for t in tensors]
+                with _stand_ins(layers[i], params[i]) as stand:
+                    outs = [o for o in pytree.tree_leaves(call(i, sample)) if isinstance(o, Tensor) and o.requires_grad]
+                wrt = [t for t in (*sample, *stand) if t.requires_grad]
+                if outs and wrt:
+                    torch.autograd.grad(outs, wrt, [torch.randn_like(o) for o in outs], allow_unused=True)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+        graphs = []
+        for i in range(len(forwards)):
+            # Each layer gets inputs of its own, even where they are its predecessor's output: a
+            # replay copies into them, and that copy must never overwrite a tensor still in use.
+            inputs = [_static_copy(t) for t in tensors]
+            fwd = torch.cuda.CUDAGraph()
+            with _stand_ins(layers[i], params[i]) as stand, torch.cuda.graph(fwd, pool=pool):
+                out = call(i, inputs)
+            flat, spec = pytree.tree_flatten(out)
+            if not all(isinstance(o, Tensor) for o in flat):
+                raise TypeError("the layer returns non-tensor values")
+            spec = None if isinstance(out, Tensor) else spec
+            graphs.append(LayerGraphs(fwd, None, inputs, params[i], param_key(params[i]), tuple(flat), spec, stand))
+
+        for g in reversed(graphs):
+            g.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in g.outputs]
+            outs = [o for o in g.outputs if o.requires_grad]
+            need_in = [t for t in g.inputs if t.requires_grad]
+            # Parameter gradients outlive the backward (they become p.grad, kept through the
+            # optimizer step and across accumulation steps), while the pool's memory is reused by
+            # the backwards of later layers, which replay first: so the graph copies them into
+            # buffers of their own, outside the pool.
+            need_p = [(p, torch.empty_like(p)) for p in g.stand_ins if p.requires_grad]
+            d_in, d_p = [None] * len(need_in), [None] * len(need_p)
+            if outs and (need_in or need_p):
+                g.bwd = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g.bwd, pool=pool):
+                    grads = torch.autograd.grad(outs, need_in + [p for p, _ in need_p],
+                                                [d for d in g.grad_outputs if d is not None], allow_unused=True)
+                    d_in, d_p = grads[: len(need_in)], grads[len(need_in):]
+                    pairs = [(kept, d) for (_, kept), d in zip(need_p, d_p) if d is not None]
+                    if pairs:
+                        torch._foreach_copy_([k for k, _ in pairs], [d for _, d in pairs])
+            kept = {id(p): k for (p, k), d in zip(need_p, d_p) if d is not None}
+            it = iter(d_in)
+            g.grad_inputs = (*(next(it) if t.requires_grad else None for t in g.inputs), *(kept.get(id(p)) for p in g.stand_ins))
+    return graphs

@@ -1,0 +1,177 @@
+"""Replaying captured layers: the autograd Function per layer and the stack that decides, call by
+call, whether a graph can serve it."""
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_failed_capture
+from torchfuser.cuda_graphs.signature import autocast_key, param_key, split_call, tensor_key
+
+log = logging.getLogger("torchfuser")
+MAX_RECAPTURES = 3
+
+
+def _hooked(mod: nn.Module) -> bool:
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    m = nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
+class _Token:
+    """Lives as long as the autograd graph of one replay: weakly referenced to tell whether that
+    replay's backward may still come."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g: LayerGraphs, *tensors):
+        for static, t in zip(g.inputs, tensors):
+            if static.data_ptr() != t.data_ptr():
+                static.copy_(t)
+        g.fwd.replay()
+        ctx.graphs, ctx.token = g, _Token()
+        # Gradients for leaves (an input the user holds) are copied: stolen by autograd they would
+        # alias a buffer the next replay overwrites.
+        ctx.leaf = [t.is_leaf and t.requires_grad for t in tensors[: len(g.inputs)]]
+        g.waiting = weakref.ref(ctx.token)
+        outs = tuple(o.detach() for o in g.outputs)
+        ctx.mark_non_differentiable(*(o for o, s in zip(outs, g.outputs) if not s.requires_grad))
+        return outs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        g = ctx.graphs
+        if g.waiting is None or g.waiting() is not ctx.token:
+            raise RuntimeError(
+                "torchfuser: a CUDA-graphed layer was asked for a second backward of one forward "
+                "(retain_graph=True). Its saved activations live in the graph's buffers, which later "
+                "replays reuse; optimize the model without cuda_graphs=True to backward twice."
+            )
+        g.waiting = None
+        for static, d in zip(g.grad_outputs, grads):
+            if static is not None and d is not None and static.data_ptr() != d.data_ptr():
+                static.copy_(d)
+        n = len(g.inputs)
+        for p, s in zip(g.params, g.grad_inputs[n:]):
+            # p.grad still holding an earlier replay's buffer (accumulation, or zero_grad without
+            # set_to_none): keep its value in a tensor of its own before the replay overwrites it.
+            if s is not None and p.grad is not None and p.grad.data_ptr() == s.data_ptr():
+                p.grad = p.grad.clone()
+        g.bwd.replay()
+        ins = tuple(None if s is None else s.clone() if leaf else s.detach() for s, leaf in zip(g.grad_inputs, ctx.leaf))
+        return (None, *ins, *(None if s is None else s.detach() for s in g.grad_inputs[n:]))
+
+
+@dataclass(eq=False)
+class Stack:
+    name: str
+    layers: list[nn.Module]
+    forwards: list  # each layer's own bound forward
+    key: tuple | None = None
+    graphs: list[LayerGraphs] | None = None
+    captures: int = 0
+    capture_s: float = 0.0
+    replays: int = 0
+    disabled: str | None = None
+    eager: Counter = field(default_factory=Counter)
+
+    def call(self, index: int, *args, **kwargs):
+        layer, forward = self.layers[index], self.forwards[index]
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return forward(*args, **kwargs)
+        why, params = self._scan(layer)
+        if why is None:
+            layout, tensors = split_call(args, kwargs)
+            if layout is None:
+                why = (f"a {tensors} object is passed (in training: pass use_cache=False)" if "Cache" in tensors
+                       else f"an argument of type {tensors} cannot be captured")
+        if why is None:
+            key = (layout, tensor_key(tensors), autocast_key(), layer.training)
+            if key != self.key or self.graphs[index].param_key != param_key(params):
+                why = self._recapture(key, layout, tensors)
+        if why is None and self.graphs[index].pending():
+            why = "an earlier forward of this layer still waits for its backward"
+        if why is not None:
+            self._note(why)
+            return forward(*args, **kwargs)
+        g = self.graphs[index]
+        self.replays += 1
+        outs = _Replay.apply(g, *tensors, *g.params)
+        return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
+
+    def _scan(self, layer) -> tuple[str | None, tuple]:
+        """(why the layer cannot replay now or None, its parameters), in one walk of its modules."""
+        if self.disabled:
+            return self.disabled, ()
+        if not torch.is_grad_enabled():
+            return "grad is disabled (graphs are captured for training steps)", ()
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            return "gradient checkpointing is on", ()
+        # The layer's own hooks run around the replay, in its __call__; those of the modules inside
+        # it would run only while capturing.
+        params, hooked = {}, _global_hooks()
+        for mod in layer.modules():
+            hooked = hooked or (mod is not layer and _hooked(mod))
+            for p in mod._parameters.values():
+                if p is not None:
+                    params[id(p)] = p
+        if hooked:
+            return "hooks are registered on modules inside the layer (they would run only at capture)", ()
+        return None, tuple(params.values())
+
+    def _note(self, why: str) -> None:
+        if why not in self.eager:
+            log.info("torchfuser: %s runs eagerly: %s", self.name, why)
+        self.eager[why] += 1
+
+    def _recapture(self, key, layout, tensors) -> str | None:
+        if self.graphs and any(g.pending() for g in self.graphs):
+            return "a new input signature arrived while a replay waits for its backward"
+        if self.captures > MAX_RECAPTURES:
+            self.disabled = f"input signatures kept changing ({self.captures} captures): pad batches to one shape"
+            return self.disabled
+        self.key = self.graphs = None
+        start = time.perf_counter()
+        try:
+            self.graphs = capture(self.layers, self.forwards, [self._scan(layer)[1] for layer in self.layers], layout, tensors)
+        except Exception as err:  # a layer that reads values on the host, or otherwise cannot be captured
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            self.disabled = (f"the layer reads tensor values on the host, which a graph cannot capture ({first})"
+                             if "synchronizing" in first else f"capture failed: {type(err).__name__}: {first}")
+        if self.disabled:
+            log.warning("torchfuser: CUDA graphs for %s turned off: %s", self.name, self.disabled)
+            recover_from_failed_capture(torch.device("cuda", torch.cuda.current_device()))
+            return self.disabled
+        self.key = key
+        self.captures += 1
+        self.capture_s += time.perf_counter() - start
+        log.info("torchfuser: captured CUDA graphs for %s (%d layers) in %.1f s", self.name, len(self.layers),
+                 time.perf_counter() - start)
+        return None
+
+    def head(self) -> str:
+        return f"cuda graphs: {self.name} ({len(self.layers)} × {type(self.layers[0]).__name__})"
+
+    def describe(self) -> str:
+        head = self.head()
+        if self.captures == 0 and not self.eager:
+            return f"{head}: captured at the first training step"
+        text = f"{head}: {self.replays} layer calls replayed, {self.captures} capture(s) in {self.capture_s:.1f} s"
+        if self.eager:
+            text += "; eager calls: " + "; ".join(f"{n}× {why}" for why, n in self.eager.most_common())
+        return text
