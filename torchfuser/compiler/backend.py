@@ -14,7 +14,7 @@ import functools
 import torch
 from torch.fx import GraphModule
 
-from torchfuser.compiler import capture, rewrite
+from torchfuser.compiler import capture, causal_mask, rewrite
 from torchfuser.compiler.options import parse
 from torchfuser.compiler.record import CompileRecord
 
@@ -78,6 +78,11 @@ def dynamo_backend(gm: GraphModule, example_inputs, options: dict | None = None,
             f"torchfuser: the MLIR graph backend runs on CPU tensors only, this graph is on {device}; "
             "use backend='auto' or 'inductor'"
         )
+    if opts.rewrite is not False and graph_backend == "inductor":
+        # Not before the MLIR/eager lowering: AOTAutograd's graph there runs ATen's SDPA as traced,
+        # and on the CPU its causal kernel's output layout differs from what the trace assumed
+        # (a view of it fails; found by tests/test_causal_mask.py). Inductor checks the layouts.
+        causal_mask.run(gm, record)
     record.graphs["dynamo"] = gm.code
     aten_gm = capture.to_aten(gm, example_inputs)
     record.graphs["capture"] = aten_gm.code
