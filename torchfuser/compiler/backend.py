@@ -64,7 +64,9 @@ def _lowering(record: CompileRecord, which: str, graph_backend: str, dynamic: bo
 def dynamo_backend(gm: GraphModule, example_inputs, options: dict | None = None, _sink: list | None = None, **kwargs):
     """Compile one Dynamo graph. Options (``torch.compile(..., options={...})`` or keywords):
     ``backend`` ("auto" | "mlir" | "inductor" | "eager"), ``rewrite`` ("auto" | True | False),
-    ``dynamic`` and ``kernels`` (the kernel backend baked into rewritten ops, default "auto")."""
+    ``dynamic`` and ``kernels`` (the kernel backend baked into rewritten ops, default "auto").
+    Before Inductor, attention masks that are exactly causal and computed from constants become
+    ``is_causal=True`` (``causal_mask``; off with ``rewrite=False``)."""
     opts = parse(options, **kwargs)
     device = _device(example_inputs)
     graph_backend = opts.graph_backend(device.type)
