@@ -48,8 +48,11 @@ def _constant_value(gm: GraphModule, mask: Node, order: dict[Node, int]):
     graph.output(env[mask])
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.no_grad():
-        return GraphModule(gm, graph)(), None
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            return GraphModule(gm, graph)(), None
+    except Exception as err:  # an op that cannot run outside its graph: keep the mask
+        return None, f"it could not be evaluated ({type(err).__name__})"
 
 
 def is_causal(value: torch.Tensor, q_len: int, kv_len: int) -> bool:
@@ -82,8 +85,9 @@ def run(gm: GraphModule, record: CompileRecord) -> int:
         if mask not in values:  # transformers hands one mask to every layer
             values[mask] = _constant_value(gm, mask, order)
         value, why = values[mask]
-        q, k = (a.meta.get("example_value") for a in node.args[:2])
-        if value is not None and not is_causal(value, q.shape[-2], k.shape[-2]):
+        q, k = (getattr(a, "meta", {}).get("example_value") for a in node.args[:2])
+        if value is not None and not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+                                      and is_causal(value, q.shape[-2], k.shape[-2])):
             why = "its value is not the causal mask"
         if why is not None:
             kept.append(why)
