@@ -7,9 +7,19 @@ then torch → linalg-on-tensors. Every body lands in one module as a private fu
 """
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import torch
+
+log = logging.getLogger("torchfuser")
+
+
+def _to_log(diagnostic) -> bool:
+    # MLIR prints unhandled diagnostics to stderr; a failure here already reaches the caller as an
+    # exception (and a region that cannot compile falls back with a note), so they go to the log.
+    log.debug("mlir: %s", diagnostic)
+    return True
 
 
 def context():
@@ -18,6 +28,7 @@ def context():
 
     ctx = ir.Context()
     torch_d.register_dialect(ctx)
+    ctx.attach_diagnostic_handler(_to_log)
     return ctx
 
 
