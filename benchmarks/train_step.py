@@ -5,7 +5,7 @@
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
 cuda_graphs=True)), torchfuser+compile, compile-torchfuser
-(torch.compile(backend="torchfuser")), liger (Liger-Kernel, when installed; it patches
+(torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both), liger (Liger-Kernel, when installed; it patches
 transformers classes globally, so it runs last for each model). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
 parameters, and reports ms/step (median of the timed steps), tokens/s, peak memory and the
@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
 
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "compile-torchfuser", "liger")
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "compile-torchfuser",
+            "torchfuser+compile-torchfuser", "liger")
 
 
 def build(recipe: str, device: torch.device, seed: int):
@@ -60,6 +61,8 @@ def prepare(variant: str, model, backend: str = "auto"):
         return torch.compile(torchfuser.optimize(model, backend=backend))
     if variant == "compile-torchfuser":
         return torch.compile(model, backend="torchfuser")
+    if variant == "torchfuser+compile-torchfuser":
+        return torch.compile(torchfuser.optimize(model, backend=backend), backend="torchfuser")
     if variant == "liger":
         import liger_kernel.transformers as liger
 

@@ -109,3 +109,27 @@ def test_tiny_llama_mask_from_transformers_is_rewritten():
     mask[0, :3] = 0
     torch.compile(model, backend="torchfuser", options=OPTIONS)(input_ids=ids, attention_mask=mask, labels=ids)
     assert _lines("rewrites") == [] and _lines("skipped") == ["causal mask: 2 attention mask(s) kept: it depends on the graph's inputs"]
+
+
+def test_optimized_model_through_the_torchfuser_backend():
+    """optimize() and backend="torchfuser" together: fused modules, and the causal rewrite, in one graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model64 = LlamaForCausalLM(cfg).double()
+    model64.load_state_dict(model.state_dict())
+    torchfuser.optimize(model, backend="reference")
+    ids = torch.randint(0, 128, (2, 16))
+    compiled = torch.compile(model, backend="torchfuser", options=OPTIONS, fullgraph=True)
+    loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert len(_lines("rewrites")) == 1
+    loss64 = model64(input_ids=ids, labels=ids, use_cache=False).loss
+    loss64.backward()
+    torch.testing.assert_close(loss.double(), loss64.double(), atol=1e-5, rtol=1e-5)
+    p64 = dict(model64.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.double(), p64[name].grad, atol=1e-5, rtol=1e-4, msg=name)
