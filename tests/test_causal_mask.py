@@ -82,8 +82,7 @@ def test_is_causal_reads_masks_exactly():
     assert not is_causal(window, 5, 5)
 
 
-def test_tiny_llama_mask_from_transformers_is_rewritten():
-    """transformers materialises its causal mask under torch.compile; the rewrite recognises it."""
+def _tiny_llama_and_float64_twin():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -92,17 +91,26 @@ def test_tiny_llama_mask_from_transformers_is_rewritten():
     model = LlamaForCausalLM(cfg)
     model64 = LlamaForCausalLM(cfg).double()
     model64.load_state_dict(model.state_dict())
-    ids = torch.randint(0, 128, (2, 16))
-    loss = torch.compile(model, backend="torchfuser", options=OPTIONS)(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    assert _lines("rewrites") == ["causal mask: 2 scaled_dot_product_attention call(s) take is_causal=True instead "
-                                  "of a mask computed from constants that is exactly causal"]
+    return model, model64, torch.randint(0, 128, (2, 16))
+
+
+def _check_loss_and_grads(loss, model, model64, ids):
     loss64 = model64(input_ids=ids, labels=ids, use_cache=False).loss
     loss64.backward()
     torch.testing.assert_close(loss.double(), loss64.double(), atol=1e-5, rtol=1e-5)
     p64 = dict(model64.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), p64[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_tiny_llama_mask_from_transformers_is_rewritten():
+    """transformers materialises its causal mask under torch.compile; the rewrite recognises it."""
+    model, model64, ids = _tiny_llama_and_float64_twin()
+    loss = torch.compile(model, backend="torchfuser", options=OPTIONS)(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert _lines("rewrites") == ["causal mask: 2 scaled_dot_product_attention call(s) take is_causal=True instead "
+                                  "of a mask computed from constants that is exactly causal"]
+    _check_loss_and_grads(loss, model, model64, ids)
     # With a padding mask the mask depends on an input: kept.
     torch._dynamo.reset()
     mask = torch.ones_like(ids)
@@ -113,23 +121,10 @@ def test_tiny_llama_mask_from_transformers_is_rewritten():
 
 def test_optimized_model_through_the_torchfuser_backend():
     """optimize() and backend="torchfuser" together: fused modules, and the causal rewrite, in one graph."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    model64 = LlamaForCausalLM(cfg).double()
-    model64.load_state_dict(model.state_dict())
+    model, model64, ids = _tiny_llama_and_float64_twin()
     torchfuser.optimize(model, backend="reference")
-    ids = torch.randint(0, 128, (2, 16))
     compiled = torch.compile(model, backend="torchfuser", options=OPTIONS, fullgraph=True)
     loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     assert len(_lines("rewrites")) == 1
-    loss64 = model64(input_ids=ids, labels=ids, use_cache=False).loss
-    loss64.backward()
-    torch.testing.assert_close(loss.double(), loss64.double(), atol=1e-5, rtol=1e-5)
-    p64 = dict(model64.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.double(), p64[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    _check_loss_and_grads(loss, model, model64, ids)

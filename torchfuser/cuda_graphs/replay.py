@@ -157,11 +157,11 @@ class Stack:
             log.warning("torchfuser: CUDA graphs for %s turned off: %s", self.name, self.disabled)
             recover_from_failed_capture(torch.device("cuda", torch.cuda.current_device()))
             return self.disabled
+        took = time.perf_counter() - start
         self.key = key
         self.captures += 1
-        self.capture_s += time.perf_counter() - start
-        log.info("torchfuser: captured CUDA graphs for %s (%d layers) in %.1f s", self.name, len(self.layers),
-                 time.perf_counter() - start)
+        self.capture_s += took
+        log.info("torchfuser: captured CUDA graphs for %s (%d layers) in %.1f s", self.name, len(self.layers), took)
         return None
 
     def head(self) -> str:
