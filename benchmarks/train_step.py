@@ -4,7 +4,8 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser+compile, compile-torchfuser
+cuda_graphs=True)), torchfuser+compile, torchfuser+compile-ew (the same, with
+TORCHFUSER_COMPILED_ELEMENTWISE=inductor while it is traced), compile-torchfuser
 (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both), liger (Liger-Kernel, when installed; it patches
 transformers classes globally, so it runs last for each model). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -23,6 +25,7 @@ import time
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -31,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
 
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "compile-torchfuser",
-            "torchfuser+compile-torchfuser", "liger")
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "torchfuser+compile-ew",
+            "compile-torchfuser", "torchfuser+compile-torchfuser", "liger")
 
 
 def build(recipe: str, device: torch.device, seed: int):
@@ -59,6 +62,14 @@ def prepare(variant: str, model, backend: str = "auto"):
         return torchfuser.optimize(model, backend=backend, cuda_graphs=True)
     if variant == "torchfuser+compile":
         return torch.compile(torchfuser.optimize(model, backend=backend))
+    if variant == "torchfuser+compile-ew":
+        compiled = torch.compile(torchfuser.optimize(model, backend=backend))
+
+        def traced_with_inductor_elementwise(**kwargs):
+            with mock.patch.dict(os.environ, {"TORCHFUSER_COMPILED_ELEMENTWISE": "inductor"}):
+                return compiled(**kwargs)
+
+        return traced_with_inductor_elementwise
     if variant == "compile-torchfuser":
         return torch.compile(model, backend="torchfuser")
     if variant == "torchfuser+compile-torchfuser":
@@ -73,7 +84,10 @@ def prepare(variant: str, model, backend: str = "auto"):
 
 
 def run_variant(recipe, variant, args, device):
+    from torchfuser.compiler import inductor_pass
+
     model = build(recipe, device, args.seed)
+    passes_before = len(inductor_pass.RECENT)
     step_fn = prepare(variant, model, args.backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -107,6 +121,10 @@ def run_variant(recipe, variant, args, device):
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
         "fused_blocks": len(torchfuser.report(model).fused),
     }
+    # What optimize's Inductor pass did to the compiled graphs (torch.compile(optimize(model))).
+    passes = [line for r in inductor_pass.RECENT[passes_before:] for line in r.rewrites + r.skipped]
+    if passes:
+        row["inductor_pass"] = passes
     del model, step_fn, opt
     return row
 

@@ -128,3 +128,61 @@ def test_optimized_model_through_the_torchfuser_backend():
     loss.backward()
     assert len(_lines("rewrites")) == 1
     _check_loss_and_grads(loss, model, model64, ids)
+
+
+@pytest.fixture
+def no_compile_caches():
+    """A cache hit skips the pre-grad passes (their effect is in the cached code): compile afresh."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config
+
+    with config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+_REWROTE_TWO = ["causal mask: 2 scaled_dot_product_attention call(s) take is_causal=True instead of a mask "
+                "computed from constants that is exactly causal"]
+
+
+def test_optimized_model_under_plain_torch_compile(no_compile_caches):
+    """torch.compile(optimize(model)) with Inductor: optimize's pre-grad pass gives the fused attention
+    its causal kernels; a padding mask is kept."""
+    from torchfuser.compiler import inductor_pass
+
+    model, model64, ids = _tiny_llama_and_float64_twin()
+    torchfuser.optimize(model, backend="reference")
+    assert inductor_pass.installed()
+    before = len(inductor_pass.RECENT)
+    loss = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    assert len(inductor_pass.RECENT) == before + 1 and inductor_pass.RECENT[-1].rewrites == _REWROTE_TWO
+    _check_loss_and_grads(loss, model, model64, ids)
+    torch._dynamo.reset()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+    assert inductor_pass.RECENT[-1].rewrites == []
+    assert inductor_pass.RECENT[-1].skipped == ["causal mask: 2 attention mask(s) kept: it depends on the graph's inputs"]
+
+
+def test_inductor_pass_leaves_other_attention_and_keeps_the_users_pass(no_compile_caches):
+    from torch._inductor import config
+
+    from torchfuser.compiler import inductor_pass
+
+    seen = []
+
+    def users_pass(graph):
+        seen.append(graph)
+
+    with config.patch(pre_grad_custom_pass=users_pass):
+        inductor_pass.install()
+        inductor_pass.install()  # once only
+        assert isinstance(config.pre_grad_custom_pass, inductor_pass.CausalMaskPass)
+        assert config.pre_grad_custom_pass.previous is users_pass
+        before = len(inductor_pass.RECENT)
+        check_parity(torch.compile(causal_bool), causal_bool, _qkv())
+        assert seen, "the user's pass did not run"
+        assert len(inductor_pass.RECENT) == before, "an attention call outside FusedAttention was touched"
+        inductor_pass.uninstall()
+        assert config.pre_grad_custom_pass is users_pass

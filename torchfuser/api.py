@@ -9,6 +9,12 @@ from torchfuser.report import FusionReport
 __all__ = ["optimize", "restore", "report"]
 
 
+_COMPILE_NOTE = (
+    "torch.compile with Inductor: fused attention whose mask is exactly causal and built from constants runs "
+    "SDPA's causal kernels (a pre-grad pass; torchfuser.compiler.inductor_pass.uninstall() takes it out)"
+)
+
+
 def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"torchfuser expects a torch.nn.Module, got {type(model).__name__}")
@@ -46,6 +52,12 @@ def optimize(
     result = walker.fuse(model, chosen, backend, strict)
     if not walker.state(model):
         model.__dict__["_torchfuser_last_report"] = result
+    if any(e.pattern == "attention" for e in result.fused):
+        from torchfuser.compiler import inductor_pass  # imports Inductor's config: only when needed
+
+        inductor_pass.install()
+        if _COMPILE_NOTE not in result.notes:
+            result.notes.append(_COMPILE_NOTE)
     if cuda_graphs:
         result.notes += [n for n in _cuda_graphs.install(model) if n not in result.notes]
     if verbose:

@@ -16,7 +16,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from torchfuser.compiler.record import CompileRecord
 
-_SDPA = torch.nn.functional.scaled_dot_product_attention
+SDPA = torch.nn.functional.scaled_dot_product_attention
 _MAX_MASK_ELEMENTS = 1 << 28  # evaluating a larger mask costs more memory than this pass is worth
 
 
@@ -72,12 +72,13 @@ def is_causal(value: torch.Tensor, q_len: int, kv_len: int) -> bool:
     return bool((allowed == tril).all())
 
 
-def run(gm: GraphModule, record: CompileRecord) -> int:
-    """Rewrite every SDPA call of ``gm`` whose mask is a constant causal mask; returns how many."""
+def run(gm: GraphModule, record: CompileRecord, where=lambda node: True) -> int:
+    """Rewrite every SDPA call of ``gm`` (for which ``where(node)`` holds) whose mask is a constant
+    causal mask; returns how many."""
     done, kept, values = 0, [], {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _SDPA:
+        if node.op != "call_function" or node.target is not SDPA or not where(node):
             continue
         mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
         if not isinstance(mask, Node) or node.kwargs.get("is_causal", False):

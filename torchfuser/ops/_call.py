@@ -13,11 +13,12 @@ stays excluded, as it is for any custom-op implementation. Outside a mode this i
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from torchfuser.backends import kernel as _backend_kernel
+from torchfuser.backends import kernel as _backend_kernel, reference as _reference
 
 _C = torch._C
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -69,7 +70,15 @@ def run(op, *args):
     return impl(*args) if impl is not None and plain_eager(args) else op(*args)
 
 
-def autograd(fwd_op, setup, backward):
+def inductor_fuses(backend: str) -> bool:
+    """Whether an elementwise op traced by torch.compile goes to Inductor as its definition (plain
+    PyTorch, which Inductor fuses with the casts and adds around it) instead of as an opaque custom
+    op. Only for the Triton backend, and only with ``TORCHFUSER_COMPILED_ELEMENTWISE=inductor``."""
+    return (backend == "triton" and torch.compiler.is_compiling()
+            and os.environ.get("TORCHFUSER_COMPILED_ELEMENTWISE", "kernels") == "inductor")
+
+
+def autograd(fwd_op, setup, backward, elementwise: bool = True):
     """Register ``backward`` as ``fwd_op``'s autograd and return the op's entry point.
 
     In plain eager mode the entry point runs the same kernels, ``setup`` and ``backward``
@@ -93,7 +102,13 @@ def autograd(fwd_op, setup, backward):
         def backward(ctx, *grads):
             return backward(ctx, *grads)
 
+    definition = getattr(_reference, fwd_op._name.split("::")[-1]) if elementwise else None
+
     def call(*args):
+        if definition is not None and inductor_fuses(args[-1]):
+            # As the kernels do: the inputs' dtypes, never autocast's.
+            with torch.autocast(args[0].device.type, enabled=False):
+                return definition(*args[:-1])
         return Eager.apply(*args) if impl is not None and plain_eager(args) else fwd_op(*args)
 
     return call

@@ -65,7 +65,7 @@ def _backward(ctx, dloss, *_):
     return grads[0], grads[1], dbias, None, None, None, None, None, None
 
 
-_linear_cross_entropy = autograd(linear_cross_entropy_fwd, _setup, _backward)
+_linear_cross_entropy = autograd(linear_cross_entropy_fwd, _setup, _backward, elementwise=False)
 
 
 def linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, backend) -> Tensor:

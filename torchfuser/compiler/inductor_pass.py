@@ -1,0 +1,94 @@
+"""The causal-mask rewrite for ``torch.compile(optimize(model))`` with Inductor, PyTorch's default.
+
+``torch.compile(model, backend="torchfuser")`` runs ``causal_mask`` itself. A model that
+``torchfuser.optimize`` changed and the user compiles with the default backend never reaches that
+backend, so ``optimize`` adds this pass to Inductor's pre-grad passes
+(``torch._inductor.config.pre_grad_custom_pass``, after any pass already there). It rewrites only
+the attention calls made by torchfuser's own ``FusedAttention`` (found by the module stack Dynamo
+records on each node): every other graph, and every other attention call, is left as it was.
+``uninstall()`` takes it out again.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from torch.fx import Graph, Node
+
+from torchfuser.compiler import causal_mask
+from torchfuser.compiler.record import CompileRecord
+
+RECENT: list[CompileRecord] = []  # one record per graph the pass changed or kept masks in (latest last)
+_MAX_RECORDS = 16
+
+
+def _from_fused_attention(node: Node) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    return any(str(getattr(kind, "__qualname__", kind)).endswith("FusedAttention") for _, kind in stack.values())
+
+
+def _passes(chain) -> tuple:
+    if chain is None:
+        return ()
+    return tuple(chain) if isinstance(chain, (list, tuple)) else (chain,)
+
+
+def _uuid_of(p) -> str:
+    uuid = getattr(p, "uuid", None)
+    return repr(uuid() if callable(uuid) else None)
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
+except ImportError:  # older PyTorch: any callable is a pass
+    _Base = object
+
+
+class CausalMaskPass(_Base):
+    """Runs the passes that were installed before it, then ``causal_mask.run`` on the calls of
+    ``FusedAttention``. ``uuid`` (Inductor's cache key) covers this code and those passes."""
+
+    def __init__(self, previous=None):
+        self.previous = previous
+
+    def __call__(self, graph: Graph) -> None:
+        for p in _passes(self.previous):
+            p(graph)
+        gm = graph.owning_module
+        if gm is None or not any(n.target is causal_mask.SDPA and _from_fused_attention(n) for n in graph.nodes):
+            return
+        record = CompileRecord(graph_backend="inductor (pre-grad pass)")
+        causal_mask.run(gm, record, where=_from_fused_attention)
+        RECENT.append(record)
+        del RECENT[:-_MAX_RECORDS]
+
+    def uuid(self) -> str:
+        digest = hashlib.sha256()
+        for source in (__file__, causal_mask.__file__):
+            digest.update(Path(source).read_bytes())
+        digest.update("".join(_uuid_of(p) for p in _passes(self.previous)).encode())
+        return digest.hexdigest()
+
+
+def installed() -> bool:
+    from torch._inductor import config
+
+    return any(isinstance(p, CausalMaskPass) for p in _passes(config.pre_grad_custom_pass))
+
+
+def install() -> None:
+    """Add the pass to Inductor's pre-grad passes once, keeping any the user set."""
+    from torch._inductor import config
+
+    if not installed():
+        config.pre_grad_custom_pass = CausalMaskPass(config.pre_grad_custom_pass)
+
+
+def uninstall() -> None:
+    """Take the pass out, leaving the passes it wrapped where they were."""
+    from torch._inductor import config
+
+    kept = []
+    for p in _passes(config.pre_grad_custom_pass):
+        kept += _passes(p.previous) if isinstance(p, CausalMaskPass) else (p,)
+    config.pre_grad_custom_pass = None if not kept else kept[0] if len(kept) == 1 else kept
