@@ -50,7 +50,7 @@ def build(recipe: str, device: torch.device, seed: int):
     return model.float().train()
 
 
-def prepare(variant: str, model, backend: str = "auto"):
+def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: str = "inductor"):
     """The callable a step runs, for one variant."""
     if variant == "eager":
         return model
@@ -66,7 +66,7 @@ def prepare(variant: str, model, backend: str = "auto"):
         compiled = torch.compile(torchfuser.optimize(model, backend=backend))
 
         def traced_with_inductor_elementwise(**kwargs):
-            with mock.patch.dict(os.environ, {"TORCHFUSER_COMPILED_ELEMENTWISE": "inductor"}):
+            with mock.patch.dict(os.environ, {"TORCHFUSER_COMPILED_ELEMENTWISE": compiled_elementwise}):
                 return compiled(**kwargs)
 
         return traced_with_inductor_elementwise
@@ -88,7 +88,7 @@ def run_variant(recipe, variant, args, device):
 
     model = build(recipe, device, args.seed)
     passes_before = len(inductor_pass.RECENT)
-    step_fn = prepare(variant, model, args.backend)
+    step_fn = prepare(variant, model, args.backend, args.compiled_elementwise)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
@@ -125,6 +125,8 @@ def run_variant(recipe, variant, args, device):
     passes = [line for r in inductor_pass.RECENT[passes_before:] for line in r.rewrites + r.skipped]
     if passes:
         row["inductor_pass"] = passes
+    if variant.endswith("-ew"):
+        row["compiled_elementwise"] = args.compiled_elementwise
     del model, step_fn, opt
     return row
 
@@ -141,11 +143,30 @@ def profile(step_fn, opt, ids, autocast, device, path):
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":  # as the timed steps: each starts on an idle GPU
+                torch.cuda.synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    text = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+    path.write_text(text + (gpu_idle(prof) if device.type == "cuda" else ""))
+
+
+def gpu_idle(prof, top: int = 12) -> str:
+    """Where the GPU waits for the host: the gaps between consecutive kernels, largest first."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    gaps, end, last = [], None, None
+    for k in kernels:
+        if end is not None and k.time_range.start > end:
+            gaps.append((k.time_range.start - end, last.name, k.name))
+        if end is None or k.time_range.end > end:
+            end, last = k.time_range.end, k
+    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
+    lines = [f"\nGPU idle between kernels: {sum(g[0] for g in gaps) / 1e3:.2f} ms of {span / 1e3:.2f} ms "
+             f"({len(gaps)} gaps); largest:"]
+    lines += [f"  {g:9.1f} us  after {a[:60]}  before {b[:60]}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    return "\n".join(lines) + "\n"
 
 
 def environment(device):
@@ -193,6 +214,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="auto", help="torchfuser backend for the torchfuser variants")
+    parser.add_argument("--compiled-elementwise", default="inductor",
+                        help="TORCHFUSER_COMPILED_ELEMENTWISE for the torchfuser+compile-ew variant")
     parser.add_argument("--out", help="append JSON lines here")
     parser.add_argument("--profile-dir", help="write a profiler table per variant here")
     args = parser.parse_args()

@@ -70,12 +70,29 @@ def run(op, *args):
     return impl(*args) if impl is not None and plain_eager(args) else op(*args)
 
 
-def inductor_fuses(backend: str) -> bool:
+# Under torch.compile with the Triton backend, these ops go to Inductor as their definitions by
+# default: it fuses RMSNorm with the residual add before it and the casts after it, forward and
+# backward, which our kernel cannot do as an opaque op (llama1b: 129.0 against 132.6 ms a step;
+# NOTES-train-step.md, run 17). SwiGLU and RoPE as Inductor's code were slower than our kernels.
+AUTO_TO_INDUCTOR = ("rms_norm",)
+_POLICY = "TORCHFUSER_COMPILED_ELEMENTWISE"
+
+
+def inductor_fuses(backend: str, op: str) -> bool:
     """Whether an elementwise op traced by torch.compile goes to Inductor as its definition (plain
-    PyTorch, which Inductor fuses with the casts and adds around it) instead of as an opaque custom
-    op. Only for the Triton backend, and only with ``TORCHFUSER_COMPILED_ELEMENTWISE=inductor``."""
-    return (backend == "triton" and torch.compiler.is_compiling()
-            and os.environ.get("TORCHFUSER_COMPILED_ELEMENTWISE", "kernels") == "inductor")
+    PyTorch, which Inductor fuses with its neighbours) instead of as an opaque custom op. Only for
+    the Triton backend; ``$TORCHFUSER_COMPILED_ELEMENTWISE`` picks which: ``auto`` (default:
+    ``AUTO_TO_INDUCTOR``), ``kernels`` (none), ``inductor`` (all) or ``inductor:rms_norm,swiglu_packed``."""
+    if backend != "triton" or not torch.compiler.is_compiling():
+        return False
+    policy = os.environ.get(_POLICY, "auto")
+    if policy == "auto":
+        return op in AUTO_TO_INDUCTOR
+    kind, _, names = policy.partition(":")
+    if kind not in ("kernels", "inductor") or (kind == "kernels" and names):
+        raise ValueError(f"{_POLICY}={policy!r}: use auto, kernels, inductor or inductor:<op>,<op> "
+                         "(op names as in torchfuser.functional, e.g. rms_norm, swiglu_packed, rope)")
+    return kind == "inductor" and (not names or op in names.split(","))
 
 
 def autograd(fwd_op, setup, backward, elementwise: bool = True):
@@ -102,10 +119,12 @@ def autograd(fwd_op, setup, backward, elementwise: bool = True):
         def backward(ctx, *grads):
             return backward(ctx, *grads)
 
-    definition = getattr(_reference, fwd_op._name.split("::")[-1]) if elementwise else None
+    name = fwd_op._name.split("::")[-1]
+    definition = getattr(_reference, name) if elementwise else None
+    name = name.removesuffix("_fwd")
 
     def call(*args):
-        if definition is not None and inductor_fuses(args[-1]):
+        if definition is not None and inductor_fuses(args[-1], name):
             # As the kernels do: the inputs' dtypes, never autocast's.
             with torch.autocast(args[0].device.type, enabled=False):
                 return definition(*args[:-1])
