@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
 from torchfuser.compiler import causal_mask
@@ -38,13 +39,7 @@ def _uuid_of(p) -> str:
     return repr(uuid() if callable(uuid) else None)
 
 
-try:
-    from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
-except ImportError:  # older PyTorch: any callable is a pass
-    _Base = object
-
-
-class CausalMaskPass(_Base):
+class CausalMaskPass(CustomGraphPass):
     """Runs the passes that were installed before it, then ``causal_mask.run`` on the calls of
     ``FusedAttention``. ``uuid`` (Inductor's cache key) covers this code and those passes."""
 

@@ -1,6 +1,8 @@
 """How the ops reach their kernels: through the custom op where the dispatcher is needed
 (torch.compile, tracing, dispatch modes, tensor subclasses), straight otherwise (``autograd``,
 ``run``), and with the right dispatch keys from inside a custom op's implementation (``kernel``).
+Under torch.compile an elementwise op may instead reach Inductor as its definition, for Inductor
+to fuse with its neighbours (``inductor_fuses``).
 
 When a ``TorchDispatchMode`` is active (torch.compile's AOT runtime runs the first call of every
 compiled graph under one that checks custom-op aliasing; FlopCounterMode and debug modes do the
