@@ -4,8 +4,8 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser+compile, torchfuser+compile-ew (the same, with
-TORCHFUSER_COMPILED_ELEMENTWISE=inductor while it is traced), compile-torchfuser
+cuda_graphs=True)), torchfuser+compile, torchfuser+compile-ew (the same, traced with
+TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"), compile-torchfuser
 (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both), liger (Liger-Kernel, when installed; it patches
 transformers classes globally, so it runs last for each model). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
@@ -113,7 +113,7 @@ def run_variant(recipe, variant, args, device):
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     if args.profile_dir:
-        profile(step_fn, opt, batches[0], autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant}.txt")
+        profile(step_fn, opt, batches[0], autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant.replace('+', '_')}.txt")
     ms = statistics.median(times) * 1e3
     row = {
         "model": recipe, "variant": variant, "ms_per_step": round(ms, 2),
