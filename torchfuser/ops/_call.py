@@ -104,7 +104,8 @@ def autograd(fwd_op, setup, backward, elementwise: bool = True):
     through a ``torch.autograd.Function``: the custom-op dispatcher costs about 50 µs a call on
     each of the forward and the backward, which for a norm of a few thousand rows is more than
     the kernel. Under torch.compile, tracing, dispatch modes or tensor subclasses it calls the
-    registered custom op.
+    registered custom op, or, for an ``elementwise`` op that ``inductor_fuses``, the reference
+    backend's definition of the op (the same name), which torch.compile differentiates itself.
     """
     fwd_op.register_autograd(backward, setup_context=setup)
     impl = getattr(fwd_op, "_init_fn", None)
@@ -121,15 +122,17 @@ def autograd(fwd_op, setup, backward, elementwise: bool = True):
         def backward(ctx, *grads):
             return backward(ctx, *grads)
 
-    name = fwd_op._name.split("::")[-1]
-    definition = getattr(_reference, name) if elementwise else None
-    name = name.removesuffix("_fwd")
+    fwd_name = fwd_op._name.split("::")[-1]  # "rms_norm_fwd"
+    definition = getattr(_reference, fwd_name) if elementwise else None
+    op = fwd_name.removesuffix("_fwd")
 
     def call(*args):
-        if definition is not None and inductor_fuses(args[-1], name):
+        if impl is not None and plain_eager(args):
+            return Eager.apply(*args)
+        if definition is not None and inductor_fuses(args[-1], op):
             # As the kernels do: the inputs' dtypes, never autocast's.
             with torch.autocast(args[0].device.type, enabled=False):
                 return definition(*args[:-1])
-        return Eager.apply(*args) if impl is not None and plain_eager(args) else fwd_op(*args)
+        return fwd_op(*args)
 
     return call
