@@ -17,16 +17,19 @@ for stage in "$@"; do
     train-fast) timeout 240 python3 $ts --models llama1b qwen05b --variants eager torchfuser liger --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
     train-compile-llama) timeout 450 python3 $ts --models llama1b --variants compile torchfuser+compile torchfuser+compile-ew --out "$OUT/train-step.jsonl" ;;
     train-compile-qwen) timeout 450 python3 $ts --models qwen05b --variants compile torchfuser+compile torchfuser+compile-ew --out "$OUT/train-step.jsonl" ;;
-    compile-tests) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_causal_mask.py tests/backends/test_triton_compile.py tests/backends/test_triton_policy.py ;;
-    graphs-tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py ;;
+    compile-tests) timeout 120 python3 -m pytest -p no:cacheprovider tests/test_causal_mask.py tests/backends/test_triton_compile.py tests/backends/test_triton_policy.py ;;
+    graphs-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_cuda_graphs.py ;;
     train-graphs) timeout 480 python3 $ts --models qwen05b llama1b --variants eager compile torchfuser torchfuser-graphs --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
     ddp-graphs) timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp_graphs_check.py --out "$OUT/ddp-graphs.json" ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;
     lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;
-    lce-probe) timeout 150 python3 benchmarks/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
+    lce-probe) timeout 240 python3 benchmarks/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
+    ops-small) timeout 200 python3 benchmarks/ops.py --device cuda --ops rms_norm,layer_norm,swiglu,geglu,gelu,rope --out "$OUT/ops.jsonl" ;;
+    gated-probe) timeout 150 python3 benchmarks/gated_probe.py --out "$OUT/gated-probe.jsonl" ;;
+    host-probe) timeout 90 python3 benchmarks/host_path_probe.py --profile layer_norm --out "$OUT/host-path.jsonl" ;;
     ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
-    triton-tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
+    triton-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
 done

@@ -27,6 +27,11 @@ def main():
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--rows", default="", help="also: the op with these tokens per chunk, e.g. 1536,2048")
     p.add_argument("--parts", action="store_true", help="also time each step of one chunk")
+    p.add_argument("--layouts", default="", help="also: each GEMM with the logits as C×V and as V×C, with "
+                   "cuBLAS and cuBLASLt, at these tokens per chunk, e.g. 1536,8192")
+    p.add_argument("--overlap", default="", help="also: the op on two streams with two logits buffers of "
+                   "these tokens each (the CE kernel of one chunk beside the GEMMs of the other), e.g. 768,1024")
+    p.add_argument("--plans", action="store_true", help="also: balanced chunks against a fixed stride")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     n, hdim, v, dt = a.tokens, a.hidden, a.vocab, torch.bfloat16
@@ -65,9 +70,7 @@ def main():
         nvalid = torch.tensor(n, device="cuda")
 
         def ce_kernel():
-            lce._linear_cross_entropy_fwd_kernel[(rows,)](
-                z, z.stride(0), w, labels[:rows], losses, nvalid, v, -100, 1.0, HAS_BIAS=False, SOFTCAP=False,
-                NEED_GRAD=True, MEAN=True, BLOCK_V=lce._BLOCK_V, num_warps=lce._WARPS)
+            lce.ce_rows(z, None, labels[:rows], losses, nvalid, -100, None, True, True)
 
         steps = {
             "CE kernel": ce_kernel,
@@ -82,11 +85,109 @@ def main():
             emit(what=name, rows=rows, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
                  gbps=round(3 * rows * v * 2 / ms / 1e6, 1),
                  ms_per_8192_tokens=round(ms * n / rows, 3))
-        del z, dw, dh
+        z = dw = dh = None  # free before the next size
         torch.cuda.empty_cache()
+    if a.plans:
+        plans(h, w, labels, emit)
+    for rows in map(int, filter(None, a.layouts.split(","))):
+        layouts(h, w, rows, emit)
+    for rows in map(int, filter(None, a.overlap.split(","))):
+        fn = lambda: two_streams(h, w, labels, rows)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ref = lce.linear_cross_entropy_fwd(h, w, None, labels, -100, None, "mean", True)
+        err = [float((x.float() - y.float()).abs().max()) for x, y in zip(out[:3], ref[:3])]
+        del out, ref
+        emit(what="op on two streams", rows=rows, ms=round(do_bench(fn, rep=300), 3), extra_gib=round(extra, 3),
+             max_abs_diff_loss_dh_dw=err)
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows_out)
+
+
+def plans(h, w, labels, emit):
+    """The op with its chunk plan (sizes as even as multiples of 512 make them) against chunks of
+    the same most rows and a short last one, in one run."""
+    n, v = h.shape[0], w.shape[0]
+    op = lambda: lce.linear_cross_entropy_fwd(h, w, None, labels, -100, None, "mean", True)  # noqa: E731
+    balanced = lce.chunks
+    most = lce.chunk_rows(n, v, h.element_size(), (n + v) * h.shape[1] * h.element_size())
+    strided = lambda n, most: [(s, min(most, n - s)) for s in range(0, n, most)]  # noqa: E731
+    for _ in range(2):
+        for name, plan in (("balanced", balanced), ("fixed stride", strided)):
+            lce.chunks = plan
+            emit(what="op fwd+bwd, chunk plan", plan=name, sizes=[size for _, size in plan(n, most)],
+                 ms=round(do_bench(op, rep=300), 3))
+    lce.chunks = balanced
+
+
+def layouts(h, w, rows, emit):
+    """The three GEMMs of one chunk with the logits stored as C×V (what the op does) and as V×C
+    (the same products, transposed: cuBLAS picks other kernels), under both BLAS libraries."""
+    n, v = h.shape[0], w.shape[0]
+    hc = h[:rows]
+    z = torch.mm(hc, w.t())  # C×V
+    zt = torch.mm(w, hc.t())  # V×C
+    dh = torch.empty_like(hc)
+    dw = torch.mm(z.t(), hc)
+    steps = {
+        ("logits", "CxV"): lambda: torch.mm(hc, w.t(), out=z),
+        ("logits", "VxC"): lambda: torch.mm(w, hc.t(), out=zt),
+        ("dh", "CxV"): lambda: torch.mm(z, w, out=dh),
+        ("dh", "VxC"): lambda: torch.mm(zt.t(), w, out=dh),
+        ("dW addmm_", "CxV"): lambda: dw.addmm_(z.t(), hc),
+        ("dW addmm_", "VxC"): lambda: dw.addmm_(zt, hc),
+    }
+    before = torch.backends.cuda.preferred_blas_library()
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for (step, layout), fn in steps.items():
+            ms = do_bench(fn, rep=200)
+            emit(what=f"{step} mm", layout=layout, blas=lib, rows=rows, ms=round(ms, 3),
+                 tflops=round(2 * rows * h.shape[1] * v / ms / 1e9, 1), ms_per_8192_tokens=round(ms * n / rows, 3))
+    torch.backends.cuda.preferred_blas_library(before)
+
+
+def two_streams(h, w, labels, rows):
+    """The op (no bias, no softcap, mean) with two logits buffers on two streams: chunk i runs on
+    stream i % 2 in buffer i % 2, so one chunk's CE kernel can run beside the other's GEMMs. dW's
+    read-modify-writes stay in chunk order (events); dh slices are disjoint."""
+    n, v = h.shape[0], w.shape[0]
+    main = torch.cuda.current_stream()
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    losses = torch.empty(n, device=h.device)
+    nvalid = (labels != -100).sum()
+    dh, dw = torch.empty_like(h), torch.empty_like(w)
+    bufs = [torch.empty(rows, v, device=h.device, dtype=h.dtype) for _ in range(2)]
+    done_dw = None
+    for s in streams:
+        s.wait_stream(main)
+    for i, start in enumerate(range(0, n, rows)):
+        s, z = streams[i % 2], bufs[i % 2]
+        with torch.cuda.stream(s):
+            hc = h[start:start + rows]
+            z = z[:hc.shape[0]]
+            torch.mm(hc, w.t(), out=z)
+            lce.ce_rows(z, None, labels[start:start + rows], losses[start:start + rows], nvalid, -100, None, True, True)
+            torch.mm(z, w, out=dh[start:start + rows])
+            if done_dw is not None:
+                s.wait_event(done_dw)
+            if start == 0:
+                torch.mm(z.t(), hc, out=dw)
+            else:
+                dw.addmm_(z.t(), hc)
+            done_dw = torch.cuda.Event()
+            done_dw.record(s)
+    for s in streams:
+        main.wait_stream(s)
+    for b in bufs:
+        b.record_stream(main)
+    return losses.sum() / nvalid, dh, dw
 
 
 if __name__ == "__main__":

@@ -323,6 +323,19 @@ def test_linear_cross_entropy_without_grad(interpreter):
         assert torch.equal(F.linear_cross_entropy(h, w, labels, backend="triton"), loss)
 
 
+@pytest.mark.parametrize("n,most,sizes", [
+    (8192, 1536, [1536] * 4 + [1024] * 2),  # not 5 × 1536 + a 512-token tail
+    (8192, 2048, [2048] * 4),
+    (8000, 1536, [1536] * 3 + [1024] * 2 + [1344]),
+    (37, 8, [8, 8, 7, 7, 7]),
+    (5, 8, [5]),
+])
+def test_linear_cross_entropy_chunks(interpreter, n, most, sizes):
+    plan = interpreter.linear_cross_entropy.chunks(n, most)
+    assert [size for _, size in plan] == sizes
+    assert [start for start, _ in plan] == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 # ---------------------------------------------------------------- contract with the ops layer
 
 def _fake_vs_real(op, *args):

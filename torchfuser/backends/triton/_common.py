@@ -45,6 +45,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉. Not ``triton.cdiv``: in Triton 3.6 that is a ``ConstexprFunction`` costing ≈ 2 µs a
+    call on the host (a norm's forward and backward called it five times)."""
+    return -(-a // b)
+
+
 PROGRAMS_PER_SM = 2
 # Software pipelining of the norm backwards' loop over row tiles: loads of the next tiles are in
 # flight while this one is reduced. Measured on an H200 (benchmarks/norm_bwd_probe.py,
@@ -70,7 +76,15 @@ def num_programs_cap(device_index: int | None) -> int:
     and both at 8192×2048 under CUDA graphs, so 2 stays."""
     if device_index is None:  # CPU under TRITON_INTERPRET: each program runs in Python, keep it few
         return 4
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
+    return PROGRAMS_PER_SM * num_sms(device_index)
+
+
+@lru_cache(maxsize=None)
+def num_sms(device_index: int | None) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 stand-ins for the CPU interpreter."""
+    if device_index is None:
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def device_key(t: torch.Tensor) -> int | None:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, check_dtypes, next_pow2, rows_of, warps_for
+from ._common import Launcher, cdiv, check_dtypes, next_pow2, rows_of, warps_for
 from ._math import tanh
 
 _TILE = 4096
@@ -130,7 +130,7 @@ def _layout(n: int, *ts: torch.Tensor):
         m, flat = views[0][1], False
         views = [(t, stride) for t, _, stride in views]
     rows, block, warps = _config(flat, n)
-    grid = triton.cdiv(m, rows) * triton.cdiv(n, block)
+    grid = cdiv(m, rows) * cdiv(n, block)
     return views, m, n, (grid,), rows, block, warps
 
 

@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, bwd_stages, check_dtypes, device_key, next_pow2, num_programs_cap, rows_of, warps_for
+from ._common import (
+    Launcher, bwd_stages, cdiv, check_dtypes, device_key, next_pow2, num_programs_cap, rows_of, warps_for,
+)
 
 # Rows up to this many elements are held in registers whole (one read of x); longer rows are
 # walked in chunks of _CHUNK, re-reading x from L2 instead of spilling.
@@ -157,7 +159,7 @@ def sum_partials(p, dtype, q=None, q_dtype=None):
     out = torch.empty(n, dtype=dtype, device=p.device)
     out_q = torch.empty(n, dtype=q_dtype, device=p.device) if q is not None else out
     if n > 0:
-        _sum_partials((triton.cdiv(n, _SUM_BLOCK_N),), p, out, p if q is None else q, out_q, g, n,
+        _sum_partials((cdiv(n, _SUM_BLOCK_N),), p, out, p if q is None else q, out_q, g, n,
                       TWO=q is not None, BLOCK_G=32, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
     return out if q is None else (out, out_q)
 
@@ -172,7 +174,7 @@ def rms_norm_fwd(x, weight, eps, offset):
         return y, rstd
     block, rows, one_pass, warps = norm_config(n)
     _fwd(
-        (triton.cdiv(m, rows),), x2, weight, y, rstd, m, n, sx, float(eps), float(offset),
+        (cdiv(m, rows),), x2, weight, y, rstd, m, n, sx, float(eps), float(offset),
         ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
     )
     return y, rstd
@@ -183,13 +185,13 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
     n = x.shape[-1]
     (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
     block, rows, one_pass, warps = norm_config(n)
-    grid = max(1, min(num_programs_cap(device_key(x)), triton.cdiv(m, rows)))
+    grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     # The looped path accumulates into its partial row, so that row must start at zero.
     alloc = torch.empty if one_pass and m > 0 else torch.zeros
     dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
     if m > 0:
-        tiles = triton.cdiv(triton.cdiv(m, rows), grid)
+        tiles = cdiv(cdiv(m, rows), grid)
         stages = bwd_stages(tiles, rows, block, x.element_size()) if one_pass else 1
         _bwd(
             (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dx, dwp, m, n, sdy, sx,
