@@ -19,6 +19,7 @@ for stage in "$@"; do
     train-compile-qwen) timeout 450 python3 $ts --models qwen05b --variants compile torchfuser+compile torchfuser+compile-ew --out "$OUT/train-step.jsonl" ;;
     compile-tests) timeout 120 python3 -m pytest -p no:cacheprovider tests/test_causal_mask.py tests/backends/test_triton_compile.py tests/backends/test_triton_policy.py ;;
     graphs-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_cuda_graphs.py ;;
+    train-fused) timeout 300 python3 $ts --models qwen05b llama1b --variants eager torchfuser torchfuser-graphs --out "$OUT/train-step.jsonl" ;;
     train-graphs) timeout 480 python3 $ts --models qwen05b llama1b --variants eager compile torchfuser torchfuser-graphs --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
     ddp-graphs) timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp_graphs_check.py --out "$OUT/ddp-graphs.json" ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
@@ -29,6 +30,8 @@ for stage in "$@"; do
     gated-probe) timeout 150 python3 benchmarks/gated_probe.py --out "$OUT/gated-probe.jsonl" ;;
     host-probe) timeout 90 python3 benchmarks/host_path_probe.py --profile layer_norm --out "$OUT/host-path.jsonl" ;;
     ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
+    proj-tests) timeout 120 python3 -m pytest -p no:cacheprovider tests/test_projections.py ;;
+    proj-probe) timeout 120 python3 benchmarks/projection_probe.py --out "$OUT/projection-probe.jsonl" ;;
     triton-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40

@@ -12,7 +12,8 @@ from torch import nn
 import torchfuser
 from numerics import ATOL, assert_within_rule
 from torchfuser.modules import FusedAttention
-from torchfuser.modules.projections import project
+from torchfuser.modules import projections
+from torchfuser.modules.projections import linear, project
 
 from test_architectures import batch, make
 
@@ -55,6 +56,67 @@ def test_outputs_come_from_one_product():
         ys = project(x, list(linears))
     assert all(y.dtype == torch.bfloat16 for y in ys)
     assert len({y.untyped_storage().data_ptr() for y in ys}) == 1  # views of one GEMM's output
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _grads(fn, x, params, dtype):
+    """The output and the gradients of x and ``params`` under autocast (None: float64, no autocast)."""
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        y = fn(x)
+    g = torch.Generator(device=x.device).manual_seed(3)
+    dy = torch.randn(y.shape, generator=g, device=x.device, dtype=torch.float64)
+    return [y.detach(), *torch.autograd.grad((y.double() * dy).sum(), [x, *params])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("joint", [False, True])
+def test_one_autograd_node_matches_float64_within_rule(device, joint):
+    """One projection (linear) or three (project) under autocast in eager mode: one autograd node
+    whose output and gradients (fp32, like the parameters) are within the DESIGN.md rule of the
+    float64 model, against autocast's own nn.Linear calls. On CUDA the gradients come from cuBLAS in
+    fp32 (torch.mm out_dtype, torch >= 2.8), not bf16 products cast afterwards."""
+    linears = _linears(True, sizes=(48, 16, 16) if joint else (40,)).to(device)
+    x = torch.randn(4, 9, 32, device=device)
+    fused = (lambda x: torch.cat(project(x, list(linears)), -1)) if joint else (lambda x: linear(x, linears[0]))
+    plain = lambda x: torch.cat([m(x) for m in linears], -1)  # noqa: E731
+    params = list(linears.parameters())
+    ref_linears = copy.deepcopy(linears).double()
+    ref = _grads(lambda x: torch.cat([m(x) for m in ref_linears], -1), x.double(), list(ref_linears.parameters()), None)
+    got, base = _grads(fused, x, params, torch.bfloat16), _grads(plain, x, params, torch.bfloat16)
+    for name, f, p, r in zip(["y", "dx"] + [n for n, _ in linears.named_parameters()], got, base, ref):
+        assert f.dtype == p.dtype, name
+        assert_within_rule(f, p, r, ATOL[torch.float32], name)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y = fused(x.requires_grad_())
+    node = y.grad_fn if not joint else y.grad_fn.next_functions[0][0].next_functions[0][0]
+    assert "_AutocastLinear" in type(node).__name__
+    if device == "cuda" and torch.__version__ >= (2, 8):
+        assert projections._out_dtype_ok(x.device)  # the fp32-output products are the ones in use
+
+
+def test_one_node_computes_only_the_gradients_asked_for(monkeypatch):
+    """A frozen weight gets no product for its gradient; an input without grad gets no dx."""
+    products = []
+    real = projections._mm
+    monkeypatch.setattr(projections, "_mm", lambda a, b, dtype: products.append(tuple(a.shape)) or real(a, b, dtype))
+    m = nn.Linear(32, 24)
+    m.weight.requires_grad_(False)
+    x = torch.randn(5, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(x, m)
+    y.sum().backward()
+    assert products == [(5, 24)]  # dx only
+    assert m.weight.grad is None and m.bias.grad is not None and x.grad is not None
+    products.clear()
+    m.weight.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(x.detach(), m)
+    y.sum().backward()
+    assert products == [(24, 5)]  # dW only
+    assert m.weight.grad.dtype == torch.float32
 
 
 def _separate(linears, x) -> bool:

@@ -11,12 +11,21 @@ traffic, one saved copy of the input instead of one per projection, and ``dx`` n
 Only plain ``nn.Linear`` children without hooks qualify (a LoRA or quantised layer, a hook, an
 FSDP-wrapped child must each be called as itself), and only under autocast: without it the
 concatenated weights would be an extra copy to save for the backward.
+
+In plain eager mode the product and its backward are one autograd node (``_AutocastLinear``), also
+for a single projection (``linear``): where cuBLAS can write fp32 from bf16/fp16 operands (CUDA,
+``torch.mm(..., out_dtype=)``), the backward's products give the fp32 ``dx`` and the fp32 weight
+gradients directly, with one rounding each, instead of a bf16 product that a cast kernel then
+widens (autocast's way: a rounding to bf16 inside every weight gradient, one more kernel and
+autograd node per cast). Elsewhere (CPU, torch.compile, tracing) the products are autocast's own.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
+
+from torchfuser.ops._call import plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 _SMALL_BYTES = 32 << 20
@@ -39,12 +48,17 @@ def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:
     """``torch.cat([m(x) for m in linears], -1)`` as one GEMM, under autocast; None where that
     would not give the same result (see the module docstring): then call each projection."""
     device = x.device.type
-    if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not torch.is_autocast_enabled(device)
-            or not _plain(linears)):
+    if x.dtype not in _AUTOCAST_CASTS or not torch.is_autocast_enabled(device) or not _plain(linears):
         return None
     dtype = torch.get_autocast_dtype(device)
-    weight = _cast_cat([m.weight for m in linears], dtype)
-    bias = None if linears[0].bias is None else _cast_cat([m.bias for m in linears], dtype)
+    weights = [m.weight for m in linears]
+    biases = [] if linears[0].bias is None else [m.bias for m in linears]
+    if plain_eager((x, *weights, *biases)):
+        return _AutocastLinear.apply(x, dtype, len(weights), *weights, *biases)
+    if len(linears) < 2:
+        return None
+    weight = _cast_cat(weights, dtype)
+    bias = None if not biases else _cast_cat(biases, dtype)
     with torch.autocast(device, enabled=False):
         return nn.functional.linear(x.to(dtype), weight, bias)
 
@@ -55,6 +69,75 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
     if y is None:
         return [m(x) for m in linears]
     return list(y.split([m.out_features for m in linears], dim=-1))
+
+
+def linear(x: Tensor, m: nn.Module) -> Tensor:
+    """``m(x)``; under autocast in eager mode, as one autograd node with fp32 gradients from cuBLAS."""
+    y = joint(x, [m])
+    return m(x) if y is None else y
+
+
+class _AutocastLinear(torch.autograd.Function):
+    """y = x·Wᵀ + b with x, W (the weights concatenated) and b cast to the autocast dtype once.
+    Saved: the cast x and W. Backward: dx = dy·W and dW = dyᵀ·x, each written by cuBLAS in the
+    dtype its input had (fp32 straight from the fp32 accumulator where ``out_dtype`` is supported),
+    db = Σ dy in fp32; gradients are computed only for inputs that need them."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, n_weights, *params):
+        weights, biases = params[:n_weights], params[n_weights:]
+        w = _cast_cat(weights, dtype) if n_weights > 1 else weights[0].to(dtype)
+        b = None if not biases else (_cast_cat(biases, dtype) if n_weights > 1 else biases[0].to(dtype))
+        xc = x.to(dtype)
+        ctx.save_for_backward(xc, w)
+        ctx.x_dtype, ctx.n_weights = x.dtype, n_weights
+        ctx.rows = [t.shape[0] for t in weights]
+        ctx.dtypes = [t.dtype for t in params]
+        return nn.functional.linear(xc, w, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, w = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dws = dbs = None
+        if need[0]:
+            dx = _mm(dy2, w, ctx.x_dtype).view(xc.shape)
+        n = ctx.n_weights
+        if any(need[3:3 + n]):
+            dw = _mm(dy2.t(), xc.reshape(-1, xc.shape[-1]), ctx.dtypes[0])
+            dws = dw.split(ctx.rows) if n > 1 else (dw,)
+        if len(need) > 3 + n and any(need[3 + n:]):
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[n])
+            dbs = db.split(ctx.rows) if n > 1 else (db,)
+        weight_grads = [g if need[3 + i] else None for i, g in enumerate(dws or [None] * n)]
+        bias_grads = [g if need[3 + n + i] else None for i, g in enumerate(dbs or [None] * (len(need) - 3 - n))]
+        return (dx, None, None, *weight_grads, *bias_grads)
+
+
+def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """a·b in ``dtype``: written so by cuBLAS from its fp32 accumulator where supported, else
+    rounded to the operands' dtype and then cast (autocast's numerics)."""
+    if dtype != a.dtype and _out_dtype_ok(a.device):
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b).to(dtype)
+
+
+_OUT_DTYPE: dict[torch.device, bool] = {}
+
+
+def _out_dtype_ok(device: torch.device) -> bool:
+    """Whether ``torch.mm(bf16, bf16, out_dtype=float32)`` runs on ``device``: asked once, by trying
+    (the overload exists on every build; CUDA has the kernel from torch 2.8 on, the CPU has none)."""
+    ok = _OUT_DTYPE.get(device)
+    if ok is None:
+        try:
+            one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
+            ok = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _OUT_DTYPE[device] = ok
+    return ok
 
 
 def _cast_cat(params: list[Tensor], dtype: torch.dtype) -> Tensor:
