@@ -1,8 +1,9 @@
-"""The projections of a qwen05b-shaped layer under bf16 autocast, forward + backward, as autocast
-runs them (nn.Linear, or the weights cast and concatenated for one GEMM) and as one autograd node
-with fp32 gradients from cuBLAS (modules/projections.py): GPU time from CUDA-graph replays at
-8192 tokens, host time per call at 64 tokens (where the GPU waits for the host). A diagnostic for
-NOTES-train-step.md.
+"""The joint projections of a qwen05b-shaped layer (q/k/v, gate/up) under bf16 autocast, forward +
+backward, as autocast runs them (the weights cast and concatenated, one F.linear) and as one
+autograd node with fp32 gradients from cuBLAS (modules/projections.py): GPU time from CUDA-graph
+replays at 8192 tokens, host time per call at 64 tokens (where the GPU waits for the host).
+A diagnostic for NOTES-train-step.md (its run 23 also timed o_proj and down as single nodes, with
+the probe of commit 89bde7f).
 
     python benchmarks/projection_probe.py [--out probe.jsonl]
 """
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torchfuser.modules import projections  # noqa: E402
 
-H, I, KV = 896, 4864, 128
+H, I, KV = 896, 4864, 128  # qwen05b: hidden, intermediate, k/v width
 
 
 def autocast_joint(x, linears):
@@ -36,16 +37,12 @@ def autocast_joint(x, linears):
 def cases():
     torch.manual_seed(0)
     qkv = [nn.Linear(H, n).cuda() for n in (H, KV, KV)]
-    o = nn.Linear(H, H, bias=False).cuda()
     gate_up = [nn.Linear(H, I, bias=False).cuda() for _ in range(2)]
-    down = nn.Linear(I, H, bias=False).cuda()
     # (name, input features, input dtype, autocast's way, one node)
     return [
         ("qkv", H, torch.float32, lambda x: autocast_joint(x, qkv), lambda x: projections.joint(x, qkv)),
-        ("o_proj", H, torch.bfloat16, o, lambda x: projections.linear(x, o)),
         ("gate_up", H, torch.float32, lambda x: autocast_joint(x, gate_up), lambda x: projections.joint(x, gate_up)),
-        ("down", I, torch.bfloat16, down, lambda x: projections.linear(x, down)),
-    ], [p for m in (*qkv, o, *gate_up, down) for p in m.parameters()]
+    ], [p for m in (*qkv, *gate_up) for p in m.parameters()]
 
 
 def step(fn, x, params, dy):

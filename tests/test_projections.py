@@ -13,7 +13,7 @@ import torchfuser
 from numerics import ATOL, assert_within_rule
 from torchfuser.modules import FusedAttention
 from torchfuser.modules import projections
-from torchfuser.modules.projections import linear, project
+from torchfuser.modules.projections import project
 
 from test_architectures import batch, make
 
@@ -72,15 +72,14 @@ def _grads(fn, x, params, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("joint", [False, True])
-def test_one_autograd_node_matches_float64_within_rule(device, joint):
-    """One projection (linear) or three (project) under autocast in eager mode: one autograd node
-    whose output and gradients (fp32, like the parameters) are within the DESIGN.md rule of the
-    float64 model, against autocast's own nn.Linear calls. On CUDA the gradients come from cuBLAS in
-    fp32 (torch.mm out_dtype, torch >= 2.8), not bf16 products cast afterwards."""
-    linears = _linears(True, sizes=(48, 16, 16) if joint else (40,)).to(device)
+def test_one_autograd_node_matches_float64_within_rule(device):
+    """q, k, v under autocast in eager mode: one autograd node whose output and gradients (fp32,
+    like the parameters) are within the DESIGN.md rule of the float64 model, against autocast's own
+    nn.Linear calls. On CUDA the gradients come from cuBLAS in fp32 (torch.mm out_dtype, torch >=
+    2.8), not bf16 products cast afterwards."""
+    linears = _linears(True).to(device)
     x = torch.randn(4, 9, 32, device=device)
-    fused = (lambda x: torch.cat(project(x, list(linears)), -1)) if joint else (lambda x: linear(x, linears[0]))
+    fused = lambda x: torch.cat(project(x, list(linears)), -1)  # noqa: E731
     plain = lambda x: torch.cat([m(x) for m in linears], -1)  # noqa: E731
     params = list(linears.parameters())
     ref_linears = copy.deepcopy(linears).double()
@@ -91,32 +90,42 @@ def test_one_autograd_node_matches_float64_within_rule(device, joint):
         assert_within_rule(f, p, r, ATOL[torch.float32], name)
     with torch.autocast(device, dtype=torch.bfloat16):
         y = fused(x.requires_grad_())
-    node = y.grad_fn if not joint else y.grad_fn.next_functions[0][0].next_functions[0][0]
+    node = y.grad_fn.next_functions[0][0].next_functions[0][0]  # cat <- split <- the product
     assert "_AutocastLinear" in type(node).__name__
     if device == "cuda" and torch.__version__ >= (2, 8):
         assert projections._out_dtype_ok(x.device)  # the fp32-output products are the ones in use
 
 
 def test_one_node_computes_only_the_gradients_asked_for(monkeypatch):
-    """A frozen weight gets no product for its gradient; an input without grad gets no dx."""
+    """Frozen weights get no product for their gradients; an input without grad gets no dx; a
+    frozen projection beside a trained one gets None while the other gets its slice."""
     products = []
     real = projections._mm
     monkeypatch.setattr(projections, "_mm", lambda a, b, dtype: products.append(tuple(a.shape)) or real(a, b, dtype))
-    m = nn.Linear(32, 24)
-    m.weight.requires_grad_(False)
+    a, b = _linears(True, sizes=(24, 8))
     x = torch.randn(5, 32, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = linear(x, m)
-    y.sum().backward()
-    assert products == [(5, 24)]  # dx only
-    assert m.weight.grad is None and m.bias.grad is not None and x.grad is not None
+
+    def backward(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.cat(project(x, [a, b]), -1)
+        y.sum().backward()
+
+    for p in (*a.parameters(), *b.parameters()):
+        p.requires_grad_(False)
+    backward(x)
+    assert products == [(5, 32)] and x.grad is not None  # dx only
     products.clear()
-    m.weight.requires_grad_(True)
+    b.weight.requires_grad_(True)
+    backward(x.detach())
+    assert products == [(32, 5)]  # dW only
+    assert a.weight.grad is None and b.weight.grad.dtype == torch.float32 and b.weight.grad.shape == (8, 32)
+    assert a.bias.grad is None and b.bias.grad is None
+
+
+def test_a_single_projection_runs_as_itself():
+    m = nn.Linear(32, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = linear(x.detach(), m)
-    y.sum().backward()
-    assert products == [(24, 5)]  # dW only
-    assert m.weight.grad.dtype == torch.float32
+        assert projections.joint(torch.randn(3, 32), [m]) is None
 
 
 def _separate(linears, x) -> bool:

@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F
 from torchfuser.modules.base import FusedModule, adopt, hand_back, host_reads_allowed
-from torchfuser.modules.projections import linear, project
+from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
 # families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
@@ -209,7 +209,7 @@ class FusedAttention(FusedModule):
             out, _ = sdpa_attention_forward(
                 self, q, k, v, mask, dropout=self._dropout_p(), scaling=s.scaling, is_causal=False if eager else None
             )
-        out = linear(out.reshape(*lead, -1).contiguous(), getattr(self, s.out))
+        out = getattr(self, s.out)(out.reshape(*lead, -1).contiguous())
         if s.out_dropout is not None:
             drop = getattr(self, s.out_dropout)
             out = drop(out) if isinstance(drop, nn.Module) else nn.functional.dropout(out, drop, self.training)

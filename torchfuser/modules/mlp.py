@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.modules.base import FusedModule, adopt
-from torchfuser.modules.projections import joint, linear
+from torchfuser.modules.projections import joint
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class FusedGatedMLP(FusedModule):
         else:
             up, gate = packed.chunk(2, dim=-1)
             h = self._act(gate, up, backend=self.backend)
-        return linear(h, getattr(self, s.down))
+        return getattr(self, s.down)(h)
 
 
 class FusedMLP(FusedModule):
@@ -67,6 +67,6 @@ class FusedMLP(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        h = F.gelu(linear(x, getattr(self, s.fc_in)), s.approximate, backend=self.backend)
-        h = linear(h, getattr(self, s.fc_out))
+        h = F.gelu(getattr(self, s.fc_in)(x), s.approximate, backend=self.backend)
+        h = getattr(self, s.fc_out)(h)
         return h if s.dropout is None else getattr(self, s.dropout)(h)

@@ -12,12 +12,15 @@ Only plain ``nn.Linear`` children without hooks qualify (a LoRA or quantised lay
 FSDP-wrapped child must each be called as itself), and only under autocast: without it the
 concatenated weights would be an extra copy to save for the backward.
 
-In plain eager mode the product and its backward are one autograd node (``_AutocastLinear``), also
-for a single projection (``linear``): where cuBLAS can write fp32 from bf16/fp16 operands (CUDA,
-``torch.mm(..., out_dtype=)``), the backward's products give the fp32 ``dx`` and the fp32 weight
-gradients directly, with one rounding each, instead of a bf16 product that a cast kernel then
-widens (autocast's way: a rounding to bf16 inside every weight gradient, one more kernel and
-autograd node per cast). Elsewhere (CPU, torch.compile, tracing) the products are autocast's own.
+In plain eager mode the joint product and its backward are one autograd node (``_AutocastLinear``):
+where cuBLAS can write fp32 from bf16/fp16 operands (CUDA, ``torch.mm(..., out_dtype=)``), the
+backward's products give the fp32 ``dx`` and the fp32 weight gradients directly, with one rounding
+each, instead of bf16 products that cast kernels then widen (autocast's way: a rounding to bf16
+inside every weight gradient, one more kernel and autograd node per cast). On an H200 at qwen05b's
+shapes (benchmarks/projection_probe.py) that takes q/k/v from 0.185 to 0.161 ms and gate/up from
+0.780 to 0.734 ms forward + backward. A single projection stays autocast's nn.Linear: as a Python
+autograd node it gained nothing on the GPU (o_proj 0.0945 vs 0.0947 ms) and cost ≈ 120–150 µs more
+host time a call. Elsewhere (CPU, torch.compile, tracing) the products are autocast's own.
 """
 from __future__ import annotations
 
@@ -48,15 +51,14 @@ def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:
     """``torch.cat([m(x) for m in linears], -1)`` as one GEMM, under autocast; None where that
     would not give the same result (see the module docstring): then call each projection."""
     device = x.device.type
-    if x.dtype not in _AUTOCAST_CASTS or not torch.is_autocast_enabled(device) or not _plain(linears):
+    if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not torch.is_autocast_enabled(device)
+            or not _plain(linears)):
         return None
     dtype = torch.get_autocast_dtype(device)
     weights = [m.weight for m in linears]
     biases = [] if linears[0].bias is None else [m.bias for m in linears]
     if plain_eager((x, *weights, *biases)):
         return _AutocastLinear.apply(x, dtype, len(weights), *weights, *biases)
-    if len(linears) < 2:
-        return None
     weight = _cast_cat(weights, dtype)
     bias = None if not biases else _cast_cat(biases, dtype)
     with torch.autocast(device, enabled=False):
@@ -71,12 +73,6 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
     return list(y.split([m.out_features for m in linears], dim=-1))
 
 
-def linear(x: Tensor, m: nn.Module) -> Tensor:
-    """``m(x)``; under autocast in eager mode, as one autograd node with fp32 gradients from cuBLAS."""
-    y = joint(x, [m])
-    return m(x) if y is None else y
-
-
 class _AutocastLinear(torch.autograd.Function):
     """y = x·Wᵀ + b with x, W (the weights concatenated) and b cast to the autocast dtype once.
     Saved: the cast x and W. Backward: dx = dy·W and dW = dyᵀ·x, each written by cuBLAS in the
@@ -86,8 +82,8 @@ class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dtype, n_weights, *params):
         weights, biases = params[:n_weights], params[n_weights:]
-        w = _cast_cat(weights, dtype) if n_weights > 1 else weights[0].to(dtype)
-        b = None if not biases else (_cast_cat(biases, dtype) if n_weights > 1 else biases[0].to(dtype))
+        w = _cast_cat(weights, dtype)
+        b = _cast_cat(biases, dtype) if biases else None
         xc = x.to(dtype)
         ctx.save_for_backward(xc, w)
         ctx.x_dtype, ctx.n_weights = x.dtype, n_weights
@@ -106,10 +102,10 @@ class _AutocastLinear(torch.autograd.Function):
         n = ctx.n_weights
         if any(need[3:3 + n]):
             dw = _mm(dy2.t(), xc.reshape(-1, xc.shape[-1]), ctx.dtypes[0])
-            dws = dw.split(ctx.rows) if n > 1 else (dw,)
+            dws = dw.split(ctx.rows)
         if len(need) > 3 + n and any(need[3 + n:]):
             db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[n])
-            dbs = db.split(ctx.rows) if n > 1 else (db,)
+            dbs = db.split(ctx.rows)
         weight_grads = [g if need[3 + i] else None for i, g in enumerate(dws or [None] * n)]
         bias_grads = [g if need[3 + n + i] else None for i, g in enumerate(dbs or [None] * (len(need) - 3 - n))]
         return (dx, None, None, *weight_grads, *bias_grads)
