@@ -94,21 +94,18 @@ class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xc, w = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dws = dbs = None
-        if need[0]:
-            dx = _mm(dy2, w, ctx.x_dtype).view(xc.shape)
         n = ctx.n_weights
-        if any(need[3:3 + n]):
-            dw = _mm(dy2.t(), xc.reshape(-1, xc.shape[-1]), ctx.dtypes[0])
-            dws = dw.split(ctx.rows)
-        if len(need) > 3 + n and any(need[3 + n:]):
-            db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[n])
-            dbs = db.split(ctx.rows)
-        weight_grads = [g if need[3 + i] else None for i, g in enumerate(dws or [None] * n)]
-        bias_grads = [g if need[3 + n + i] else None for i, g in enumerate(dbs or [None] * (len(need) - 3 - n))]
-        return (dx, None, None, *weight_grads, *bias_grads)
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3:3 + n], ctx.needs_input_grad[3 + n:]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = _mm(dy2, w, ctx.x_dtype).view(xc.shape) if need_x else None
+        dws, dbs = [None] * n, [None] * len(need_b)
+        if any(need_w):
+            dw = _mm(dy2.t(), xc.reshape(-1, xc.shape[-1]), ctx.dtypes[0]).split(ctx.rows)
+            dws = [g if want else None for g, want in zip(dw, need_w)]
+        if any(need_b):
+            db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[n]).split(ctx.rows)
+            dbs = [g if want else None for g, want in zip(db, need_b)]
+        return (dx, None, None, *dws, *dbs)
 
 
 def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
@@ -124,7 +121,7 @@ _OUT_DTYPE: dict[torch.device, bool] = {}
 
 def _out_dtype_ok(device: torch.device) -> bool:
     """Whether ``torch.mm(bf16, bf16, out_dtype=float32)`` runs on ``device``: asked once, by trying
-    (the overload exists on every build; CUDA has the kernel from torch 2.8 on, the CPU has none)."""
+    (where the ``aten::mm.dtype`` overload exists, CUDA has a kernel for it and the CPU has none)."""
     ok = _OUT_DTYPE.get(device)
     if ok is None:
         try:

@@ -76,15 +76,7 @@ def num_programs_cap(device_index: int | None) -> int:
     and both at 8192×2048 under CUDA graphs, so 2 stays."""
     if device_index is None:  # CPU under TRITON_INTERPRET: each program runs in Python, keep it few
         return 4
-    return PROGRAMS_PER_SM * num_sms(device_index)
-
-
-@lru_cache(maxsize=None)
-def num_sms(device_index: int | None) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 stand-ins for the CPU interpreter."""
-    if device_index is None:
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def device_key(t: torch.Tensor) -> int | None:
