@@ -31,6 +31,7 @@ for stage in "$@"; do
     host-probe) timeout 90 python3 benchmarks/host_path_probe.py --profile layer_norm --out "$OUT/host-path.jsonl" ;;
     ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
     proj-tests) timeout 120 python3 -m pytest -p no:cacheprovider tests/test_projections.py ;;
+    sdpa-probe) timeout 120 python3 benchmarks/sdpa_probe.py --out "$OUT/sdpa-probe.jsonl" ;;
     proj-probe) timeout 120 python3 benchmarks/projection_probe.py --out "$OUT/projection-probe.jsonl" ;;
     triton-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
     *) echo "unknown stage $stage" ;;
