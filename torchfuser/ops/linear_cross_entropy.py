@@ -58,10 +58,11 @@ def _backward(ctx, dloss, *_):
     else:
         # In place: a scaled copy of dweight alone would add V×H elements to the peak. A second
         # backward through the same graph (retain_graph=True) then fails autograd's saved-tensor
-        # version check instead of scaling twice. One foreach launch, vectorised: `g.mul_(scale)`
-        # with a 0-dim fp32 device tensor runs a broadcast mixed-dtype kernel at about half the
-        # copy bandwidth (0.27 ms for qwen05b's 151936×896 bf16 dW on an H200).
-        torch._foreach_mul_(grads, scale)
+        # version check instead of scaling twice. (A device scalar makes this a broadcast kernel at
+        # about half the copy bandwidth, 0.27 ms for qwen05b's dW on an H200; torch._foreach_mul_
+        # falls back to the same kernel. The value is not known on the host without a sync.)
+        for g in grads:
+            g.mul_(scale)
     dbias = grads[2] if ctx.has_bias else None
     return grads[0], grads[1], dbias, None, None, None, None, None, None
 
