@@ -323,6 +323,22 @@ def test_linear_cross_entropy_without_grad(interpreter):
         assert torch.equal(F.linear_cross_entropy(h, w, labels, backend="triton"), loss)
 
 
+@pytest.mark.parametrize("dtype", LOW)
+def test_linear_cross_entropy_scale(interpreter, dtype):
+    """The backward's in-place scaling by dloss: g · s in fp32 with one rounding; a dloss of exactly
+    1 leaves the gradients untouched (skipped on the device); a strided gradient is scaled too."""
+    scale_ = interpreter.linear_cross_entropy.linear_cross_entropy_scale_
+    grads = [_rand(37, 123).to(dtype), _rand(5000).float(), _rand(8, 16).to(dtype).t()]
+    before = [g.clone() for g in grads]
+    scale_(grads, torch.tensor(1.0, device=DEVICE))
+    assert all(torch.equal(g, b) for g, b in zip(grads, before))
+    s = torch.tensor(0.3712, device=DEVICE)
+    scale_(grads, s)
+    for g, b in zip(grads, before):  # one rounding of the fp32 product (the interpreter truncates)
+        exact = b.float() * s
+        torch.testing.assert_close(g.float(), exact, rtol=torch.finfo(b.dtype).eps, atol=0)
+
+
 @pytest.mark.parametrize("n,most,sizes", [
     (8192, 1536, [1536] * 4 + [1024] * 2),  # not 5 × 1536 + a 512-token tail
     (8192, 2048, [2048] * 4),

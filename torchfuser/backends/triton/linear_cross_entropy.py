@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, check_dtypes, next_pow2
+from ._common import Launcher, cdiv, check_dtypes, next_pow2
 from ._math import tanh
 
 # The op's extra memory (one chunk of logits + the dh, dW, db it returns) is held near
@@ -111,6 +111,35 @@ def ce_rows(z, bias, labels, losses, nvalid, ignore_index, softcap, need_grad, m
 
 
 _ce_kernel = Launcher(_linear_cross_entropy_fwd_kernel)
+
+
+@triton.jit
+def _scale_kernel(G, S, N, BLOCK: tl.constexpr):
+    # g ← g · s in fp32, one rounding; nothing to do (each program exits) when s == 1.
+    s = tl.load(S).to(tl.float32)
+    if s != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(G + offs, (g * s).to(G.dtype.element_ty), mask=mask)
+
+
+_scale = Launcher(_scale_kernel)
+_SCALE_BLOCK = 4096
+
+
+def linear_cross_entropy_scale_(grads, scale):
+    """The backward's scaling of the saved gradients by dloss (a device scalar), in place: one
+    vectorised pass each, none when dloss is 1 (read on the device, no host sync). PyTorch's
+    ``g.mul_(scale)`` broadcasts the 0-dim tensor through a non-vectorised kernel at about half the
+    copy bandwidth (0.27 ms for qwen05b's 151936×896 bf16 dW on an H200, every step)."""
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        if not g.is_contiguous():
+            g.mul_(scale)
+            continue
+        _scale((cdiv(g.numel(), _SCALE_BLOCK),), g, scale, g.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
 
 
 def chunks(n: int, most: int) -> list[tuple[int, int]]:
