@@ -109,9 +109,10 @@ class _AutocastLinear(torch.autograd.Function):
 
 
 def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """a·b in ``dtype``: written so by cuBLAS from its fp32 accumulator where supported, else
-    rounded to the operands' dtype and then cast (autocast's numerics)."""
-    if dtype != a.dtype and _out_dtype_ok(a.device):
+    """a·b in ``dtype``: written in fp32 by cuBLAS from its fp32 accumulator where supported (fp32
+    is the one out_dtype it takes for bf16/fp16 operands), else rounded to the operands' dtype and
+    then cast (autocast's numerics)."""
+    if dtype == torch.float32 and a.dtype != dtype and _out_dtype_ok(a.device):
         return torch.mm(a, b, out_dtype=dtype)
     return torch.mm(a, b).to(dtype)
 
