@@ -49,14 +49,7 @@ def main():
     for lce.chunk_rows in cases:  # the op's own rule, then each forced chunk size
         rows = lce.chunk_rows(n, v, 2, (n + v) * hdim * 2)
         fn = lambda: lce.linear_cross_entropy_fwd(h, w, None, labels, -100, None, "mean", True)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = fn()
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated() - base) / 2**30
-        del out
+        extra = extra_peak(fn)[1]  # the outputs are dropped before the timing
         emit(what="op fwd+bwd", rule=lce.chunk_rows is rule, rows=rows, ms=round(do_bench(fn, rep=300), 3),
              extra_gib=round(extra, 3))
     lce.chunk_rows = rule
@@ -93,13 +86,7 @@ def main():
         layouts(h, w, rows, emit)
     for rows in map(int, filter(None, a.overlap.split(","))):
         fn = lambda: two_streams(h, w, labels, rows)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = fn()
-        torch.cuda.synchronize()
-        extra = (torch.cuda.max_memory_allocated() - base) / 2**30
+        out, extra = extra_peak(fn)
         ref = lce.linear_cross_entropy_fwd(h, w, None, labels, -100, None, "mean", True)
         err = [float((x.float() - y.float()).abs().max()) for x, y in zip(out[:3], ref[:3])]
         del out, ref
@@ -108,6 +95,17 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows_out)
+
+
+def extra_peak(fn):
+    """fn()'s outputs and the GiB its call adds to the peak (after a warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def plans(h, w, labels, emit):

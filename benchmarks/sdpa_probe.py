@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ops import graphed  # noqa: E402
 
 SHAPES = {"qwen05b": (4, 14, 2, 2048, 64), "llama1b": (4, 32, 8, 2048, 64)}  # B, Hq, Hkv, S, D
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -25,19 +31,6 @@ def fwd_bwd(q, k, v, dy, gqa: bool):
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     out.backward(dy)
-
-
-def graphed_ms(fn) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, rep=200)
 
 
 def main():
@@ -55,7 +48,7 @@ def main():
                 row = {"model": model, "backend": name, "gqa": gqa}
                 try:
                     with sdpa_kernel(backend):
-                        ms = graphed_ms(lambda: fwd_bwd(q, k, v, dy, gqa))
+                        ms = do_bench(graphed(lambda: fwd_bwd(q, k, v, dy, gqa)), rep=200)
                     row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
                 except RuntimeError as e:
                     row["error"] = str(e).splitlines()[0][:160]
