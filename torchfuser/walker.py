@@ -3,6 +3,7 @@ to undo it, and record every candidate in the model's FusionReport."""
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,18 @@ def _backend_label(backend: str, device: torch.device) -> str:
     return chosen
 
 
+def _not_plain(params) -> str | None:
+    """Why fused kernels cannot take these parameters, or None when they are plain tensors."""
+    for name, p in params:
+        if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
+            kind = type(p).__name__
+            if kind == "DTensor":
+                return (f"parameter {name!r} is a DTensor (FSDP2 fully_shard or tensor parallel): "
+                        "optimize the model before sharding it")
+            return f"parameter {name!r} is a {kind}, not a plain tensor; fused kernels read plain tensors"
+    return None
+
+
 def find(model: nn.Module, patterns: list[Pattern]):
     """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order."""
     found = []
@@ -53,6 +66,8 @@ def find(model: nn.Module, patterns: list[Pattern]):
             for pattern in patterns:
                 result = pattern.match(module)
                 if result is not None:
+                    why = _not_plain(pattern.parameters_used(module))
+                    result = Skip(why) if why else result
                     found.append((name, module, pattern, result))
                     break
     return found
@@ -67,6 +82,9 @@ def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool) 
     if strict and skipped:
         listing = "\n".join(f"  {n or '(model)'}: {why}" for n, why in skipped)
         raise ValueError(f"strict=True and {len(skipped)} candidate block(s) would be skipped:\n{listing}")
+    if any("is a DTensor" in why for _, why in skipped):
+        warnings.warn("torchfuser.optimize: blocks with sharded (DTensor) parameters are left as they are; "
+                      "call optimize(model) before fully_shard / parallelize_module (see the report)", stacklevel=3)
     if backend != "auto" and any(not isinstance(r, Skip) for *_, r in found):
         backends.resolve(backend, _device(model))  # fail now, not at the first forward
     entries = {}

@@ -38,6 +38,10 @@ class Pattern:
     def match(self, module: nn.Module):
         raise NotImplementedError
 
+    def parameters_used(self, module: nn.Module):
+        """The parameters the fused module would compute with (all of ``module``'s by default)."""
+        return module.named_parameters()
+
     def build(self, module: nn.Module, spec, backend: str) -> FusedModule:
         return self.fused(module, spec, backend)
 

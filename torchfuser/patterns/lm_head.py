@@ -82,6 +82,11 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         return LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
 
+    def parameters_used(self, module):
+        get_head = getattr(module, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        return head.named_parameters() if isinstance(head, nn.Module) else ()
+
     def apply(self, root, qualname, module, spec, backend):
         """Install the fused forward on this instance only (the root cannot be swapped)."""
         fused = self.build(module, spec, backend)
