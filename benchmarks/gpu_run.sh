@@ -22,6 +22,9 @@ for stage in "$@"; do
     train-fused) timeout 300 python3 $ts --models qwen05b llama1b --variants eager torchfuser torchfuser-graphs --out "$OUT/train-step.jsonl" ;;
     train-graphs) timeout 480 python3 $ts --models qwen05b llama1b --variants eager compile torchfuser torchfuser-graphs --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
     ddp-graphs) timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp_graphs_check.py --out "$OUT/ddp-graphs.json" ;;
+    fsdp) for run in llama1b:mp-bf16 llama1b:autocast qwen05b:mp-bf16; do
+            timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
+              --recipe ${run%%:*} --precision ${run##*:} --out "$OUT/fsdp-${run%%:*}-${run##*:}.json"; done ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;
     lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;
