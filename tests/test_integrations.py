@@ -78,3 +78,9 @@ def test_demo_runs_and_reports_parity(backend):
     assert "loss parity" in text and "step time" in text
     eager, fused = results["eager"]["losses"], results["torchfuser"]["losses"]
     assert len(eager) == 4 and max(abs(a - b) for a, b in zip(eager, fused)) < 1e-3
+
+
+def test_demo_cuda_graphs_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--device", "cpu", "--cuda-graphs"])
+    assert "CUDA graphs need a CUDA device" in capsys.readouterr().err
