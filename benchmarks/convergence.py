@@ -19,21 +19,11 @@ import torchfuser  # noqa: E402
 from torchfuser import demo  # noqa: E402
 
 
-def zipf_batches(size, steps, device, seed):
-    """Tokens drawn from a fixed Zipf-like unigram distribution: learnable, but the loss stays far
-    from zero (the distribution's entropy), so relative differences between curves mean something."""
-    gen = torch.Generator().manual_seed(seed + 1)
-    probs = 1.0 / torch.arange(1, size.vocab + 1, dtype=torch.float64) ** 1.1
-    for _ in range(steps):
-        ids = torch.multinomial(probs, size.batch * size.seq, replacement=True, generator=gen)
-        yield ids.view(size.batch, size.seq).to(device)
-
-
 def curve(model, size, steps, device, seed):
     # A modest learning rate and clipping: loss spikes would make two correct runs part ways.
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
     losses = []
-    for ids in zipf_batches(size, steps, device, seed):
+    for ids in demo.batches(size, steps, device, seed):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()

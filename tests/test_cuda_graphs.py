@@ -6,6 +6,7 @@ optimizer. The GPU tests run on the device machine; on the CPU the install path 
 """
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -322,6 +323,31 @@ def test_trainer_callback_with_accumulation_clipping_and_bf16(tmp_path):
         runs.append(model)
     plain, graphed = runs
     stack = _stack(graphed)
-    assert stack.replays == 3 * 2 * 3 and not stack.eager  # 3 steps × 2 micro-batches × 3 layers
+    if torch.cuda.device_count() > 1:  # the Trainer wraps the model in nn.DataParallel: replicas run eagerly
+        assert stack.replays == 0 and list(stack.eager) == ["nn.DataParallel replica (DistributedDataParallel keeps the graphs)"]
+    else:
+        assert stack.replays == 3 * 2 * 3 and not stack.eager  # 3 steps × 2 micro-batches × 3 layers
     for (n, a), b in zip(plain.named_parameters(), graphed.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}\n{m}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs two CUDA devices")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_data_parallel_replicas_give_the_unfused_loss_and_gradients(graphs):
+    """nn.DataParallel copies each module's __dict__ into a replica per GPU on every call: the fused LM
+    head must run on its replica's modules, and graphed layers' replicas run eagerly on their GPU."""
+    plain = tiny_llama("cuda")
+    fused = torchfuser.optimize(copy.deepcopy(plain), cuda_graphs=graphs)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2)).cuda()
+    losses = []
+    for model in (plain, fused):
+        loss = torch.nn.DataParallel(model)(input_ids=ids, labels=ids, use_cache=False).loss
+        assert loss.shape == (2,)  # one loss per replica
+        loss.mean().backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    for (n, a), b in zip(plain.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=2e-3, atol=2e-5, msg=lambda m: f"{n}\n{m}")
+    if graphs:
+        assert _stack(fused).eager["nn.DataParallel replica (DistributedDataParallel keeps the graphs)"] == 2 * 3
+

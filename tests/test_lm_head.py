@@ -164,3 +164,21 @@ def test_custom_loss_function_is_skipped():
     torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"])
     (entry,) = torchfuser.report(model).entries
     assert not entry.is_fused and "loss_function" in entry.reason
+
+
+def test_data_parallel_replica_runs_its_own_modules():
+    """nn.DataParallel copies the model's __dict__ (with the fused forward) into a replica per GPU:
+    each replica's loss must come from that replica's modules, and restore takes the hook away."""
+    ref, fused = lm_pair()
+    replica = fused._replicate_for_data_parallel()
+    assert replica.forward.model is replica and fused.forward.model is fused
+    torch.manual_seed(5)
+    other = torch.nn.Linear(ref.lm_head.in_features, ref.lm_head.out_features, bias=False)
+    replica._modules["lm_head"] = other
+    ref.lm_head = copy.deepcopy(other)
+    ids = batch(padded=False)[0]
+    a, b = ref(input_ids=ids, labels=ids), replica(input_ids=ids, labels=ids)
+    assert b.logits is None  # the fused path ran
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    torchfuser.restore(fused)
+    assert "_replicate_for_data_parallel" not in fused.__dict__ and "forward" not in fused.__dict__

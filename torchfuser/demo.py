@@ -14,6 +14,9 @@ from rich.table import Table
 from torchfuser.api import optimize, report
 
 
+LR = 1e-3
+
+
 @dataclass(frozen=True)
 class DemoSize:
     hidden: int
@@ -47,12 +50,14 @@ def build_model(size: DemoSize, seed: int):
 
 
 def batches(size: DemoSize, steps: int, device, seed: int):
-    """Token streams with learnable structure: each sequence repeats one of a few fixed motifs."""
+    """Tokens drawn from a fixed Zipf-like unigram distribution: learnable, but the loss levels off
+    at the distribution's entropy instead of collapsing, so two correct runs stay together and their
+    difference measures the numerics, not the chaos of a memorisation task."""
     gen = torch.Generator().manual_seed(seed + 1)
-    motifs = torch.randint(0, size.vocab, (8, 16), generator=gen)
+    probs = 1.0 / torch.arange(1, size.vocab + 1, dtype=torch.float64) ** 1.1
     for _ in range(steps):
-        pick = torch.randint(0, len(motifs), (size.batch,), generator=gen)
-        yield motifs[pick].repeat(1, size.seq // 16).to(device)
+        ids = torch.multinomial(probs, size.batch * size.seq, replacement=True, generator=gen)
+        yield ids.view(size.batch, size.seq).to(device)
 
 
 class _SavedBytes:
@@ -84,7 +89,7 @@ class _Run:
 
     def __init__(self, model, device, progress, label, steps):
         self.model, self.device, self.progress, self.label = model, device, progress, label
-        self.opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
         self.losses, self.times, self.saved, self.peak = [], [], 0, 0
         self.task = progress.add_task(label, total=steps)
@@ -96,6 +101,7 @@ class _Run:
         with self.autocast, _SavedBytes() as counter:
             loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)  # as training recipes do; no spikes
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -155,7 +161,7 @@ def _mib(n):
 
 def _print_summary(console, results, size):
     eager, fused = results["eager"], results["torchfuser"]
-    drift = max(abs(a - b) for a, b in zip(eager["losses"], fused["losses"]))
+    drift = max(abs(a - b) / abs(a) for a, b in zip(eager["losses"], fused["losses"]))
     table = Table(title="eager vs torchfuser", title_justify="left")
     for col in ("", "eager", "torchfuser", "ratio"):
         table.add_column(col, justify="right")
@@ -176,4 +182,4 @@ def _print_summary(console, results, size):
     for row in rows:
         table.add_row(*row)
     console.print(table)
-    console.print(f"loss parity: largest per-step difference {drift:.2e} over {len(eager['losses'])} steps")
+    console.print(f"loss parity: largest relative difference per step {drift:.2e} over {len(eager['losses'])} steps")

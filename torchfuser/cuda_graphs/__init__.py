@@ -34,7 +34,7 @@ from torch import nn
 
 from torchfuser.cuda_graphs.replay import MAX_RECAPTURES, Stack
 from torchfuser.cuda_graphs.signature import join_call, split_call
-from torchfuser.modules.base import FusedModule
+from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_replicas
 
 __all__ = ["install", "remove", "refresh_notes", "describe", "find_stacks", "split_call", "join_call", "MAX_RECAPTURES"]
 _ATTR = "_torchfuser_cuda_graphs"
@@ -83,6 +83,7 @@ def install(model: nn.Module) -> list[str]:
         stack = Stack(name, list(layers), [layer.forward for layer in layers])
         for i, layer in enumerate(layers):
             layer.forward = partial(stack.call, i)
+            follow_replicas(layer, stack.release_replica)
         stacks.append(stack)
         notes.append(stack.describe())
     if stacks:
@@ -97,6 +98,7 @@ def remove(model: nn.Module) -> None:
     for stack in model.__dict__.pop(_ATTR, []):
         for layer in stack.layers:
             layer.__dict__.pop("forward", None)
+            unfollow_replicas(layer)
         stack.graphs = None
 
 

@@ -114,6 +114,12 @@ class Stack:
         outs = _Replay.apply(g, *tensors, *g.params)
         return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
 
+    def release_replica(self, replica: nn.Module) -> None:
+        """An nn.DataParallel replica of a layer runs its own forward, eagerly: the graphs hold the
+        original layer's parameters and buffers, on one device."""
+        replica.__dict__.pop("forward", None)
+        self._note("nn.DataParallel replica (DistributedDataParallel keeps the graphs)")
+
     def _scan(self, layer) -> tuple[str | None, tuple]:
         """(why the layer cannot replay now or None, its parameters), in one walk of its modules."""
         if self.disabled:

@@ -67,3 +67,29 @@ def hand_back(fused: nn.Module, original: nn.Module) -> None:
     for name, child in fused._modules.items():
         original._modules[name] = child
     original.training = fused.training  # not .train(): the children are shared and already set
+
+
+_REPLICATE = "_replicate_for_data_parallel"
+
+
+def follow_replicas(module: nn.Module, rebind) -> None:
+    """nn.DataParallel builds a replica per GPU with a copy of ``module.__dict__`` on every call, so
+    anything TorchFuser put in the instance's ``__dict__`` (a fused ``forward``) would still act on
+    the original. From now on each new replica is handed to ``rebind(replica)`` first."""
+    previous = module.__dict__.get(_REPLICATE)
+
+    def replicate():
+        replica = previous() if previous is not None else type(module)._replicate_for_data_parallel(module)
+        replica.__dict__.pop(_REPLICATE, None)  # replicas are not replicated again
+        rebind(replica)
+        return replica
+
+    replicate.previous = previous
+    module.__dict__[_REPLICATE] = replicate
+
+
+def unfollow_replicas(module: nn.Module) -> None:
+    current = module.__dict__.pop(_REPLICATE, None)
+    if getattr(current, "previous", None) is not None:
+        module.__dict__[_REPLICATE] = current.previous
+

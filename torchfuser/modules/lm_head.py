@@ -5,6 +5,7 @@ The model itself cannot be swapped, so this is not a module in the tree: it is a
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -72,6 +73,12 @@ class FusedLMHeadLoss:
 
     def __repr__(self) -> str:
         return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'})"
+
+    def rebound(self, model: nn.Module) -> "FusedLMHeadLoss":
+        """This forward for another instance of the model (an nn.DataParallel replica)."""
+        twin = copy.copy(self)
+        twin.model = model
+        return twin
 
     def __call__(self, *args, **kwargs):
         original = self._original()

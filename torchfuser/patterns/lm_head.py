@@ -13,6 +13,7 @@ import inspect
 
 from torch import nn
 
+from torchfuser.modules.base import follow_replicas, unfollow_replicas
 from torchfuser.modules.lm_head import FusedLMHeadLoss, LMHeadLossSpec
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
@@ -91,8 +92,10 @@ class LMHeadLossPattern(Pattern):
         """Install the fused forward on this instance only (the root cannot be swapped)."""
         fused = self.build(module, spec, backend)
         module.__dict__["forward"] = fused
+        follow_replicas(module, lambda replica: replica.__dict__.update(forward=fused.rebound(replica)))
 
         def undo() -> None:
+            unfollow_replicas(module)
             if module.__dict__.get("forward") is fused:
                 if fused.previous is None:
                     del module.__dict__["forward"]
