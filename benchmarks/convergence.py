@@ -21,7 +21,7 @@ from torchfuser import demo  # noqa: E402
 
 def curve(model, size, steps, device, seed):
     # A modest learning rate and clipping: loss spikes would make two correct runs part ways.
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=demo.LR, fused=device.type == "cuda")
     losses = []
     for ids in demo.batches(size, steps, device, seed):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
