@@ -1,6 +1,7 @@
 """The public entry points: optimize, restore, report."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, walker
@@ -18,6 +19,18 @@ _COMPILE_NOTE = (
 def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"torchfuser expects a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_not_flattened(model: nn.Module) -> None:
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError(
+            "the model is already wrapped in FullyShardedDataParallel, whose flattened parameter shards "
+            "fused modules cannot read: call torchfuser.optimize(model) before wrapping it (the fused "
+            "modules hold the original parameters, so FSDP flattens and shards them as usual)")
 
 
 def optimize(
@@ -47,6 +60,7 @@ def optimize(
         fixes shapes; see ``torchfuser.cuda_graphs`` and the report's notes.
     """
     _check_model(model)
+    _check_not_flattened(model)
     backend = backends.check_name(backend)
     chosen = _patterns.select(patterns, exclude)
     result = walker.fuse(model, chosen, backend, strict)
