@@ -92,4 +92,3 @@ def unfollow_replicas(module: nn.Module) -> None:
     current = module.__dict__.pop(_REPLICATE, None)
     if getattr(current, "previous", None) is not None:
         module.__dict__[_REPLICATE] = current.previous
-

@@ -74,7 +74,7 @@ class FusedLMHeadLoss:
     def __repr__(self) -> str:
         return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'})"
 
-    def rebound(self, model: nn.Module) -> "FusedLMHeadLoss":
+    def rebound(self, model: nn.Module) -> FusedLMHeadLoss:
         """This forward for another instance of the model (an nn.DataParallel replica)."""
         twin = copy.copy(self)
         twin.model = model
