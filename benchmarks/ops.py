@@ -6,7 +6,8 @@ torch.compile of the same math, with and without CUDA graphs.
 Baselines are the reference backend's *definitions* (plain PyTorch, backends/reference/*.py),
 run eagerly and through torch.compile (inductor fuses them; compiling the custom op itself
 would only wrap an opaque call). For linear_cross_entropy the baseline is what a model runs:
-nn.Linear in the input dtype, then F.cross_entropy on fp32 logits.
+nn.Linear in the input dtype, then F.cross_entropy on fp32 logits, backpropagated from 1 as
+``loss.backward()`` does (the other ops' backward starts from random cotangents).
 
 Bandwidth: bytes that must move (each input read once, each output written once; fwd+bwd adds
 the backward's reads and writes) over the median time, against a device-to-device copy measured
@@ -151,7 +152,8 @@ def runners(case: Case, fn: Callable, mode: str) -> Callable:
         return run
     out = fn(*case.inputs)
     outs = out if isinstance(out, tuple) else (out,)
-    cots = [torch.randn_like(o) for o in outs]
+    # A loss (a 0-dim output) is backpropagated from 1, as loss.backward() does; other outputs from noise.
+    cots = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs]
 
     def run():
         o = fn(*case.inputs)
