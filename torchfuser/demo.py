@@ -162,6 +162,9 @@ def run(device: str | None = None, steps: int = 30, backend: str = "auto", seed:
     for note in report(fused).notes:
         if note.startswith("cuda graphs"):
             console.print(note)
+    if dev.type == "cuda" and not cuda_graphs:
+        console.print("On a GPU a model this small is bound by the host's launches: `torchfuser demo --cuda-graphs` "
+                      "replays its decoder layers as CUDA graphs (optimize(model, cuda_graphs=True)).")
     return results
 
 
