@@ -172,6 +172,9 @@ def test_data_parallel_replica_runs_its_own_modules():
     ref, fused = lm_pair()
     replica = fused._replicate_for_data_parallel()
     assert replica.forward.model is replica and fused.forward.model is fused
+    clone = copy.deepcopy(fused)  # a copy of the model follows its own replicas
+    clone_replica = clone._replicate_for_data_parallel()
+    assert clone_replica.forward.model is clone_replica and clone_replica._modules["model"] is clone.model
     torch.manual_seed(5)
     other = torch.nn.Linear(ref.lm_head.in_features, ref.lm_head.out_features, bias=False)
     replica._modules["lm_head"] = other

@@ -72,23 +72,32 @@ def hand_back(fused: nn.Module, original: nn.Module) -> None:
 _REPLICATE = "_replicate_for_data_parallel"
 
 
+class _FollowReplicas:
+    """``module._replicate_for_data_parallel`` that hands each new replica to ``rebind``. An object
+    with attributes, not a closure, so that a deep copy of the model follows its own replicas."""
+
+    def __init__(self, module: nn.Module, rebind, previous):
+        self.module, self.rebind, self.previous = module, rebind, previous
+
+    def __call__(self) -> nn.Module:
+        if self.previous is not None:
+            replica = self.previous()
+        else:
+            replica = type(self.module)._replicate_for_data_parallel(self.module)
+        replica.__dict__.pop(_REPLICATE, None)  # replicas are not replicated again
+        self.rebind(replica)
+        return replica
+
+
 def follow_replicas(module: nn.Module, rebind) -> None:
     """nn.DataParallel builds a replica per GPU with a copy of ``module.__dict__`` on every call, so
     anything TorchFuser put in the instance's ``__dict__`` (a fused ``forward``) would still act on
-    the original. From now on each new replica is handed to ``rebind(replica)`` first."""
-    previous = module.__dict__.get(_REPLICATE)
-
-    def replicate():
-        replica = previous() if previous is not None else type(module)._replicate_for_data_parallel(module)
-        replica.__dict__.pop(_REPLICATE, None)  # replicas are not replicated again
-        rebind(replica)
-        return replica
-
-    replicate.previous = previous
-    module.__dict__[_REPLICATE] = replicate
+    the original. From now on each new replica is handed to ``rebind(replica)`` first (a bound
+    method, so that a deep copy of the model rebinds with its own copy)."""
+    module.__dict__[_REPLICATE] = _FollowReplicas(module, rebind, module.__dict__.get(_REPLICATE))
 
 
 def unfollow_replicas(module: nn.Module) -> None:
     current = module.__dict__.pop(_REPLICATE, None)
-    if getattr(current, "previous", None) is not None:
+    if isinstance(current, _FollowReplicas) and current.previous is not None:
         module.__dict__[_REPLICATE] = current.previous

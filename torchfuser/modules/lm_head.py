@@ -74,11 +74,11 @@ class FusedLMHeadLoss:
     def __repr__(self) -> str:
         return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'})"
 
-    def rebound(self, model: nn.Module) -> FusedLMHeadLoss:
-        """This forward for another instance of the model (an nn.DataParallel replica)."""
+    def install_on_replica(self, replica: nn.Module) -> None:
+        """Give an nn.DataParallel replica of the model this forward, bound to the replica."""
         twin = copy.copy(self)
-        twin.model = model
-        return twin
+        twin.model = replica
+        replica.__dict__["forward"] = twin
 
     def __call__(self, *args, **kwargs):
         original = self._original()

@@ -92,7 +92,7 @@ class LMHeadLossPattern(Pattern):
         """Install the fused forward on this instance only (the root cannot be swapped)."""
         fused = self.build(module, spec, backend)
         module.__dict__["forward"] = fused
-        follow_replicas(module, lambda replica: replica.__dict__.update(forward=fused.rebound(replica)))
+        follow_replicas(module, fused.install_on_replica)
 
         def undo() -> None:
             unfollow_replicas(module)
