@@ -84,3 +84,16 @@ def test_demo_cuda_graphs_needs_a_gpu(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--device", "cpu", "--cuda-graphs"])
     assert "CUDA graphs need a CUDA device" in capsys.readouterr().err
+
+
+def test_callback_warns_that_data_parallel_replicas_run_without_graphs(caplog):
+    from types import SimpleNamespace
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    for gpus, local_rank, warned in ((2, -1, True), (1, -1, False), (2, 0, False)):
+        caplog.clear()
+        callback = torchfuser.TorchFuserCallback(backend="reference", cuda_graphs=True)
+        with caplog.at_level("WARNING", logger="torchfuser"):
+            callback.on_init_end(SimpleNamespace(n_gpu=gpus, local_rank=local_rank), None, None, model=LlamaForCausalLM(cfg))
+        assert ("nn.DataParallel" in caplog.text) == warned, (gpus, local_rank)

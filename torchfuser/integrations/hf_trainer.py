@@ -34,7 +34,17 @@ class TorchFuserCallback(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._fuse(model, state)
+        if self.optimize_kwargs.get("cuda_graphs") and _data_parallel(args):
+            log.warning("torchfuser: the Trainer will wrap the model in nn.DataParallel (%d GPUs, no launcher): its "
+                        "replicas run the layers without CUDA graphs; launch with torchrun for DDP, which keeps them",
+                        args.n_gpu)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # A model swapped into the Trainer after __init__ is fused here instead.
         self._fuse(model, state)
+
+
+def _data_parallel(args) -> bool:
+    """Whether the Trainer will use nn.DataParallel: several GPUs visible and no distributed launch."""
+    return getattr(args, "n_gpu", 1) > 1 and getattr(args, "local_rank", -1) == -1
+
