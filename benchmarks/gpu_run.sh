@@ -25,7 +25,7 @@ for stage in "$@"; do
     fsdp) for run in llama1b:mp-bf16 llama1b:autocast qwen05b:mp-bf16; do
             timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
               --recipe ${run%%:*} --precision ${run##*:} --out "$OUT/fsdp-${run%%:*}-${run##*:}.json"; done ;;
-    demo) timeout 150 python3 -m torchfuser.cli demo && timeout 150 python3 -m torchfuser.cli demo --cuda-graphs ;;
+    demo) timeout 150 python3 -m torchfuser.cli demo ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;
     lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;

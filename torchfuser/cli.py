@@ -51,8 +51,6 @@ def main(argv=None) -> int:
     demo.add_argument("--steps", type=int, default=30)
     demo.add_argument("--backend", default="auto", choices=VALID_BACKENDS)
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--cuda-graphs", action="store_true",
-                      help="also replay the fused model's decoder layers as CUDA graphs (GPU only)")
     insp = sub.add_parser("inspect", help="show what would be fused in a model, built on the meta device")
     insp.add_argument("model", help="a transformers model type (llama, qwen2, gpt2, ...) or a config.json path")
     insp.add_argument("--backend", default="auto", choices=VALID_BACKENDS)
@@ -63,11 +61,7 @@ def main(argv=None) -> int:
 
         if args.steps < 4:
             parser.error("--steps must be at least 4 (the first steps are warm-up)")
-        try:
-            demo_mod.run(device=args.device, steps=args.steps, backend=args.backend, seed=args.seed,
-                         cuda_graphs=args.cuda_graphs)
-        except ValueError as err:
-            parser.error(str(err))
+        demo_mod.run(device=args.device, steps=args.steps, backend=args.backend, seed=args.seed)
         return 0
     return _inspect(args.model, args.backend, args.json)
 

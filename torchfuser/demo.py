@@ -131,41 +131,43 @@ def train(models: dict, size, steps, device, seed, progress) -> dict:
 
 
 def run(device: str | None = None, steps: int = 30, backend: str = "auto", seed: int = 0,
-        cuda_graphs: bool = False, console: Console | None = None) -> dict:
+        console: Console | None = None) -> dict:
+    """Train the demo model eagerly and with TorchFuser (on a GPU also with its decoder layers as
+    CUDA graphs), print the report and a side-by-side table; returns each variant's numbers."""
     console = console or Console()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if cuda_graphs and dev.type != "cuda":
-        raise ValueError(f"CUDA graphs need a CUDA device; the demo would run on {dev}")
     size = SIZES["cuda" if dev.type == "cuda" else "cpu"]
     base = build_model(size, seed).to(dev)
-    fused = optimize(copy.deepcopy(base), backend=backend, cuda_graphs=cuda_graphs)
+    models = {"eager": base, "torchfuser": optimize(copy.deepcopy(base), backend=backend)}
+    if dev.type == "cuda":
+        models[GRAPHED] = optimize(copy.deepcopy(base), backend=backend, cuda_graphs=True)
     params = sum(p.numel() for p in base.parameters())
     console.print(f"[bold]TorchFuser demo[/] on {dev}: Llama-style, {size.layers} layers, hidden {size.hidden}, "
                   f"{params / 1e6:.1f}M parameters, batch {size.batch}×{size.seq} tokens, {steps} steps")
-    console.print(report(fused))
+    console.print(report(models["torchfuser"]))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    models = {"eager": base, "torchfuser": fused}
     with Progress(*columns, console=console) as progress:
         if dev.type != "cuda":
             results = train(models, size, steps, dev, seed, progress)
         else:  # GPU timings are steady; one model on the device at a time keeps each peak memory its own
-            fused.cpu()
+            for model in models.values():
+                model.cpu()
             results = {}
             for name, model in models.items():
                 model.to(dev)
                 results.update(train({name: model}, size, steps, dev, seed, progress))
                 model.cpu()
                 torch.cuda.empty_cache()
-    if cuda_graphs:  # graph replays restore their saved tensors without the hooks: no count
-        results["torchfuser"]["saved_bytes"] = None
+    if GRAPHED in results:  # graph replays restore their saved tensors without the hooks: no count
+        results[GRAPHED]["saved_bytes"] = None
     _print_summary(console, results, size)
-    for note in report(fused).notes:
-        if note.startswith("cuda graphs"):
+    for note in report(models[GRAPHED]).notes if GRAPHED in models else ():
+        if note.startswith("cuda graphs: model"):
             console.print(note)
-    if dev.type == "cuda" and not cuda_graphs:
-        console.print("On a GPU a model this small is bound by the host's launches: `torchfuser demo --cuda-graphs` "
-                      "replays its decoder layers as CUDA graphs (optimize(model, cuda_graphs=True)).")
     return results
+
+
+GRAPHED = "torchfuser + cuda graphs"
 
 
 def _mib(n):
@@ -173,26 +175,22 @@ def _mib(n):
 
 
 def _print_summary(console, results, size):
-    eager, fused = results["eager"], results["torchfuser"]
-    drift = max(abs(a - b) / abs(a) for a, b in zip(eager["losses"], fused["losses"]))
+    eager = results["eager"]
+    others = [r for r in results.values() if r is not eager]
     table = Table(title="eager vs torchfuser", title_justify="left")
-    for col in ("", "eager", "torchfuser", "ratio"):
-        table.add_column(col, justify="right")
+    for name in ("", *results):
+        table.add_column(name, justify="right")
     tokens = size.batch * size.seq
-    rows = [
-        ("first / last loss", f"{eager['losses'][0]:.4f} / {eager['losses'][-1]:.4f}",
-         f"{fused['losses'][0]:.4f} / {fused['losses'][-1]:.4f}", ""),
-        ("step time (median)", f"{eager['step_s'] * 1e3:.1f} ms", f"{fused['step_s'] * 1e3:.1f} ms",
-         f"{eager['step_s'] / fused['step_s']:.2f}× speed-up"),
-        ("tokens/s", f"{tokens / eager['step_s']:,.0f}", f"{tokens / fused['step_s']:,.0f}", ""),
-    ]
-    if fused["saved_bytes"] is not None:
-        rows.append(("saved activations", _mib(eager["saved_bytes"]), _mib(fused["saved_bytes"]),
-                     f"{fused['saved_bytes'] / max(eager['saved_bytes'], 1):.2f}×"))
-    if eager["peak_bytes"] is not None:
-        rows.append(("peak memory", _mib(eager["peak_bytes"]), _mib(fused["peak_bytes"]),
-                     f"{fused['peak_bytes'] / eager['peak_bytes']:.2f}×"))
-    for row in rows:
-        table.add_row(*row)
+    table.add_row("first / last loss", *[f"{r['losses'][0]:.4f} / {r['losses'][-1]:.4f}" for r in results.values()])
+    table.add_row("step time (median)", f"{eager['step_s'] * 1e3:.1f} ms",
+                  *[f"{r['step_s'] * 1e3:.1f} ms, {eager['step_s'] / r['step_s']:.2f}× speed-up" for r in others])
+    table.add_row("tokens/s", *[f"{tokens / r['step_s']:,.0f}" for r in results.values()])
+    for label, key in (("saved activations", "saved_bytes"), ("peak memory", "peak_bytes")):
+        if eager[key] is not None:
+            table.add_row(label, _mib(eager[key]), *["n/a" if r[key] is None else f"{_mib(r[key])}, {r[key] / eager[key]:.2f}×"
+                                                     for r in others])
     console.print(table)
-    console.print(f"loss parity: largest relative difference per step {drift:.2e} over {len(eager['losses'])} steps")
+    for name, r in results.items():
+        if r is not eager:
+            drift = max(abs(a - b) / abs(a) for a, b in zip(eager["losses"], r["losses"]))
+            console.print(f"loss parity, {name}: largest relative difference per step {drift:.2e} over {len(r['losses'])} steps")
