@@ -162,7 +162,7 @@ def run(device: str | None = None, steps: int = 30, backend: str = "auto", seed:
         results[GRAPHED]["saved_bytes"] = None
     _print_summary(console, results, size)
     for note in report(models[GRAPHED]).notes if GRAPHED in models else ():
-        if note.startswith("cuda graphs: model"):
+        if "layer calls replayed" in note:
             console.print(note)
     return results
 
