@@ -351,3 +351,30 @@ def test_data_parallel_replicas_give_the_unfused_loss_and_gradients(graphs):
     if graphs:
         assert _stack(fused).eager["nn.DataParallel replica (DistributedDataParallel keeps the graphs)"] == 2 * 3
 
+
+
+@cuda
+def test_fsdp2_sharded_layers_run_eagerly_with_the_reason(tmp_path):
+    """Sharded after optimize(cuda_graphs=True): FSDP2's hooks gather parameters and reduce gradients
+    around autograd, which a replay would bypass, so such layers run as without graphs."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        plain, graphed = _pair()
+        for model in (plain, graphed):
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, graphed)]
+        for step in range(3):
+            ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step)).cuda()
+            (la, _), (lb, _) = _step(plain, ids, opts[0]), _step(graphed, ids, opts[1])
+            torch.testing.assert_close(la, lb, rtol=2e-5, atol=2e-6)
+        for (n, a), b in zip(plain.named_parameters(), graphed.parameters()):
+            torch.testing.assert_close(b.full_tensor(), a.full_tensor(), rtol=2e-5, atol=2e-6, msg=lambda m: f"{n}\n{m}")
+        stack = _stack(graphed)
+        assert stack.replays == 0 and [why for why in stack.eager if "FSDP2" in why]
+    finally:
+        dist.destroy_process_group()

@@ -3,6 +3,7 @@ call, whether a graph can serve it."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import weakref
 from collections import Counter
@@ -21,6 +22,11 @@ MAX_RECAPTURES = 3
 
 def _hooked(mod: nn.Module) -> bool:
     return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks)
+
+
+def _fsdp2(mod: nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded by it
+    return fsdp is not None and isinstance(mod, getattr(fsdp, "FSDPModule", ()))
 
 
 def _global_hooks() -> bool:
@@ -128,6 +134,8 @@ class Stack:
             return "grad is disabled (graphs are captured for training steps)", ()
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             return "gradient checkpointing is on", ()
+        if _fsdp2(layer):
+            return "the layer is sharded by FSDP2 (fully_shard): its hooks gather and reduce around autograd, which a replay bypasses", ()
         # The layer's own hooks run around the replay, in its __call__; those of the modules inside
         # it would run only while capturing.
         params, hooked = {}, _global_hooks()
