@@ -91,3 +91,16 @@ def test_callback_warns_that_data_parallel_replicas_run_without_graphs(caplog):
         with caplog.at_level("WARNING", logger="torchfuser"):
             callback.on_init_end(SimpleNamespace(n_gpu=gpus, local_rank=local_rank), None, None, model=LlamaForCausalLM(cfg))
         assert ("nn.DataParallel" in caplog.text) == warned, (gpus, local_rank)
+
+
+@pytest.mark.parametrize("fields, words", [
+    # Ministral's config leaves head_dim None and its attention's __init__ raises a TypeError.
+    ({"model_type": "ministral", "hidden_size": 64, "num_attention_heads": 4}, "transformers could not build 'ministral'"),
+    ({"model_type": "llama", "hidden_size": 64, "head_dim": "x"}, "is not a valid transformers config"),
+])
+def test_inspect_config_transformers_cannot_build(tmp_path, fields, words):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(fields))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["inspect", str(cfg)])
+    assert words in str(info.value)

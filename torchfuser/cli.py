@@ -23,7 +23,10 @@ def _inspect(target: str, backend: str, as_json: bool) -> int:
         data = json.loads(path.read_text())
         if "model_type" not in data:
             raise SystemExit(f"torchfuser inspect: {target} has no 'model_type' field; it must be a transformers config.json")
-        cfg = AutoConfig.for_model(data.pop("model_type"), **data)
+        try:
+            cfg = AutoConfig.for_model(data.pop("model_type"), **data)
+        except Exception as err:  # transformers' validators raise their own error types
+            raise SystemExit(f"torchfuser inspect: {target} is not a valid transformers config: {type(err).__name__}: {err}")
     else:
         try:
             cfg = AutoConfig.for_model(target)
@@ -34,6 +37,9 @@ def _inspect(target: str, backend: str, as_json: bool) -> int:
             model = AutoModelForCausalLM.from_config(cfg)
         except ValueError as err:
             raise SystemExit(f"torchfuser inspect: cannot build a causal LM for {cfg.model_type!r}: {err}")
+        except (TypeError, AttributeError, KeyError) as err:  # a default config transformers itself cannot build
+            raise SystemExit(f"torchfuser inspect: transformers could not build {cfg.model_type!r} from this config "
+                             f"({type(err).__name__}: {err}); pass a config.json with the model's sizes instead")
     optimize(model, backend=backend)
     rep = report(model)
     if as_json:
