@@ -195,3 +195,23 @@ def test_unknown_module_from_standard_parts_is_fused_by_structure():
     torch.testing.assert_close(fused(x, position_embeddings=(cos, sin))[0], block(x, position_embeddings=(cos, sin))[0],
                                rtol=1e-5, atol=1e-6)
     assert list(fused.state_dict()) == list(block.state_dict())
+
+
+@pytest.mark.parametrize("tuning", [True, False])
+def test_nope_layer_fuses_without_rotary_unless_it_scales_queries_by_position(tuning):
+    """Llama 4's NoPE layers ignore the rotary embedding; with temperature tuning they scale the
+    queries by position, but only past floor_scale tokens, which no short probe sees: skipped."""
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextAttention
+
+    cfg = Llama4TextConfig(hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, num_hidden_layers=1, no_rope_layers=[0],
+                           attn_temperature_tuning=tuning, use_qk_norm=False)
+    cfg._attn_implementation = "sdpa"
+    attn = Llama4TextAttention(cfg, layer_idx=0)
+    assert not attn.use_rope
+    spec = AttentionPattern().match(attn)
+    if tuning:
+        assert isinstance(spec, Skip) and "temperature tuning" in spec.reason
+    else:
+        assert not isinstance(spec, Skip) and spec.rotary_dim == 0

@@ -62,6 +62,10 @@ def _params(module: nn.Module) -> list[inspect.Parameter]:
         return []
 
 
+def _takes_rope(module: nn.Module) -> bool:
+    return any(p.name == "position_embeddings" for p in _params(module))
+
+
 def _int_attr(obj, *names):
     for n in names:
         v = getattr(obj, n, None)
@@ -202,8 +206,10 @@ def _probe_copy(module: nn.Module, spec: AttentionSpec):
     mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
     mask[1, :, :, 1] = low  # a padded key in the second sequence
     kwargs = {"attention_mask": mask}
-    if spec.rotary_dim:  # random, not true cos/sin: any convention other than rotate-half shows
-        shape = (_BATCH, _SEQ, spec.rotary_dim)
+    if spec.rotary_dim or _takes_rope(module):
+        # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
+        # rotates when the spec says it does not (a NoPE guess) cannot match.
+        shape = (_BATCH, _SEQ, spec.rotary_dim or spec.head_dim)
         kwargs["position_embeddings"] = (_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
     return probe, x, kwargs
 
@@ -261,7 +267,7 @@ class AttentionPattern(Pattern):
         if isinstance(found, Skip):
             return found
         positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
-        return self._search(module, projs, found, positional, "position_embeddings" in names)
+        return self._search(module, projs, found, positional, _takes_rope(module))
 
     # -- what is never fused -------------------------------------------------------------
     @staticmethod
@@ -273,6 +279,10 @@ class AttentionPattern(Pattern):
             cap = getattr(module, attr, None)
             if cap is not None:
                 return f"attention logit softcapping ({attr}={cap}): SDPA cannot apply tanh(s/c)·c to the scores"
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            # A short probe cannot see it: the factor is 1 for the first floor_scale positions.
+            return ("attention temperature tuning (Llama 4's NoPE layers): queries are scaled by position "
+                    "beyond floor_scale tokens, which SDPA is not told")
         for arg in _UNSUPPORTED_ARGS:
             if arg in arg_names:
                 return f"forward takes {arg!r} (ALiBi / position bias): not reproduced by SDPA"
@@ -314,7 +324,8 @@ class AttentionPattern(Pattern):
         for out, layout, qkv, (heads, kv, d) in _shapes(module, projs):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
-                    for rd in _rotary_dims(module, d) if takes_rope else (0,):
+                    # Last, no rotary at all: NoPE layers take position embeddings and ignore them (SmolLM3).
+                    for rd in [*_rotary_dims(module, d), 0] if takes_rope else (0,):
                         spec = AttentionSpec(
                             layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
                             scaling=_scaling(module, d), rotary_dim=rd, **norm_roles, out_dropout=out_child,
