@@ -25,6 +25,7 @@ ARCHS = {
     "gemma2": (dict(_LLAMA_LIKE, head_dim=16, sliding_window=6), "eager"),  # HF refuses sdpa for Gemma-2
     "phi3": (dict(_LLAMA_LIKE, partial_rotary_factor=0.5), "sdpa"),
     "smollm3": (dict(_LLAMA_LIKE, no_rope_layers=[1, 0]), "sdpa"),  # the second layer has no rotary (NoPE)
+    "glm4": (dict(_LLAMA_LIKE, partial_rotary_factor=0.5), "sdpa"),  # adjacent channels rotate together, half the head
     "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), "eager"),
     "gpt_neox": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                       rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
@@ -39,6 +40,7 @@ EXPECTED = {
     "gemma2": {"rms_norm": 9, "gated_mlp": 2},  # four norms per layer + final
     "phi3": {"rms_norm": 5, "gated_mlp": 2},
     "smollm3": {"rms_norm": 5, "gated_mlp": 2},
+    "glm4": {"rms_norm": 9, "gated_mlp": 2},  # + post-attention and post-MLP norms per layer
     "gpt2": {"layer_norm": 5, "mlp": 2},
     "gpt_neox": {"layer_norm": 5, "mlp": 2},
 }

@@ -215,3 +215,30 @@ def test_nope_layer_fuses_without_rotary_unless_it_scales_queries_by_position(tu
         assert isinstance(spec, Skip) and "temperature tuning" in spec.reason
     else:
         assert not isinstance(spec, Skip) and spec.rotary_dim == 0
+
+
+def test_cohere_interleaved_rotary_matches_with_cache():
+    """Cohere rotates adjacent channels with per-channel cos/sin: fused through rotate-half's order
+    and back, so the loss, every gradient and the KV cache's keys are the unfused ones."""
+    cfg = AutoConfig.for_model("cohere2", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference", exclude=["lm_head_loss"])  # Cohere scales its logits
+    specs = [m.spec for m in fused.modules() if isinstance(m, FusedAttention)]
+    assert len(specs) == 2 and all(s.rotary_interleave == "pairs" for s in specs)
+    ids, mask, labels = batch(padded=True)
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    a.loss.backward(), b.loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=n)
+    ref.eval(), fused.eval()
+    with torch.no_grad():
+        ca = ref(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        cb = fused(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        for la, lb in zip(ca.layers, cb.layers):
+            torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-6)

@@ -80,6 +80,10 @@ class AttentionSpec:
     head_dim: int
     scaling: float
     rotary_dim: int = 0  # rope on the first rotary_dim channels of each head; 0: no rotary
+    # Which channels rotate together: None, channel i with i + rotary_dim/2 (Llama's rotate-half);
+    # "pairs", channels 2i and 2i+1 with cos/sin given per channel (Cohere); "half", pairs again with
+    # the first half of cos/sin repeated per pair (GLM).
+    rotary_interleave: str | None = None
     q_norm: str | None = None
     k_norm: str | None = None
     norm_per_head: bool = True  # q/k norm over head_dim (Qwen3) or over all heads at once (OLMo2)
@@ -88,6 +92,16 @@ class AttentionSpec:
     is_causal: bool = True  # causal when no mask is given (the sdpa path's convention)
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
+
+
+def _deinterleave(x: Tensor) -> Tensor:
+    """Channels (0, 1, 2, 3, ...) → (0, 2, ..., 1, 3, ...)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def _interleave(x: Tensor) -> Tensor:
+    """The inverse of ``_deinterleave``."""
+    return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
 
 
 def _submodule_names(spec: AttentionSpec) -> list[str]:
@@ -160,7 +174,17 @@ class FusedAttention(FusedModule):
         return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
 
     def _rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
-        rd = self.spec.rotary_dim
+        rd, pairs = self.spec.rotary_dim, self.spec.rotary_interleave
+        if pairs is not None:
+            # Adjacent channels rotate together: de-interleave them into rotate-half's order (evens,
+            # then odds), rope there, and interleave back, so q and k (and any cache) keep their layout.
+            cos, sin = (_deinterleave(t) if pairs == "pairs" else t[..., : rd // 2].repeat(*(1,) * (t.dim() - 1), 2)
+                        for t in (cos, sin))
+            qr, kr = F.rope(_deinterleave(q[..., :rd]), _deinterleave(k[..., :rd]), cos, sin, backend=self.backend)
+            qr, kr = _interleave(qr), _interleave(kr)
+            if rd == q.shape[-1]:
+                return qr, kr
+            return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
         if rd == q.shape[-1]:
             return F.rope(q, k, cos, sin, backend=self.backend)
         # Partial rotary: rope on the leading rd channels, the rest pass through.

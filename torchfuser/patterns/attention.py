@@ -104,6 +104,15 @@ def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
     return list(dict.fromkeys(d for d in dims if d % 2 == 0))
 
 
+def _rotary_guesses(module: nn.Module, head_dim: int):
+    """(rotary width, interleave) to try: rotate-half at each width, then adjacent pairs (Cohere,
+    GLM), and last no rotary at all (NoPE layers take position embeddings and ignore them)."""
+    dims = _rotary_dims(module, head_dim)
+    yield from ((rd, None) for rd in dims)
+    yield from ((rd, pairs) for rd in dims for pairs in ("pairs", "half"))
+    yield 0, None
+
+
 def _hint_rank(names, roles) -> int:
     """How many names disagree with the role letters (q/k/v, o): orders guesses, decides nothing."""
     words = {"q": ("q", "query"), "k": ("k", "key"), "v": ("v", "value"), "o": ("o_", "out", "c_proj", "dense", "wo")}
@@ -324,12 +333,12 @@ class AttentionPattern(Pattern):
         for out, layout, qkv, (heads, kv, d) in _shapes(module, projs):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
-                    # Last, no rotary at all: NoPE layers take position embeddings and ignore them (SmolLM3).
-                    for rd in [*_rotary_dims(module, d), 0] if takes_rope else (0,):
+                    for rd, pairs in _rotary_guesses(module, d) if takes_rope else ((0, None),):
                         spec = AttentionSpec(
                             layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
-                            scaling=_scaling(module, d), rotary_dim=rd, **norm_roles, out_dropout=out_child,
-                            is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
+                            scaling=_scaling(module, d), rotary_dim=rd, rotary_interleave=pairs, **norm_roles,
+                            out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
+                            positional=positional, keep=buffers,
                         )
                         reason = _check(module, spec, training=False)
                         budget -= 1
