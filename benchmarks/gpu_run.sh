@@ -32,6 +32,7 @@ for stage in "$@"; do
     lce-probe) timeout 240 python3 benchmarks/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
     ops-small) timeout 200 python3 benchmarks/ops.py --device cuda --ops rms_norm,layer_norm,swiglu,geglu,gelu,rope --out "$OUT/ops.jsonl" ;;
     gated-probe) timeout 150 python3 benchmarks/gated_probe.py --out "$OUT/gated-probe.jsonl" ;;
+    host-profile) timeout 200 python3 benchmarks/host_profile.py --model qwen05b --variants eager torchfuser --out "$OUT/host-profile.txt" ;;
     host-probe) timeout 90 python3 benchmarks/host_path_probe.py --profile layer_norm --out "$OUT/host-path.jsonl" ;;
     ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
     proj-tests) timeout 120 python3 -m pytest -p no:cacheprovider tests/test_projections.py ;;
