@@ -35,6 +35,7 @@ for stage in "$@"; do
     host-profile) timeout 200 python3 benchmarks/host_profile.py --model qwen05b --variants eager torchfuser --out "$OUT/host-profile.txt" ;;
     host-probe) timeout 90 python3 benchmarks/host_path_probe.py --profile layer_norm --out "$OUT/host-path.jsonl" ;;
     ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
+    arch-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_architectures.py -k triton_backend ;;
     proj-tests) timeout 120 python3 -m pytest -p no:cacheprovider tests/test_projections.py ;;
     sdpa-probe) timeout 120 python3 benchmarks/sdpa_probe.py --out "$OUT/sdpa-probe.jsonl" ;;
     proj-probe) timeout 120 python3 benchmarks/projection_probe.py --out "$OUT/projection-probe.jsonl" ;;
