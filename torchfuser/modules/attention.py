@@ -104,6 +104,15 @@ def _interleave(x: Tensor) -> Tensor:
     return x.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
 
 
+def _pairs_in_half_order(t: Tensor, pairs: str, rd: int) -> Tensor:
+    """cos or sin for de-interleaved channels: given per channel ("pairs"), or its first half
+    standing for both channels of each pair ("half")."""
+    if pairs == "pairs":
+        return _deinterleave(t)
+    half = t[..., : rd // 2]
+    return torch.cat([half, half], dim=-1)
+
+
 def _submodule_names(spec: AttentionSpec) -> list[str]:
     names = (*spec.qkv, spec.out, spec.q_norm, spec.k_norm, *spec.keep)
     return [n for n in names if n is not None]
@@ -178,8 +187,7 @@ class FusedAttention(FusedModule):
         if pairs is not None:
             # Adjacent channels rotate together: de-interleave them into rotate-half's order (evens,
             # then odds), rope there, and interleave back, so q and k (and any cache) keep their layout.
-            cos, sin = (_deinterleave(t) if pairs == "pairs" else t[..., : rd // 2].repeat(*(1,) * (t.dim() - 1), 2)
-                        for t in (cos, sin))
+            cos, sin = _pairs_in_half_order(cos, pairs, rd), _pairs_in_half_order(sin, pairs, rd)
             qr, kr = F.rope(_deinterleave(q[..., :rd]), _deinterleave(k[..., :rd]), cos, sin, backend=self.backend)
             qr, kr = _interleave(qr), _interleave(kr)
             if rd == q.shape[-1]:
