@@ -26,6 +26,14 @@ ARCHS = {
     "phi3": (dict(_LLAMA_LIKE, partial_rotary_factor=0.5), "sdpa"),
     "smollm3": (dict(_LLAMA_LIKE, no_rope_layers=[1, 0]), "sdpa"),  # the second layer has no rotary (NoPE)
     "glm4": (dict(_LLAMA_LIKE, partial_rotary_factor=0.5), "sdpa"),  # adjacent channels rotate together, half the head
+    "olmo2": (dict(_LLAMA_LIKE), "sdpa"),  # norms after attention and MLP, q/k norms over all heads
+    "gemma3_text": (dict(_LLAMA_LIKE, head_dim=16, sliding_window=6), "sdpa"),
+    "exaone4": (dict(_LLAMA_LIKE), "sdpa"),
+    "seed_oss": (dict(_LLAMA_LIKE, attention_dropout=0.0, residual_dropout=0.0), "sdpa"),  # dropouts: test_attention
+    "stablelm": (dict(_LLAMA_LIKE), "sdpa"),  # partial rotary, LayerNorm
+    "starcoder2": (dict(_LLAMA_LIKE, residual_dropout=0.0, embedding_dropout=0.0), "sdpa"),
+    "opt": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
+                 dropout=0.0), "sdpa"),
     "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), "eager"),
     "gpt_neox": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                       rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
@@ -41,6 +49,13 @@ EXPECTED = {
     "phi3": {"rms_norm": 5, "gated_mlp": 2},
     "smollm3": {"rms_norm": 5, "gated_mlp": 2},
     "glm4": {"rms_norm": 9, "gated_mlp": 2},  # + post-attention and post-MLP norms per layer
+    "olmo2": {"rms_norm": 9, "gated_mlp": 2},  # + q/k norms
+    "gemma3_text": {"rms_norm": 13, "gated_mlp": 2},  # four norms a layer, q/k norms, final
+    "exaone4": {"rms_norm": 9, "gated_mlp": 2},
+    "seed_oss": {"rms_norm": 5, "gated_mlp": 2},
+    "stablelm": {"layer_norm": 5, "gated_mlp": 2},
+    "starcoder2": {"layer_norm": 5, "mlp": 2},
+    "opt": {"layer_norm": 5},  # its MLP is two Linear children of the decoder layer: no MLP module to swap
     "gpt2": {"layer_norm": 5, "mlp": 2},
     "gpt_neox": {"layer_norm": 5, "mlp": 2},
 }

@@ -125,6 +125,10 @@ def test_gpt2_cross_attention_is_skipped():
     ("gpt2", dict(attn_pdrop=0.3, resid_pdrop=0.2)),
     ("llama", dict(attention_dropout=0.3)),
     ("gpt_neox", dict(attention_dropout=0.3)),
+    # Functional dropouts after the MLP's last projection (a float p attribute, no Dropout child):
+    # fused without them, training lost its MLP dropout.
+    ("seed_oss", dict(attention_dropout=0.1, residual_dropout=0.1)),
+    ("starcoder2", dict(residual_dropout=0.2)),
 ])
 def test_dropout_in_training_behaves_as_before(model_type, overrides):
     # Under sdpa the original draws its dropout masks in the same calls, in the same order, so

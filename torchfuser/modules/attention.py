@@ -20,7 +20,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F
-from torchfuser.modules.base import FusedModule, adopt, hand_back, host_reads_allowed
+from torchfuser.modules.base import FusedModule, adopt, apply_dropout, hand_back, host_reads_allowed, keep_dropout
 from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
@@ -124,12 +124,7 @@ class FusedAttention(FusedModule):
     def __init__(self, original: nn.Module, spec: AttentionSpec, backend: str = "auto"):
         super().__init__(spec, backend)
         wanted = set(_submodule_names(spec))
-        for name in (spec.dropout, spec.out_dropout):
-            value = None if name is None else getattr(original, name)
-            if isinstance(value, nn.Module):
-                wanted.add(name)
-            elif name is not None:  # a float p, read by the original forward from the same attribute
-                setattr(self, name, float(value))
+        wanted.update(n for n in (keep_dropout(self, original, spec.dropout), keep_dropout(self, original, spec.out_dropout)) if n)
         # In the original's order, so that state_dict keys come out in the same order too.
         order = [*original._parameters, *original._buffers, *original._modules]
         adopt(self, original, [n for n in order if n in wanted])
@@ -242,7 +237,4 @@ class FusedAttention(FusedModule):
                 self, q, k, v, mask, dropout=self._dropout_p(), scaling=s.scaling, is_causal=False if eager else None
             )
         out = getattr(self, s.out)(out.reshape(*lead, -1).contiguous())
-        if s.out_dropout is not None:
-            drop = getattr(self, s.out_dropout)
-            out = drop(out) if isinstance(drop, nn.Module) else nn.functional.dropout(out, drop, self.training)
-        return out, None
+        return apply_dropout(self, s.out_dropout, out), None

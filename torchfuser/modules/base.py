@@ -57,6 +57,26 @@ def adopt(fused: nn.Module, original: nn.Module, names) -> None:
         raise AttributeError(f"{type(original).__name__} has no parameter, buffer or submodule {sorted(missing)}")
 
 
+def keep_dropout(fused: nn.Module, original: nn.Module, name: str | None) -> str | None:
+    """A dropout the fused module applies where the original did: an ``nn.Dropout`` child (returned,
+    to be adopted) or a float attribute holding p, which the original passes to a functional
+    dropout (copied here; None is returned)."""
+    if name is None:
+        return None
+    value = getattr(original, name)
+    if isinstance(value, nn.Module):
+        return name
+    setattr(fused, name, float(value))
+    return None
+
+
+def apply_dropout(module: nn.Module, name: str | None, x):
+    if name is None:
+        return x
+    drop = getattr(module, name)
+    return drop(x) if isinstance(drop, nn.Module) else nn.functional.dropout(x, drop, module.training)
+
+
 def hand_back(fused: nn.Module, original: nn.Module) -> None:
     """Give ``original`` whatever ``fused`` now holds under the adopted names: after ``.to()``,
     re-tying or a swapped child, the original must see the current objects, not stale ones."""

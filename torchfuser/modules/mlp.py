@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from torchfuser import functional as F
-from torchfuser.modules.base import FusedModule, adopt
+from torchfuser.modules.base import FusedModule, adopt, apply_dropout, keep_dropout
 from torchfuser.modules.projections import joint
 
 
@@ -22,6 +22,7 @@ class GatedMLPSpec:
     up: str | None = None
     gate_up: str | None = None
     gate_first: bool = True  # order of the halves of gate_up's output
+    dropout: str | None = None  # after down: an nn.Dropout child or a float p attribute (Seed-OSS)
     keep: tuple[str, ...] = ()  # other parameter-free submodules kept for state and repr
 
 
@@ -32,14 +33,14 @@ class MLPSpec:
     fc_in: str
     fc_out: str
     approximate: str  # "none" (erf GELU) or "tanh"
-    dropout: str | None = None
+    dropout: str | None = None  # after fc_out: an nn.Dropout child or a float p attribute (Starcoder2)
     keep: tuple[str, ...] = ()
 
 
 class FusedGatedMLP(FusedModule):
     def __init__(self, original: nn.Module, spec: GatedMLPSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        names = (spec.gate, spec.up, spec.gate_up, spec.down) + spec.keep
+        names = (spec.gate, spec.up, spec.gate_up, spec.down, keep_dropout(self, original, spec.dropout)) + spec.keep
         adopt(self, original, [n for n in names if n is not None])
         self._act = F.swiglu if spec.activation == "silu" else F.geglu
 
@@ -56,17 +57,16 @@ class FusedGatedMLP(FusedModule):
         else:
             up, gate = packed.chunk(2, dim=-1)
             h = self._act(gate, up, backend=self.backend)
-        return getattr(self, s.down)(h)
+        return apply_dropout(self, s.dropout, getattr(self, s.down)(h))
 
 
 class FusedMLP(FusedModule):
     def __init__(self, original: nn.Module, spec: MLPSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        names = (spec.fc_in, spec.fc_out, spec.dropout) + spec.keep
+        names = (spec.fc_in, spec.fc_out, keep_dropout(self, original, spec.dropout)) + spec.keep
         adopt(self, original, [n for n in names if n is not None])
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
         h = F.gelu(getattr(self, s.fc_in)(x), s.approximate, backend=self.backend)
-        h = getattr(self, s.fc_out)(h)
-        return h if s.dropout is None else getattr(self, s.dropout)(h)
+        return apply_dropout(self, s.dropout, getattr(self, s.fc_out)(h))

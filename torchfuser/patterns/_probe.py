@@ -82,6 +82,13 @@ def small_projection(module: nn.Module, n_in: int, n_out: int, gen: torch.Genera
     return small.requires_grad_(False)
 
 
+def float_dropouts(module: nn.Module) -> list[str]:
+    """Float attributes that look like dropout probabilities (read by functional dropouts in the
+    forward), ``attention_dropout`` first."""
+    names = [n for n, v in vars(module).items() if "dropout" in n and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return sorted(names, key=lambda n: n != "attention_dropout")
+
+
 def run(probe: nn.Module, *args):
     with torch.no_grad():
         out = probe(*args)

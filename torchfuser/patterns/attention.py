@@ -169,17 +169,11 @@ def _norm_roles(module, norms, heads, kv, d):
             yield dict(q_norm=qn, k_norm=kn, norm_per_head=False)
 
 
-def _float_dropouts(module: nn.Module) -> list[str]:
-    """Float attributes that look like dropout probabilities, ``attention_dropout`` first."""
-    names = [n for n, v in vars(module).items() if "dropout" in n and isinstance(v, (int, float)) and not isinstance(v, bool)]
-    return sorted(names, key=lambda n: n != "attention_dropout")
-
-
 def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None):
     """(attention-prob dropout, output dropout) pairs given the output Dropout child the eval probe
     found. The prob dropout is a float attribute or another Dropout child (its ``.p``); without an
     output child, a float attribute may be a functional dropout on the output (Starcoder2)."""
-    floats = _float_dropouts(module)
+    floats = _probe.float_dropouts(module)
     probs = [*floats, *(n for n in drops if n != out_child), None]
     outs = [out_child] if out_child is not None else [None, *floats]
     for out in outs:
@@ -205,7 +199,7 @@ def _probe_copy(module: nn.Module, spec: AttentionSpec):
     drops = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
     for i, n in enumerate(drops):
         probe._modules[n] = _ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i)
-    for i, n in enumerate(_float_dropouts(module)):
+    for i, n in enumerate(_probe.float_dropouts(module)):
         probe.__dict__[n] = 0.2 + 0.1 * i
     for n, b in module._buffers.items():
         if b is not None:

@@ -8,6 +8,7 @@ the formula exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,38 @@ def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int,
         return small, x, Skip(f"probe forward failed: {type(err).__name__}: {err}")
 
 
+def _in_training(module: nn.Module, spec, small: dict, fused_cls):
+    """``spec`` with the dropout ``module`` applies in training, or a Skip. The probe copy runs in
+    training mode against the fused module from one seed; every dropout gets a p of its own, even
+    one configured at 0 (a functional dropout reads its p at each call, so p = 0 today says nothing
+    about tomorrow). Candidates after the last projection: the one the eval probe found, none, each
+    Dropout child, each float attribute named like a dropout probability (Seed-OSS, Starcoder2)."""
+    gen = _probe.generator(6)
+    probe = _probe.shallow_copy(module)
+    probe._modules.update(small)
+    children = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
+    floats = _probe.float_dropouts(module)
+    for i, n in enumerate(children):
+        probe._modules[n] = nn.Dropout(0.15 + 0.1 * i)
+    for i, n in enumerate(floats):
+        probe.__dict__[n] = 0.2 + 0.1 * i
+    probe.training = True
+    x = _probe.randn(_probe.PROBE_ROWS, _H, gen=gen)
+    for name in dict.fromkeys([spec.dropout, None, *children, *floats]):
+        candidate = dataclasses.replace(spec, dropout=name)
+        fused = fused_cls(probe, candidate, "reference")
+        fused.training = True
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            want = type(probe).forward(probe, x)  # the class's forward: no hooks
+            torch.manual_seed(0)
+            got = fused(x)
+        if _probe.close(got, want):
+            return candidate
+    return Skip("in training its output differs from the fused MLP with any dropout found after the last "
+                "projection (a dropout elsewhere, or another training-only step)")
+
+
 class GatedMLPPattern(Pattern):
     name = "gated_mlp"
     description = "down(act(gate(x))·up(x)), SiLU → swiglu, tanh-GELU → geglu"
@@ -98,8 +131,6 @@ class GatedMLPPattern(Pattern):
             widths = {gate_up: (_H, 2 * _I), down: (_I, _H)}
         if parts.others:
             return Skip(f"unrecognised submodules {parts.others}")
-        if parts.dropout is not None:
-            return Skip("gated MLP with dropout is not fused")
         if parts.act_kind not in ("silu", "gelu_tanh"):
             return Skip(f"activation {parts.act_kind} has no fused gated kernel (silu and tanh-GELU do)")
         small, x, y = _probe_module(module, parts, widths)
@@ -112,9 +143,11 @@ class GatedMLPPattern(Pattern):
                 g, u = (g, u) if layout["gate_first"] else (u, g)
             else:
                 g, u = small[layout["gate"]](x), small[layout["up"]](x)
-            if _probe.close(y, small[down](act(g) * u)):
-                return GatedMLPSpec(activation=parts.act_kind, down=down, keep=(parts.act,), **layout)
-        return Skip("forward does not compute down(act(gate(x))·up(x))")
+            mark = 3.0 if parts.dropout is not None else 1.0  # the eval probe's stand-in for a Dropout child
+            if _probe.close(y, mark * small[down](act(g) * u)):
+                spec = GatedMLPSpec(activation=parts.act_kind, down=down, dropout=parts.dropout, keep=(parts.act,), **layout)
+                return _in_training(module, spec, small, FusedGatedMLP)
+        return Skip("forward does not compute down(act(gate(x))·up(x)) (then dropout)")
 
 
 class MLPPattern(Pattern):
@@ -144,4 +177,5 @@ class MLPPattern(Pattern):
         if not _probe.close(y, expected):
             return Skip("forward does not compute fc_out(gelu(fc_in(x))) (then dropout)")
         approximate = "tanh" if parts.act_kind == "gelu_tanh" else "none"
-        return MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,))
+        spec = MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,))
+        return _in_training(module, spec, small, FusedMLP)
