@@ -173,3 +173,25 @@ def test_gradient_checkpointing_gives_the_unfused_gradients(backend, reentrant):
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_pattern_that_fails_on_a_module_skips_it_with_the_reason(monkeypatch):
+    """An unforeseen module (transformers' per-layer configs raise on some attribute reads) must not
+    stop the optimization of the rest of the model."""
+    from torchfuser.patterns.norms import RMSNormPattern
+
+    real = RMSNormPattern.match
+
+    def match(self, module):
+        if getattr(module, "_boom", False):
+            raise RuntimeError("per-layer attribute")
+        return real(self, module)
+
+    monkeypatch.setattr(RMSNormPattern, "match", match)
+    model = tiny_llama()
+    model.model.norm._boom = True
+    torchfuser.optimize(model, backend="reference")
+    rep = torchfuser.report(model)
+    entry = next(e for e in rep.entries if e.name == "model.norm")
+    assert entry.fused is None and entry.reason == "could not be examined (RuntimeError: per-layer attribute)"
+    assert rep.counts()["rms_norm"] == {"fused": 4, "skipped": 1}

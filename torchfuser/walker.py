@@ -64,7 +64,11 @@ def find(model: nn.Module, patterns: list[Pattern]):
             if isinstance(module, FusedModule):
                 continue
             for pattern in patterns:
-                result = pattern.match(module)
+                try:
+                    result = pattern.match(module)
+                except Exception as err:  # an unforeseen module must not stop the model's optimization
+                    log.warning("torchfuser: %s pattern failed on %s: %r", pattern.name, name or "(model)", err)
+                    result = Skip(f"could not be examined ({type(err).__name__}: {err})")
                 if result is not None:
                     why = _not_plain(pattern.parameters_used(module))
                     result = Skip(why) if why else result

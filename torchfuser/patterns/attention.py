@@ -68,7 +68,10 @@ def _takes_rope(module: nn.Module) -> bool:
 
 def _int_attr(obj, *names):
     for n in names:
-        v = getattr(obj, n, None)
+        try:
+            v = getattr(obj, n, None)
+        except Exception:  # e.g. transformers' per-layer configs refuse global reads of per-layer fields
+            v = None
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return None
