@@ -180,3 +180,35 @@ def test_strict_raises_before_changing_anything():
     with pytest.raises(ValueError, match="parts.1: forward does not compute"):
         torchfuser.optimize(block, strict=True, backend="reference")
     assert isinstance(block.parts[0], ScaleNorm)
+
+
+class DropoutGatedMLP(nn.Module):
+    """A gated MLP with a dropout: a child after down, or a functional one reading a float p
+    (before down when ``early``, which the fused module does not reproduce)."""
+
+    def __init__(self, d=16, inner=24, child=False, early=False):
+        super().__init__()
+        self.gate, self.up, self.down, self.act = (nn.Linear(d, inner), nn.Linear(d, inner), nn.Linear(inner, d), nn.SiLU())
+        self.drop = nn.Dropout(0.1) if child else None
+        self.hidden_dropout, self.early = 0.0, early  # p = 0 today: still a dropout once configured
+
+    def forward(self, x):
+        h = self.act(self.gate(x)) * self.up(x)
+        if self.early:
+            h = nn.functional.dropout(h, self.hidden_dropout, self.training)
+        y = self.down(h)
+        if self.drop is not None:
+            return self.drop(y)
+        return y if self.early else nn.functional.dropout(y, self.hidden_dropout, self.training)
+
+
+def test_gated_mlp_dropouts_found_by_the_training_probe():
+    block = Block(DropoutGatedMLP(child=True), DropoutGatedMLP(), DropoutGatedMLP(early=True))
+    torchfuser.optimize(block, backend="reference")
+    assert isinstance(block.parts[0], FusedGatedMLP) and block.parts[0].spec.dropout == "drop"
+    assert isinstance(block.parts[1], FusedGatedMLP) and block.parts[1].spec.dropout == "hidden_dropout"
+    assert not isinstance(block.parts[2], FusedGatedMLP)
+    assert "in training its output differs" in torchfuser.report(block).skipped[0].reason
+    block.parts[1].hidden_dropout = 0.5  # the fused module reads its own copy of p, as the original did its attribute
+    block.train()
+    assert (block.parts[1](torch.randn(64, 16)) == 0).any()
