@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import torchfuser
 from torchfuser.modules import FusedLMHeadLoss
@@ -149,12 +149,22 @@ def _tiny(model_type, **kw):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-@pytest.mark.parametrize("model_type,attr", [("cohere", "logit_scale"), ("granite", "logits_scaling")])
-def test_unknown_logit_scaling_is_skipped(model_type, attr):
-    model = _tiny(model_type)
+class ShiftedLlamaForCausalLM(LlamaForCausalLM):
+    """A logit transform that is no scale (logits + 1): the measured transform must say so."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        out.logits = out.logits + 1.0
+        return out
+
+
+def test_a_logit_transform_that_is_no_scale_is_skipped():
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=128)
+    model = ShiftedLlamaForCausalLM(cfg)
     torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"])
     (entry,) = torchfuser.report(model).entries
-    assert entry.name == "" and not entry.is_fused and attr in entry.reason
+    assert not entry.is_fused and "not as a positive scale" in entry.reason
     assert "forward" not in model.__dict__
 
 
@@ -185,3 +195,45 @@ def test_data_parallel_replica_runs_its_own_modules():
     torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
     torchfuser.restore(fused)
     assert "_replicate_for_data_parallel" not in fused.__dict__ and "forward" not in fused.__dict__
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_router_loss_is_added_as_with_labels(model_type):
+    """With output_router_logits the forward adds router_aux_loss_coef · aux_loss to the loss when it
+    gets labels; the fused path calls it without labels, so it must add the same term itself."""
+    cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts=4,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts_per_tok=2,
+                               output_router_logits=True, router_aux_loss_coef=0.5, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float().train()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference", patterns=["lm_head_loss"])
+    ids = batch(padded=False)[0]
+    a, b = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert b.logits is None and a.aux_loss is not None
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    assert_same_loss_and_grads(a, b, ref, fused)
+
+
+@pytest.mark.parametrize("model_type, overrides, scale", [
+    ("cohere", dict(logit_scale=0.25), 0.25),            # logits · logit_scale
+    ("granite", dict(logits_scaling=4.0), 0.25),         # logits / logits_scaling
+    ("hyperclovax", dict(logits_scaling=0.5), 0.5),      # logits · logits_scaling: same name, other way round
+])
+def test_logit_scale_is_measured_from_the_forward_and_reproduced(model_type, overrides, scale):
+    """The logit scale is read off the model's own forward (decoder stubbed, head returning probe
+    values), not guessed from the config's attribute names, then applied as (s·h)·Wᵀ."""
+    cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **overrides)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).float().train()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference", patterns=["lm_head_loss"])
+    assert fused.__dict__["forward"].spec.logit_scale == pytest.approx(scale)
+    ids = batch(padded=False)[0]
+    a, b = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert b.logits is None
+    assert_same_loss_and_grads(a, b, ref, fused)

@@ -17,19 +17,25 @@ from torch import Tensor, nn
 from torchfuser import functional as F
 
 # What the capture head hands the model's forward in place of the logits; the forward's own
-# post-processing of these two values tells whether it does what the spec expects.
-_PROBE_LOGITS = (1.5, 45.0)
+# post-processing of these values tells what it does to logits (a scale, a softcap, or else).
+PROBE_LOGITS = (1.5, 45.0, -7.25)
 
 
 @dataclass(frozen=True)
 class LMHeadLossSpec:
-    """loss = cross_entropy(softcap(h @ W.T + b), shifted labels), as HF's ``ForCausalLMLoss``."""
+    """loss = cross_entropy(softcap(s·(h @ W.T + b)), shifted labels), as HF's ``ForCausalLMLoss``."""
 
     head: str = "lm_head"  # the nn.Linear child of the model that produces the logits
     softcap: float | None = None  # Gemma-2's final_logit_softcapping: tanh(z/c)·c
+    logit_scale: float = 1.0  # logits · s before the loss (Cohere's logit_scale, Granite's 1/logits_scaling)
+
+    def transform(self, logits: Tensor) -> Tensor:
+        """What the model's forward does to the head's output before the loss."""
+        z = logits * self.logit_scale
+        return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
 
 
-class _CaptureHead(nn.Module):
+class CaptureHead(nn.Module):
     """Stands in for the head during one fused forward: keeps its input, returns two probe logits
     per position instead of a vocabulary's worth."""
 
@@ -39,8 +45,8 @@ class _CaptureHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         self.inputs.append(hidden)
-        probe = torch.tensor(_PROBE_LOGITS, dtype=hidden.dtype, device=hidden.device)
-        return probe.expand(*hidden.shape[:-1], len(_PROBE_LOGITS)).clone()
+        probe = torch.tensor(PROBE_LOGITS, dtype=hidden.dtype, device=hidden.device)
+        return probe.expand(*hidden.shape[:-1], len(PROBE_LOGITS)).clone()
 
 
 class FusedLMHeadLoss:
@@ -99,14 +105,17 @@ class FusedLMHeadLoss:
 
     def _fused(self, original, head: nn.Linear, kwargs):
         labels = kwargs.pop("labels")
-        capture = _CaptureHead()
+        capture = CaptureHead()
         self.model._modules[self.spec.head] = capture
         try:
             out = original(**kwargs, labels=None)
         finally:
             self.model._modules[self.spec.head] = head
         self._check(out, capture)
-        hidden = capture.inputs[0]
+        hidden, bias = capture.inputs[0], head.bias
+        if self.spec.logit_scale != 1.0:  # s·(h·Wᵀ + b) = (s·h)·Wᵀ + s·b: the logits are never formed
+            hidden = hidden * self.spec.logit_scale
+            bias = None if bias is None else bias * self.spec.logit_scale
         ignore_index = kwargs.get("ignore_index", -100)
         shift = kwargs.get("shift_labels")
         if shift is None:  # tokens < n predict n; the last position has no target
@@ -114,33 +123,38 @@ class FusedLMHeadLoss:
         shift = shift.to(hidden.device)
         n_items = kwargs.get("num_items_in_batch")
         loss = F.linear_cross_entropy(
-            hidden, head.weight, shift, bias=head.bias, ignore_index=ignore_index,
+            hidden, head.weight, shift, bias=bias, ignore_index=ignore_index,
             reduction="mean" if n_items is None else "sum", softcap=self.spec.softcap, backend=self.backend,
         )
         if n_items is not None:
             loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
+        aux = None if isinstance(out, tuple) else getattr(out, "aux_loss", None)
+        if aux is not None:  # a mixture of experts' router balancing loss, added as the forward adds it with labels
+            coef = getattr(self.model, "router_aux_loss_coef", None)
+            if not isinstance(coef, (int, float)):
+                raise RuntimeError(f"lm_head_loss: {type(self.model).__name__} returns an aux_loss but has no "
+                                   "router_aux_loss_coef; run torchfuser.optimize(model, exclude=['lm_head_loss'])")
+            loss = loss + coef * aux.to(loss.device)
         if isinstance(out, tuple):  # return_dict=False: HF's tuple is (loss, logits, ...); logits left out
             return (loss,) + tuple(out[1:])
         return dataclasses.replace(out, loss=loss, logits=None)
 
-    def _check(self, out, capture: _CaptureHead) -> None:
+    def _check(self, out, capture: CaptureHead) -> None:
         """The forward must have called the head once and done to its output exactly what the spec
-        says (nothing, or the softcap). Otherwise the fused loss would be silently wrong.
+        says (its logit scale and softcap). Otherwise the fused loss would be silently wrong.
 
         The forward's code does not change between calls, so the value half of the check (which
         waits for the device) runs on the first eager call only; under torch.compile it is skipped
         (a data-dependent check would break the graph)."""
         logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
-        ok = len(capture.inputs) == 1 and isinstance(logits, Tensor) and logits.shape[-1] == len(_PROBE_LOGITS)
+        ok = len(capture.inputs) == 1 and isinstance(logits, Tensor) and logits.shape[-1] == len(PROBE_LOGITS)
         if ok and not self.values_checked and not torch.compiler.is_compiling():
-            want = torch.tensor(_PROBE_LOGITS, dtype=torch.float64)
-            if self.spec.softcap is not None:
-                want = torch.tanh(want / self.spec.softcap) * self.spec.softcap
-            got = logits.detach().reshape(-1, len(_PROBE_LOGITS)).double().cpu()
+            want = self.spec.transform(torch.tensor(PROBE_LOGITS, dtype=torch.float64))
+            got = logits.detach().reshape(-1, len(PROBE_LOGITS)).double().cpu()
             ok = self.values_checked = bool(torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=1e-2))
         if not ok:
             raise RuntimeError(
                 f"lm_head_loss: {type(self.model).__name__}.forward does not use {self.spec.head!r} the way the fused loss "
-                "assumes (one call, logits returned as computed" + (f", softcap {self.spec.softcap}" if self.spec.softcap else "")
-                + "); run torchfuser.optimize(model, exclude=['lm_head_loss'])"
+                f"assumes (one call, logits scaled by {self.spec.logit_scale:g}"
+                + (f", softcap {self.spec.softcap}" if self.spec.softcap else "") + "); run torchfuser.optimize(model, exclude=['lm_head_loss'])"
             )

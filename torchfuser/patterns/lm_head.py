@@ -9,19 +9,23 @@ installs a per-instance forward and its undo removes it; the class is never touc
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
+import torch
 from torch import nn
 
 from torchfuser.modules.base import follow_replicas, unfollow_replicas
-from torchfuser.modules.lm_head import FusedLMHeadLoss, LMHeadLossSpec
+from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, FusedLMHeadLoss, LMHeadLossSpec
+from torchfuser.patterns import _probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.modeling_outputs import BaseModelOutputWithPast
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError:  # pragma: no cover - transformers is a dependency
-    ForCausalLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = None, {}
+    ForCausalLMLoss, BaseModelOutputWithPast, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = None, None, {}
 
 # Config fields of logit transforms this pattern does not reproduce (Cohere's logit_scale,
 # Granite's logits_scaling, muP-style output multipliers, ...). Present and set → skip.
@@ -39,6 +43,76 @@ def _causal_lm_names() -> set[str]:
 
 
 _CAUSAL_LM = _causal_lm_names()
+
+
+class _StubDecoder(nn.Module):
+    """Stands in for the decoder while the model's own forward is probed: fixed final hidden states
+    and, for whatever else the forward reads of its decoder (Falcon-H1's lm_head_multiplier), the
+    real decoder's attributes."""
+
+    def __init__(self, hidden: torch.Tensor, real: nn.Module):
+        super().__init__()
+        self.hidden = hidden
+        self.__dict__["_real"] = real  # not a submodule
+
+    def forward(self, *args, **kwargs):
+        out = BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        # Fields other decoders add (a mixture of experts' router_logits): absent, as None.
+        return _OrNone(out)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_real"], name)
+
+
+class _OrNone:
+    """A decoder output whose missing fields read as None."""
+
+    def __init__(self, out):
+        self.__dict__["_out"] = out
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_out"], name, None)
+
+    def __getitem__(self, key):
+        return self.__dict__["_out"][key]
+
+
+def _probe_logits(model: nn.Module, head: str, width: int) -> torch.Tensor | None:
+    """What the model's forward makes of the head's output when the head returns PROBE_LOGITS, on
+    a shallow copy whose decoder is a stub (nothing of the model runs but its top level); None
+    where the forward does not run that way."""
+    prefix = getattr(model, "base_model_prefix", None)
+    if not isinstance(prefix, str) or not isinstance(model._modules.get(prefix), nn.Module):
+        return None
+    probe = _probe.shallow_copy(model)
+    probe._modules[prefix] = _StubDecoder(_probe.randn(1, 2, width, gen=_probe.generator(7)), model._modules[prefix])
+    probe._modules[head] = CaptureHead()
+    try:
+        with torch.no_grad():
+            out = type(model).forward(probe, input_ids=torch.zeros(1, 2, dtype=torch.long))
+    except Exception:
+        return None
+    logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
+    ok = isinstance(logits, torch.Tensor) and logits.shape[-1] == len(PROBE_LOGITS)
+    return logits.detach().reshape(-1, len(PROBE_LOGITS))[0].double() if ok else None
+
+
+def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
+    """``spec`` with the logit scale the forward applies (Cohere multiplies by logit_scale, Granite
+    divides by logits_scaling, HyperCLOVAX multiplies by it), or a Skip for any other transform."""
+    probe = torch.tensor(PROBE_LOGITS, dtype=torch.float64)
+    if spec.softcap is not None:
+        # A scale as well as the softcap would not be told apart at these values: softcap alone.
+        return spec if torch.allclose(logits, spec.transform(probe), rtol=1e-6) else Skip(
+            "the forward's logits are not the softcap of the head's output")
+    ratio = logits / probe
+    if not (torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-6) and ratio[0] > 0):
+        return Skip(f"the forward transforms the logits (head output {PROBE_LOGITS} → "
+                    f"{tuple(round(v, 4) for v in logits.tolist())}), not as a positive scale the fused loss reproduces")
+    return dataclasses.replace(spec, logit_scale=float(ratio[0]))
 
 
 class LMHeadLossPattern(Pattern):
@@ -74,14 +148,18 @@ class LMHeadLossPattern(Pattern):
         loss_type = getattr(module, "loss_type", None) or getattr(cfg, "loss_type", None)
         if loss_type not in (None, "ForCausalLM"):
             return Skip(f"loss_type {loss_type!r}; only ForCausalLM is reproduced")
-        for attr in _UNKNOWN_LOGIT_TRANSFORMS:
-            value = getattr(cfg, attr, None)
-            if value is not None:
-                return Skip(f"config.{attr}={value}: a logit scaling the fused loss does not reproduce")
         softcap = getattr(cfg, "final_logit_softcapping", None)
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
-        return LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
+        spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
+        logits = _probe_logits(module, name, head.in_features)
+        if logits is None:  # the forward would not run on a stub decoder: judge by the config
+            for attr in _UNKNOWN_LOGIT_TRANSFORMS:
+                value = getattr(cfg, attr, None)
+                if value is not None:
+                    return Skip(f"config.{attr}={value}: a logit scaling the fused loss does not reproduce")
+            return spec
+        return _with_measured_scale(spec, logits)
 
     def parameters_used(self, module):
         get_head = getattr(module, "get_output_embeddings", None)
