@@ -237,3 +237,14 @@ def test_logit_scale_is_measured_from_the_forward_and_reproduced(model_type, ove
     a, b = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
     assert b.logits is None
     assert_same_loss_and_grads(a, b, ref, fused)
+
+
+def test_a_z_loss_is_skipped_with_the_reason():
+    """Bamba adds z_loss_coefficient · mean(logsumexp(logits)²) to the loss when given labels."""
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=128)
+    model = LlamaForCausalLM(cfg)
+    model.z_loss_coefficient = 1e-4
+    torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"])
+    (entry,) = torchfuser.report(model).entries
+    assert not entry.is_fused and "z_loss_coefficient=0.0001" in entry.reason

@@ -148,6 +148,9 @@ class LMHeadLossPattern(Pattern):
         loss_type = getattr(module, "loss_type", None) or getattr(cfg, "loss_type", None)
         if loss_type not in (None, "ForCausalLM"):
             return Skip(f"loss_type {loss_type!r}; only ForCausalLM is reproduced")
+        z_loss = getattr(module, "z_loss_coefficient", None) or getattr(cfg, "z_loss_coefficient", None)
+        if isinstance(z_loss, (int, float)) and z_loss > 0:  # Bamba adds coef·mean(logsumexp²) with labels
+            return Skip(f"a z-loss on the logits (z_loss_coefficient={z_loss}) that the fused loss does not add")
         softcap = getattr(cfg, "final_logit_softcapping", None)
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
