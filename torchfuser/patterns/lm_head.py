@@ -3,9 +3,11 @@
 A candidate is a Hugging Face causal LM (``*ForCausalLM``, or any class the auto mapping lists for
 causal LM, e.g. ``GPT2LMHeadModel``) whose forward takes ``labels``. It is fused when its output
 embedding is a direct ``nn.Linear`` child as wide as the vocabulary, its loss function is HF's
-``ForCausalLMLoss``, and its config asks for no logit transform other than Gemma-2's final
-softcapping. The model cannot be replaced in its parent (it is usually the root), so ``apply``
-installs a per-instance forward and its undo removes it; the class is never touched.
+``ForCausalLMLoss``, and what its forward does to the logits is a positive scale and/or Gemma-2's
+final softcapping: measured by running the model's own forward on a shallow copy whose decoder is
+a stub and whose head returns probe values (where that cannot run, a config naming a logit
+transform means skip). The model cannot be replaced in its parent (it is usually the root), so
+``apply`` installs a per-instance forward and its undo removes it; the class is never touched.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ try:
 except ImportError:  # pragma: no cover - transformers is a dependency
     ForCausalLMLoss, BaseModelOutputWithPast, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = None, None, {}
 
-# Config fields of logit transforms this pattern does not reproduce (Cohere's logit_scale,
-# Granite's logits_scaling, muP-style output multipliers, ...). Present and set → skip.
+# Config fields of logit transforms (Cohere's logit_scale, Granite's logits_scaling, muP-style
+# output multipliers, ...): where the forward cannot be probed on a stub decoder, present and set → skip.
 _UNKNOWN_LOGIT_TRANSFORMS = (
     "logit_scale", "logits_scaling", "logit_scaling", "logits_scale", "output_logits_scale",
     "output_multiplier", "lm_head_multiplier", "logit_multiplier", "mup_width_multiplier",
