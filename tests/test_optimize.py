@@ -195,3 +195,19 @@ def test_a_pattern_that_fails_on_a_module_skips_it_with_the_reason(monkeypatch):
     entry = next(e for e in rep.entries if e.name == "model.norm")
     assert entry.fused is None and entry.reason == "could not be examined (RuntimeError: per-layer attribute)"
     assert rep.counts()["rms_norm"] == {"fused": 4, "skipped": 1}
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_a_model_saved_whole_loads_fused_and_restores(backend, tmp_path):
+    """torch.save(model) of an optimized model: it loads fused, trains the same and can be restored."""
+    model = torchfuser.optimize(tiny_llama(), backend=backend)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    (la, ga), (lb, gb) = loss_and_grads(model, ids), loss_and_grads(loaded, ids)
+    torch.testing.assert_close(lb, la, rtol=0, atol=0)
+    assert all(torch.equal(ga[n], gb[n]) for n in ga)
+    assert isinstance(loaded.model.norm, FusedRMSNorm)
+    torchfuser.restore(loaded)
+    assert not any(type(m).__name__.startswith("Fused") for m in loaded.modules())
+    assert "forward" not in loaded.__dict__

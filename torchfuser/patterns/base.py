@@ -24,6 +24,21 @@ class Applied:
     undo: Callable[[], None]
 
 
+@dataclass
+class _PutBack:
+    """Undo of a swap: the original back in its parent, holding what the fused module now holds.
+    An object, not a closure, so that a model saved whole (torch.save) keeps its undo."""
+
+    parent: nn.Module
+    attr: str
+    fused: nn.Module
+    original: nn.Module
+
+    def __call__(self) -> None:
+        hand_back(self.fused, self.original)
+        self.parent._modules[self.attr] = self.original
+
+
 class Pattern:
     """Recognises one kind of block by structure and math.
 
@@ -54,9 +69,4 @@ class Pattern:
         fused = self.build(module, spec, backend)
         fused.train(module.training)
         parent._modules[attr] = fused
-
-        def undo() -> None:
-            hand_back(fused, module)
-            parent._modules[attr] = module
-
-        return Applied(type(fused).__name__, undo)
+        return Applied(type(fused).__name__, _PutBack(parent, attr, fused, module))

@@ -117,6 +117,22 @@ def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
     return dataclasses.replace(spec, logit_scale=float(ratio[0]))
 
 
+@dataclasses.dataclass
+class _Uninstall:
+    """Undo of the per-instance forward (an object, not a closure: a model saved whole keeps it)."""
+
+    model: nn.Module
+    fused: FusedLMHeadLoss
+
+    def __call__(self) -> None:
+        unfollow_replicas(self.model)
+        if self.model.__dict__.get("forward") is self.fused:
+            if self.fused.previous is None:
+                del self.model.__dict__["forward"]
+            else:
+                self.model.__dict__["forward"] = self.fused.previous
+
+
 class LMHeadLossPattern(Pattern):
     name = "lm_head_loss"
     description = "causal-LM loss via linear_cross_entropy, full logits never materialised (training with labels)"
@@ -176,13 +192,4 @@ class LMHeadLossPattern(Pattern):
         fused = self.build(module, spec, backend)
         module.__dict__["forward"] = fused
         follow_replicas(module, fused.install_on_replica)
-
-        def undo() -> None:
-            unfollow_replicas(module)
-            if module.__dict__.get("forward") is fused:
-                if fused.previous is None:
-                    del module.__dict__["forward"]
-                else:
-                    module.__dict__["forward"] = fused.previous
-
-        return Applied(type(fused).__name__, undo)
+        return Applied(type(fused).__name__, _Uninstall(module, fused))
