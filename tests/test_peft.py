@@ -1,0 +1,71 @@
+"""LoRA adapters (PEFT) with fused models, in either order: loss and every adapter gradient as the
+unfused model's; adapters added after optimize keep the fusion, adapters added before it leave the
+blocks they sit in unfused, with the reason."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import torchfuser
+from torchfuser.modules import FusedAttention, FusedGatedMLP
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+
+
+def _base():
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _lora(model):
+    config = peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def _same_training(ref, fused):
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    a, b = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    a.loss.backward()
+    b.loss.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in n for n in grads)  # the base model is frozen
+    fused_grads = {n: p.grad for n, p in fused.named_parameters() if p.grad is not None}
+    assert list(fused_grads) == list(grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(fused_grads[n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_lora_after_optimize_keeps_the_fusion():
+    ref = _lora(_base())
+    fused = _lora(torchfuser.optimize(_base(), backend="reference"))
+    assert list(fused.state_dict()) == list(ref.state_dict())
+    fused.load_state_dict(ref.state_dict())  # the same adapter weights (their init draws differ)
+    layer = fused.base_model.model.model.layers[0]
+    assert isinstance(layer.self_attn, FusedAttention) and isinstance(layer.mlp, FusedGatedMLP)
+    assert isinstance(layer.self_attn.q_proj, peft.tuners.lora.Linear)  # run as itself inside the fused block
+    _same_training(ref, fused)
+    merged = fused.merge_and_unload()  # adapters folded into the weights: plain Linear again, still fused
+    assert isinstance(merged.model.layers[0].mlp, FusedGatedMLP)
+    ids = torch.randint(0, 128, (2, 10))
+    ref_merged = copy.deepcopy(ref).merge_and_unload()
+    torch.testing.assert_close(merged(input_ids=ids, labels=ids).loss, ref_merged(input_ids=ids, labels=ids).loss,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_lora_before_optimize_leaves_those_blocks_with_the_reason():
+    ref = _lora(_base())
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    rep = torchfuser.report(fused)
+    attention = [e for e in rep.entries if e.pattern == "attention"]
+    assert attention and all(not e.is_fused and "unrecognised submodules" in e.reason for e in attention)
+    assert rep.counts()["rms_norm"]["fused"] == 5
+    _same_training(ref, fused)
