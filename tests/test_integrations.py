@@ -49,6 +49,17 @@ def test_inspect_model_type(capsys):
     assert data["counts"]["gated_mlp"]["fused"] == 32
 
 
+@pytest.mark.parametrize("model_type", ["opt", "cohere"])
+def test_inspect_lm_head_on_the_meta_device(model_type, capsys, caplog):
+    """The LM head's logit transform is probed on the model's own forward: on the meta device OPT moves
+    the logits there (nothing to measure: the config decides), Cohere's scale is measured."""
+    with caplog.at_level("WARNING", logger="torchfuser"):
+        assert cli.main(["inspect", model_type, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["counts"]["lm_head_loss"] == {"fused": 1, "skipped": 0}
+    assert "pattern failed" not in caplog.text
+
+
 def test_inspect_config_json(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64,

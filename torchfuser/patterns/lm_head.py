@@ -95,11 +95,13 @@ def _probe_logits(model: nn.Module, head: str, width: int) -> torch.Tensor | Non
     try:
         with torch.no_grad():
             out = type(model).forward(probe, input_ids=torch.zeros(1, 2, dtype=torch.long))
+            logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
+            if not (isinstance(logits, torch.Tensor) and logits.shape[-1] == len(PROBE_LOGITS)):
+                return None
+            # Back to the CPU: some forwards move logits to the head's device (the meta device under inspect).
+            return logits.detach().reshape(-1, len(PROBE_LOGITS))[0].double().cpu()
     except Exception:
         return None
-    logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
-    ok = isinstance(logits, torch.Tensor) and logits.shape[-1] == len(PROBE_LOGITS)
-    return logits.detach().reshape(-1, len(PROBE_LOGITS))[0].double() if ok else None
 
 
 def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):

@@ -52,6 +52,8 @@ def _parts(module: nn.Module) -> _Parts | None:
     if len(acts) != 1 or len(drops) > 1:
         return None
     others = [n for n in rest if n != acts[0][0] and n not in drops]
+    if any(_probe.projection_dims(sub) for n in others for sub in module._modules[n].modules()):
+        return None  # projections inside another child: a bigger block (a decoder layer), not an MLP
     return _Parts(proj, acts[0][0], acts[0][1], drops[0] if drops else None, others)
 
 
