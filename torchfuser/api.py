@@ -1,11 +1,10 @@
 """The public entry points: optimize, restore, report."""
 from __future__ import annotations
 
-import sys
-
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, walker
+from torchfuser.modules.base import loaded_fsdp
 from torchfuser.report import FusionReport
 
 __all__ = ["optimize", "restore", "report"]
@@ -23,7 +22,7 @@ def _check_model(model) -> None:
 
 
 def _check_not_flattened(model: nn.Module) -> None:
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no model can be wrapped (and importing costs 0.5 s)
+    fsdp = loaded_fsdp()
     if fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in model.modules()):
         raise ValueError(
             "the model is already wrapped in FullyShardedDataParallel, whose flattened parameter shards "

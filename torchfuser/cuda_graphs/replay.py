@@ -3,7 +3,6 @@ call, whether a graph can serve it."""
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import weakref
 from collections import Counter
@@ -15,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_failed_capture
 from torchfuser.cuda_graphs.signature import autocast_key, param_key, split_call, tensor_key
+from torchfuser.modules.base import loaded_fsdp
 
 log = logging.getLogger("torchfuser")
 MAX_RECAPTURES = 3
@@ -25,7 +25,7 @@ def _hooked(mod: nn.Module) -> bool:
 
 
 def _fsdp2(mod: nn.Module) -> bool:
-    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing can be sharded by it
+    fsdp = loaded_fsdp()
     return fsdp is not None and isinstance(mod, getattr(fsdp, "FSDPModule", ()))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
@@ -87,6 +88,12 @@ def hand_back(fused: nn.Module, original: nn.Module) -> None:
     for name, child in fused._modules.items():
         original._modules[name] = child
     original.training = fused.training  # not .train(): the children are shared and already set
+
+
+def loaded_fsdp():
+    """``torch.distributed.fsdp`` if something imported it, else None: then no model can be wrapped
+    or sharded by it, and importing it only to check would cost 0.5 s."""
+    return sys.modules.get("torch.distributed.fsdp")
 
 
 _REPLICATE = "_replicate_for_data_parallel"
