@@ -1,13 +1,14 @@
-"""FSDP2 (``fully_shard``) with TorchFuser: the same training as unfused FSDP2, and what it costs.
+"""FSDP with TorchFuser: the same training as the unfused sharded model, and what it costs.
 
     torchrun --nproc_per_node=2 benchmarks/fsdp_check.py --out fsdp.json                   # GPUs, nccl
     torchrun --nproc_per_node=2 benchmarks/fsdp_check.py --recipe tiny --device cpu --seq 64   # gloo
 
 Each rank builds a recipe model from one seed, optimizes it (or not), shards every decoder layer
-and the root with ``fully_shard``, and trains on its own random tokens: unfused first, then fused,
-from the same initial weights. ``--precision mp-bf16`` shards with
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (no autocast); ``autocast`` keeps
-fp32 parameters under bf16 autocast. Rank 0 prints one JSON line per variant (ms/step median,
+and the root, and trains on its own random tokens: unfused first, then fused, from the same
+initial weights. ``--wrap fsdp2`` shards with ``fully_shard``; ``fsdp1`` wraps the model in
+``FullyShardedDataParallel`` (one unit per decoder layer, ``use_orig_params=True``).
+``--precision mp-bf16`` shards with bf16 parameters and fp32 gradient reduction (no autocast);
+``autocast`` keeps fp32 parameters under bf16 autocast. Rank 0 prints one JSON line per variant (ms/step median,
 tokens/s over all ranks, peak memory, losses) and the fused-vs-unfused differences: the losses
 of every step and the first step's all-gathered gradients. PASS needs the loss curves within
 ``--tolerance`` (relative) and every first-step gradient within 10 % of its largest unfused value
@@ -31,10 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: E402
 
 
-def build(recipe: str, fused: bool, precision: str, device):
+def build(recipe: str, fused: bool, precision: str, wrap: str, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = json.loads((ROOT / "recipes" / f"{recipe}.json").read_text())
@@ -46,6 +48,11 @@ def build(recipe: str, fused: bool, precision: str, device):
         model = AutoModelForCausalLM.from_config(cfg).float().train()
     if fused:
         torchfuser.optimize(model)
+    if wrap == "fsdp1":
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "mp-bf16" else None
+        layer = type(model.model.layers[0])
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer}), mixed_precision=mixed,
+                                        use_orig_params=True, device_id=device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "mp-bf16" else MixedPrecisionPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=policy)
@@ -68,7 +75,7 @@ def train(model, args, rank, device):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if step == 0:
-            first_grads = [p.grad.full_tensor().float().cpu() for p in model.parameters()]
+            first_grads = full_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -80,11 +87,20 @@ def train(model, args, rank, device):
     return losses, statistics.median(times), peak, first_grads
 
 
+def full_grads(model) -> list[torch.Tensor]:
+    """Every parameter's whole gradient on this rank (gathered from the shards)."""
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+            return [p.grad.float().cpu() for p in model.parameters()]
+    return [p.grad.full_tensor().float().cpu() for p in model.parameters()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="llama1b")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", choices=("mp-bf16", "autocast"), default="mp-bf16")
+    parser.add_argument("--wrap", choices=("fsdp2", "fsdp1"), default="fsdp2")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=2)
@@ -100,10 +116,10 @@ def main():
         torch.cuda.set_device(device)
     rows, results = [], {}
     for variant in ("fsdp", "fsdp+torchfuser"):
-        model = build(args.recipe, variant != "fsdp", args.precision, device)
+        model = build(args.recipe, variant != "fsdp", args.precision, args.wrap, device)
         losses, step_s, peak, grads = train(model, args, rank, device)
         results[variant] = (losses, grads)
-        rows.append({"variant": variant, "recipe": args.recipe, "precision": args.precision, "world": world,
+        rows.append({"variant": variant, "recipe": args.recipe, "precision": args.precision, "wrap": args.wrap, "world": world,
                      "batch_per_rank": args.batch, "seq": args.seq, "ms_per_step": round(step_s * 1e3, 2),
                      "tokens_per_s": round(world * args.batch * args.seq / step_s),
                      "peak_gib_rank0": None if peak is None else round(peak, 2), "losses": [round(x, 4) for x in losses]})

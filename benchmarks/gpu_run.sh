@@ -25,6 +25,9 @@ for stage in "$@"; do
     fsdp) for run in llama1b:mp-bf16 llama1b:autocast qwen05b:mp-bf16; do
             timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
               --recipe ${run%%:*} --precision ${run##*:} --out "$OUT/fsdp-${run%%:*}-${run##*:}.json"; done ;;
+    fsdp1) for recipe in llama1b qwen05b; do
+            timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
+              --wrap fsdp1 --recipe $recipe --out "$OUT/fsdp1-$recipe-mp-bf16.json"; done ;;
     demo) timeout 150 python3 -m torchfuser.cli demo ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;

@@ -279,19 +279,24 @@ def _plain_lce(reduction, softcap, ignore_index=-100):
     return fn
 
 
-LCE_CASES = [  # (N, H, V, bias, softcap, reduction, chunk rows or None)
-    (1, 64, 123, False, None, "mean", None),
-    (37, 64, 123, False, None, "mean", None),
-    (37, 64, 123, True, 5.0, "sum", None),
-    (37, 48, 300, True, None, "mean", 8),  # several chunks: dW accumulates across them
-    (37, 64, 123, False, 3.0, "mean", 16),
+LCE_CASES = [  # (N, H, V, bias, softcap, reduction, chunk rows or None, CE kernel block or None)
+    (1, 64, 123, False, None, "mean", None, None),
+    (37, 64, 123, False, None, "mean", None, None),
+    (37, 64, 123, True, 5.0, "sum", None, None),
+    (37, 48, 300, True, None, "mean", 8, None),  # several chunks: dW accumulates across them
+    (37, 64, 123, False, 3.0, "mean", 16, None),
+    # rows in several blocks, the last one partly masked (both passes walk them, the second backwards)
+    (37, 48, 300, True, None, "mean", 8, 64),
+    (37, 64, 123, False, 3.0, "sum", None, 32),
 ]
 
 
-@pytest.mark.parametrize("case", LCE_CASES, ids=lambda c: "N{}H{}V{}-bias{}-cap{}-{}-chunk{}".format(*c))
+@pytest.mark.parametrize("case", LCE_CASES, ids=lambda c: "N{}H{}V{}-bias{}-cap{}-{}-chunk{}-block{}".format(*c))
 @pytest.mark.parametrize("dtype", LOW)
 def test_linear_cross_entropy(case, dtype, interpreter, monkeypatch):
-    n, h, v, bias, softcap, reduction, chunk = case
+    n, h, v, bias, softcap, reduction, chunk, block = case
+    if block is not None:
+        monkeypatch.setattr(interpreter.linear_cross_entropy, "_BLOCK_V", block)
     if chunk is not None:
         itemsize, module = torch.finfo(dtype).bits // 8, interpreter.linear_cross_entropy
         monkeypatch.setattr(module, "EXTRA_BYTES", 0)
