@@ -9,7 +9,8 @@ TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor
 (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both), liger (Liger-Kernel, when installed; it patches
 transformers classes globally, so it runs last for each model). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
-parameters, and reports ms/step (median of the timed steps), tokens/s, peak memory and the
+parameters (``--precision bf16``: bf16 parameters and no autocast, as ``model.to(torch.bfloat16)``
+training runs), and reports ms/step (median of the timed steps), tokens/s, peak memory and the
 first/last loss: one JSON line per variant, then a table with ratios against eager and compile.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+c
             "compile-torchfuser", "torchfuser+compile-torchfuser", "liger")
 
 
-def build(recipe: str, device: torch.device, seed: int):
+def build(recipe: str, device: torch.device, seed: int, dtype: torch.dtype = torch.float32):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = json.loads((ROOT / "recipes" / f"{recipe}.json").read_text())
@@ -47,7 +48,7 @@ def build(recipe: str, device: torch.device, seed: int):
     torch.manual_seed(seed)
     with device:
         model = AutoModelForCausalLM.from_config(cfg)
-    return model.float().train()
+    return model.to(dtype).train()
 
 
 def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: str = "inductor"):
@@ -86,14 +87,15 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
 def run_variant(recipe, variant, args, device):
     from torchfuser.compiler import inductor_pass
 
-    model = build(recipe, device, args.seed)
+    bf16_params = args.precision == "bf16"
+    model = build(recipe, device, args.seed, torch.bfloat16 if bf16_params else torch.float32)
     passes_before = len(inductor_pass.RECENT)
     step_fn = prepare(variant, model, args.backend, args.compiled_elementwise)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not bf16_params)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     losses, times = [], []
     if device.type == "cuda":
@@ -116,7 +118,7 @@ def run_variant(recipe, variant, args, device):
         profile(step_fn, opt, batches[0], autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant.replace('+', '_')}.txt")
     ms = statistics.median(times) * 1e3
     row = {
-        "model": recipe, "variant": variant, "ms_per_step": round(ms, 2),
+        "model": recipe, "variant": variant, "precision": args.precision, "ms_per_step": round(ms, 2),
         "tokens_per_s": round(args.batch * args.seq / ms * 1e3), "peak_gib": None if peak is None else round(peak, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
         "fused_blocks": len(torchfuser.report(model).fused),
@@ -213,6 +215,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=("autocast", "bf16"), default="autocast",
+                        help="fp32 parameters under bf16 autocast, or bf16 parameters without autocast")
     parser.add_argument("--backend", default="auto", help="torchfuser backend for the torchfuser variants")
     parser.add_argument("--compiled-elementwise", default="inductor",
                         help="TORCHFUSER_COMPILED_ELEMENTWISE for the torchfuser+compile-ew variant")
