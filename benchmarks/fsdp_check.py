@@ -60,7 +60,7 @@ def build(recipe: str, fused: bool, precision: str, wrap: str, device):
     return model
 
 
-def train(model, args, rank, device):
+def train(model, args, rank, device, label):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(100 + rank)
     vocab = model.config.vocab_size
@@ -84,7 +84,31 @@ def train(model, args, rank, device):
             times.append(time.perf_counter() - start)
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if args.profile_dir:
+        profile(model, opt, ids, autocast, device, rank, Path(args.profile_dir) / f"fsdp-{args.wrap}-{args.recipe}-{label}.txt")
     return losses, statistics.median(times), peak, first_grads
+
+
+def profile(model, opt, ids, autocast, device, rank, path):
+    """Two steps under the profiler on every rank (collectives need them all); rank 0 writes the
+    ops by host time and by GPU time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    cuda = device.type == "cuda"
+    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(2):
+            with autocast:
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+    if rank == 0:
+        table = prof.key_averages()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(table.table(sort_by=key, row_limit=45, max_name_column_width=70)
+                                    for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if cuda else ())))
 
 
 def full_grads(model) -> list[torch.Tensor]:
@@ -107,6 +131,7 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument("--out")
+    parser.add_argument("--profile-dir", help="rank 0 writes a profiler table of two more steps per variant here")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -117,7 +142,7 @@ def main():
     rows, results = [], {}
     for variant in ("fsdp", "fsdp+torchfuser"):
         model = build(args.recipe, variant != "fsdp", args.precision, args.wrap, device)
-        losses, step_s, peak, grads = train(model, args, rank, device)
+        losses, step_s, peak, grads = train(model, args, rank, device, variant.replace("+", "_"))
         results[variant] = (losses, grads)
         rows.append({"variant": variant, "recipe": args.recipe, "precision": args.precision, "wrap": args.wrap, "world": world,
                      "batch_per_rank": args.batch, "seq": args.seq, "ms_per_step": round(step_s * 1e3, 2),

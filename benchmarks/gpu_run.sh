@@ -26,6 +26,8 @@ for stage in "$@"; do
     fsdp) for run in llama1b:mp-bf16 llama1b:autocast qwen05b:mp-bf16; do
             timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
               --recipe ${run%%:*} --precision ${run##*:} --out "$OUT/fsdp-${run%%:*}-${run##*:}.json"; done ;;
+    fsdp1-profile) timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
+              --wrap fsdp1 --recipe qwen05b --profile-dir "$OUT/prof" --out "$OUT/fsdp1-qwen05b-profiled.json" ;;
     fsdp1) for recipe in llama1b qwen05b; do
             timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
               --wrap fsdp1 --recipe $recipe --out "$OUT/fsdp1-$recipe-mp-bf16.json"; done ;;
