@@ -14,6 +14,8 @@ import torchfuser
 VOCAB = 128
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _LLAMA_LIKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+_GPTJ_LIKE = dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64, attn_pdrop=0.0, resid_pdrop=0.0,
+                  embd_pdrop=0.0)
 
 # model_type → (config overrides, attention implementation, patterns fused per model, skips expected)
 ARCHS = {
@@ -37,6 +39,9 @@ ARCHS = {
     "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), "eager"),
     "gpt_neox": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                       rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0), "sdpa"),
+    # Adjacent-pair rotary on half of each head, from (sin, cos) tables of one entry per pair.
+    "gptj": (dict(_GPTJ_LIKE), "eager"),
+    "codegen": (dict(_GPTJ_LIKE), "eager"),  # GPT-J's rotary; its fused qkv projection fits no layout
 }
 # What each fuses besides attention (2 layers) and lm_head_loss (1).
 EXPECTED = {
@@ -58,9 +63,12 @@ EXPECTED = {
     "opt": {"layer_norm": 5},  # its MLP is two Linear children of the decoder layer: no MLP module to swap
     "gpt2": {"layer_norm": 5, "mlp": 2},
     "gpt_neox": {"layer_norm": 5, "mlp": 2},
+    "gptj": {"layer_norm": 3, "mlp": 2},  # attention and MLP in parallel after one norm
+    "codegen": {"layer_norm": 3, "mlp": 2},
 }
-# Gemma-2's attention softcaps its logits: skipped, with the reason.
-SKIPPED_ATTENTION = {"gemma2": "softcapping"}
+# Gemma-2's attention softcaps its logits; CodeGen's qkv projection is [q|v|k] per model-parallel
+# shard, where no layout reads v: skipped, with the reason.
+SKIPPED_ATTENTION = {"gemma2": "softcapping", "codegen": "no layout reads v"}
 
 
 def make(model_type: str, **overrides) -> torch.nn.Module:

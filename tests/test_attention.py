@@ -101,7 +101,8 @@ def test_other_attention_implementation_is_skipped_and_falls_back_at_run_time():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    ("gptj", "likeliest"),  # interleaved rotary from its own tables: no layout reproduces it
+    # [q|v|k] per model-parallel shard (4 of them, 16 rows each): v sits where no layout reads it.
+    ("codegen", "'qkv_proj' holds v in its output rows 16-31, 64-79, 112-127, 160-175; no layout reads v"),
     ("bloom", "alibi"),
 ])
 def test_non_standard_attention_is_skipped(model_type, reason):
@@ -246,3 +247,27 @@ def test_cohere_interleaved_rotary_matches_with_cache():
         cb = fused(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
         for la, lb in zip(ca.layers, cb.layers):
             torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-6)
+
+
+def test_gptj_rotary_from_sin_first_pair_tables():
+    """GPT-J passes (sin, cos), one entry per rotating pair, for adjacent channels of the first
+    rotary_dim of each head: found by the probe and computed by the fused path (not the fallback)
+    on the real tables at shifted positions; tables of another width run the original."""
+    ref, fused = pair("gptj")
+    specs = [m.spec for m in fused.modules() if isinstance(m, FusedAttention)]
+    assert len(specs) == 2
+    assert all((s.rotary_dim, s.rotary_interleave, s.rotary_pair_tables, s.rotary_sin_first) == (8, "half", True, True)
+               for s in specs)
+    attn, original = fused.transformer.h[0].attn, ref.transformer.h[0].attn
+    fallbacks = []
+    attn.__dict__["_original"].register_forward_pre_hook(lambda *_: fallbacks.append(1))
+    x = torch.randn(2, 6, 64)
+    pe = ref.transformer.rotary_emb(x, torch.arange(3, 9)[None])
+    assert pe[0].shape[-1] == 4
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, position_embeddings=pe)[0], original(x, position_embeddings=pe)[0],
+                                   rtol=1e-5, atol=1e-6)
+        assert fallbacks == []
+        with pytest.raises(RuntimeError):  # the original's own shape error
+            attn(x, position_embeddings=(torch.randn(2, 6, 8), torch.randn(2, 6, 8)))
+        assert fallbacks == [1]

@@ -84,6 +84,11 @@ class AttentionSpec:
     # "pairs", channels 2i and 2i+1 with cos/sin given per channel (Cohere); "half", pairs again with
     # the first half of cos/sin repeated per pair (GLM).
     rotary_interleave: str | None = None
+    # How the model passes the tables: ``position_embeddings`` is (cos, sin), or (sin, cos) (GPT-J);
+    # each rotary_dim wide, or rotary_dim/2 with one entry per rotating pair (GPT-J; with "half",
+    # whose per-pair first half is then the whole table).
+    rotary_sin_first: bool = False
+    rotary_pair_tables: bool = False
     q_norm: str | None = None
     k_norm: str | None = None
     norm_per_head: bool = True  # q/k norm over head_dim (Qwen3) or over all heads at once (OLMo2)
@@ -92,6 +97,11 @@ class AttentionSpec:
     is_causal: bool = True  # causal when no mask is given (the sdpa path's convention)
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
+
+    @property
+    def rotary_table_dim(self) -> int:
+        """The width of cos and sin as the model passes them."""
+        return self.rotary_dim // 2 if self.rotary_pair_tables else self.rotary_dim
 
 
 def _deinterleave(x: Tensor) -> Tensor:
@@ -106,7 +116,7 @@ def _interleave(x: Tensor) -> Tensor:
 
 def _pairs_in_half_order(t: Tensor, pairs: str, rd: int) -> Tensor:
     """cos or sin for de-interleaved channels: given per channel ("pairs"), or its first half
-    standing for both channels of each pair ("half")."""
+    standing for both channels of each pair ("half"; a per-pair table is all first half)."""
     if pairs == "pairs":
         return _deinterleave(t)
     half = t[..., : rd // 2]
@@ -155,7 +165,7 @@ class FusedAttention(FusedModule):
             return True
         if self.spec.rotary_dim:
             pe = kwargs.get("position_embeddings")
-            if pe is None or pe[0].shape[-1] != self.spec.rotary_dim:
+            if pe is None or pe[0].shape[-1] != self.spec.rotary_table_dim:
                 return True
         return False
 
@@ -214,6 +224,8 @@ class FusedAttention(FusedModule):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if s.rotary_dim:
             cos, sin = kwargs["position_embeddings"]
+            if s.rotary_sin_first:
+                cos, sin = sin, cos
             q, k = self._rope(q, k, cos, sin)
         cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
         if cache is not None:

@@ -9,7 +9,9 @@ an ``AttentionSpec``; the first whose ``FusedAttention`` computes exactly what t
 forward computes on a probe wins. The probe runs both on float64 CPU copies whose projections
 are random and narrow on the model side (8 wide), whose norms are random stand-ins and whose
 dropouts are visible marks, with random cos/sin and a causal mask with padding: a wrong
-rotary convention, scaling, layout, norm or mask handling all show.
+rotary convention, scaling, layout, norm or mask handling all show. When nothing matches, a
+one-token probe traces which rows of a fused qkv projection v is read from, so that a layout no
+spec expresses (CodeGen's) is named in the skip reason rather than guessed at.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from torchfuser.patterns.base import Pattern, Skip
 
 _MODEL_WIDTH = 8  # probe width on the model side of the projections
 _BATCH, _SEQ = 2, 5
-_MAX_PROBES = 24  # eval probes per module before giving up (each is a few ms; hints put the right one first)
+# Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
+_MAX_PROBES = 24
 _UNSUPPORTED_ARGS = ("alibi", "position_bias")
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
 
@@ -107,13 +110,19 @@ def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
     return list(dict.fromkeys(d for d in dims if d % 2 == 0))
 
 
-def _rotary_guesses(module: nn.Module, head_dim: int):
-    """(rotary width, interleave) to try: rotate-half at each width, then adjacent pairs (Cohere,
-    GLM), and last no rotary at all (NoPE layers take position embeddings and ignore them)."""
+def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool):
+    """AttentionSpec rotary fields to try. With (cos, sin) tables rotary_dim wide, as most models
+    pass them: rotate-half at each width, then adjacent pairs (Cohere, GLM), and last no rotary at
+    all (NoPE layers take position embeddings and ignore them). With tables of one entry per pair:
+    adjacent pairs, (cos, sin) or (sin, cos) (GPT-J)."""
     dims = _rotary_dims(module, head_dim)
-    yield from ((rd, None) for rd in dims)
-    yield from ((rd, pairs) for rd in dims for pairs in ("pairs", "half"))
-    yield 0, None
+    if pair_tables:
+        for rd, sin_first in itertools.product(dims, (False, True)):
+            yield dict(rotary_dim=rd, rotary_interleave="half", rotary_pair_tables=True, rotary_sin_first=sin_first)
+        return
+    yield from (dict(rotary_dim=rd) for rd in dims)
+    yield from (dict(rotary_dim=rd, rotary_interleave=pairs) for rd in dims for pairs in ("pairs", "half"))
+    yield dict(rotary_dim=0)
 
 
 def _hint_rank(names, roles) -> int:
@@ -215,9 +224,59 @@ def _probe_copy(module: nn.Module, spec: AttentionSpec):
     if spec.rotary_dim or _takes_rope(module):
         # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
         # rotates when the spec says it does not (a NoPE guess) cannot match.
-        shape = (_BATCH, _SEQ, spec.rotary_dim or spec.head_dim)
+        shape = (_BATCH, _SEQ, spec.rotary_table_dim or spec.head_dim)
         kwargs["position_embeddings"] = (_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
     return probe, x, kwargs
+
+
+def _value_rows(module: nn.Module, spec: AttentionSpec):
+    """(module's, FusedAttention(spec)'s) rows of the fused qkv projection's output that v is read
+    from, in v's channel order (per query head); None where either does not run. A single token
+    attends only to itself, so the output is its own v whatever q, k, norms and rotary do: with
+    identities for the projections and the row numbers as the input, the output *is* those rows."""
+    spec = dataclasses.replace(spec, dropout=None, out_dropout=None)
+    n = _probe.projection_dims(module._modules[spec.qkv[0]])[1]
+    try:
+        probe, _, kwargs = _probe_copy(module, spec)
+        for name, m in probe._modules.items():
+            if name in (*spec.qkv, spec.out) or isinstance(m, _ProbeDropout):
+                probe._modules[name] = nn.Identity()
+        kwargs = {k: tuple(t[:1, :1] for t in v) for k, v in kwargs.items() if k == "position_embeddings"}
+        kwargs["attention_mask"] = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
+        want, got = _run_both(probe, spec, torch.arange(n, dtype=torch.float64).view(1, 1, n), kwargs, training=False)
+    except Exception:
+        return None
+    want, got = want[0].flatten(), got[0].flatten()
+    if not torch.equal(want, want.round()) or not 0 <= want.min() <= want.max() < n:
+        return None  # v is not a plain selection of the projection's rows
+    return [int(r) for r in want], [int(r) for r in got]
+
+
+def _row_runs(rows: list[int]) -> str:
+    """[0, 1, 2, 7, 8] → '0-2, 7-8'."""
+    runs = [[rows[0], rows[0]]]
+    for r in rows[1:]:
+        if r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
+def _misplaced_value(module: nn.Module, specs) -> str | None:
+    """Why no layout fits a fused qkv projection whose v sits where no layout reads it (CodeGen's
+    [q|v|k] blocks, one per model-parallel shard); None if some layout takes v from the right rows
+    (then something else differs) or there is no fused projection."""
+    mine, layouts = None, {}  # the module's rows; layout → the rows FusedAttention reads
+    for spec in specs:
+        if len(spec.qkv) == 1 and spec.layout not in layouts and (rows := _value_rows(module, spec)):
+            name = spec.qkv[0]
+            mine, layouts[spec.layout] = rows
+    if not layouts or mine in layouts.values():
+        return None
+    theirs = "; ".join(f"{layout}: {_row_runs(rows)}" for layout, rows in layouts.items())
+    return (f"fused projection {name!r} holds v in its output rows {_row_runs(mine)}; "
+            f"no layout reads v from there ({theirs})")
 
 
 def _run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
@@ -321,32 +380,48 @@ class AttentionPattern(Pattern):
         return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
 
     # -- guesses and probes ----------------------------------------------------------------
-    def _search(self, module, projs, parts, positional, takes_rope):
-        """The first spec both probes accept, else a Skip. Two stages keep the search small: the
-        eval probe fixes layout, norms, rotary width and output Dropout child; the training probe
-        then picks the dropout probabilities."""
+    @staticmethod
+    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False):
+        """Every spec the structure allows, dropout probabilities aside, likeliest first."""
         norms, drops, buffers = parts
-        first_reason, budget = None, _MAX_PROBES
         for out, layout, qkv, (heads, kv, d) in _shapes(module, projs):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
-                    for rd, pairs in _rotary_guesses(module, d) if takes_rope else ((0, None),):
-                        spec = AttentionSpec(
+                    for rotary in _rotary_guesses(module, d, pair_tables) if takes_rope else ({},):
+                        yield AttentionSpec(
                             layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
-                            scaling=_scaling(module, d), rotary_dim=rd, rotary_interleave=pairs, **norm_roles,
+                            scaling=_scaling(module, d), **rotary, **norm_roles,
                             out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
                             positional=positional, keep=buffers,
                         )
-                        reason = _check(module, spec, training=False)
-                        budget -= 1
-                        if reason is None:
-                            return self._pick_dropouts(module, spec, drops)
-                        first_reason = first_reason or reason
-                        if budget <= 0:
-                            return Skip(f"no layout matched within {_MAX_PROBES} probes (likeliest: {first_reason})")
+
+    def _search(self, module, projs, parts, positional, takes_rope):
+        """The first spec both probes accept, else a Skip. Two stages keep the search small: the
+        eval probe fixes layout, norms, rotary and output Dropout child; the training probe then
+        picks the dropout probabilities."""
+        first_reason, probes, cut = None, 0, False
+        # Rotary tables as most models pass them first, through every structure within the probe
+        # budget, so that every block that matched before matches as before; only then tables of
+        # one entry per pair (GPT-J), with a budget of their own.
+        stages = [False, True] if takes_rope else [False]
+        for pair_tables in stages:
+            for i, spec in enumerate(self._specs(module, projs, parts, positional, takes_rope, pair_tables)):
+                if i == _MAX_PROBES:
+                    cut = True
+                    break
+                reason = _check(module, spec, training=False)
+                probes += 1
+                if reason is None:
+                    return self._pick_dropouts(module, spec, parts[1])
+                first_reason = first_reason or reason
         if first_reason is None:
             return Skip("projection shapes fit no q/k/v/output layout with the head counts found")
-        return Skip(f"forward does not compute softmax(q·kᵀ·scale + mask)·v as fused (likeliest layout: {first_reason})")
+        if cut:
+            why = f"no layout matched within {probes} probes (likeliest: {first_reason})"
+        else:
+            why = f"forward does not compute softmax(q·kᵀ·scale + mask)·v as fused (likeliest layout: {first_reason})"
+        specs = (spec for p in stages for spec in self._specs(module, projs, parts, positional, takes_rope, p))
+        return Skip(_misplaced_value(module, specs) or why)
 
     @staticmethod
     def _pick_dropouts(module, spec: AttentionSpec, drops):
