@@ -35,6 +35,7 @@ for stage in "$@"; do
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;
     lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;
+    lce-ab) timeout 300 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --interleave 12 --profile-dir "$OUT/prof" --out "$OUT/ops-lce-interleaved.jsonl" ;;
     lce-probe) timeout 240 python3 benchmarks/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
     ops-small) timeout 200 python3 benchmarks/ops.py --device cuda --ops rms_norm,layer_norm,swiglu,geglu,gelu,rope --out "$OUT/ops.jsonl" ;;
     gated-probe) timeout 150 python3 benchmarks/gated_probe.py --out "$OUT/gated-probe.jsonl" ;;

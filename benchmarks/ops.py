@@ -1,5 +1,6 @@
 """Per-op benchmark: each fused op, forward and forward+backward, against eager PyTorch and
-torch.compile of the same math, with and without CUDA graphs.
+torch.compile of the same math, with and without CUDA graphs (``--interleave N``: ours against
+torch.compile alone, timed in alternation, for a same-run verdict that drift cannot decide).
 
     python benchmarks/ops.py --device cuda [--out results.jsonl] [--ops rms_norm,rope] [--budget 240]
 
@@ -24,6 +25,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -171,6 +173,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replays")
     p.add_argument("--budget", type=float, default=float("inf"), help="seconds; later compile variants are skipped past it")
     p.add_argument("--out", default=None, help="write one JSON line per row to this file")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="instead: each op's fwd+bwd, triton against compile, timed in alternation ROUNDS times")
+    p.add_argument("--profile-dir", default=None, help="with --interleave: also a GPU kernel table of each")
     a = p.parse_args(argv)
     start = time.monotonic()
     dtype = getattr(torch, a.dtype)
@@ -188,6 +193,9 @@ def main(argv=None) -> list[dict]:
     except ImportError:
         pass
     print(json.dumps({"meta": meta}), flush=True)
+    if a.interleave:
+        return interleaved(make_cases(a.device, dtype, sizes, set(a.ops.split(",")) if a.ops else None),
+                           a.interleave, a.device, not a.no_graphs, a.out, meta, a.profile_dir)
     rows = []
     out = open(a.out, "a") if a.out else None
     for case in make_cases(a.device, dtype, sizes, set(a.ops.split(",")) if a.ops else None):
@@ -233,6 +241,54 @@ def main(argv=None) -> list[dict]:
         out.close()
     _table(rows)
     return rows
+
+
+def interleaved(cases, rounds: int, device: str, graphs: bool, out_path, meta, profile_dir=None) -> list[dict]:
+    """fwd+bwd of triton and torch.compile timed alternately, the order swapped every round, so
+    that clock and thermal drift over a run fall on both alike: one row per op and graph mode with
+    both medians, the median of the per-round ratios and how many rounds triton won."""
+    rows = []
+    for case in cases:
+        fns = {"triton": case.fused, "compile": torch.compile(case.plain)}
+        for graph in [False, True] if graphs and device == "cuda" else [False]:
+            runs = {name: (graphed if graph else (lambda f: f))(runners(case, fn, "fwd+bwd")) for name, fn in fns.items()}
+            times = {name: [] for name in runs}
+            for i in range(rounds):
+                for name in (("triton", "compile") if i % 2 == 0 else ("compile", "triton")):
+                    times[name].append(bench(runs[name], device))
+            ratios = [c / t for t, c in zip(times["triton"], times["compile"])]
+            row = dict(op=case.op, shape=case.shape, mode="fwd+bwd", graphs=graph, rounds=rounds,
+                       triton_ms=round(statistics.median(times["triton"]), 4),
+                       compile_ms=round(statistics.median(times["compile"]), 4),
+                       compile_over_triton=round(statistics.median(ratios), 4),
+                       triton_faster_rounds=sum(r > 1 for r in ratios),
+                       triton_all=[round(t, 3) for t in times["triton"]], compile_all=[round(t, 3) for t in times["compile"]])
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if profile_dir and not graph:
+                for name, run in runs.items():
+                    _profile(run, Path(profile_dir) / f"{case.op}-{name}.txt")
+            del runs
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if out_path:
+        with open(out_path, "a") as f:
+            f.writelines(json.dumps({**meta, **r}) + "\n" for r in rows)
+    return rows
+
+
+def _profile(run: Callable, path: Path) -> None:
+    """Three calls of ``run`` under the profiler: its kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=80))
 
 
 def _table(rows: list[dict]) -> None:
