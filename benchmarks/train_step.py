@@ -149,7 +149,7 @@ def profile(step_fn, opt, ids, autocast, device, path):
                 torch.cuda.synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = prof.key_averages().table(sort_by=key, row_limit=70, max_name_column_width=70)
+    text = prof.key_averages().table(sort_by=key, row_limit=90, max_name_column_width=200)
     path.write_text(text + (gpu_idle(prof) if device.type == "cuda" else ""))
 
 
