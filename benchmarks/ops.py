@@ -193,12 +193,12 @@ def main(argv=None) -> list[dict]:
     except ImportError:
         pass
     print(json.dumps({"meta": meta}), flush=True)
+    cases = make_cases(a.device, dtype, sizes, set(a.ops.split(",")) if a.ops else None)
     if a.interleave:
-        return interleaved(make_cases(a.device, dtype, sizes, set(a.ops.split(",")) if a.ops else None),
-                           a.interleave, a.device, not a.no_graphs, a.out, meta, a.profile_dir)
+        return interleaved(cases, a.interleave, a.device, not a.no_graphs, a.out, meta, a.profile_dir)
     rows = []
     out = open(a.out, "a") if a.out else None
-    for case in make_cases(a.device, dtype, sizes, set(a.ops.split(",")) if a.ops else None):
+    for case in cases:
         eager_ms = {}
         for variant in variants:
             if variant == "compile" and time.monotonic() - start > a.budget:
