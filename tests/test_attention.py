@@ -15,7 +15,7 @@ from torchfuser.modules import FusedAttention
 from torchfuser.patterns import Skip
 from torchfuser.patterns.attention import AttentionPattern
 
-from test_architectures import batch, make, pair
+from test_architectures import batch, make, pair, rotary_inside
 
 VOCAB = 128
 
@@ -101,8 +101,6 @@ def test_other_attention_implementation_is_skipped_and_falls_back_at_run_time():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    # [q|v|k] per model-parallel shard (4 of them, 16 rows each): v sits where no layout reads it.
-    ("codegen", "'qkv_proj' holds v in its output rows 16-31, 64-79, 112-127, 160-175; no layout reads v"),
     ("bloom", "alibi"),
 ])
 def test_non_standard_attention_is_skipped(model_type, reason):
@@ -112,6 +110,33 @@ def test_non_standard_attention_is_skipped(model_type, reason):
     entries = attention_entries(model)
     assert entries and not any(e.is_fused for e in entries)
     assert all(reason in e.reason for e in entries), [e.reason for e in entries]
+
+
+class _ReversedValueHeads(nn.Module):
+    """A fused [q | k | v] projection whose v heads are read in reverse order."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config, self.layer_idx, self.is_causal = config, 0, True
+        self.num_heads, self.head_dim = 2, 8
+        self.qkv = nn.Linear(16, 48, bias=False)
+        self.out = nn.Linear(16, 16, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in self.qkv(hidden_states).chunk(3, dim=-1))
+        out, w = sdpa_attention_forward(self, q, k, v.flip(1), attention_mask, scaling=self.head_dim**-0.5)
+        return self.out(out.reshape(*hidden_states.shape[:-1], -1)), w
+
+
+def test_value_where_no_layout_reads_it_is_named():
+    """v's rows of a fused projection, traced by a one-token probe, fit no arrangement of q, k and v
+    in blocks: skipped with the rows v comes from (head 0 reads the last 8 of v's 16)."""
+    cfg = LlamaConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
+    cfg._attn_implementation = "sdpa"
+    skip = AttentionPattern().match(_ReversedValueHeads(cfg))
+    assert isinstance(skip, Skip)
+    assert "fused projection 'qkv' holds v in its output rows 40-47, 32-39; no layout reads v from there" in skip.reason
 
 
 def test_gpt2_cross_attention_is_skipped():
@@ -249,6 +274,7 @@ def test_cohere_interleaved_rotary_matches_with_cache():
             torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(rotary_inside(make("gptj")), reason="this transformers builds gptj's rotary inside the attention")
 def test_gptj_rotary_from_sin_first_pair_tables():
     """GPT-J passes (sin, cos), one entry per rotating pair, for adjacent channels of the first
     rotary_dim of each head: found by the probe and computed by the fused path (not the fallback)
@@ -271,3 +297,26 @@ def test_gptj_rotary_from_sin_first_pair_tables():
         with pytest.raises(RuntimeError):  # the original's own shape error
             attn(x, position_embeddings=(torch.randn(2, 6, 8), torch.randn(2, 6, 8)))
         assert fallbacks == [1]
+
+
+@pytest.mark.skipif(rotary_inside(make("codegen")), reason="this transformers builds codegen's rotary inside the attention")
+def test_codegen_qkv_in_blocks_of_q_v_k():
+    """CodeGen's fused projection holds [q | v | k] per model-parallel shard: 4 blocks, here of 2
+    heads each, found by the probe (the count from the head count, not the class) and computed by
+    the fused path (not the fallback), its gradient as the original's."""
+    ref, fused = pair("codegen", n_embd=128, n_head=8)
+    specs = [m.spec for m in fused.modules() if isinstance(m, FusedAttention)]
+    assert len(specs) == 2
+    assert all((s.layout, s.num_heads, s.qkv_blocks, s.qkv_order) == ("concat", 8, 4, ("q", "v", "k")) for s in specs)
+    attn, original = fused.transformer.h[0].attn, ref.transformer.h[0].attn
+    fallbacks = []
+    attn.__dict__["_original"].register_forward_pre_hook(lambda *_: fallbacks.append(1))
+    x = torch.randn(2, 6, 128)
+    pe = ref.transformer.rotary_emb(x, torch.arange(3, 9)[None])
+    want, got = original(x, position_embeddings=pe)[0], attn(x, position_embeddings=pe)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert fallbacks == []
+    g = torch.randn_like(want)
+    (dw_want,) = torch.autograd.grad(want, original.qkv_proj.weight, g)
+    (dw_got,) = torch.autograd.grad(got, attn.qkv_proj.weight, g)
+    torch.testing.assert_close(dw_got, dw_want, rtol=1e-4, atol=1e-6)

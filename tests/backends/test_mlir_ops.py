@@ -292,6 +292,22 @@ def test_compile_graph_refuses_outputs_that_are_neither_per_row_nor_sums():
         compile_graph(make_fx(f)(*args), args, dynamic=False)
 
 
+def test_compile_graph_refuses_outputs_that_do_not_depend_on_the_rows():
+    """Positions cast to float beside a per-row output (the graph transformers 5.17's Llama gives
+    torch.compile): from zero examples the cast looked like a sum over rows, and the kernel then
+    added it up once per row chunk (16× the positions). It must raise, not come out wrong."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchfuser.backends.mlir import compile_graph
+
+    def f(positions, ids):
+        return positions + 0, ids.to(torch.float32)
+
+    zeros = (torch.zeros(16, dtype=torch.long), torch.zeros(1, 1, 16, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="neither per-row nor a sum"):
+        compile_graph(make_fx(f)(*zeros), zeros, dynamic=False)
+
+
 def _ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """|got − ref| in f32 ulps of the float64 reference (of 2⁻¹²⁶ for results below that)."""
     scale = ref.abs().clamp_min(2.0**-126) * torch.finfo(torch.float32).eps

@@ -81,7 +81,10 @@ def _real_examples(node: Node):
             if not isinstance(v, torch.Tensor):
                 return None
             shape = [int(size_hint(s)) for s in v.shape]
-            t = torch.zeros(shape, dtype=v.dtype) if not v.is_floating_point() else torch.randn(shape).to(v.dtype)
+            if v.is_floating_point():
+                t = torch.randn(shape).to(v.dtype)
+            else:  # never all zeros: zeros hide a wrong row contract or a wrong cast (positions → float)
+                t = torch.randint(1, 8, shape).to(v.dtype)
             out.append(t)
     return out
 

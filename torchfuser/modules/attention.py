@@ -68,8 +68,9 @@ class AttentionSpec:
     """softmax(q·kᵀ·scaling + mask)·v, with q, k, v from the projections below.
 
     layout: ``"separate"`` (``qkv`` = q, k, v projections), ``"concat"`` (one projection whose
-    output is [q | k | v], Phi-3, GPT-2's ``c_attn``) or ``"per_head"`` (one projection whose output
-    is, per head, [q_h | k_h | v_h], GPT-NeoX).
+    output is [q | k | v], Phi-3, GPT-2's ``c_attn``; or ``qkv_blocks`` such blocks in
+    ``qkv_order``, each with its share of the heads, CodeGen's [q | v | k] per model-parallel
+    shard) or ``"per_head"`` (one projection whose output is, per head, [q_h | k_h | v_h], GPT-NeoX).
     """
 
     layout: str
@@ -79,6 +80,8 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    qkv_blocks: int = 1  # "concat": the output is this many [q | k | v] blocks, each 1/qkv_blocks of the heads
+    qkv_order: tuple[str, ...] = ("q", "k", "v")  # "concat": the order of q, k and v in each block
     rotary_dim: int = 0  # rope on the first rotary_dim channels of each head; 0: no rotary
     # Which channels rotate together: None, channel i with i + rotary_dim/2 (Llama's rotate-half);
     # "pairs", channels 2i and 2i+1 with cos/sin given per channel (Cohere); "half", pairs again with
@@ -121,6 +124,16 @@ def _pairs_in_half_order(t: Tensor, pairs: str, rd: int) -> Tensor:
         return _deinterleave(t)
     half = t[..., : rd // 2]
     return torch.cat([half, half], dim=-1)
+
+
+def _split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (…, heads·head_dim) from a "concat" projection's output (…, (heads + 2·kv heads)·head_dim)."""
+    q_width, kv_width = (n * spec.head_dim // spec.qkv_blocks for n in (spec.num_heads, spec.num_kv_heads))
+    width = {"q": q_width, "k": kv_width, "v": kv_width}
+    parts = qkv.unflatten(-1, (spec.qkv_blocks, -1)).split([width[p] for p in spec.qkv_order], dim=-1)
+    # A view with one block (GPT-2, Phi-3); with several, each of q, k, v is gathered from its blocks.
+    q, k, v = (parts[spec.qkv_order.index(p)].flatten(-2) for p in "qkv")
+    return q, k, v
 
 
 def _submodule_names(spec: AttentionSpec) -> list[str]:
@@ -182,7 +195,7 @@ class FusedAttention(FusedModule):
         qkv = getattr(self, s.qkv[0])(x)
         if s.layout == "per_head":
             return qkv.view(*lead, -1, 3 * d).chunk(3, dim=-1)
-        q, k, v = qkv.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
+        q, k, v = _split_concat(s, qkv)
         if s.q_norm is not None and not s.norm_per_head:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)

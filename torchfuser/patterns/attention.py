@@ -9,9 +9,11 @@ an ``AttentionSpec``; the first whose ``FusedAttention`` computes exactly what t
 forward computes on a probe wins. The probe runs both on float64 CPU copies whose projections
 are random and narrow on the model side (8 wide), whose norms are random stand-ins and whose
 dropouts are visible marks, with random cos/sin and a causal mask with padding: a wrong
-rotary convention, scaling, layout, norm or mask handling all show. When nothing matches, a
-one-token probe traces which rows of a fused qkv projection v is read from, so that a layout no
-spec expresses (CodeGen's) is named in the skip reason rather than guessed at.
+rotary convention, scaling, layout, norm or mask handling all show. Last come a fused qkv
+projection's other arrangements: q, k and v in another order, in several blocks each with its
+share of the heads (CodeGen's [q|v|k] per model-parallel shard). A one-token probe traces which
+rows of the projection v is read from, and only the arrangements that read v from there are
+probed; when none does, the skip reason names the rows.
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import copy
 import dataclasses
 import inspect
 import itertools
+import math
 
 import torch
 from torch import nn
 
-from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
+from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention, _split_concat
 from torchfuser.patterns import _probe
 from torchfuser.patterns.base import Pattern, Skip
 
@@ -141,22 +144,29 @@ def _scaling(module: nn.Module, d: int) -> float:
     return float(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else d**-0.5
 
 
-def _layouts(inputs, projs, heads, kv, d):
-    if len(inputs) == 3:
+def _layouts(inputs, projs, heads, kv, d, blocks: bool):
+    """(layout, q/k/v projections, further spec fields). With ``blocks``, only a fused projection's
+    other arrangements: [q | k | v] in any order, in as many blocks as divide both head counts
+    (few first), each block with its share of the heads."""
+    if len(inputs) == 3 and not blocks:
         for q, k, v in sorted(itertools.permutations(inputs), key=lambda p: _hint_rank(p, "qkv")):
             if projs[q][1] == heads * d and projs[k][1] == projs[v][1] == kv * d:
-                yield "separate", (q, k, v)
-    elif len(inputs) == 1:
-        (fused,) = inputs
-        if projs[fused][1] == (heads + 2 * kv) * d:
-            yield "concat", (fused,)
+                yield "separate", (q, k, v), {}
+    elif len(inputs) == 1 and projs[inputs[0]][1] == (heads + 2 * kv) * d:
+        if not blocks:
+            yield "concat", (*inputs,), {}
             if heads == kv:
-                yield "per_head", (fused,)
+                yield "per_head", (*inputs,), {}
+            return
+        g = math.gcd(heads, kv)
+        counts = [n for n in range(1, g + 1) if g % n == 0]
+        for n, order in itertools.product(counts, itertools.permutations("qkv")):
+            yield "concat", (*inputs,), dict(qkv_blocks=n, qkv_order=order)
 
 
-def _shapes(module: nn.Module, projs):
-    """(output projection, layout, q/k/v projections, (heads, kv heads, head dim)) that the
-    projection shapes and head attributes allow, likeliest first."""
+def _shapes(module: nn.Module, projs, blocks: bool = False):
+    """(output projection, layout, q/k/v projections, further spec fields, (heads, kv heads, head
+    dim)) that the projection shapes and head attributes allow, likeliest first."""
     for out in sorted(projs, key=lambda n: _hint_rank([n], "o")):
         inputs = [n for n in projs if n != out]
         h_in = {projs[n][0] for n in inputs}
@@ -165,8 +175,8 @@ def _shapes(module: nn.Module, projs):
         heads, kv, d = _heads(module, projs[out][0])
         if not (heads and kv and d) or heads % kv or projs[out][0] != heads * d:
             continue
-        for layout, qkv in _layouts(inputs, projs, heads, kv, d):
-            yield out, layout, qkv, (heads, kv, d)
+        for layout, qkv, fields in _layouts(inputs, projs, heads, kv, d, blocks):
+            yield out, layout, qkv, fields, (heads, kv, d)
 
 
 def _norm_roles(module, norms, heads, kv, d):
@@ -229,12 +239,11 @@ def _probe_copy(module: nn.Module, spec: AttentionSpec):
     return probe, x, kwargs
 
 
-def _value_rows(module: nn.Module, spec: AttentionSpec):
-    """(module's, FusedAttention(spec)'s) rows of the fused qkv projection's output that v is read
-    from, in v's channel order (per query head); None where either does not run. A single token
-    attends only to itself, so the output is its own v whatever q, k, norms and rotary do: with
-    identities for the projections and the row numbers as the input, the output *is* those rows."""
-    spec = dataclasses.replace(spec, dropout=None, out_dropout=None)
+def _value_rows(module: nn.Module, spec: AttentionSpec) -> tuple[int, ...] | None:
+    """The rows of the fused qkv projection's output that ``module`` reads v from, in v's channel
+    order per query head; None where it does not run or v is no plain selection of rows. A single
+    token attends only to itself, so the output is its own v whatever q, k, norms and rotary do:
+    with identities for the projections and the row numbers as the input, the output *is* those rows."""
     n = _probe.projection_dims(module._modules[spec.qkv[0]])[1]
     try:
         probe, _, kwargs = _probe_copy(module, spec)
@@ -243,16 +252,23 @@ def _value_rows(module: nn.Module, spec: AttentionSpec):
                 probe._modules[name] = nn.Identity()
         kwargs = {k: tuple(t[:1, :1] for t in v) for k, v in kwargs.items() if k == "position_embeddings"}
         kwargs["attention_mask"] = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
-        want, got = _run_both(probe, spec, torch.arange(n, dtype=torch.float64).view(1, 1, n), kwargs, training=False)
+        with torch.no_grad():
+            rows = type(probe).forward(probe, torch.arange(n, dtype=torch.float64).view(1, 1, n), **kwargs)[0].flatten()
     except Exception:
         return None
-    want, got = want[0].flatten(), got[0].flatten()
-    if not torch.equal(want, want.round()) or not 0 <= want.min() <= want.max() < n:
-        return None  # v is not a plain selection of the projection's rows
-    return [int(r) for r in want], [int(r) for r in got]
+    if not torch.equal(rows, rows.round()) or not 0 <= rows.min() <= rows.max() < n:
+        return None
+    return tuple(int(r) for r in rows)
 
 
-def _row_runs(rows: list[int]) -> str:
+def _rows_read(spec: AttentionSpec) -> tuple[int, ...]:
+    """The rows FusedAttention(spec) reads v from, as ``_value_rows`` lists them (a "concat" spec)."""
+    n = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    v = _split_concat(spec, torch.arange(n))[2].view(spec.num_kv_heads, spec.head_dim)
+    return tuple(v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=0).flatten().tolist())
+
+
+def _row_runs(rows: tuple[int, ...]) -> str:
     """[0, 1, 2, 7, 8] → '0-2, 7-8'."""
     runs = [[rows[0], rows[0]]]
     for r in rows[1:]:
@@ -261,22 +277,6 @@ def _row_runs(rows: list[int]) -> str:
         else:
             runs.append([r, r])
     return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
-
-
-def _misplaced_value(module: nn.Module, specs) -> str | None:
-    """Why no layout fits a fused qkv projection whose v sits where no layout reads it (CodeGen's
-    [q|v|k] blocks, one per model-parallel shard); None if some layout takes v from the right rows
-    (then something else differs) or there is no fused projection."""
-    mine, layouts = None, {}  # the module's rows; layout → the rows FusedAttention reads
-    for spec in specs:
-        if len(spec.qkv) == 1 and spec.layout not in layouts and (rows := _value_rows(module, spec)):
-            name = spec.qkv[0]
-            mine, layouts[spec.layout] = rows
-    if not layouts or mine in layouts.values():
-        return None
-    theirs = "; ".join(f"{layout}: {_row_runs(rows)}" for layout, rows in layouts.items())
-    return (f"fused projection {name!r} holds v in its output rows {_row_runs(mine)}; "
-            f"no layout reads v from there ({theirs})")
 
 
 def _run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
@@ -325,14 +325,17 @@ class AttentionPattern(Pattern):
             return None
         if not hinted and next(_shapes(module, projs), None) is None:
             return None  # takes a mask but has no q/k/v/o projections (e.g. a decoder layer with an inline MLP)
-        why = self._unsupported(module, names)
-        if why:
-            return Skip(why)
-        found = self._parts(module, projs)
-        if isinstance(found, Skip):
-            return found
-        positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
-        return self._search(module, projs, found, positional, _takes_rope(module))
+        result = self._unsupported(module, names)
+        result = Skip(result) if result else self._parts(module, projs)
+        if not isinstance(result, Skip):
+            positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
+            result = self._search(module, projs, result, positional, _takes_rope(module))
+        if isinstance(result, Skip) and "position_ids" in names and "position_embeddings" not in names:
+            # The likely cause (GPT-J and CodeGen before transformers took their tables out of the
+            # attention): the fused attention is given its rotary tables, it does not build them.
+            return Skip(f"rotary computed inside the attention from position_ids (it takes no "
+                        f"position_embeddings): not fused; {result.reason}")
+        return result
 
     # -- what is never fused -------------------------------------------------------------
     @staticmethod
@@ -381,16 +384,16 @@ class AttentionPattern(Pattern):
 
     # -- guesses and probes ----------------------------------------------------------------
     @staticmethod
-    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False):
+    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False):
         """Every spec the structure allows, dropout probabilities aside, likeliest first."""
         norms, drops, buffers = parts
-        for out, layout, qkv, (heads, kv, d) in _shapes(module, projs):
+        for out, layout, qkv, fields, (heads, kv, d) in _shapes(module, projs, blocks):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
                     for rotary in _rotary_guesses(module, d, pair_tables) if takes_rope else ({},):
                         yield AttentionSpec(
                             layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
-                            scaling=_scaling(module, d), **rotary, **norm_roles,
+                            scaling=_scaling(module, d), **fields, **rotary, **norm_roles,
                             out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
                             positional=positional, keep=buffers,
                         )
@@ -402,13 +405,28 @@ class AttentionPattern(Pattern):
         first_reason, probes, cut = None, 0, False
         # Rotary tables as most models pass them first, through every structure within the probe
         # budget, so that every block that matched before matches as before; only then tables of
-        # one entry per pair (GPT-J), with a budget of their own.
-        stages = [False, True] if takes_rope else [False]
-        for pair_tables in stages:
-            for i, spec in enumerate(self._specs(module, projs, parts, positional, takes_rope, pair_tables)):
-                if i == _MAX_PROBES:
+        # one entry per pair (GPT-J), with a budget of their own. Last, with budgets of their own
+        # too, a fused projection's other arrangements of q, k and v (CodeGen's), each probed only
+        # if it reads v from the rows the module does (one-token probes, one per table width).
+        tables = [False, True] if takes_rope else [False]
+        v_rows, tried, v_fits = {}, set(), False
+        for blocks, pair_tables in itertools.product((False, True), tables):
+            budget = _MAX_PROBES
+            for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks):
+                if blocks:
+                    key = (spec.qkv, spec.out, spec.rotary_table_dim)
+                    if key not in v_rows:
+                        v_rows[key] = _value_rows(module, spec)
+                    if v_rows[key] is None or v_rows[key] != _rows_read(spec):
+                        continue
+                    v_fits = True
+                    if spec in tried:
+                        continue
+                if not budget:
                     cut = True
                     break
+                budget -= 1
+                tried.add(spec)
                 reason = _check(module, spec, training=False)
                 probes += 1
                 if reason is None:
@@ -416,12 +434,13 @@ class AttentionPattern(Pattern):
                 first_reason = first_reason or reason
         if first_reason is None:
             return Skip("projection shapes fit no q/k/v/output layout with the head counts found")
+        mine = next(((key[0][0], rows) for key, rows in v_rows.items() if rows is not None), None)
+        if mine is not None and not v_fits:
+            return Skip(f"fused projection {mine[0]!r} holds v in its output rows {_row_runs(mine[1])}; no layout "
+                        "reads v from there (q, k and v in any order, in as many blocks as divide the heads)")
         if cut:
-            why = f"no layout matched within {probes} probes (likeliest: {first_reason})"
-        else:
-            why = f"forward does not compute softmax(q·kᵀ·scale + mask)·v as fused (likeliest layout: {first_reason})"
-        specs = (spec for p in stages for spec in self._specs(module, projs, parts, positional, takes_rope, p))
-        return Skip(_misplaced_value(module, specs) or why)
+            return Skip(f"no layout matched within {probes} probes (likeliest: {first_reason})")
+        return Skip(f"forward does not compute softmax(q·kᵀ·scale + mask)·v as fused (likeliest layout: {first_reason})")
 
     @staticmethod
     def _pick_dropouts(module, spec: AttentionSpec, drops):
