@@ -6,10 +6,8 @@ head attributes we enumerate the layouts it could have (separate q/k/v, one fuse
 projection, GPT-NeoX's per-head interleaving), which projection is the output, which norm is
 q's and which k's, where each dropout sits, and how wide the rotary part is. Each guess becomes
 an ``AttentionSpec``; the first whose ``FusedAttention`` computes exactly what the module's own
-forward computes on a probe wins. The probe runs both on float64 CPU copies whose projections
-are random and narrow on the model side (8 wide), whose norms are random stand-ins and whose
-dropouts are visible marks, with random cos/sin and a causal mask with padding: a wrong
-rotary convention, scaling, layout, norm or mask handling all show. Last come a fused qkv
+forward computes on a probe wins (``_attention_probe``: a wrong rotary convention, scaling,
+layout, norm or mask handling all show there). Last come a fused qkv
 projection's other arrangements: q, k and v in another order, in several blocks each with its
 share of the heads (CodeGen's [q|v|k] per model-parallel shard). A one-token probe traces which
 rows of the projection v is read from, and only the arrangements that read v from there are
@@ -17,59 +15,23 @@ probed; when none does, the skip reason names the rows.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import inspect
 import itertools
 import math
 
-import torch
 from torch import nn
 
-from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention, _split_concat
+from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe
+from torchfuser.patterns._attention_probe import (
+    check, forward_params, row_runs, rows_read, takes_rope, value_rows,
+)
 from torchfuser.patterns.base import Pattern, Skip
 
-_MODEL_WIDTH = 8  # probe width on the model side of the projections
-_BATCH, _SEQ = 2, 5
 # Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
 _MAX_PROBES = 24
 _UNSUPPORTED_ARGS = ("alibi", "position_bias")
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
-
-
-class _ProbeNorm(nn.Module):
-    """Random-weight RMSNorm standing in for a q/k norm: where it is applied shows in the output."""
-
-    def __init__(self, width: int, gen: torch.Generator):
-        super().__init__()
-        self.weight = nn.Parameter(_probe.randn(width, gen=gen), requires_grad=False)
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
-
-
-class _ProbeDropout(nn.Module):
-    """Stands in for a dropout: a scale of its own wherever it is called (so two dropouts cannot
-    be mistaken for each other), while ``.p`` still reads as the real p."""
-
-    def __init__(self, p: float, factor: float):
-        super().__init__()
-        self.p, self.factor = p, factor
-
-    def forward(self, x):
-        return self.factor * x
-
-
-def _params(module: nn.Module) -> list[inspect.Parameter]:
-    try:
-        return list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return []
-
-
-def _takes_rope(module: nn.Module) -> bool:
-    return any(p.name == "position_embeddings" for p in _params(module))
 
 
 def _int_attr(obj, *names):
@@ -204,113 +166,6 @@ def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None):
                 yield prob, out
 
 
-def _probe_copy(module: nn.Module, spec: AttentionSpec):
-    """(probe module, input, kwargs): ``module`` on random float64 CPU parts (never the model's own
-    tensors, which may be on the meta device or a GPU), narrow on the model side."""
-    gen = _probe.generator(5)
-    probe = _probe.shallow_copy(module)
-    for n in spec.qkv:
-        probe._modules[n] = _probe.small_projection(module._modules[n], _MODEL_WIDTH, _probe.projection_dims(module._modules[n])[1], gen)
-    n_out = _probe.projection_dims(module._modules[spec.out])[0]
-    probe._modules[spec.out] = _probe.small_projection(module._modules[spec.out], n_out, _MODEL_WIDTH, gen)
-    for n in (spec.q_norm, spec.k_norm):
-        if n is not None:
-            probe._modules[n] = _ProbeNorm(module._modules[n].weight.shape[0], gen)
-    # Every dropout gets its own p (and every Dropout child its own mark), so that the training
-    # probe tells which one the forward applies where.
-    drops = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
-    for i, n in enumerate(drops):
-        probe._modules[n] = _ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i)
-    for i, n in enumerate(_probe.float_dropouts(module)):
-        probe.__dict__[n] = 0.2 + 0.1 * i
-    for n, b in module._buffers.items():
-        if b is not None:
-            probe._buffers[n] = torch.zeros(b.shape, dtype=torch.float64 if b.is_floating_point() else b.dtype)
-    x = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
-    low = torch.finfo(torch.float64).min
-    mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
-    mask[1, :, :, 1] = low  # a padded key in the second sequence
-    kwargs = {"attention_mask": mask}
-    if spec.rotary_dim or _takes_rope(module):
-        # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
-        # rotates when the spec says it does not (a NoPE guess) cannot match.
-        shape = (_BATCH, _SEQ, spec.rotary_table_dim or spec.head_dim)
-        kwargs["position_embeddings"] = (_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
-    return probe, x, kwargs
-
-
-def _value_rows(module: nn.Module, spec: AttentionSpec) -> tuple[int, ...] | None:
-    """The rows of the fused qkv projection's output that ``module`` reads v from, in v's channel
-    order per query head; None where it does not run or v is no plain selection of rows. A single
-    token attends only to itself, so the output is its own v whatever q, k, norms and rotary do:
-    with identities for the projections and the row numbers as the input, the output *is* those rows."""
-    n = _probe.projection_dims(module._modules[spec.qkv[0]])[1]
-    try:
-        probe, _, kwargs = _probe_copy(module, spec)
-        for name, m in probe._modules.items():
-            if name in (*spec.qkv, spec.out) or isinstance(m, _ProbeDropout):
-                probe._modules[name] = nn.Identity()
-        kwargs = {k: tuple(t[:1, :1] for t in v) for k, v in kwargs.items() if k == "position_embeddings"}
-        kwargs["attention_mask"] = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
-        with torch.no_grad():
-            rows = type(probe).forward(probe, torch.arange(n, dtype=torch.float64).view(1, 1, n), **kwargs)[0].flatten()
-    except Exception:
-        return None
-    if not torch.equal(rows, rows.round()) or not 0 <= rows.min() <= rows.max() < n:
-        return None
-    return tuple(int(r) for r in rows)
-
-
-def _rows_read(spec: AttentionSpec) -> tuple[int, ...]:
-    """The rows FusedAttention(spec) reads v from, as ``_value_rows`` lists them (a "concat" spec)."""
-    n = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    v = _split_concat(spec, torch.arange(n))[2].view(spec.num_kv_heads, spec.head_dim)
-    return tuple(v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=0).flatten().tolist())
-
-
-def _row_runs(rows: tuple[int, ...]) -> str:
-    """[0, 1, 2, 7, 8] → '0-2, 7-8'."""
-    runs = [[rows[0], rows[0]]]
-    for r in rows[1:]:
-        if r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
-
-
-def _run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
-    """(original output, fused output). In training both run the sdpa path from one seed: equal
-    outputs then mean the same dropouts with the same p at the same places."""
-    if training:
-        probe = copy.copy(probe)
-        probe.config = copy.copy(probe.config)
-        probe.config.__dict__["_attn_implementation_internal"] = "sdpa"
-    probe.training = training
-    fused = FusedAttention(probe, spec, "reference")
-    fused.training = training
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        want = type(probe).forward(probe, x, **kwargs)  # the class's forward: no hooks
-        torch.manual_seed(0)
-        got = fused(x, **kwargs)
-    return want, got
-
-
-def _check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
-    """None if FusedAttention(spec) computes what ``module`` computes, else why not."""
-    try:
-        probe, x, kwargs = _probe_copy(module, spec)
-        want, got = _run_both(probe, spec, x, kwargs, training)
-    except Exception as err:  # a wrong guess often fails on shapes
-        return f"{type(err).__name__}: {err}"
-    if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
-        return "forward does not return (output, attention weights)"
-    if not _probe.close(got[0], want[0]):
-        return "output differs" + (" in training (dropout)" if training else " (scaling, rotary convention, norms or mask)")
-    return None
-
-
 class AttentionPattern(Pattern):
     name = "attention"
     description = "projections → q/k norm → rope (functional.rope) → SDPA → output projection"
@@ -318,7 +173,7 @@ class AttentionPattern(Pattern):
 
     def match(self, module):
         projs = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(m))}
-        params = _params(module)
+        params = forward_params(module)
         names = [p.name for p in params]
         hinted = "attention" in type(module).__name__.lower()
         if len(projs) < 2 or not (hinted or "attention_mask" in names):
@@ -329,7 +184,7 @@ class AttentionPattern(Pattern):
         result = Skip(result) if result else self._parts(module, projs)
         if not isinstance(result, Skip):
             positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
-            result = self._search(module, projs, result, positional, _takes_rope(module))
+            result = self._search(module, projs, result, positional, takes_rope(module))
         if isinstance(result, Skip) and "position_ids" in names and "position_embeddings" not in names:
             # The likely cause (GPT-J and CodeGen before transformers took their tables out of the
             # attention): the fused attention is given its rotary tables, it does not build them.
@@ -416,8 +271,8 @@ class AttentionPattern(Pattern):
                 if blocks:
                     key = (spec.qkv, spec.out, spec.rotary_table_dim)
                     if key not in v_rows:
-                        v_rows[key] = _value_rows(module, spec)
-                    if v_rows[key] is None or v_rows[key] != _rows_read(spec):
+                        v_rows[key] = value_rows(module, spec)
+                    if v_rows[key] is None or v_rows[key] != rows_read(spec):
                         continue
                     v_fits = True
                     if spec in tried:
@@ -427,7 +282,7 @@ class AttentionPattern(Pattern):
                     break
                 budget -= 1
                 tried.add(spec)
-                reason = _check(module, spec, training=False)
+                reason = check(module, spec, training=False)
                 probes += 1
                 if reason is None:
                     return self._pick_dropouts(module, spec, parts[1])
@@ -436,7 +291,7 @@ class AttentionPattern(Pattern):
             return Skip("projection shapes fit no q/k/v/output layout with the head counts found")
         mine = next(((key[0][0], rows) for key, rows in v_rows.items() if rows is not None), None)
         if mine is not None and not v_fits:
-            return Skip(f"fused projection {mine[0]!r} holds v in its output rows {_row_runs(mine[1])}; no layout "
+            return Skip(f"fused projection {mine[0]!r} holds v in its output rows {row_runs(mine[1])}; no layout "
                         "reads v from there (q, k and v in any order, in as many blocks as divide the heads)")
         if cut:
             return Skip(f"no layout matched within {probes} probes (likeliest: {first_reason})")
@@ -446,7 +301,7 @@ class AttentionPattern(Pattern):
     def _pick_dropouts(module, spec: AttentionSpec, drops):
         for prob, out in _dropout_roles(module, drops, spec.out_dropout):
             candidate = dataclasses.replace(spec, dropout=prob, out_dropout=out)
-            if _check(module, candidate, training=True) is None:
+            if check(module, candidate, training=True) is None:
                 return candidate
         return Skip("in training its output differs from SDPA with the dropouts found: a dropout it does not reproduce")
 

@@ -1,0 +1,159 @@
+"""The attention pattern's probe: the module and a FusedAttention built from a guessed spec run on
+float64 CPU copies whose projections are random and narrow on the model side (8 wide), whose norms
+are random stand-ins and whose dropouts are visible marks, with random cos/sin and a causal mask
+with padding, so that a wrong rotary convention, scaling, layout, norm or mask handling all show;
+and the one-token probe that traces which rows of a fused qkv projection v is read from."""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import nn
+
+from torchfuser.modules.attention import AttentionSpec, FusedAttention, _split_concat
+from torchfuser.patterns import _probe
+
+_MODEL_WIDTH = 8  # probe width on the model side of the projections
+_BATCH, _SEQ = 2, 5
+
+
+class ProbeNorm(nn.Module):
+    """Random-weight RMSNorm standing in for a q/k norm: where it is applied shows in the output."""
+
+    def __init__(self, width: int, gen: torch.Generator):
+        super().__init__()
+        self.weight = nn.Parameter(_probe.randn(width, gen=gen), requires_grad=False)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class ProbeDropout(nn.Module):
+    """Stands in for a dropout: a scale of its own wherever it is called (so two dropouts cannot
+    be mistaken for each other), while ``.p`` still reads as the real p."""
+
+    def __init__(self, p: float, factor: float):
+        super().__init__()
+        self.p, self.factor = p, factor
+
+    def forward(self, x):
+        return self.factor * x
+
+
+def forward_params(module: nn.Module) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def takes_rope(module: nn.Module) -> bool:
+    return any(p.name == "position_embeddings" for p in forward_params(module))
+
+
+def probe_copy(module: nn.Module, spec: AttentionSpec):
+    """(probe module, input, kwargs): ``module`` on random float64 CPU parts (never the model's own
+    tensors, which may be on the meta device or a GPU), narrow on the model side."""
+    gen = _probe.generator(5)
+    probe = _probe.shallow_copy(module)
+    for n in spec.qkv:
+        probe._modules[n] = _probe.small_projection(module._modules[n], _MODEL_WIDTH, _probe.projection_dims(module._modules[n])[1], gen)
+    n_out = _probe.projection_dims(module._modules[spec.out])[0]
+    probe._modules[spec.out] = _probe.small_projection(module._modules[spec.out], n_out, _MODEL_WIDTH, gen)
+    for n in (spec.q_norm, spec.k_norm):
+        if n is not None:
+            probe._modules[n] = ProbeNorm(module._modules[n].weight.shape[0], gen)
+    # Every dropout gets its own p (and every Dropout child its own mark), so that the training
+    # probe tells which one the forward applies where.
+    drops = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
+    for i, n in enumerate(drops):
+        probe._modules[n] = ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i)
+    for i, n in enumerate(_probe.float_dropouts(module)):
+        probe.__dict__[n] = 0.2 + 0.1 * i
+    for n, b in module._buffers.items():
+        if b is not None:
+            probe._buffers[n] = torch.zeros(b.shape, dtype=torch.float64 if b.is_floating_point() else b.dtype)
+    x = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
+    low = torch.finfo(torch.float64).min
+    mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
+    mask[1, :, :, 1] = low  # a padded key in the second sequence
+    kwargs = {"attention_mask": mask}
+    if spec.rotary_dim or takes_rope(module):
+        # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
+        # rotates when the spec says it does not (a NoPE guess) cannot match.
+        shape = (_BATCH, _SEQ, spec.rotary_table_dim or spec.head_dim)
+        kwargs["position_embeddings"] = (_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
+    return probe, x, kwargs
+
+
+def value_rows(module: nn.Module, spec: AttentionSpec) -> tuple[int, ...] | None:
+    """The rows of the fused qkv projection's output that ``module`` reads v from, in v's channel
+    order per query head; None where it does not run or v is no plain selection of rows. A single
+    token attends only to itself, so the output is its own v whatever q, k, norms and rotary do:
+    with identities for the projections and the row numbers as the input, the output *is* those rows."""
+    n = _probe.projection_dims(module._modules[spec.qkv[0]])[1]
+    try:
+        probe, _, kwargs = probe_copy(module, spec)
+        for name, m in probe._modules.items():
+            if name in (*spec.qkv, spec.out) or isinstance(m, ProbeDropout):
+                probe._modules[name] = nn.Identity()
+        kwargs = {k: tuple(t[:1, :1] for t in v) for k, v in kwargs.items() if k == "position_embeddings"}
+        kwargs["attention_mask"] = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
+        with torch.no_grad():
+            rows = type(probe).forward(probe, torch.arange(n, dtype=torch.float64).view(1, 1, n), **kwargs)[0].flatten()
+    except Exception:
+        return None
+    if not torch.equal(rows, rows.round()) or not 0 <= rows.min() <= rows.max() < n:
+        return None
+    return tuple(int(r) for r in rows)
+
+
+def rows_read(spec: AttentionSpec) -> tuple[int, ...]:
+    """The rows FusedAttention(spec) reads v from, as ``_value_rows`` lists them (a "concat" spec)."""
+    n = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    v = _split_concat(spec, torch.arange(n))[2].view(spec.num_kv_heads, spec.head_dim)
+    return tuple(v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=0).flatten().tolist())
+
+
+def row_runs(rows: tuple[int, ...]) -> str:
+    """[0, 1, 2, 7, 8] → '0-2, 7-8'."""
+    runs = [[rows[0], rows[0]]]
+    for r in rows[1:]:
+        if r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+
+
+def run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
+    """(original output, fused output). In training both run the sdpa path from one seed: equal
+    outputs then mean the same dropouts with the same p at the same places."""
+    if training:
+        probe = copy.copy(probe)
+        probe.config = copy.copy(probe.config)
+        probe.config.__dict__["_attn_implementation_internal"] = "sdpa"
+    probe.training = training
+    fused = FusedAttention(probe, spec, "reference")
+    fused.training = training
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        want = type(probe).forward(probe, x, **kwargs)  # the class's forward: no hooks
+        torch.manual_seed(0)
+        got = fused(x, **kwargs)
+    return want, got
+
+
+def check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
+    """None if FusedAttention(spec) computes what ``module`` computes, else why not."""
+    try:
+        probe, x, kwargs = probe_copy(module, spec)
+        want, got = run_both(probe, spec, x, kwargs, training)
+    except Exception as err:  # a wrong guess often fails on shapes
+        return f"{type(err).__name__}: {err}"
+    if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
+        return "forward does not return (output, attention weights)"
+    if not _probe.close(got[0], want[0]):
+        return "output differs" + (" in training (dropout)" if training else " (scaling, rotary convention, norms or mask)")
+    return None
