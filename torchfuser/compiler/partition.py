@@ -51,16 +51,39 @@ class _Support(OperatorSupport):
 
 class _Compiled(nn.Module):
     """A region after compilation: the callable the MLIR backend returned (it always returns a
-    tuple; the parent graph expects a bare tensor from a one-output region)."""
+    tuple; the parent graph expects a bare tensor from a one-output region). Its outputs are dense;
+    where the trace had another layout (a pointwise op keeps its input's, e.g. a transposed q), the
+    output is laid out as traced, because the graph's later views may only be valid for that one."""
 
-    def __init__(self, fn, single: bool):
+    def __init__(self, fn, single: bool, strides=None):
         super().__init__()
         self.fn = fn
         self.single = single
+        self.strides = strides or ()
 
     def forward(self, *args):
-        out = self.fn(*args)
+        out = tuple(self.fn(*args))
+        if self.strides:
+            out = tuple(_laid_out(o, s) for o, s in zip(out, self.strides))
         return out[0] if self.single else out
+
+
+def _laid_out(t, stride):
+    if stride is None or not isinstance(t, torch.Tensor) or t.stride() == stride:
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _traced_strides(sub: GraphModule):
+    """Each output's strides in the trace (None where unknown or symbolic)."""
+    (out,) = [n for n in sub.graph.nodes if n.op == "output"]
+    nodes = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    strides = []
+    for n in nodes:
+        val = n.meta.get("val") if isinstance(n, Node) else None
+        stride = tuple(val.stride()) if isinstance(val, torch.Tensor) else None
+        strides.append(stride if stride is not None and all(isinstance(x, int) for x in stride) else None)
+    return tuple(strides)
 
 
 def _single_output(sub: GraphModule) -> bool:
@@ -170,6 +193,6 @@ def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic:
             continue
         region.compiled_by = "mlir"
         region.stage_ir = getattr(compiled, "stage_ir", None)
-        setattr(fused, node.target, _Compiled(compiled, _single_output(sub)))
+        setattr(fused, node.target, _Compiled(compiled, _single_output(sub), _traced_strides(sub)))
     fused.recompile()
     return fused
