@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
+from profiling import profiled, write_tables  # noqa: E402
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, MixedPrecisionPolicy, fully_shard  # noqa: E402
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # noqa: E402
 
@@ -92,23 +93,17 @@ def train(model, args, rank, device, label):
 def profile(model, opt, ids, autocast, device, rank, path):
     """Two steps under the profiler on every rank (collectives need them all); rank 0 writes the
     ops by host time and by GPU time."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    def step():
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-    cuda = device.type == "cuda"
-    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        for _ in range(2):
-            with autocast:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(device)
+    prof = profiled(step, device, 2)
     if rank == 0:
-        table = prof.key_averages()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n\n".join(table.table(sort_by=key, row_limit=45, max_name_column_width=70)
-                                    for key in ("self_cpu_time_total",) + (("self_cuda_time_total",) if cuda else ())))
+        keys = ("self_cpu_time_total",) + (("self_cuda_time_total",) if device.type == "cuda" else ())
+        write_tables(prof, path, keys, 45, 70)
 
 
 def full_grads(model) -> list[torch.Tensor]:

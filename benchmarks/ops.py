@@ -278,17 +278,11 @@ def interleaved(cases, rounds: int, device: str, graphs: bool, out_path, meta, p
 
 
 def _profile(run: Callable, path: Path) -> None:
-    """Three calls of ``run`` under the profiler: its kernels by GPU time."""
-    from torch.profiler import ProfilerActivity, profile
+    """Three calls of ``run`` (after a warm one) under the profiler: its kernels by GPU time."""
+    from profiling import profiled, write_tables
 
     run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=80))
+    write_tables(profiled(run, torch.device("cuda"), 3), path, ("self_cuda_time_total",), 30, 80)
 
 
 def _table(rows: list[dict]) -> None:

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
+from profiling import profiled, write_tables  # noqa: E402
 
 VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "liger")
@@ -135,22 +136,17 @@ def run_variant(recipe, variant, args, device):
 
 def profile(step_fn, opt, ids, autocast, device, path):
     """Two steps under the profiler: the kernels and ops that take the time, for the notes."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    def step():
+        with autocast:
+            loss = step_fn(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
-        for _ in range(2):
-            with autocast:
-                loss = step_fn(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":  # as the timed steps: each starts on an idle GPU
-                torch.cuda.synchronize(device)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = prof.key_averages().table(sort_by=key, row_limit=90, max_name_column_width=200)
-    path.write_text(text + (gpu_idle(prof) if device.type == "cuda" else ""))
+    prof = profiled(step, device, 2)
+    cuda = device.type == "cuda"
+    write_tables(prof, path, ("self_cuda_time_total" if cuda else "self_cpu_time_total",), 90, 200,
+                 gpu_idle(prof) if cuda else "")
 
 
 def gpu_idle(prof, top: int = 12) -> str:

@@ -126,7 +126,7 @@ def _pairs_in_half_order(t: Tensor, pairs: str, rd: int) -> Tensor:
     return torch.cat([half, half], dim=-1)
 
 
-def _split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (…, heads·head_dim) from a "concat" projection's output (…, (heads + 2·kv heads)·head_dim)."""
     q_width, kv_width = (n * spec.head_dim // spec.qkv_blocks for n in (spec.num_heads, spec.num_kv_heads))
     width = {"q": q_width, "k": kv_width, "v": kv_width}
@@ -195,7 +195,7 @@ class FusedAttention(FusedModule):
         qkv = getattr(self, s.qkv[0])(x)
         if s.layout == "per_head":
             return qkv.view(*lead, -1, 3 * d).chunk(3, dim=-1)
-        q, k, v = _split_concat(s, qkv)
+        q, k, v = split_concat(s, qkv)
         if s.q_norm is not None and not s.norm_per_head:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)

@@ -11,7 +11,7 @@ import inspect
 import torch
 from torch import nn
 
-from torchfuser.modules.attention import AttentionSpec, FusedAttention, _split_concat
+from torchfuser.modules.attention import AttentionSpec, FusedAttention, split_concat
 from torchfuser.patterns import _probe
 
 _MODEL_WIDTH = 8  # probe width on the model side of the projections
@@ -112,7 +112,7 @@ def value_rows(module: nn.Module, spec: AttentionSpec) -> tuple[int, ...] | None
 def rows_read(spec: AttentionSpec) -> tuple[int, ...]:
     """The rows FusedAttention(spec) reads v from, as ``_value_rows`` lists them (a "concat" spec)."""
     n = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    v = _split_concat(spec, torch.arange(n))[2].view(spec.num_kv_heads, spec.head_dim)
+    v = split_concat(spec, torch.arange(n))[2].view(spec.num_kv_heads, spec.head_dim)
     return tuple(v.repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=0).flatten().tolist())
 
 

@@ -257,7 +257,7 @@ class AttentionPattern(Pattern):
         """The first spec both probes accept, else a Skip. Two stages keep the search small: the
         eval probe fixes layout, norms, rotary and output Dropout child; the training probe then
         picks the dropout probabilities."""
-        first_reason, probes, cut = None, 0, False
+        first_reason, cut = None, False
         # Rotary tables as most models pass them first, through every structure within the probe
         # budget, so that every block that matched before matches as before; only then tables of
         # one entry per pair (GPT-J), with a budget of their own. Last, with budgets of their own
@@ -283,7 +283,6 @@ class AttentionPattern(Pattern):
                 budget -= 1
                 tried.add(spec)
                 reason = check(module, spec, training=False)
-                probes += 1
                 if reason is None:
                     return self._pick_dropouts(module, spec, parts[1])
                 first_reason = first_reason or reason
@@ -294,7 +293,7 @@ class AttentionPattern(Pattern):
             return Skip(f"fused projection {mine[0]!r} holds v in its output rows {row_runs(mine[1])}; no layout "
                         "reads v from there (q, k and v in any order, in as many blocks as divide the heads)")
         if cut:
-            return Skip(f"no layout matched within {probes} probes (likeliest: {first_reason})")
+            return Skip(f"no layout matched within {len(tried)} probes (likeliest: {first_reason})")
         return Skip(f"forward does not compute softmax(q·kᵀ·scale + mask)·v as fused (likeliest layout: {first_reason})")
 
     @staticmethod
