@@ -6,7 +6,8 @@
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
 cuda_graphs=True)), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"), compile-torchfuser
-(torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both), liger (Liger-Kernel, when installed; it patches
+(torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both), compile-cudagraphs and
+torchfuser+compile-cudagraphs (torch.compile(..., mode="reduce-overhead"): Inductor's CUDA graphs), liger (Liger-Kernel, when installed; it patches
 transformers classes globally, so it runs last for each model). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
 parameters (``--precision bf16``: bf16 parameters and no autocast, as ``model.to(torch.bfloat16)``
@@ -37,7 +38,8 @@ import torchfuser  # noqa: E402
 from profiling import profiled, write_tables  # noqa: E402
 
 VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "torchfuser+compile-ew",
-            "compile-torchfuser", "torchfuser+compile-torchfuser", "liger")
+            "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
+            "liger")
 
 
 def build(recipe: str, device: torch.device, seed: int, dtype: torch.dtype = torch.float32):
@@ -74,6 +76,15 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return traced_with_inductor_elementwise
     if variant == "compile-torchfuser":
         return torch.compile(model, backend="torchfuser")
+    if variant.endswith("compile-cudagraphs"):
+        target = torchfuser.optimize(model, backend=backend) if variant.startswith("torchfuser") else model
+        compiled = torch.compile(target, mode="reduce-overhead")
+
+        def replayed(**kwargs):
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse them
+            return compiled(**kwargs)
+
+        return replayed
     if variant == "torchfuser+compile-torchfuser":
         return torch.compile(torchfuser.optimize(model, backend=backend), backend="torchfuser")
     if variant == "liger":
@@ -188,15 +199,15 @@ def environment(device):
 
 
 def table(rows):
-    lines = [f"{'model':10} {'variant':20} {'ms/step':>9} {'tok/s':>9} {'peak GiB':>9} {'vs eager':>9} {'vs compile':>10} {'loss first→last':>18}"]
+    lines = [f"{'model':10} {'variant':30} {'ms/step':>9} {'tok/s':>9} {'peak GiB':>9} {'vs eager':>9} {'vs compile':>10} {'loss first→last':>18}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['model']:10} {r['variant']:20} failed: {r['error'][:80]}")
+            lines.append(f"{r['model']:10} {r['variant']:30} failed: {r['error'][:80]}")
             continue
         base = {v: x for x in rows if x["model"] == r["model"] and "error" not in x for v in [x["variant"]]}
         ratio = lambda v: f"{base[v]['ms_per_step'] / r['ms_per_step']:.2f}×" if v in base else "-"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        lines.append(f"{r['model']:10} {r['variant']:20} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9,d} {peak:>9} "
+        lines.append(f"{r['model']:10} {r['variant']:30} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9,d} {peak:>9} "
                      f"{ratio('eager'):>9} {ratio('compile'):>10} {r['first_loss']:8.3f}→{r['last_loss']:<8.3f}")
     return "\n".join(lines)
 

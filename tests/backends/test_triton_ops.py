@@ -362,6 +362,25 @@ def test_linear_cross_entropy_backward_scales_with_the_backend_kernel(interprete
     torch.testing.assert_close(w.grad.float(), 2.5 * w2.grad.float(), rtol=1e-2, atol=0)
 
 
+def test_linear_cross_entropy_backward_traces_with_fake_tensors(interpreter):
+    """The backward traced on fake tensors (make_fx; torch 2.11's AOTAutograd traces it so without
+    `is_compiling()`) scales out of place instead of launching the backend's kernel on them:
+    `torch.compile(optimize(model))` failed so on the H200 (run 53). The traced graph, run on real
+    tensors, gives eager's gradients (to one rounding: the interpreter's casts truncate)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def loss_grads(h, w, labels):
+        return torch.autograd.grad(2.5 * F.linear_cross_entropy(h, w, labels, backend="triton"), [h, w])
+
+    h = _rand(37, 64).bfloat16().requires_grad_()
+    w = _rand(123, 64, scale=0.25).bfloat16().requires_grad_()
+    labels = torch.randint(0, 123, (37,)).to(DEVICE)
+    traced = make_fx(loss_grads, tracing_mode="fake")(h, w, labels)
+    assert any("linear_cross_entropy_fwd" in str(n.target) for n in traced.graph.nodes)
+    for got, want in zip(traced(h, w, labels), loss_grads(h, w, labels)):
+        torch.testing.assert_close(got, want, rtol=2 * torch.finfo(torch.bfloat16).eps, atol=0)
+
+
 @pytest.mark.parametrize("n,most,sizes", [
     (8192, 1536, [1536] * 4 + [1024] * 2),  # not 5 × 1536 + a 512-token tail
     (8192, 2048, [2048] * 4),

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from torchfuser.backends import kernels
 
-from ._call import autograd, kernel
+from ._call import autograd, kernel, plain_eager
 
 
 @torch.library.custom_op("torchfuser::linear_cross_entropy_fwd", mutates_args=())
@@ -56,7 +56,10 @@ def _backward(ctx, dloss, *_):
     dh, dw, db = ctx.saved_tensors
     scale = dloss.to(torch.float32)
     grads = [dh, dw] + ([db] if ctx.has_bias else [])
-    if torch.compiler.is_compiling():
+    if not plain_eager(grads + [scale]):
+        # Traced (torch.compile, make_fx, export): out of place, for functionalization. Not
+        # `is_compiling()`: torch 2.11's AOTAutograd traces this backward with it False, and the
+        # backend's kernel then met fake tensors.
         grads = [(g * scale).to(g.dtype) for g in grads]
     else:
         # In place: a scaled copy of dweight alone would add V×H elements to the peak. A second
