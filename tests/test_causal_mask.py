@@ -141,7 +141,9 @@ def no_compile_caches():
 
 
 _REWROTE_TWO = ["causal mask: 2 scaled_dot_product_attention call(s) take is_causal=True instead of a mask "
-                "computed from constants that is exactly causal"]
+                "computed from constants that is exactly causal",
+                "grouped k/v: 2 scaled_dot_product_attention call(s) take enable_gqa=True instead of keys and values "
+                "repeated per query head"]
 
 
 def test_optimized_model_under_plain_torch_compile(no_compile_caches):

@@ -14,7 +14,7 @@ import functools
 import torch
 from torch.fx import GraphModule
 
-from torchfuser.compiler import capture, causal_mask, rewrite
+from torchfuser.compiler import capture, causal_mask, grouped_kv, rewrite
 from torchfuser.compiler.options import parse
 from torchfuser.compiler.record import CompileRecord
 
@@ -66,7 +66,8 @@ def dynamo_backend(gm: GraphModule, example_inputs, options: dict | None = None,
     ``backend`` ("auto" | "mlir" | "inductor" | "eager"), ``rewrite`` ("auto" | True | False),
     ``dynamic`` and ``kernels`` (the kernel backend baked into rewritten ops, default "auto").
     Before Inductor, attention masks that are exactly causal and computed from constants become
-    ``is_causal=True`` (``causal_mask``; off with ``rewrite=False``)."""
+    ``is_causal=True`` (``causal_mask``), and grouped keys and values that were repeated per query
+    head for a mask go to SDPA unrepeated (``grouped_kv``); both off with ``rewrite=False``."""
     opts = parse(options, **kwargs)
     device = _device(example_inputs)
     graph_backend = opts.graph_backend(device.type)
@@ -85,6 +86,7 @@ def dynamo_backend(gm: GraphModule, example_inputs, options: dict | None = None,
         # and on the CPU its causal kernel's output layout differs from what the trace assumed
         # (a view of it fails; found by tests/test_causal_mask.py). Inductor checks the layouts.
         causal_mask.run(gm, record)
+        grouped_kv.run(gm, record)
     record.graphs["dynamo"] = gm.code
     aten_gm = capture.to_aten(gm, example_inputs)
     record.graphs["capture"] = aten_gm.code

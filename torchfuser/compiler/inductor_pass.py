@@ -1,4 +1,4 @@
-"""The causal-mask rewrite for ``torch.compile(optimize(model))`` with Inductor, PyTorch's default.
+"""The causal-mask (and grouped k/v) rewrite for ``torch.compile(optimize(model))`` with Inductor, PyTorch's default.
 
 ``torch.compile(model, backend="torchfuser")`` runs ``causal_mask`` itself. A model that
 ``torchfuser.optimize`` changed and the user compiles with the default backend never reaches that
@@ -16,7 +16,7 @@ from pathlib import Path
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
-from torchfuser.compiler import causal_mask
+from torchfuser.compiler import causal_mask, grouped_kv
 from torchfuser.compiler.record import CompileRecord
 
 RECENT: list[CompileRecord] = []  # one record per graph the pass changed or kept masks in (latest last)
@@ -40,8 +40,8 @@ def _uuid_of(p) -> str:
 
 
 class CausalMaskPass(CustomGraphPass):
-    """Runs the passes that were installed before it, then ``causal_mask.run`` on the calls of
-    ``FusedAttention``. ``uuid`` (Inductor's cache key) covers this code and those passes."""
+    """Runs the passes that were installed before it, then ``causal_mask.run`` and
+    ``grouped_kv.run`` on the calls of ``FusedAttention``. ``uuid`` (Inductor's cache key) covers this code and those passes."""
 
     def __init__(self, previous=None):
         self.previous = previous
@@ -54,12 +54,13 @@ class CausalMaskPass(CustomGraphPass):
             return
         record = CompileRecord(graph_backend="inductor (pre-grad pass)")
         causal_mask.run(gm, record, where=_from_fused_attention)
+        grouped_kv.run(gm, record, where=_from_fused_attention)
         RECENT.append(record)
         del RECENT[:-_MAX_RECORDS]
 
     def uuid(self) -> str:
         digest = hashlib.sha256()
-        for source in (__file__, causal_mask.__file__):
+        for source in (__file__, causal_mask.__file__, grouped_kv.__file__):
             digest.update(Path(source).read_bytes())
         digest.update("".join(_uuid_of(p) for p in _passes(self.previous)).encode())
         return digest.hexdigest()
