@@ -20,7 +20,7 @@ for stage in "$@"; do
     compile-tests) timeout 240 python3 -m pytest -p no:cacheprovider tests/test_causal_mask.py tests/test_grouped_kv.py tests/backends/test_triton_compile.py tests/backends/test_triton_policy.py ;;
     graphs-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_cuda_graphs.py ;;
     train-bf16) timeout 400 python3 $ts --models qwen05b llama1b --variants eager torchfuser torchfuser-graphs --precision bf16 --profile-dir "$OUT/prof" --out "$OUT/train-step-bf16.jsonl" ;;
-    train-cudagraphs) TORCH_LOGS=perf_hints timeout 580 python3 $ts --models ${MODELS:-qwen05b} --variants eager compile torchfuser-graphs torchfuser+compile torchfuser+compile-cudagraphs compile-cudagraphs --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
+    train-cudagraphs) TORCH_LOGS=perf_hints timeout 580 python3 $ts --models ${MODELS:-qwen05b} --variants ${VARIANTS:-eager compile torchfuser-graphs torchfuser+compile torchfuser+compile-cudagraphs compile-cudagraphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step.jsonl" ;;
     train-fused) timeout 300 python3 $ts --models qwen05b llama1b --variants eager torchfuser torchfuser-graphs --out "$OUT/train-step.jsonl" ;;
     train-graphs) timeout 480 python3 $ts --models qwen05b llama1b --variants eager compile torchfuser torchfuser-graphs --profile-dir "$OUT/prof" --out "$OUT/train-step.jsonl" ;;
     ddp-graphs) timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ddp_graphs_check.py --out "$OUT/ddp-graphs.json" ;;
