@@ -25,3 +25,41 @@ def write_tables(prof, path: Path, keys: tuple[str, ...], rows: int, width: int,
     averages = prof.key_averages()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(averages.table(sort_by=k, row_limit=rows, max_name_column_width=width) for k in keys) + extra)
+
+
+# A GPU kernel's kind, from its name in a profiler table: the first rule that matches.
+_KINDS = (("GEMMs", ("nvjet", "cutlass", "splitKreduce", "gemm")), ("cuDNN attention", ("cudnn",)),
+          ("AdamW", ("FusedOptimizer",)), ("Inductor's kernels", ("triton_",)),
+          ("copies, casts, cat", ("copy", "Memcpy", "CatArray")), ("residual adds", ("CUDAFunctor_add",)))
+_HOST_ROWS = ("aten::", "##", "Optimizer", "cuda", "Activity", "autograd", "Torch", "Pregraph", "AOT", "Compiled",
+              "Eager", "_Replay")
+
+
+def kernel_time_by_kind(table: str, steps: int) -> dict[str, float]:
+    """GPU ms a step by kind of kernel, from a table ``write_tables`` wrote (sorted by self CUDA time)
+    over ``steps`` steps; our Triton kernels (names starting with ``_``) are "torchfuser kernels"."""
+    lines = table.splitlines()
+    start = lines[1].index("Name") + len("Name")
+    kinds: dict[str, float] = {}
+    for line in lines[3:]:
+        if line.startswith("-"):
+            break
+        name, values = line[:start].strip(), line[start:].split()
+        if len(values) != 10 or name.startswith(_HOST_ROWS):
+            continue
+        cuda = values[5]  # Self CUDA
+        ms = float(cuda[:-2]) / (1e3 if cuda.endswith("us") else 1)
+        kind = next((k for k, keys in _KINDS if any(key in name for key in keys)),
+                    "torchfuser kernels" if name.startswith("_") else "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms / steps
+    return kinds
+
+
+if __name__ == "__main__":  # python benchmarks/profiling.py TABLE [STEPS]: kernel time a step by kind
+    import sys
+
+    table = Path(sys.argv[1]).read_text()
+    kinds = kernel_time_by_kind(table, int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"{kind:22} {ms:7.2f} ms")
+    print(f"{'total':22} {sum(kinds.values()):7.2f} ms")

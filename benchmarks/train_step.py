@@ -5,10 +5,11 @@
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
 cuda_graphs=True)), torchfuser+compile, torchfuser+compile-ew (the same, traced with
-TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"), compile-torchfuser
-(torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both), compile-cudagraphs and
-torchfuser+compile-cudagraphs (torch.compile(..., mode="reduce-overhead"): Inductor's CUDA graphs), liger (Liger-Kernel, when installed; it patches
-transformers classes globally, so it runs last for each model). Each variant builds the model
+TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
+compile-torchfuser (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both),
+compile-cudagraphs and torchfuser+compile-cudagraphs (torch.compile(..., mode="reduce-overhead"):
+Inductor's CUDA graphs), liger (Liger-Kernel, when installed; it patches transformers classes
+globally, so it runs last for each model). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
 parameters (``--precision bf16``: bf16 parameters and no autocast, as ``model.to(torch.bfloat16)``
 training runs), and reports ms/step (median of the timed steps), tokens/s, peak memory and the

@@ -4,10 +4,10 @@ transformers repeats each key/value head once per query head of its group (``rep
 ``[:, :, None]``, an ``expand`` and a ``reshape``) whenever it passes SDPA a mask, and under
 torch.compile it always passes one. Once ``causal_mask`` has turned that mask into
 ``is_causal=True``, the repeat is left for nothing: the compiled forward copies k and v per query
-head and the backward sums their gradients back per group (qwen05b on an H200: ≈ 1.7 ms a step of
-such copies, and cuDNN's grouped kernels are faster than its kernels on repeated heads:
-``benchmarks/results/NOTES-train-step.md``). Here a maskless SDPA call whose k and v are exactly
-``repeat_kv(x, n)`` takes x with ``enable_gqa=True``, which PyTorch defines as the same repeat.
+head and the backward sums their gradients back per group, and cuDNN runs on every repeated head
+(qwen05b on an H200: ≈ 1.9 ms of GPU time a step, ``benchmarks/results/NOTES-train-step.md``).
+Here a maskless SDPA call whose k and v are exactly ``repeat_kv(x, n)`` takes x with
+``enable_gqa=True``, which PyTorch defines as the same repeat.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from torchfuser.compiler.causal_mask import SDPA
 from torchfuser.compiler.record import CompileRecord
 
-SDPA = torch.nn.functional.scaled_dot_product_attention
 _FULL = slice(None, None, None)
 
 

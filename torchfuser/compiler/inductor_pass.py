@@ -1,8 +1,9 @@
-"""The causal-mask (and grouped k/v) rewrite for ``torch.compile(optimize(model))`` with Inductor, PyTorch's default.
+"""The causal-mask and grouped k/v rewrites for ``torch.compile(optimize(model))`` with Inductor,
+PyTorch's default.
 
-``torch.compile(model, backend="torchfuser")`` runs ``causal_mask`` itself. A model that
-``torchfuser.optimize`` changed and the user compiles with the default backend never reaches that
-backend, so ``optimize`` adds this pass to Inductor's pre-grad passes
+``torch.compile(model, backend="torchfuser")`` runs ``causal_mask`` and ``grouped_kv`` itself. A
+model that ``torchfuser.optimize`` changed and the user compiles with the default backend never
+reaches that backend, so ``optimize`` adds this pass to Inductor's pre-grad passes
 (``torch._inductor.config.pre_grad_custom_pass``, after any pass already there). It rewrites only
 the attention calls made by torchfuser's own ``FusedAttention`` (found by the module stack Dynamo
 records on each node): every other graph, and every other attention call, is left as it was.
