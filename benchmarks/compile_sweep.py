@@ -4,6 +4,7 @@ the same model uncompiled, and which graph rewrites ran (causal mask, grouped k/
     python benchmarks/compile_sweep.py --path optimize-inductor      # torch.compile(optimize(model))
     python benchmarks/compile_sweep.py --path backend                # torch.compile(model, backend="torchfuser")
     python benchmarks/compile_sweep.py --path optimize-backend --families llama qwen2
+    python benchmarks/compile_sweep.py --path backend --graph-backend inductor   # as on a GPU
 
 A check for NOTES-compiler.md, not a test (tests/test_compiler.py holds five of these families). A
 gradient whose exact value is zero (a key bias: softmax ignores what it adds to a whole row) is
@@ -30,22 +31,23 @@ from test_architectures import ARCHS, make  # noqa: E402
 PATHS = ("optimize-inductor", "backend", "optimize-backend")
 
 
-def compiled(model, path):
+def compiled(model, path, graph_backend):
     if path.startswith("optimize"):
         torchfuser.optimize(model, backend="reference")
     ref = copy.deepcopy(model)
     if path == "optimize-inductor":
         return torch.compile(model), ref
-    return torch.compile(model, backend="torchfuser", options={"kernels": "reference"}), ref
+    options = {"kernels": "reference", "backend": graph_backend}
+    return torch.compile(model, backend="torchfuser", options=options), ref
 
 
-def check(family: str, path: str) -> dict:
+def check(family: str, path: str, graph_backend: str = "auto") -> dict:
     from torch._functorch import config as functorch_config
     from torch._inductor import config
 
     torch._dynamo.reset()
     model = make(family)
-    fn, ref = compiled(model, path)
+    fn, ref = compiled(model, path, graph_backend)
     ids = torch.randint(3, 128, (2, 12))
     inductor_pass.RECENT.clear()
     compile_backend.RECENT.clear()
@@ -63,7 +65,7 @@ def check(family: str, path: str) -> dict:
         if rel > worst:
             worst, where = rel, name
     rewrites = [line for r in [*inductor_pass.RECENT, *compile_backend.RECENT] for line in r.rewrites]
-    return {"family": family, "path": path, "loss_rel": abs(loss.item() - want.item()) / abs(want.item()),
+    return {"family": family, "path": path, "graph_backend": graph_backend, "loss_rel": abs(loss.item() - want.item()) / abs(want.item()),
             "grad_rel": worst, "worst_param": where,
             "rewrites": sorted({line.split(" scaled_dot")[0] for line in rewrites if "scaled_dot" in line})}
 
@@ -71,13 +73,15 @@ def check(family: str, path: str) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--path", choices=PATHS, default="optimize-inductor")
+    parser.add_argument("--graph-backend", default="auto", choices=("auto", "mlir", "inductor"),
+                        help='the torchfuser backend\'s graph backend (paths "backend", "optimize-backend")')
     parser.add_argument("--families", nargs="+", default=list(ARCHS), choices=list(ARCHS))
     parser.add_argument("--out", help="append JSON lines here")
     args = parser.parse_args()
     rows = []
     for family in args.families:
         try:
-            row = check(family, args.path)
+            row = check(family, args.path, args.graph_backend)
         except Exception as err:  # one failing family must not hide the others
             row = {"family": family, "path": args.path, "error": f"{type(err).__name__}: {err}"[:300]}
         rows.append(row)
