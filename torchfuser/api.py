@@ -12,7 +12,8 @@ __all__ = ["optimize", "restore", "report"]
 
 _COMPILE_NOTE = (
     "torch.compile with Inductor: fused attention whose mask is exactly causal and built from constants runs "
-    "SDPA's causal kernels (a pre-grad pass; torchfuser.compiler.inductor_pass.uninstall() takes it out)"
+    "SDPA's causal kernels, with grouped k/v heads unrepeated (a pre-grad pass; "
+    "torchfuser.compiler.inductor_pass.uninstall() takes it out)"
 )
 
 
