@@ -17,7 +17,14 @@ from torch.fx import Graph, GraphModule, Node
 from torchfuser.compiler.record import CompileRecord
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _MAX_MASK_ELEMENTS = 1 << 28  # evaluating a larger mask costs more memory than this pass is worth
+
+
+def sdpa_argument(node: Node, name: str, default=None):
+    """An argument of an SDPA call node, given by position or by keyword."""
+    position = _SDPA_ARGS.index(name)
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
 
 
 def _ancestors(node: Node) -> list[Node]:
@@ -80,8 +87,8 @@ def run(gm: GraphModule, record: CompileRecord, where=lambda node: True) -> int:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA or not where(node):
             continue
-        mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-        if not isinstance(mask, Node) or node.kwargs.get("is_causal", False):
+        mask = sdpa_argument(node, "attn_mask")
+        if not isinstance(mask, Node) or sdpa_argument(node, "is_causal", False):
             continue
         if mask not in values:  # transformers hands one mask to every layer
             values[mask] = _constant_value(gm, mask, order)

@@ -16,7 +16,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from torchfuser.compiler.causal_mask import SDPA
+from torchfuser.compiler.causal_mask import SDPA, sdpa_argument
 from torchfuser.compiler.record import CompileRecord
 
 _FULL = slice(None, None, None)
@@ -68,14 +68,9 @@ def repeated(node) -> tuple[Node, int] | None:
     return x, n
 
 
-def _argument(node: Node, position: int, name: str, default=None):
-    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-
 def _maskless(node: Node) -> bool:
-    """No mask, and not grouped already (SDPA's arguments: q, k, v, attn_mask, dropout_p,
-    is_causal, scale, enable_gqa)."""
-    return _argument(node, 3, "attn_mask") is None and not _argument(node, 7, "enable_gqa", False)
+    """No mask, and not grouped already."""
+    return sdpa_argument(node, "attn_mask") is None and not sdpa_argument(node, "enable_gqa", False)
 
 
 def run(gm: GraphModule, record: CompileRecord, where=lambda node: True) -> int:
