@@ -58,6 +58,11 @@ def _t(*shape, dtype, device, scale=1.0):
     return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype).requires_grad_()
 
 
+def _add_then_rms_norm(x, r, w):
+    s = x + r
+    return s, Rrms.rms_norm(s, w, 1e-6, 0.0)[0]
+
+
 def make_cases(device: str, dtype=torch.bfloat16, which: str = "real", ops: set | None = None) -> list[Case]:
     """'real': the shapes of llama1b-like training at 4×2048 tokens (launch-bound for small ops);
     'large': bigger memory-bound sizes for the bandwidth target; 'tiny': CPU smoke sizes."""
@@ -70,6 +75,12 @@ def make_cases(device: str, dtype=torch.bfloat16, which: str = "real", ops: set 
         x, w = _t(M, N, dtype=dtype, device=device), _t(N, dtype=dtype, device=device)
         cases.append(Case("rms_norm", f"{M}x{N}", dtype, [x, w], lambda x, w: Rrms.rms_norm(x, w, 1e-6, 0.0)[0],
                           lambda x, w: F.rms_norm(x, w, 1e-6, backend="triton"), 2 * M * N * b, 3 * M * N * b))
+    if want("add_rms_norm"):
+        # A residual add and the norm after it, as in a decoder layer under autocast: the fp32 residual
+        # stream plus a low-precision projection output; s and the norm's output in fp32.
+        x, r, w = _t(M, N, dtype=torch.float32, device=device), _t(M, N, dtype=dtype, device=device), _t(N, dtype=torch.float32, device=device)
+        cases.append(Case("add_rms_norm", f"{M}x{N}", dtype, [x, r, w], _add_then_rms_norm,
+                          lambda x, r, w: F.add_rms_norm(x, r, w, 1e-6, backend="triton"), (12 + b) * M * N, (16 + b) * M * N))
     if want("layer_norm"):
         x, w, bb = _t(M, N, dtype=dtype, device=device), _t(N, dtype=dtype, device=device), _t(N, dtype=dtype, device=device)
         cases.append(Case("layer_norm", f"{M}x{N}", dtype, [x, w, bb], lambda x, w, b: Rln.layer_norm(x, w, b, 1e-5)[0],

@@ -54,7 +54,7 @@ def test_cpu_model_is_left_alone_with_a_reason():
     notes = [n for n in torchfuser.report(model).notes if n.startswith("cuda graphs")]
     assert notes == ["cuda graphs: not used for model.layers — the model is on cpu: move it to a CUDA device "
                      "before optimize(..., cuda_graphs=True)"]
-    assert "forward" not in model.model.layers[0].__dict__
+    assert type(model.model.layers[0].__dict__["forward"]).__name__ == "ResidualNormForward"  # no graph
 
 
 def test_install_and_restore_on_a_stand_in_device(monkeypatch):
@@ -70,6 +70,11 @@ def test_install_and_restore_on_a_stand_in_device(monkeypatch):
     assert list(model.state_dict()) == list(tiny_llama().state_dict())
     torchfuser.optimize(model, cuda_graphs=True)  # again: nothing installed twice
     assert len(model.__dict__[cuda_graphs._ATTR]) == 1
+    # The graphs capture the layers' fused forwards (residual adds inside the norms) and put them back.
+    fused_forwards = _stack(model).forwards
+    assert all(type(f).__name__ == "ResidualNormForward" and f.layer is layer for f, layer in zip(fused_forwards, layers))
+    cuda_graphs.remove(model)
+    assert [layer.__dict__["forward"] for layer in layers] == fused_forwards
     torchfuser.restore(model)
     assert all("forward" not in layer.__dict__ for layer in layers) and cuda_graphs.describe(model) is None
 

@@ -35,8 +35,11 @@ def _run(linears, x, joint: bool):
     return [y.detach() for y in ys] + list(grads)
 
 
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])  # how the weights are cast and joined
 @pytest.mark.parametrize("bias", [False, True])
-def test_one_gemm_matches_float64_within_rule(bias):
+def test_one_gemm_matches_float64_within_rule(bias, large, monkeypatch):
+    if large:
+        monkeypatch.setattr(projections, "_SMALL_BYTES", 0)
     linears = _linears(bias)
     x = torch.randn(2, 7, 32)
     ref = _run(copy.deepcopy(linears).double(), x.double(), joint=False)

@@ -8,7 +8,7 @@ from torch import Tensor
 from torchfuser import ops
 from torchfuser.backends import resolve
 
-__all__ = ["rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy"]
+__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -36,11 +36,31 @@ def _check_vector(op: str, name: str, t: Tensor | None, size: int) -> None:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, offset: float = 0.0, backend: str | None = None) -> Tensor:
     """x · rsqrt(mean(x², -1) + eps) · (offset + weight); offset=1 gives Gemma's norm. Output dtype: x's."""
+    return ops.rms_norm(x, weight, float(eps), float(offset), resolve(backend, check_rms_norm(x, weight)))
+
+
+def check_rms_norm(x: Tensor, weight: Tensor) -> torch.device:
+    """rms_norm's checks of its inputs; their device."""
     _check_float("x", x, "rms_norm")
     _check_float("weight", weight, "rms_norm")
     _check_vector("rms_norm", "weight", weight, x.shape[-1])
-    device = _check_same_device("rms_norm", x=x, weight=weight)
-    return ops.rms_norm(x, weight, float(eps), float(offset), resolve(backend, device))
+    return _check_same_device("rms_norm", x=x, weight=weight)
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, offset: float = 0.0, backend: str | None = None
+) -> tuple[Tensor, Tensor]:
+    """(s, rms_norm(s)) with s = x + residual, in one kernel forward and one backward: a residual add
+    and the norm after it. s has the promoted dtype of x and residual (fp32 for an fp32 residual
+    stream plus a bf16 output under autocast), as ``x + residual`` would; the norm's output has s's."""
+    op = "add_rms_norm"
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        _check_float(name, t, op)
+    if x.shape != residual.shape:
+        raise ValueError(f"{op}: x and residual must have the same shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
+    _check_vector(op, "weight", weight, x.shape[-1])
+    device = _check_same_device(op, x=x, residual=residual, weight=weight)
+    return ops.add_rms_norm(x, residual, weight, float(eps), float(offset), resolve(backend, device))
 
 
 def layer_norm(

@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_failed_capture
 from torchfuser.cuda_graphs.signature import autocast_key, param_key, split_call, tensor_key
 from torchfuser.modules.base import loaded_fsdp
+from torchfuser.modules.residual_norm import ResidualNormForward
 
 log = logging.getLogger("torchfuser")
 MAX_RECAPTURES = 3
@@ -123,7 +124,8 @@ class Stack:
     def release_replica(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica of a layer runs its own forward, eagerly: the graphs hold the
         original layer's parameters and buffers, on one device."""
-        replica.__dict__.pop("forward", None)
+        if not isinstance(replica.__dict__.get("forward"), ResidualNormForward):  # rebound to the replica
+            replica.__dict__.pop("forward", None)
         self._note("nn.DataParallel replica (DistributedDataParallel keeps the graphs)")
 
     def _scan(self, layer) -> tuple[str | None, tuple]:

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from torchfuser import functional as F
+from torchfuser import functional as F, ops
+from torchfuser.backends import resolve
 from torchfuser.modules.base import FusedModule, adopt
 
 
@@ -35,6 +36,18 @@ class FusedRMSNorm(FusedModule):
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
         return F.rms_norm(x, getattr(self, s.weight), s.eps, offset=s.offset, backend=self.backend)
+
+    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + residual, this norm of it) in one kernel, forward and backward."""
+        s = self.spec
+        return F.add_rms_norm(x, residual, getattr(self, s.weight), s.eps, offset=s.offset, backend=self.backend)
+
+    def opening_residual(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(this norm of x, x) for a block that adds x back: x's two gradients are summed in the norm's
+        backward kernel (``ops.rms_norm_opening_residual``)."""
+        s, weight = self.spec, getattr(self, self.spec.weight)
+        F.check_rms_norm(x, weight)
+        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), resolve(self.backend, x.device))
 
 
 class FusedLayerNorm(FusedModule):

@@ -7,9 +7,9 @@ contiguous outputs with exactly the shapes and dtypes the fake implementations g
 from .gated import gelu, geglu, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
-from .rms_norm import rms_norm
+from .rms_norm import add_rms_norm, rms_norm, rms_norm_opening_residual
 from .rope import rope
 
 __all__ = [
-    "rms_norm", "layer_norm", "swiglu", "geglu", "swiglu_packed", "geglu_packed", "gelu", "rope", "linear_cross_entropy",
+    "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed", "geglu_packed", "gelu", "rope", "linear_cross_entropy",
 ]

@@ -76,7 +76,7 @@ def run(op, *args):
 # default: it fuses RMSNorm with the residual add before it and the casts after it, forward and
 # backward, which our kernel cannot do as an opaque op (llama1b: 129.0 against 132.6 ms a step;
 # NOTES-train-step.md, run 17). SwiGLU and RoPE as Inductor's code were slower than our kernels.
-AUTO_TO_INDUCTOR = ("rms_norm",)
+AUTO_TO_INDUCTOR = ("rms_norm", "add_rms_norm")
 _POLICY = "TORCHFUSER_COMPILED_ELEMENTWISE"
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import autograd, kernel, run
+from ._call import autograd, kernel, plain_eager, run
 
 
 @torch.library.custom_op("torchfuser::rms_norm_fwd", mutates_args=())
@@ -16,15 +16,29 @@ def _(x, weight, eps, offset, backend):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
+@torch.library.custom_op("torchfuser::add_rms_norm_fwd", mutates_args=())
+def add_rms_norm_fwd(
+    x: Tensor, r: Tensor, weight: Tensor, eps: float, offset: float, backend: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kernel(backend, "add_rms_norm_fwd")(x, r, weight, eps, offset)
+
+
+@add_rms_norm_fwd.register_fake
+def _(x, r, weight, eps, offset, backend):
+    s = x.new_empty(x.shape, dtype=torch.result_type(x, r))
+    return s, s.new_empty(s.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
 @torch.library.custom_op("torchfuser::rms_norm_bwd", mutates_args=())
 def rms_norm_bwd(
-    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps: float, offset: float, backend: str
+    dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, eps: float, offset: float, backend: str,
+    dres: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    return kernel(backend, "rms_norm_bwd")(dy, x, weight, rstd, eps, offset)
+    return kernel(backend, "rms_norm_bwd")(dy, x, weight, rstd, eps, offset, dres)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd, eps, offset, backend):
+def _(dy, x, weight, rstd, eps, offset, backend, dres=None):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
@@ -45,3 +59,64 @@ _rms_norm = autograd(rms_norm_fwd, _setup, _backward)
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> Tensor:
     return _rms_norm(x, weight, eps, offset, backend)[0]
+
+
+def _add_setup(ctx, inputs, output):
+    x, r, weight, eps, offset, backend = inputs
+    ctx.save_for_backward(output[0], weight, output[2])
+    ctx.args = (eps, offset, backend)
+    ctx.dtypes = (x.dtype, r.dtype)
+
+
+def _add_backward(ctx, ds, dy, _drstd):
+    # s feeds both the norm and whatever the caller does with it (the next residual add): its two
+    # gradients are summed inside the norm's backward kernel, then handed to x and r alike.
+    s, weight, rstd = ctx.saved_tensors
+    dw = None
+    if dy is None:
+        dsum = ds
+    else:
+        dsum, dw = run(rms_norm_bwd, dy, s, weight, rstd, *ctx.args, ds)
+    if dsum is None:
+        return None, None, dw, None, None, None
+    return dsum.to(ctx.dtypes[0]), dsum.to(ctx.dtypes[1]), dw, None, None, None
+
+
+_add_rms_norm = autograd(add_rms_norm_fwd, _add_setup, _add_backward)
+
+
+def add_rms_norm(x: Tensor, r: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> tuple[Tensor, Tensor]:
+    """(s, rms_norm(s)) with s = x + r."""
+    s, y, _ = _add_rms_norm(x, r, weight, eps, offset, backend)
+    return s, y
+
+
+class _NormOpeningResidual(torch.autograd.Function):
+    """y = rms_norm(x), and x itself: the norm that opens a pre-norm residual block, whose input is
+    also the block's residual. Autograd would sum x's two gradients with an add kernel of its own;
+    here the residual's gradient comes back into this node and is added inside the norm's backward
+    kernel. Saved: x, w and rstd, as for rms_norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, backend):
+        ctx.set_materialize_grads(False)
+        y, rstd = kernel(backend, "rms_norm_fwd")(x, weight, eps, offset)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.args = (eps, offset, backend)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dres):
+        x, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            return dres, None, None, None, None
+        dx, dw = run(rms_norm_bwd, dy, x, weight, rstd, *ctx.args, dres)
+        return dx, dw, None, None, None
+
+
+def rms_norm_opening_residual(x: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x), x), for a block that adds x back to its output; see ``_NormOpeningResidual``.
+    Only plain eager calls take the joint backward: traced and compiled code sees two uses of x."""
+    if plain_eager((x, weight)):
+        return _NormOpeningResidual.apply(x, weight, eps, offset, backend)
+    return rms_norm(x, weight, eps, offset, backend), x

@@ -7,8 +7,10 @@ from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.lm_head import LMHeadLossPattern
 from torchfuser.patterns.mlp import GatedMLPPattern, MLPPattern
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
+from torchfuser.patterns.residual_norm import ResidualNormPattern
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (LMHeadLossPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern())}
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (LMHeadLossPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern(),
+                                                ResidualNormPattern())}
 
 
 def select(include=None, exclude=()) -> list[Pattern]:

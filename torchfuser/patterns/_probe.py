@@ -84,8 +84,8 @@ def small_projection(module: nn.Module, n_in: int, n_out: int, gen: torch.Genera
 
 def float_dropouts(module: nn.Module) -> list[str]:
     """Float attributes that look like dropout probabilities (read by functional dropouts in the
-    forward), ``attention_dropout`` first."""
-    names = [n for n, v in vars(module).items() if "dropout" in n and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    forward: ``attention_dropout``, ``resid_pdrop``, ...), ``attention_dropout`` first."""
+    names = [n for n, v in vars(module).items() if "drop" in n and isinstance(v, (int, float)) and not isinstance(v, bool)]
     return sorted(names, key=lambda n: n != "attention_dropout")
 
 

@@ -54,8 +54,10 @@ def rms_norm_fwd(x, weight, eps, offset):
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
-def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
-    check_dtypes("rms_norm", dy, x, weight)
+def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
+    check_dtypes("rms_norm", dy, x, weight, dres)
+    if dres is not None and dres.shape != x.shape:
+        raise ValueError(f"rms_norm_bwd: dres must have x's shape {tuple(x.shape)}, got {tuple(dres.shape)}")
     h = _hidden(x)
     k = kernel_for(
         "rms_norm_bwd", {"eps": eps, "offset": offset},
@@ -63,7 +65,22 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
         [ArgSpec(ROW, (h,), dy.dtype), ArgSpec(ROW, (h,), x.dtype), ArgSpec(BCAST, (h,), weight.dtype)],
     )
     dx, dw = k(_rows(dy), _rows(x), weight)
-    return dx.view(x.shape), dw
+    dx = dx.view(x.shape)
+    if dres is not None:
+        # Added on the host to the kernel's dx, which is already rounded to x's dtype: one rounding
+        # more than the triton and reference backends for bf16/fp16 x, none for fp32.
+        dx = (dx.float() + dres.float()).to(x.dtype)
+    return dx, dw
+
+
+def add_rms_norm_fwd(x, r, weight, eps, offset):
+    """(s, y, rstd): s = x + r (torch's add and type promotion), then rms_norm_fwd(s)."""
+    check_dtypes("add_rms_norm", x, r, weight)
+    if x.shape != r.shape:
+        raise ValueError(f"add_rms_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
+                         f"and {tuple(r.shape)}")
+    s = torch.add(x, r).contiguous()
+    return (s, *rms_norm_fwd(s, weight, eps, offset))
 
 
 # ---- layer_norm ----------------------------------------------------------------------------

@@ -20,6 +20,23 @@ def rms_norm_fwd(x, weight, eps, offset):
     return y.contiguous(), rstd.contiguous()
 
 
-def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
-    dx, dw = vjp(lambda a, w: rms_norm(a, w, eps, offset)[0], (x, weight), dy)
-    return dx.contiguous(), dw.contiguous()
+def add_rms_norm_fwd(x, r, weight, eps, offset):
+    """(s, y, rstd) with s = x + r in torch's promoted dtype, normalised as stored (rounded)."""
+    if x.shape != r.shape:
+        raise ValueError(f"add_rms_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
+                         f"and {tuple(r.shape)}")
+    s = torch.add(x, r).contiguous()
+    return (s, *rms_norm_fwd(s, weight, eps, offset))
+
+
+def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
+    """(dx, dw); with ``dres`` (the residual stream's gradient) dx + dres, summed in the compute dtype."""
+    if dres is None:
+        dx, dw = vjp(lambda a, w: rms_norm(a, w, eps, offset)[0], (x, weight), dy)
+        return dx.contiguous(), dw.contiguous()
+    if dres.shape != x.shape:
+        raise ValueError(f"rms_norm_bwd: dres must have x's shape {tuple(x.shape)}, got {tuple(dres.shape)}")
+    ct = compute_dtype(x, weight)
+    # The vjp in the compute dtype (x upcast inside the graph), so dx is rounded once, after the add.
+    dx, dw = vjp(lambda a, w: rms_norm(a, w, eps, offset)[0].to(ct), (x.to(ct), weight), dy.to(ct))
+    return (dx + dres.to(ct)).to(x.dtype).contiguous(), dw.contiguous()

@@ -19,6 +19,14 @@ def check_dtypes(op: str, **tensors: torch.Tensor | None) -> None:
             )
 
 
+def check_same_shape(op: str, **tensors: torch.Tensor) -> None:
+    """The tensors are added elementwise without broadcasting: their shapes must be equal."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{name} {s}" for name, s in shapes.items())
+        raise ValueError(f"{op}: these tensors must have the same shape (no broadcasting), got {listed}")
+
+
 def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     """``t`` as an M×n matrix whose rows may be strided but whose last dim is dense.
 
@@ -62,9 +70,10 @@ _MIN_TILES_TO_PIPELINE = 64
 _STAGED_BYTES = 96 << 10
 
 
-def bwd_stages(tiles_per_program: int, rows: int, block: int, itemsize: int) -> int:
-    """num_stages for a norm backward's row-tile loop (x and dy tiles are staged)."""
-    staged = BWD_STAGES * 2 * rows * block * itemsize
+def bwd_stages(tiles_per_program: int, rows: int, block: int, itemsize: int, extra_itemsize: int = 0) -> int:
+    """num_stages for a norm backward's row-tile loop (x and dy tiles are staged, and a third tile of
+    ``extra_itemsize`` bytes an element when non-zero, e.g. the residual's gradient)."""
+    staged = BWD_STAGES * rows * block * (2 * itemsize + extra_itemsize)
     return BWD_STAGES if tiles_per_program >= _MIN_TILES_TO_PIPELINE and staged <= _STAGED_BYTES else 1
 
 

@@ -1,10 +1,15 @@
-"""A fix for Triton's CPU interpreter (TRITON_INTERPRET=1) under NumPy ≥ 2.4.
+"""Fixes for Triton's CPU interpreter (TRITON_INTERPRET=1), applied only in interpreter mode.
 
-Triton 3.6's interpreter turns a scalar kernel value into a Python int with
-``int(handle.data)``, where ``data`` is a 1-element array; NumPy 2.4 made that a TypeError, so
-every ``range(...)`` over a runtime bound inside a kernel fails (triton-lang/triton#9171, fixed
-upstream by converting through ``squeeze()``). Applied only in interpreter mode, only when the
-installed NumPy rejects the conversion, and only to that one attribute.
+1. NumPy ≥ 2.4: Triton 3.6's interpreter turns a scalar kernel value into a Python int with
+   ``int(handle.data)``, where ``data`` is a 1-element array; NumPy 2.4 made that a TypeError, so
+   every ``range(...)`` over a runtime bound inside a kernel fails (triton-lang/triton#9171, fixed
+   upstream by converting through ``squeeze()``). Patched only when the installed NumPy rejects
+   the conversion, and only that one attribute.
+2. fp32 → bf16 casts: the interpreter truncates (drops the low 16 bits), where compiled Triton
+   rounds to nearest even (LLVM's fptrunc, ``cvt.rn.bf16.f32``), as PyTorch does. Every bf16
+   store of an interpreted kernel was then up to one ulp off the GPU's, and a kernel's x + r in
+   bf16 could not be compared bit for bit with torch's. Patched only when the interpreter's cast
+   truncates, and only for that one pair of dtypes.
 """
 from __future__ import annotations
 
@@ -14,6 +19,11 @@ def apply() -> None:
 
     if not knobs.runtime.interpret:
         return
+    _fix_scalar_index()
+    _fix_bf16_rounding()
+
+
+def _fix_scalar_index() -> None:
     import numpy as np
 
     try:
@@ -33,3 +43,36 @@ def apply() -> None:
 
     patch_lang_tensor._torchfuser_fixed = True
     interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+def _fp32_to_bf16_bits(data):
+    """bf16 bit patterns (uint16) of fp32 ``data``, rounded to nearest even; NaN stays NaN."""
+    import numpy as np
+
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+    with np.errstate(over="ignore"):  # only NaN patterns wrap, and they are replaced below
+        rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    quiet_nan = ((bits >> 16) | np.uint32(0x0040)).astype(np.uint16)
+    return np.where(np.isnan(data), quiet_nan, rounded).reshape(np.shape(data))
+
+
+def _fix_bf16_rounding() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+    if getattr(original, "_torchfuser_fixed", False):
+        return
+    probe = interpreter.TensorHandle(np.array([1.0 + 2.0**-8 + 2.0**-9], dtype=np.float32), tl.float32)
+    if original(None, probe, tl.bfloat16).data.view(np.uint16)[0] != 0x3F80:
+        return  # this interpreter does not truncate (1 + 3/512 rounds up to 1 + 1/128): nothing to fix
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_fp32_to_bf16_bits(src.data), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    cast_impl._torchfuser_fixed = True
+    builder.cast_impl = cast_impl

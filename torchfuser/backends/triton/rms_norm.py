@@ -1,10 +1,17 @@
-"""RMSNorm in Triton.
+"""RMSNorm in Triton, optionally fused with the residual add before it and the residual's gradient.
 
 Forward, per row x of length N:   r = rsqrt(Σx²/N + eps),  y = x · r · (offset + w)
 Saved for the backward: x, w and r (fp32, one value per row); y is not kept.
 Backward, with w' = offset + w and g = dy · w':
     dx = r · (g − x · r² · Σ(g·x)/N)        dw = Σ_rows dy · x · r
 All arithmetic in fp32; y and dx are rounded once, to x's dtype, on the store.
+
+With the residual add (add_rms_norm_fwd):  s = x + res, in torch.result_type(x, res), stored, and
+normalised as rounded to that dtype, so (y, r) are exactly rms_norm_fwd(s)'s. Saved for the
+backward: s (in place of x), w and r. s is the residual stream's next value, so the backward gets
+its gradient dres (from the layers after) and, with it:
+    dx = r · (g − s · r² · Σ(g·s)/N) + dres       (the gradient of s, hence of x and of res)
+added in fp32 and rounded once to s's dtype.
 """
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    Launcher, bwd_stages, cdiv, check_dtypes, device_key, next_pow2, num_programs_cap, rows_of, warps_for,
+    Launcher, bwd_stages, cdiv, check_dtypes, check_same_shape, device_key, next_pow2, num_programs_cap, rows_of,
+    warps_for,
 )
 
 # Rows up to this many elements are held in registers whole (one read of x); longer rows are
@@ -37,17 +45,27 @@ def norm_config(n: int) -> tuple[int, int, bool, int]:
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, RSTD, M, N, stride_x, eps, offset,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, eps, offset,
+    HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
+    # HAS_RES: the row normalised is s = x + res, res read from R (the residual branch, row stride
+    # stride_r; not the formula's r), s stored to S (contiguous, like Y). Without it R, S are unused.
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < M
     cols = tl.arange(0, BLOCK_N)
     x_rows = X + rows[:, None] * stride_x
+    r_rows = R + rows[:, None] * stride_r
     y_rows = Y + rows[:, None] * N
+    s_rows = S + rows[:, None] * N
     if ONE_PASS:
         mask = row_ok[:, None] & (cols < N)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            # Rounded to S's dtype before the statistics: y and rstd are those of the s stored.
+            res = tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            s = (x + res).to(S.dtype.element_ty)
+            tl.store(s_rows + cols[None, :], s, mask=mask)
+            x = s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
         y = x * rstd[:, None] * w[None, :]
@@ -59,12 +77,26 @@ def _rms_norm_fwd_kernel(
             c = start + cols
             mask = row_ok[:, None] & (c < N)[None, :]
             x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                res = tl.load(r_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                s = (x + res).to(S.dtype.element_ty)
+                tl.store(s_rows + c[None, :], s, mask=mask)
+                x = s.to(tl.float32)
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = row_ok[:, None] & (c < N)[None, :]
             x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                # x + res recomputed, not S re-read: the add and its rounding are deterministic, so
+                # this is bit-identical to the s stored, and the kernel never reads what it wrote.
+                # Reading S back is right only if each thread loads exactly the elements it stored (a
+                # layout coincidence Triton does not promise; no barrier orders other threads' stores
+                # before these loads). Cost: this pass reads x and res (6 bytes an element for fp32 +
+                # bf16) instead of s (4), mostly from L2, and only for rows longer than MAX_FUSED.
+                res = tl.load(r_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = (x + res).to(S.dtype.element_ty).to(tl.float32)
             w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32) + offset
             y = x * rstd[:, None] * w[None, :]
             tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -73,9 +105,11 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DWP, M, N, stride_dy, stride_x, TILES_PER_PROG, offset,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
+    DY, X, W, RSTD, DRES, DX, DWP, M, N, stride_dy, stride_x, stride_dres, TILES_PER_PROG, offset,
+    HAS_DRES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
+    # HAS_DRES: dx += dres (the residual stream's gradient), in fp32 before dx's one rounding.
     # Persistent grid: each program walks row tiles pid, pid+G, ... and keeps its share of dw
     # in fp32; the G partial rows are summed on the host side (one small reduction launch).
     pid = tl.program_id(0)
@@ -96,6 +130,8 @@ def _rms_norm_bwd_kernel(
             g = dy * w[None, :]
             c = tl.sum(g * x, axis=1) * rstd * rstd / N
             dx = rstd[:, None] * (g - x * c[:, None])
+            if HAS_DRES:
+                dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             dw += tl.sum(dy * x * rstd[:, None], axis=0)
         tl.store(DWP + pid * N + cols, dw, mask=col_ok)
@@ -121,6 +157,8 @@ def _rms_norm_bwd_kernel(
                 dy = tl.load(DY + row * stride_dy + c, mask=m, other=0.0).to(tl.float32)
                 w = tl.load(W + c, mask=m, other=0.0).to(tl.float32) + offset
                 dx = rstd * (dy * w - x * coef)
+                if HAS_DRES:
+                    dx += tl.load(DRES + row * stride_dres + c, mask=m, other=0.0).to(tl.float32)
                 tl.store(DX + row * N + c, dx.to(DX.dtype.element_ty), mask=m)
                 # This program's own partial row: no other program touches it, no atomics needed.
                 p = DWP + pid * N + c
@@ -164,26 +202,43 @@ def sum_partials(p, dtype, q=None, q_dtype=None):
     return out if q is None else (out, out_q)
 
 
-def rms_norm_fwd(x, weight, eps, offset):
-    check_dtypes("rms_norm", x=x, weight=weight)
+def _norm_fwd(x, r, s, weight, eps, offset):
+    """y and rstd of the rows of x, or with r of s = x + r (stored to s)."""
     n = x.shape[-1]
     x2, m, sx = rows_of(x, n)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    r2, _, sr = rows_of(r, n) if r is not None else (x2, m, sx)
+    y = torch.empty(x.shape, dtype=x.dtype if s is None else s.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd
     block, rows, one_pass, warps = norm_config(n)
     _fwd(
-        (cdiv(m, rows),), x2, weight, y, rstd, m, n, sx, float(eps), float(offset),
-        ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
+        (cdiv(m, rows),), x2, r2, weight, y, y if s is None else s, rstd, m, n, sx, sr, float(eps), float(offset),
+        HAS_RES=r is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
     )
     return y, rstd
 
 
-def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
-    check_dtypes("rms_norm", dy=dy, x=x, weight=weight)
+def rms_norm_fwd(x, weight, eps, offset):
+    check_dtypes("rms_norm", x=x, weight=weight)
+    return _norm_fwd(x, None, None, weight, eps, offset)
+
+
+def add_rms_norm_fwd(x, r, weight, eps, offset):
+    """(s, y, rstd): s = x + r in torch.result_type(x, r), and rms_norm_fwd(s)."""
+    check_dtypes("add_rms_norm", x=x, r=r, weight=weight)
+    check_same_shape("add_rms_norm", x=x, r=r)
+    s = torch.empty(x.shape, dtype=torch.result_type(x, r), device=x.device)
+    return (s, *_norm_fwd(x, r, s, weight, eps, offset))
+
+
+def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
+    check_dtypes("rms_norm", dy=dy, x=x, weight=weight, dres=dres)
+    if dres is not None:
+        check_same_shape("rms_norm_bwd", x=x, dres=dres)
     n = x.shape[-1]
     (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
+    dres2, _, sdres = rows_of(dres, n) if dres is not None else (x2, m, sx)
     block, rows, one_pass, warps = norm_config(n)
     grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -192,10 +247,11 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset):
     dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
     if m > 0:
         tiles = cdiv(cdiv(m, rows), grid)
-        stages = bwd_stages(tiles, rows, block, x.element_size()) if one_pass else 1
+        extra = dres.element_size() if dres is not None else 0  # a third staged tile
+        stages = bwd_stages(tiles, rows, block, x.element_size(), extra) if one_pass else 1
         _bwd(
-            (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dx, dwp, m, n, sdy, sx,
-            tiles, float(offset),
-            ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages, num_warps=warps,
+            (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dres2, dx, dwp, m, n,
+            sdy, sx, sdres, tiles, float(offset),
+            HAS_DRES=dres is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages, num_warps=warps,
         )
     return dx, sum_partials(dwp, weight.dtype)

@@ -1,0 +1,125 @@
+"""The backends' residual add + RMSNorm: add_rms_norm_fwd(x, r, w) -> (s, y, rstd) and
+rms_norm_bwd(..., dres) -> (dx + dres, dw), called directly (no autograd, no custom ops).
+
+s must be torch's own x + r (one add, torch's type promotion) and y, rstd exactly rms_norm_fwd(s);
+s, y, rstd, dx and dw are held to the DESIGN.md rule against float64 built from plain torch ops.
+The Triton kernels run under the interpreter (test_triton_ops's fixture, autouse here too).
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import test_triton_ops
+from numerics import ATOL, assert_within_rule
+
+# test_triton_ops's module fixture (autouse here too): the Triton backend, interpreted on a CPU.
+interpreter, DEVICE = test_triton_ops.interpreter, test_triton_ops.DEVICE
+
+EPS = 1e-6
+F32, BF16 = torch.float32, torch.bfloat16
+DTYPES = [(F32, F32), (BF16, BF16), (F32, BF16)]  # (x, r): the residual stream and a projection's output
+CASES = [  # (shape, the inputs read through row-strided views)
+    ((1, 64), ()),
+    ((37, 123), ()),
+    ((2, 5, 96), ()),
+    ((37, 123), ("x", "dres")),
+    ((37, 123), ("r", "dy")),  # other strides than x's: a kernel reading r with x's stride fails
+]
+
+
+def _ids(dts):
+    return "+".join(str(d)[6:] for d in dts)
+
+
+def _row_strided(t):
+    return torch.cat([t, torch.full_like(t[..., :7], 3.0)], dim=-1)[..., : t.shape[-1]]
+
+
+def _backend(name, request):
+    if name == "triton":
+        return request.getfixturevalue("interpreter")
+    if name == "mlir":
+        pytest.importorskip("torch_mlir")
+        request.getfixturevalue("mlir_tmp_cache")
+    return importlib.import_module(f"torchfuser.backends.{name}")
+
+
+def _plain_rms(s, w, offset):
+    """RMSNorm as plain torch ops in s's dtype: (y, rstd)."""
+    rstd = torch.rsqrt(s.pow(2).mean(-1) + EPS)
+    return s * rstd.unsqueeze(-1) * (offset + w), rstd
+
+
+def _plain_fwd_bwd(x, r, w, dy, dres, offset, dtype):
+    """s, y, rstd, dx (+ dres) and dw by plain torch ops, all in ``dtype``."""
+    s = (x.to(dtype) + r.to(dtype)).detach().requires_grad_()
+    wd = w.detach().to(dtype).requires_grad_()
+    y, rstd = _plain_rms(s, wd, offset)
+    ds, dw = torch.autograd.grad(y, (s, wd), dy.to(dtype))
+    return s.detach(), y.detach(), rstd.detach(), ds + dres.to(dtype), dw
+
+
+def _check(B, shape, strided, dts, device):
+    xd, rd = dts
+    sd = torch.result_type(torch.empty(0, dtype=xd), torch.empty(0, dtype=rd))
+    offset = 1.0 if shape[-1] == 123 else 0.0  # Gemma's (1 + w) on some cases
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *sh, dt: torch.randn(*sh, generator=gen).to(device, dt)  # noqa: E731  never zeros
+    t = {"x": rand(*shape, dt=xd), "r": rand(*shape, dt=rd), "dy": rand(*shape, dt=sd), "dres": rand(*shape, dt=sd)}
+    x, r, dy, dres = (_row_strided(v) if k in strided else v for k, v in t.items())
+    w = rand(shape[-1], dt=sd)
+
+    s, y, rstd = B.add_rms_norm_fwd(x, r, w, EPS, offset)
+    assert (s.dtype, y.dtype, rstd.dtype) == (sd, sd, F32) and rstd.shape == shape[:-1]
+    assert all(o.is_contiguous() for o in (s, y, rstd))
+    assert torch.equal(s, x + r), "s is not torch's x + r"
+    y1, rstd1 = B.rms_norm_fwd(s, w, EPS, offset)
+    assert torch.equal(y, y1) and torch.equal(rstd, rstd1), "y, rstd differ from rms_norm_fwd(s)"
+
+    dx, dw = B.rms_norm_bwd(dy, s, w, rstd, EPS, offset, dres)
+    assert (dx.dtype, dw.dtype) == (sd, sd) and dx.is_contiguous() and dx.shape == shape
+    dx0, dw0 = B.rms_norm_bwd(dy, s, w, rstd, EPS, offset)
+    assert torch.equal(dw, dw0), "dres changed dw"
+    if sd == F32:  # the norm's dx is exact in fp32 before the add: one rounding either way
+        assert torch.equal(dx, dx0 + dres), "dx != the norm's dx + dres"
+
+    ref = _plain_fwd_bwd(x, r, w, dy, dres, offset, torch.float64)
+    same = _plain_fwd_bwd(x, r, w, dy, dres, offset, sd)
+    for name, got, sm, rf in zip(("s", "y", "rstd", "dx", "dw"), (s, y, rstd, dx, dw), same, ref):
+        assert_within_rule(got, sm, rf, ATOL[sd] * max(1.0, rf.abs().max().item()), f"{name} {shape} {_ids(dts)}")
+
+
+def _params():
+    for b in ("triton", "reference"):
+        for shape, strided in CASES:
+            for dts in DTYPES:
+                yield pytest.param(b, shape, strided, dts, id=f"{b}-{'x'.join(map(str, shape))}-{_ids(dts)}-{'+'.join(strided) or 'dense'}")
+    yield pytest.param("mlir", (2, 5, 96), ("x", "dres"), (F32, BF16), id="mlir-2x5x96-float32+bfloat16-x+dres")
+
+
+@pytest.mark.parametrize("backend,shape,strided,dts", list(_params()))
+def test_add_rms_norm(backend, shape, strided, dts, request):
+    _check(_backend(backend, request), shape, strided, dts, "cpu" if backend == "mlir" else DEVICE)
+
+
+@pytest.mark.parametrize("dts", DTYPES, ids=_ids)
+def test_add_rms_norm_looped_path(dts, request, monkeypatch):
+    """The chunked path of rows longer than MAX_FUSED, forced on 123-wide rows with 32-wide chunks
+    (four per row, the last one partial): the forward recomputes s in its second pass."""
+    B = _backend("triton", request)
+    monkeypatch.setattr(importlib.import_module(B.__name__ + ".rms_norm"), "norm_config", lambda n: (32, 1, False, 1))
+    _check(B, (37, 123), ("x", "dres"), dts, DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference", "mlir"])
+def test_shapes_must_match(backend, request):
+    B, device = _backend(backend, request), "cpu" if backend == "mlir" else DEVICE
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    with pytest.raises(ValueError, match="same shape"):
+        B.add_rms_norm_fwd(x, torch.randn(2, 4, 8, device=device), w, EPS, 0.0)  # would broadcast: refused
+    _, _, rstd = B.add_rms_norm_fwd(x, x, w, EPS, 0.0)
+    with pytest.raises(ValueError, match="dres"):
+        B.rms_norm_bwd(x, x, w, rstd, EPS, 0.0, torch.randn(1, 8, device=device))

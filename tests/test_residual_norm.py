@@ -1,0 +1,257 @@
+"""Residual adds fused into a pre-norm layer's RMSNorms: the ops' gradients, what the pattern's probe
+accepts and rejects, and the installed forward (arguments, fallbacks, restore, copies, pickling).
+Whole models of every family: tests/test_architectures.py."""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import torchfuser
+from torchfuser import ops
+from torchfuser.modules.residual_norm import ResidualNormForward
+from torchfuser.patterns.residual_norm import ResidualNormPattern
+
+from numerics import ATOL, assert_within_rule
+
+H = 24
+
+
+# -- the ops ------------------------------------------------------------------------------------
+
+def _block(x, w1, w2, attn, mlp, fused: bool, backend: str, eps=1e-5):
+    """x → norm_in → attn → + x → norm_mid → mlp → + s, as the fused layer or as plain PyTorch."""
+    if fused:
+        y, x = ops.rms_norm_opening_residual(x, w1, eps, 0.0, backend)
+        s, y = ops.add_rms_norm(x, attn(y), w2, eps, 0.0, backend)
+    else:
+        def norm(t, w):
+            tf = t.float() if t.dtype != torch.float64 else t
+            return (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps) * w).to(t.dtype)
+        s = x + attn(norm(x, w1))
+        y = norm(s, w2)
+    return s + mlp(y)
+
+
+def _grads(dtype, fused, backend, low=torch.bfloat16):
+    """Loss and the gradients of x and both norm weights; the branches' outputs are in ``low``
+    precision when dtype is fp32 (an fp32 residual stream with bf16 projections, as under autocast)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, H, generator=g).to(dtype).requires_grad_()
+    w1, w2 = (torch.rand(H, generator=g).add(0.5).to(dtype).requires_grad_() for _ in range(2))
+    a, m = (torch.randn(H, H, generator=g).div(H**0.5).to(dtype) for _ in range(2))
+    branch = low if dtype == torch.float32 else dtype
+    attn = lambda t: torch.tanh(t.to(branch) @ a.to(branch))
+    mlp = lambda t: torch.sin(t.to(branch) @ m.to(branch))
+    out = _block(x, w1, w2, attn, mlp, fused, backend)
+    weights = torch.randn(out.shape, generator=g).to(out.dtype)
+    (out * weights).sum().backward()
+    return out, x.grad, w1.grad, w2.grad
+
+
+# The Triton kernels on the CPU (interpreted): tests/backends/test_residual_norm_kernels.py.
+_BACKENDS = ["reference"] + (["triton"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_forward_and_every_gradient(backend, dtype):
+    ref64 = _grads(torch.float64, False, "reference")
+    plain = _grads(dtype, False, backend)
+    fused = _grads(dtype, True, backend)
+    for what, f, p, r in zip(("out", "dx", "dw_in", "dw_mid"), fused, plain, ref64):
+        assert_within_rule(f, p, r, ATOL[dtype], what)
+
+
+@pytest.mark.parametrize("unused", ["normed", "sum"])
+def test_add_rms_norm_with_one_output_unused(unused):
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(5, H, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.rand(H, generator=g, dtype=torch.float64).add(0.5).requires_grad_()
+    s, y = torchfuser.functional.add_rms_norm(x, r, w, backend="reference")
+    (y if unused == "sum" else s).pow(2).sum().backward()
+    s_ref = x.detach() + r.detach()
+    s_ref.requires_grad_()
+    y_ref = torchfuser.functional.rms_norm(s_ref, w.detach(), backend="reference")
+    (y_ref if unused == "sum" else s_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, s_ref.grad)
+    torch.testing.assert_close(r.grad, s_ref.grad)
+    assert (w.grad is None) == (unused == "normed")
+
+
+def test_add_rms_norm_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="same shape"):
+        torchfuser.functional.add_rms_norm(torch.randn(2, H), torch.randn(3, H), torch.ones(H))
+
+
+# -- the pattern's probe ------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """Llama's norm in the input's own precision (LlamaRMSNorm computes in fp32 even for fp64)."""
+
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.empty(H).uniform_(0.5, 1.5)), eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+class _Attention(nn.Module):
+    """Records the keywords it is called with."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.calls = []
+
+    def forward(self, hidden_states, **kwargs):
+        self.calls.append(kwargs)
+        return self.proj(hidden_states), None
+
+
+class Layer(nn.Module):
+    """Llama's pre-norm layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = _Attention()
+        self.mlp = nn.Sequential(nn.Linear(H, 2 * H), nn.SiLU(), nn.Linear(2 * H, H))
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(), RMSNorm()
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        residual = hidden_states
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+                              position_embeddings=position_embeddings, **kwargs)
+        h = residual + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ScaledResidual(Layer):  # Granite's residual_multiplier
+    def forward(self, hidden_states, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h = hidden_states + 0.5 * h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class FunctionalDropout(Layer):  # a dropout between the blocks, configured at 0 today
+    def __init__(self):
+        super().__init__()
+        self.resid_pdrop = 0.0
+
+    def forward(self, hidden_states, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h = hidden_states + nn.functional.dropout(h, self.resid_pdrop, self.training)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class OwnArguments(Layer):  # passes the attention a value the caller did not give
+    def forward(self, hidden_states, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), output_attentions=False, **kwargs)
+        h = hidden_states + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Renamed(Layer):  # passes its argument on under another name, takes no **kwargs
+    def forward(self, hidden_states, past_key_value=None):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), past_key_values=past_key_value)
+        h = hidden_states + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class WithDropoutChild(Layer):  # Phi-3's resid_attn_dropout, p = 0
+    def __init__(self):
+        super().__init__()
+        self.resid_attn_dropout = nn.Dropout(0.0)
+
+    def forward(self, hidden_states, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h = hidden_states + self.resid_attn_dropout(h)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@pytest.mark.parametrize("cls, why", [
+    (ScaledResidual, "is not x + attention"), (FunctionalDropout, "is not x + attention"),
+    (WithDropoutChild, "is not x + attention"), (OwnArguments, "arguments of its own making"),
+])
+def test_probe_rejects(cls, why):
+    torch.manual_seed(0)
+    result = ResidualNormPattern().match(cls())
+    assert why in result.reason
+
+
+def test_probe_reads_how_arguments_are_passed():
+    spec = ResidualNormPattern().match(Renamed())
+    assert spec.arguments == (("past_key_value", "past_key_values", None),) and not spec.passes_extra
+    spec = ResidualNormPattern().match(Layer())
+    assert spec.first == "hidden_states" and spec.attention_input == "hidden_states" and spec.passes_extra
+    assert [a[:2] for a in spec.arguments] == [("attention_mask", "attention_mask"), ("position_embeddings", "position_embeddings")]
+
+
+# -- the installed forward ----------------------------------------------------------------------
+
+class Stack(nn.Module):
+    def __init__(self, cls=Layer):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([cls(), cls()])
+
+    def forward(self, x, **kwargs):
+        for layer in self.layers:
+            x = layer(x, **kwargs)
+        return x
+
+
+def _fused_pair(cls=Layer):
+    ref = Stack(cls).double()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert all(isinstance(layer.__dict__.get("forward"), ResidualNormForward) for layer in fused.layers)
+    return ref, fused
+
+
+@pytest.mark.parametrize("cls, kwargs", [
+    (Layer, dict(attention_mask="mask", extra=3)), (Renamed, dict(past_key_value="cache")),
+])
+def test_forward_gradients_and_arguments_as_the_original(cls, kwargs):
+    ref, fused = _fused_pair(cls)
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [m(t, **kwargs) for m, t in zip((ref, fused), xs)]
+    torch.testing.assert_close(outs[1], outs[0])
+    for out in outs:
+        out.pow(2).sum().backward()
+    torch.testing.assert_close(xs[1].grad, xs[0].grad)
+    for p, q in zip(ref.parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    for a, b in zip(ref.layers, fused.layers):
+        assert b.self_attn.calls == a.self_attn.calls  # every keyword, same names and values
+
+
+def test_calls_it_cannot_follow_run_the_original_forward():
+    ref, fused = _fused_pair(Renamed)
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    with pytest.raises(TypeError, match="unexpected keyword"):  # as the original: no **kwargs
+        fused(x, extra=1)
+    torch.testing.assert_close(fused.layers[0](x, "cache"), ref.layers[0](x, "cache"))  # positional
+    assert fused.layers[0].self_attn.calls[-1] == {"past_key_values": "cache"}
+
+
+def test_restore_copy_replica_and_pickle():
+    ref, fused = _fused_pair()
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    twin = copy.deepcopy(fused)
+    assert all(layer.forward.layer is layer for layer in twin.layers)
+    replica = fused.layers[0]._replicate_for_data_parallel()
+    assert replica.forward.layer is replica
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    for model in (twin, loaded):
+        torch.testing.assert_close(model(x), ref(x))
+    torchfuser.restore(fused)
+    assert all("forward" not in layer.__dict__ for layer in fused.layers)
+    torch.testing.assert_close(fused(x), ref(x))

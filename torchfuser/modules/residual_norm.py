@@ -1,0 +1,102 @@
+"""A pre-norm decoder layer with its residual adds fused into its RMSNorms.
+
+    x ─ norm_in ─ attention ─ (+ x) ─ s ─ norm_mid ─ MLP ─ (+ s) ─ out
+
+``s = x + attention(…)`` and ``norm_mid(s)`` run as one kernel forward and one backward
+(``add_rms_norm``; the backward sums s's gradients from the MLP branch and from ``out`` inside
+the norm's kernel), and x's gradients from norm_in and from the residual are summed inside
+norm_in's backward kernel (``rms_norm_opening_residual``). Unfused, each of those is an add
+kernel of its own over the fp32 residual stream, and the backward's cast of s's gradient for the
+bf16 attention output one more. The last add, ``s + MLP(…)``, stays: its sum is the next
+layer's input, which this layer does not see.
+
+The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
+instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
+forward passes them (the pattern's probe found which, ``ResidualNormSpec``), and hands anything
+else to the original forward: extra positional arguments, or norms that are not fused RMSNorms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from torchfuser.modules.base import follow_replicas, unfollow_replicas
+from torchfuser.modules.norms import FusedRMSNorm
+
+
+@dataclass(frozen=True)
+class ResidualNormSpec:
+    """How the original forward calls its children.
+
+    ``first``: the name of its hidden-states parameter. ``attention_input``: the keyword under which
+    it passes norm_in's output to the attention. ``arguments``: (its parameter, the attention's
+    keyword, the parameter's default) for every parameter it passes on. ``renames``: (a keyword its
+    decorators accept in place of a parameter, the attention's keyword it ends up as).
+    ``passes_extra``: whether it passes unknown keywords on to the attention unchanged (``**kwargs``).
+    """
+
+    first: str
+    attention_input: str
+    arguments: tuple[tuple[str, str, object], ...]
+    renames: tuple[tuple[str, str], ...] = ()
+    passes_extra: bool = True
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    norm_in: str = "input_layernorm"
+    norm_mid: str = "post_attention_layernorm"
+
+
+class ResidualNormForward:
+    """``layer.forward`` of a fused layer: the original forward's computation with the residual adds
+    inside the norms. An object, not a closure, so that a model saved whole keeps it."""
+
+    def __init__(self, layer: nn.Module, spec: ResidualNormSpec):
+        self.layer, self.spec = layer, spec
+
+    def _attention_kwargs(self, kwargs: dict) -> dict | None:
+        """The keywords the original forward would pass to the attention, or None if unsure."""
+        s = self.spec
+        call = {key: kwargs.pop(name, default) for name, key, default in s.arguments}
+        for old, key in s.renames:
+            if old in kwargs:
+                call[key] = kwargs.pop(old)
+        if kwargs and not s.passes_extra:
+            return None
+        call.update(kwargs)
+        return call
+
+    def __call__(self, *args, **kwargs):
+        layer, s = self.layer, self.spec
+        norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
+        rest = dict(kwargs)
+        x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
+        call = None if x is None else self._attention_kwargs(rest)
+        if call is None or not (isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm)):
+            return type(layer).forward(layer, *args, **kwargs)
+        y, x = norm_in.opening_residual(x)
+        a = getattr(layer, s.attention)(**{s.attention_input: y}, **call)[0]
+        h, y = norm_mid.add(x, a)
+        return h + getattr(layer, s.mlp)(y)
+
+    def rebind(self, replica: nn.Module) -> None:
+        """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
+        replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def install(layer: nn.Module, spec: ResidualNormSpec) -> None:
+    fused = ResidualNormForward(layer, spec)
+    layer.__dict__["forward"] = fused
+    follow_replicas(layer, fused.rebind)
+
+
+@dataclass
+class Uninstall:
+    """Undo of ``install``: the class's forward again. An object, so that a saved model keeps it."""
+
+    layer: nn.Module
+
+    def __call__(self) -> None:
+        if isinstance(self.layer.__dict__.get("forward"), ResidualNormForward):
+            del self.layer.__dict__["forward"]
+        unfollow_replicas(self.layer)

@@ -1,0 +1,179 @@
+"""Pre-norm decoder layers whose residual adds can go into their RMSNorms.
+
+A candidate has an attention, an MLP and two RMSNorm children under Llama's names. Its forward
+is probed with stand-ins for the four children: simple random maps that record how they are
+called. The layer qualifies when its output is exactly
+
+    s = x + attention(norm_in(x))[0];   out = s + mlp(norm_mid(s))
+
+(in training mode, with every dropout child made visible and every float dropout set to 0.5,
+so that a dropout between the blocks shows), and when the attention receives norm_in's output by
+keyword and each of the forward's other arguments unchanged, which the probe tells apart with a
+marker object per argument. What the probe learns about the call is the ``ResidualNormSpec``.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import torch
+from torch import nn
+
+from torchfuser.modules import residual_norm
+from torchfuser.modules.residual_norm import ResidualNormSpec
+from torchfuser.patterns import _probe
+from torchfuser.patterns.base import Applied, Pattern, Skip
+from torchfuser.patterns.norms import RMSNormPattern
+
+_CHILDREN = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+# Keywords transformers' decorators have accepted in place of a layer's cache argument.
+_CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
+_EXTRA = "_torchfuser_probe_extra"
+_WIDTH = 8
+
+
+class _Marker:
+    """A value the probe passes for one argument, to see where it arrives."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+class _StandIn(nn.Module):
+    """Computes ``fn`` and records each call's arguments."""
+
+    def __init__(self, fn, tuple_out: bool = False):
+        super().__init__()
+        self.fn, self.tuple_out, self.calls = fn, tuple_out, []
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        y = self.fn(x)
+        return (y, None) if self.tuple_out else y
+
+
+def _signature(module: nn.Module):
+    """(first parameter, [(name, default)] of the rest, takes **kwargs) or a Skip."""
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return Skip("its forward does not take the hidden states first")
+    rest, extra = [], False
+    for p in params[1:]:
+        if p.kind is p.VAR_KEYWORD:
+            extra = True
+        elif p.kind is p.VAR_POSITIONAL or p.default is p.empty:
+            return Skip(f"its forward's parameter {p.name!r} has no default")
+        else:
+            rest.append((p.name, p.default))
+    return params[0].name, rest, extra
+
+
+class _Probe:
+    """The layer's forward run on stand-in children, in training mode."""
+
+    def __init__(self, module: nn.Module):
+        gen = _probe.generator(5)
+        a, m = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
+        self.fns = {
+            "input_layernorm": lambda x: 1.5 * x + 0.25,
+            "self_attn": lambda x: torch.tanh(x) @ a,
+            "post_attention_layernorm": lambda x: 0.5 - 0.75 * x,
+            "mlp": lambda x: torch.sin(x) @ m,
+        }
+        self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
+        self.module = module
+
+    def run(self, **kwargs):
+        """(output, the stand-ins' calls by child name)."""
+        probe = _probe.shallow_copy(self.module)
+        probe.training = True
+        for name, child in self.module._modules.items():
+            if name not in _CHILDREN and child is not None and not any(True for _ in child.parameters()):
+                visible = copy.copy(child)  # a dropout child: in training, p = 0 or not
+                visible.training = True
+                if isinstance(child, nn.Dropout):
+                    visible.p = 0.5
+                probe._modules[name] = visible
+        for name in _probe.float_dropouts(self.module):
+            setattr(probe, name, 0.5)
+        stand = {n: _StandIn(fn, tuple_out=n == "self_attn") for n, fn in self.fns.items()}
+        probe._modules.update(stand)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = type(self.module).forward(probe, self.x, **kwargs)
+        return out, {n: s.calls for n, s in stand.items()}
+
+    def expected(self) -> torch.Tensor:
+        f = self.fns
+        s = self.x + f["self_attn"](f["input_layernorm"](self.x))
+        return s + f["mlp"](f["post_attention_layernorm"](s))
+
+
+def _study(module: nn.Module, first: str, params, extra: bool):
+    """The ResidualNormSpec the probe finds, or a Skip."""
+    probe = _Probe(module)
+    markers = {name: _Marker(name) for name, _ in params}
+    if extra:
+        markers[_EXTRA] = _Marker(_EXTRA)
+    try:
+        out, calls = probe.run(**markers)
+    except Exception as err:
+        return Skip(f"its forward could not be probed with stand-in children ({type(err).__name__}: {err})")
+    if not isinstance(out, torch.Tensor) or not _probe.close(out, probe.expected()):
+        return Skip("its forward is not x + attention(norm(x)), then + mlp(norm(·)) (a dropout, a scale or a "
+                    "post-norm between the blocks)")
+    if any(len(c) != 1 for c in calls.values()):
+        return Skip("its forward calls a child more than once")
+    (pos, kw) = calls["self_attn"][0]
+    inputs = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
+    if pos or len(inputs) != 1:
+        return Skip("its forward does not pass the attention its input by keyword")
+    by_marker = {id(v): k for k, v in kw.items() if isinstance(v, _Marker)}
+    if len(by_marker) + 1 != len(kw) or (extra and kw.get(_EXTRA) is not markers[_EXTRA]):
+        return Skip("its forward passes the attention arguments of its own making")
+    arguments = tuple((n, by_marker[id(markers[n])], d) for n, d in params if id(markers[n]) in by_marker)
+    renames = []
+    for alias in (a for a in _CACHE_ALIASES if a not in markers):
+        try:
+            with warnings.catch_warnings():  # "`past_key_values` is deprecated…"
+                warnings.simplefilter("ignore")
+                _, calls = probe.run(**{alias: _Marker(alias)})
+        except Exception:
+            continue
+        kw = calls["self_attn"][0][1]
+        landed = [k for k, v in kw.items() if isinstance(v, _Marker)]
+        if landed and landed != [alias]:
+            renames.append((alias, landed[0]))
+    return ResidualNormSpec(first, inputs[0], arguments, tuple(renames), extra)
+
+
+class ResidualNormPattern(Pattern):
+    name = "residual_norm"
+    description = "pre-norm decoder layer: residual adds inside its RMSNorms (forward and backward)"
+
+    def match(self, module: nn.Module):
+        if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
+            return None  # already fused: optimize is idempotent
+        kids = module._modules
+        if not all(isinstance(kids.get(n), nn.Module) for n in _CHILDREN):
+            return None
+        others = [n for n, m in kids.items() if n not in _CHILDREN and m is not None and any(True for _ in m.parameters())]
+        if others:
+            return Skip(f"it has blocks with parameters besides one attention, one MLP and two norms ({', '.join(others)})")
+        norms = [RMSNormPattern().match(kids[n]) for n in _CHILDREN[2:]]
+        if any(n is None or isinstance(n, Skip) for n in norms):
+            return Skip("its norms are not RMSNorms (only residual adds next to RMSNorms are fused)")
+        sig = _signature(module)
+        if isinstance(sig, Skip):
+            return sig
+        return _study(module, *sig)
+
+    def apply(self, root, qualname, module, spec, backend) -> Applied:
+        if "forward" in module.__dict__:
+            raise ValueError(f"{qualname}: the layer's forward is already replaced on the instance")
+        residual_norm.install(module, spec)
+        return Applied(residual_norm.ResidualNormForward.__name__, residual_norm.Uninstall(module))
