@@ -40,16 +40,17 @@ def _grads(dtype, fused, backend, low=torch.bfloat16):
     """Loss and the gradients of x and both norm weights; the branches' outputs are in ``low``
     precision when dtype is fp32 (an fp32 residual stream with bf16 projections, as under autocast)."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 7, H, generator=g).to(dtype).requires_grad_()
-    w1, w2 = (torch.rand(H, generator=g).add(0.5).to(dtype).requires_grad_() for _ in range(2))
-    a, m = (torch.randn(H, H, generator=g).div(H**0.5).to(dtype) for _ in range(2))
+    dev = "cuda" if backend == "triton" else "cpu"
+    x = torch.randn(3, 7, H, generator=g).to(dev, dtype).requires_grad_()
+    w1, w2 = (torch.rand(H, generator=g).add(0.5).to(dev, dtype).requires_grad_() for _ in range(2))
+    a, m = (torch.randn(H, H, generator=g).div(H**0.5).to(dev, dtype) for _ in range(2))
     branch = low if dtype == torch.float32 else dtype
     attn = lambda t: torch.tanh(t.to(branch) @ a.to(branch))
     mlp = lambda t: torch.sin(t.to(branch) @ m.to(branch))
     out = _block(x, w1, w2, attn, mlp, fused, backend)
-    weights = torch.randn(out.shape, generator=g).to(out.dtype)
+    weights = torch.randn(out.shape, generator=g).to(dev, out.dtype)
     (out * weights).sum().backward()
-    return out, x.grad, w1.grad, w2.grad
+    return tuple(t.cpu() for t in (out, x.grad, w1.grad, w2.grad))
 
 
 # The Triton kernels on the CPU (interpreted): tests/backends/test_residual_norm_kernels.py.
@@ -60,7 +61,7 @@ _BACKENDS = ["reference"] + (["triton"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_block_forward_and_every_gradient(backend, dtype):
     ref64 = _grads(torch.float64, False, "reference")
-    plain = _grads(dtype, False, backend)
+    plain = _grads(dtype, False, backend)  # plain PyTorch on the backend's device
     fused = _grads(dtype, True, backend)
     for what, f, p, r in zip(("out", "dx", "dw_in", "dw_mid"), fused, plain, ref64):
         assert_within_rule(f, p, r, ATOL[dtype], what)
