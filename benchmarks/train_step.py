@@ -18,6 +18,7 @@ first/last loss: one JSON line per variant, then a table with ratios against eag
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -55,20 +56,21 @@ def build(recipe: str, device: torch.device, seed: int, dtype: torch.dtype = tor
     return model.to(dtype).train()
 
 
-def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: str = "inductor"):
-    """The callable a step runs, for one variant."""
+def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: str = "inductor", exclude=()):
+    """The callable a step runs, for one variant (the torchfuser ones without the patterns ``exclude``)."""
+    optimize = functools.partial(torchfuser.optimize, exclude=exclude)
     if variant == "eager":
         return model
     if variant == "compile":
         return torch.compile(model)
     if variant == "torchfuser":
-        return torchfuser.optimize(model, backend=backend)
+        return optimize(model, backend=backend)
     if variant == "torchfuser-graphs":
-        return torchfuser.optimize(model, backend=backend, cuda_graphs=True)
+        return optimize(model, backend=backend, cuda_graphs=True)
     if variant == "torchfuser+compile":
-        return torch.compile(torchfuser.optimize(model, backend=backend))
+        return torch.compile(optimize(model, backend=backend))
     if variant == "torchfuser+compile-ew":
-        compiled = torch.compile(torchfuser.optimize(model, backend=backend))
+        compiled = torch.compile(optimize(model, backend=backend))
 
         def traced_with_inductor_elementwise(**kwargs):
             with mock.patch.dict(os.environ, {"TORCHFUSER_COMPILED_ELEMENTWISE": compiled_elementwise}):
@@ -78,7 +80,7 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
     if variant == "compile-torchfuser":
         return torch.compile(model, backend="torchfuser")
     if variant.endswith("compile-cudagraphs"):
-        target = torchfuser.optimize(model, backend=backend) if variant.startswith("torchfuser") else model
+        target = optimize(model, backend=backend) if variant.startswith("torchfuser") else model
         compiled = torch.compile(target, mode="reduce-overhead")
 
         def replayed(**kwargs):
@@ -87,7 +89,7 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
 
         return replayed
     if variant == "torchfuser+compile-torchfuser":
-        return torch.compile(torchfuser.optimize(model, backend=backend), backend="torchfuser")
+        return torch.compile(optimize(model, backend=backend), backend="torchfuser")
     if variant == "liger":
         import liger_kernel.transformers as liger
 
@@ -103,7 +105,9 @@ def run_variant(recipe, variant, args, device):
     bf16_params = args.precision == "bf16"
     model = build(recipe, device, args.seed, torch.bfloat16 if bf16_params else torch.float32)
     passes_before = len(inductor_pass.RECENT)
-    step_fn = prepare(variant, model, args.backend, args.compiled_elementwise)
+    step_fn = prepare(variant, model, args.backend, args.compiled_elementwise, args.exclude)
+    if args.exclude and "torchfuser" in variant:
+        variant = f"{variant}-no-{'-'.join(args.exclude)}"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed + 1)
     vocab = model.config.vocab_size
@@ -228,6 +232,7 @@ def main():
     parser.add_argument("--backend", default="auto", help="torchfuser backend for the torchfuser variants")
     parser.add_argument("--compiled-elementwise", default="inductor",
                         help="TORCHFUSER_COMPILED_ELEMENTWISE for the torchfuser+compile-ew variant")
+    parser.add_argument("--exclude", nargs="*", default=[], help="patterns the torchfuser variants leave out (an A/B)")
     parser.add_argument("--out", help="append JSON lines here")
     parser.add_argument("--profile-dir", help="write a profiler table per variant here")
     args = parser.parse_args()
