@@ -97,6 +97,10 @@ def _check(B, shape, strided, dts, device):
     if sd == F32:  # the norm's dx is exact in fp32 before the add: one rounding either way
         _same(dx, dx0 + dres, "dx != the norm's dx + dres")
 
+    dx3, dr, dw3 = B.add_rms_norm_bwd(dy, s, w, rstd, EPS, offset, dres, rd)
+    assert dr.dtype == rd and dr.is_contiguous() and torch.equal(dx3, dx) and torch.equal(dw3, dw)
+    assert torch.equal(dr, dx.to(rd)), "the residual branch's gradient is not dx rounded to its dtype"
+
     ref = _plain_fwd_bwd(x, r, w, dy, dres, offset, torch.float64)
     same = _plain_fwd_bwd(x, r, w, dy, dres, offset, sd)
     for name, got, sm, rf in zip(("s", "y", "rstd", "dx", "dw"), (s, y, rstd, dx, dw), same, ref):

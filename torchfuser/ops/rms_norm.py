@@ -42,6 +42,19 @@ def _(dy, x, weight, rstd, eps, offset, backend, dres=None):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
+@torch.library.custom_op("torchfuser::add_rms_norm_bwd", mutates_args=())
+def add_rms_norm_bwd(
+    dy: Tensor, s: Tensor, weight: Tensor, rstd: Tensor, eps: float, offset: float, backend: str,
+    ds: Tensor | None, r_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return kernel(backend, "add_rms_norm_bwd")(dy, s, weight, rstd, eps, offset, ds, r_dtype)
+
+
+@add_rms_norm_bwd.register_fake
+def _(dy, s, weight, rstd, eps, offset, backend, ds, r_dtype):
+    return s.new_empty(s.shape), s.new_empty(s.shape, dtype=r_dtype), weight.new_empty(weight.shape)
+
+
 def _setup(ctx, inputs, output):
     x, weight, eps, offset, backend = inputs
     ctx.save_for_backward(x, weight, output[1])
@@ -72,14 +85,16 @@ def _add_backward(ctx, ds, dy, _drstd):
     # s feeds both the norm and whatever the caller does with it (the next residual add): its two
     # gradients are summed inside the norm's backward kernel, then handed to x and r alike.
     s, weight, rstd = ctx.saved_tensors
-    dw = None
-    if dy is None:
-        dsum = ds
-    else:
+    x_dtype, r_dtype = ctx.dtypes
+    if dy is None:  # the norm's output is unused: s's gradient goes to both addends as it is
+        dx, dr = (None, None) if ds is None else (ds.to(x_dtype), ds.to(r_dtype))
+        return dx, dr, None, None, None, None
+    if r_dtype == s.dtype:
         dsum, dw = run(rms_norm_bwd, dy, s, weight, rstd, *ctx.args, ds)
-    if dsum is None:
-        return None, None, dw, None, None, None
-    return dsum.to(ctx.dtypes[0]), dsum.to(ctx.dtypes[1]), dw, None, None, None
+        dr = dsum
+    else:  # the residual branch's lower-precision gradient written by the same kernel, not a cast after it
+        dsum, dr, dw = run(add_rms_norm_bwd, dy, s, weight, rstd, *ctx.args, ds, r_dtype)
+    return dsum.to(x_dtype), dr, dw, None, None, None
 
 
 _add_rms_norm = autograd(add_rms_norm_fwd, _add_setup, _add_backward)

@@ -73,6 +73,12 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
     return dx, dw
 
 
+def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
+    """(dx, dr, dw) of add_rms_norm: rms_norm_bwd with ds, and dx cast to the residual branch's dtype."""
+    dx, dw = rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds)
+    return dx, dx.to(r_dtype), dw
+
+
 def add_rms_norm_fwd(x, r, weight, eps, offset):
     """(s, y, rstd): s = x + r (torch's add and type promotion), then rms_norm_fwd(s)."""
     check_dtypes("add_rms_norm", x, r, weight)

@@ -20,6 +20,12 @@ def rms_norm_fwd(x, weight, eps, offset):
     return y.contiguous(), rstd.contiguous()
 
 
+def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
+    """(dx, dr, dw) of add_rms_norm: rms_norm_bwd with ds, and dx cast to the residual branch's dtype."""
+    dx, dw = rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds)
+    return dx, dx.to(r_dtype), dw
+
+
 def add_rms_norm_fwd(x, r, weight, eps, offset):
     """(s, y, rstd) with s = x + r in torch's promoted dtype, normalised as stored (rounded)."""
     if x.shape != r.shape:

@@ -105,11 +105,12 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DRES, DX, DWP, M, N, stride_dy, stride_x, stride_dres, TILES_PER_PROG, offset,
-    HAS_DRES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
-    STAGES: tl.constexpr,
+    DY, X, W, RSTD, DRES, DX, DX2, DWP, M, N, stride_dy, stride_x, stride_dres, TILES_PER_PROG, offset,
+    HAS_DRES: tl.constexpr, HAS_DX2: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # HAS_DRES: dx += dres (the residual stream's gradient), in fp32 before dx's one rounding.
+    # HAS_DX2: dx stored a second time, rounded to DX2's dtype (the gradient of a bf16 residual branch).
     # Persistent grid: each program walks row tiles pid, pid+G, ... and keeps its share of dw
     # in fp32; the G partial rows are summed on the host side (one small reduction launch).
     pid = tl.program_id(0)
@@ -126,13 +127,17 @@ def _rms_norm_bwd_kernel(
             mask = row_ok[:, None] & col_ok[None, :]
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_DRES:  # loaded with x and dy, not after the row reduction: its latency overlaps theirs
+                dres = tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
             g = dy * w[None, :]
             c = tl.sum(g * x, axis=1) * rstd * rstd / N
             dx = rstd[:, None] * (g - x * c[:, None])
             if HAS_DRES:
-                dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dx += dres
             tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_DX2:
+                tl.store(DX2 + rows[:, None] * N + cols[None, :], dx.to(DX2.dtype.element_ty), mask=mask)
             dw += tl.sum(dy * x * rstd[:, None], axis=0)
         tl.store(DWP + pid * N + cols, dw, mask=col_ok)
     else:
@@ -160,6 +165,8 @@ def _rms_norm_bwd_kernel(
                 if HAS_DRES:
                     dx += tl.load(DRES + row * stride_dres + c, mask=m, other=0.0).to(tl.float32)
                 tl.store(DX + row * N + c, dx.to(DX.dtype.element_ty), mask=m)
+                if HAS_DX2:
+                    tl.store(DX2 + row * N + c, dx.to(DX2.dtype.element_ty), mask=m)
                 # This program's own partial row: no other program touches it, no atomics needed.
                 p = DWP + pid * N + c
                 tl.store(p, tl.load(p, mask=m, other=0.0) + dy * x * rstd, mask=m)
@@ -233,6 +240,17 @@ def add_rms_norm_fwd(x, r, weight, eps, offset):
 
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
+    dx, _, dw = _norm_bwd(dy, x, weight, rstd, offset, dres, None)
+    return dx, dw
+
+
+def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
+    """(dx, dr, dw) of add_rms_norm: dx = the norm's ds + ds (``ds`` may be None), and the same
+    gradient rounded to the residual branch's ``r_dtype`` by the same kernel."""
+    return _norm_bwd(dy, s, weight, rstd, offset, ds, r_dtype)
+
+
+def _norm_bwd(dy, x, weight, rstd, offset, dres, dx2_dtype):
     check_dtypes("rms_norm", dy=dy, x=x, weight=weight, dres=dres)
     if dres is not None:
         check_same_shape("rms_norm_bwd", x=x, dres=dres)
@@ -242,6 +260,7 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
     block, rows, one_pass, warps = norm_config(n)
     grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dx2 = None if dx2_dtype is None else torch.empty(x.shape, dtype=dx2_dtype, device=x.device)
     # The looped path accumulates into its partial row, so that row must start at zero.
     alloc = torch.empty if one_pass and m > 0 else torch.zeros
     dwp = alloc((grid, n), dtype=torch.float32, device=x.device)
@@ -250,8 +269,9 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
         extra = dres.element_size() if dres is not None else 0  # a third staged tile
         stages = bwd_stages(tiles, rows, block, x.element_size(), extra) if one_pass else 1
         _bwd(
-            (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dres2, dx, dwp, m, n,
-            sdy, sx, sdres, tiles, float(offset),
-            HAS_DRES=dres is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages, num_warps=warps,
+            (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dres2, dx,
+            dx if dx2 is None else dx2, dwp, m, n, sdy, sx, sdres, tiles, float(offset),
+            HAS_DRES=dres is not None, HAS_DX2=dx2 is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass,
+            STAGES=stages, num_warps=warps,
         )
-    return dx, sum_partials(dwp, weight.dtype)
+    return dx, dx2, sum_partials(dwp, weight.dtype)
