@@ -256,3 +256,17 @@ def test_restore_copy_replica_and_pickle():
     torchfuser.restore(fused)
     assert all("forward" not in layer.__dict__ for layer in fused.layers)
     torch.testing.assert_close(fused(x), ref(x))
+
+
+def test_torch_compile_traces_the_original_forward(monkeypatch):
+    """Under torch.compile Inductor fuses the adds itself: the layer's own forward is traced."""
+    ref, fused = _fused_pair()
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    want = fused(x)
+
+    def fail(self, kwargs):
+        raise AssertionError("the fused forward ran under torch.compile")
+
+    monkeypatch.setattr(ResidualNormForward, "_attention_kwargs", fail)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(fused, backend="eager", fullgraph=True)(x), want)
