@@ -163,6 +163,13 @@ class Renamed(Layer):  # passes its argument on under another name, takes no **k
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class MLPWithKeywords(Layer):  # the MLP gets the layer's keywords too
+    def forward(self, hidden_states, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h = hidden_states + h
+        return h + self.mlp(self.post_attention_layernorm(h), **kwargs)
+
+
 class WithDropoutChild(Layer):  # Phi-3's resid_attn_dropout, p = 0
     def __init__(self):
         super().__init__()
@@ -177,6 +184,7 @@ class WithDropoutChild(Layer):  # Phi-3's resid_attn_dropout, p = 0
 @pytest.mark.parametrize("cls, why", [
     (ScaledResidual, "is not x + attention"), (FunctionalDropout, "is not x + attention"),
     (WithDropoutChild, "is not x + attention"), (OwnArguments, "arguments of its own making"),
+    (MLPWithKeywords, "more than their input"),
 ])
 def test_probe_rejects(cls, why):
     torch.manual_seed(0)
@@ -270,3 +278,12 @@ def test_torch_compile_traces_the_original_forward(monkeypatch):
     monkeypatch.setattr(ResidualNormForward, "_attention_kwargs", fail)
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(fused, backend="eager", fullgraph=True)(x), want)
+
+
+def test_hooks_on_the_norms_run_the_original_forward():
+    ref, fused = _fused_pair()
+    seen = []
+    fused.layers[0].input_layernorm.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), ref(x))
+    assert seen == [x.shape]  # the fused path would call the norm's kernel, not the module

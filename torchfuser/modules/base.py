@@ -39,6 +39,17 @@ class FusedModule(nn.Module):
         return f"spec={self.spec}, backend={self.backend or 'auto'}"
 
 
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether calling these modules runs hooks (their own or global ones): then code that calls their
+    weights directly, not the modules, would skip them."""
+    return any(getattr(nn.modules.module, n) for n in _GLOBAL_HOOKS) or any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
+
+
 def adopt(fused: nn.Module, original: nn.Module, names) -> None:
     """Register ``original``'s parameters, buffers and submodules ``names`` on ``fused`` as the
     same objects under the same names, in the original's order (no copies; ``state_dict`` keys

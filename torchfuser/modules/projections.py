@@ -26,25 +26,15 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as _module
 
+from torchfuser.modules.base import hooked
 from torchfuser.ops._call import plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 _SMALL_BYTES = 32 << 20
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
-
-
 def _plain(linears) -> bool:
-    if any(getattr(_module, name) for name in _GLOBAL_HOOKS):
-        return False
     with_bias = linears[0].bias is not None
-    return all(
-        type(m) is nn.Linear and (m.bias is not None) == with_bias
-        and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
-        for m in linears
-    )
+    return not hooked(*linears) and all(type(m) is nn.Linear and (m.bias is not None) == with_bias for m in linears)
 
 
 def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:

@@ -13,8 +13,8 @@ layer's input, which this layer does not see.
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
 forward passes them (the pattern's probe found which, ``ResidualNormSpec``), and hands anything
-else to the original forward: extra positional arguments, norms that are not fused RMSNorms, and
-code torch.compile traces (Inductor fuses the adds into its own norm kernels there).
+else to the original forward: extra positional arguments, norms that are not fused RMSNorms or
+have hooks (the fused path calls their kernels, not the modules), and code torch.compile traces (Inductor fuses the adds into its own norm kernels there).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchfuser.modules.base import follow_replicas, unfollow_replicas
+from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.norms import FusedRMSNorm
 
 
@@ -74,7 +74,8 @@ class ResidualNormForward:
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
         call = None if x is None or torch.compiler.is_compiling() else self._attention_kwargs(rest)
-        if call is None or not (isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm)):
+        fusable = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and not hooked(norm_in, norm_mid)
+        if call is None or not fusable:
             return type(layer).forward(layer, *args, **kwargs)
         y, x = norm_in.opening_residual(x)
         a = getattr(layer, s.attention)(**{s.attention_input: y}, **call)[0]

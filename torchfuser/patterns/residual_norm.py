@@ -128,6 +128,8 @@ def _study(module: nn.Module, first: str, params, extra: bool):
                     "post-norm between the blocks)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
+    if any(len(calls[n][0][0]) != 1 or calls[n][0][1] for n in _CHILDREN if n != "self_attn"):
+        return Skip("its forward passes its MLP or norms more than their input")
     (pos, kw) = calls["self_attn"][0]
     inputs = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
     if pos or len(inputs) != 1:
