@@ -172,6 +172,11 @@ def test_model_under_autocast_matches_float64_within_rule(arch, monkeypatch):
     fused = copy.deepcopy(plain)
     torchfuser.optimize(fused)  # the CPU default backend: MLIR kernels
     assert any(isinstance(m, FusedAttention) for m in fused.modules())
+    # Where the layer's residual adds are fused, its norms hand the projections bf16, as autocast would.
+    seen = []
+    attention = next(m for m in fused.modules() if isinstance(m, FusedAttention))
+    attention.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["hidden_states"].dtype), with_kwargs=True)
+    layers = torchfuser.report(fused).counts().get("residual_norm", {}).get("fused", 0)
     packed_calls = []
     real = torchfuser.ops.swiglu_packed
     monkeypatch.setattr(torchfuser.ops, "swiglu_packed", lambda *a: packed_calls.append(1) or real(*a))
@@ -182,6 +187,7 @@ def test_model_under_autocast_matches_float64_within_rule(arch, monkeypatch):
         loss.backward()
         results.append([loss.detach()] + [p.grad for p in model.parameters()])
     assert len(packed_calls) == 2  # both layers' MLPs, under autocast
+    assert seen == [torch.bfloat16 if layers else torch.float32]
     names = ["loss"] + [n for n, _ in plain.named_parameters()]
     for name, r, p, f in zip(names, *results):
         assert_within_rule(f, p, r, ATOL[torch.bfloat16], name)

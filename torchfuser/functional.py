@@ -48,11 +48,13 @@ def check_rms_norm(x: Tensor, weight: Tensor) -> torch.device:
 
 
 def add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, offset: float = 0.0, backend: str | None = None
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, offset: float = 0.0,
+    out_dtype: torch.dtype | None = None, backend: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(s, rms_norm(s)) with s = x + residual, in one kernel forward and one backward: a residual add
     and the norm after it. s has the promoted dtype of x and residual (fp32 for an fp32 residual
-    stream plus a bf16 output under autocast), as ``x + residual`` would; the norm's output has s's."""
+    stream plus a bf16 output under autocast), as ``x + residual`` would; the norm's output has s's,
+    or ``out_dtype`` (bf16 for a projection under autocast, which would cast it to that anyway)."""
     op = "add_rms_norm"
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         _check_float(name, t, op)
@@ -60,7 +62,9 @@ def add_rms_norm(
         raise ValueError(f"{op}: x and residual must have the same shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
     _check_vector(op, "weight", weight, x.shape[-1])
     device = _check_same_device(op, x=x, residual=residual, weight=weight)
-    return ops.add_rms_norm(x, residual, weight, float(eps), float(offset), resolve(backend, device))
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise TypeError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype}")
+    return ops.add_rms_norm(x, residual, weight, float(eps), float(offset), resolve(backend, device), out_dtype)
 
 
 def layer_norm(

@@ -138,3 +138,29 @@ def test_shapes_must_match(backend, request):
     _, _, rstd = B.add_rms_norm_fwd(x, x, w, EPS, 0.0)
     with pytest.raises(ValueError, match="dres"):
         B.rms_norm_bwd(x, x, w, rstd, EPS, 0.0, torch.randn(1, 8, device=device))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference", "mlir"])
+def test_low_precision_output_and_its_gradient(backend, request):
+    """A norm asked for a bf16 output (the projections after it cast to bf16 anyway): y is the fp32
+    result rounded once, and a bf16 dy is read as the fp32 value it is."""
+    B, device = _backend(backend, request), "cpu" if backend == "mlir" else DEVICE
+    gen = torch.Generator().manual_seed(4)
+    x, r, dres = (torch.randn(37, 123, generator=gen).to(device) for _ in range(3))
+    w = torch.randn(123, generator=gen).to(device)
+    y32, rstd = B.rms_norm_fwd(x, w, EPS, 0.0)
+    y16, rstd16 = B.rms_norm_fwd(x, w, EPS, 0.0, BF16)
+    assert y16.dtype == BF16
+    _same(y16, y32.to(BF16), "bf16 y")
+    _same(rstd16, rstd, "rstd")
+    s, ys32, _ = B.add_rms_norm_fwd(x, r.to(BF16), w, EPS, 0.0)
+    s16, ys16, _ = B.add_rms_norm_fwd(x, r.to(BF16), w, EPS, 0.0, BF16)
+    assert torch.equal(s16, s) and ys16.dtype == BF16
+    _same(ys16, ys32.to(BF16), "bf16 y of s")
+    dy = torch.randn(37, 123, generator=gen).to(device, BF16)
+    for extra in (None, dres):
+        dx16, dw16 = B.rms_norm_bwd(dy, x, w, rstd, EPS, 0.0, extra)
+        dx32, dw32 = B.rms_norm_bwd(dy.float(), x, w, rstd, EPS, 0.0, extra)
+        assert dx16.dtype == F32
+        _same(dx16, dx32, "dx from a bf16 dy")
+        _same(dw16, dw32, "dw from a bf16 dy")

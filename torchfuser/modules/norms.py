@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
@@ -37,17 +38,19 @@ class FusedRMSNorm(FusedModule):
         s = self.spec
         return F.rms_norm(x, getattr(self, s.weight), s.eps, offset=s.offset, backend=self.backend)
 
-    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """(x + residual, this norm of it) in one kernel, forward and backward."""
+    def add(self, x: Tensor, residual: Tensor, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """(x + residual, this norm of it) in one kernel, forward and backward; the norm in ``out_dtype``."""
         s = self.spec
-        return F.add_rms_norm(x, residual, getattr(self, s.weight), s.eps, offset=s.offset, backend=self.backend)
+        return F.add_rms_norm(x, residual, getattr(self, s.weight), s.eps, offset=s.offset, out_dtype=out_dtype,
+                              backend=self.backend)
 
-    def opening_residual(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(this norm of x, x) for a block that adds x back: x's two gradients are summed in the norm's
-        backward kernel (``ops.rms_norm_opening_residual``)."""
+    def opening_residual(self, x: Tensor, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """(this norm of x in ``out_dtype``, x) for a block that adds x back: x's two gradients are summed
+        in the norm's backward kernel (``ops.rms_norm_opening_residual``)."""
         s, weight = self.spec, getattr(self, self.spec.weight)
         F.check_rms_norm(x, weight)
-        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), resolve(self.backend, x.device))
+        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), resolve(self.backend, x.device),
+                                             out_dtype)
 
 
 class FusedLayerNorm(FusedModule):

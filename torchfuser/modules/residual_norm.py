@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.mlp import FusedGatedMLP
 from torchfuser.modules.norms import FusedRMSNorm
 
 
@@ -77,14 +79,34 @@ class ResidualNormForward:
         fusable = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and not hooked(norm_in, norm_mid)
         if call is None or not fusable:
             return type(layer).forward(layer, *args, **kwargs)
-        y, x = norm_in.opening_residual(x)
-        a = getattr(layer, s.attention)(**{s.attention_input: y}, **call)[0]
-        h, y = norm_mid.add(x, a)
-        return h + getattr(layer, s.mlp)(y)
+        attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
+        low = _projection_dtype(x, attention, mlp)
+        y, x = norm_in.opening_residual(x, low)
+        a = attention(**{s.attention_input: y}, **call)[0]
+        h, y = norm_mid.add(x, a, low)
+        return h + mlp(y)
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _projection_dtype(x, attention: nn.Module, mlp: nn.Module) -> torch.dtype | None:
+    """Under autocast, the dtype the norms may write their outputs in: the autocast dtype when both
+    blocks first project their input with plain ``nn.Linear``s, which would cast it to that dtype
+    anyway (the same values; the norm writes half the bytes, the cast kernel goes, and the backward
+    reads a bf16 dy, as autocast's own cast gives). Else None: the norms' own dtype."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or x.dtype != torch.float32:
+        return None
+    if not (isinstance(attention, FusedAttention) and isinstance(mlp, FusedGatedMLP)):
+        return None
+    inputs = [(attention, n) for n in attention.spec.qkv]
+    inputs += [(mlp, n) for n in (mlp.spec.gate, mlp.spec.up, mlp.spec.gate_up) if n is not None]
+    linears = [getattr(block, name) for block, name in inputs]
+    if all(type(m) is nn.Linear for m in linears) and not hooked(*linears):
+        return torch.get_autocast_dtype(device)
+    return None
 
 
 def install(layer: nn.Module, spec: ResidualNormSpec) -> None:

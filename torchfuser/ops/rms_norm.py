@@ -18,15 +18,15 @@ def _(x, weight, eps, offset, backend):
 
 @torch.library.custom_op("torchfuser::add_rms_norm_fwd", mutates_args=())
 def add_rms_norm_fwd(
-    x: Tensor, r: Tensor, weight: Tensor, eps: float, offset: float, backend: str
+    x: Tensor, r: Tensor, weight: Tensor, eps: float, offset: float, out_dtype: torch.dtype | None, backend: str
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return kernel(backend, "add_rms_norm_fwd")(x, r, weight, eps, offset)
+    return kernel(backend, "add_rms_norm_fwd")(x, r, weight, eps, offset, out_dtype)
 
 
 @add_rms_norm_fwd.register_fake
-def _(x, r, weight, eps, offset, backend):
+def _(x, r, weight, eps, offset, out_dtype, backend):
     s = x.new_empty(x.shape, dtype=torch.result_type(x, r))
-    return s, s.new_empty(s.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return s, s.new_empty(s.shape, dtype=out_dtype or s.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("torchfuser::rms_norm_bwd", mutates_args=())
@@ -75,7 +75,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float, backend: str)
 
 
 def _add_setup(ctx, inputs, output):
-    x, r, weight, eps, offset, backend = inputs
+    x, r, weight, eps, offset, _, backend = inputs
     ctx.save_for_backward(output[0], weight, output[2])
     ctx.args = (eps, offset, backend)
     ctx.dtypes = (x.dtype, r.dtype)
@@ -88,21 +88,23 @@ def _add_backward(ctx, ds, dy, _drstd):
     x_dtype, r_dtype = ctx.dtypes
     if dy is None:  # the norm's output is unused: s's gradient goes to both addends as it is
         dx, dr = (None, None) if ds is None else (ds.to(x_dtype), ds.to(r_dtype))
-        return dx, dr, None, None, None, None
+        return dx, dr, None, None, None, None, None
     if r_dtype == s.dtype:
         dsum, dw = run(rms_norm_bwd, dy, s, weight, rstd, *ctx.args, ds)
         dr = dsum
     else:  # the residual branch's lower-precision gradient written by the same kernel, not a cast after it
         dsum, dr, dw = run(add_rms_norm_bwd, dy, s, weight, rstd, *ctx.args, ds, r_dtype)
-    return dsum.to(x_dtype), dr, dw, None, None, None
+    return dsum.to(x_dtype), dr, dw, None, None, None, None
 
 
 _add_rms_norm = autograd(add_rms_norm_fwd, _add_setup, _add_backward)
 
 
-def add_rms_norm(x: Tensor, r: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> tuple[Tensor, Tensor]:
-    """(s, rms_norm(s)) with s = x + r."""
-    s, y, _ = _add_rms_norm(x, r, weight, eps, offset, backend)
+def add_rms_norm(
+    x: Tensor, r: Tensor, weight: Tensor, eps: float, offset: float, backend: str, out_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """(s, rms_norm(s)) with s = x + r; the norm's output in ``out_dtype`` (default s's dtype)."""
+    s, y, _ = _add_rms_norm(x, r, weight, eps, offset, out_dtype, backend)
     return s, y
 
 
@@ -113,9 +115,9 @@ class _NormOpeningResidual(torch.autograd.Function):
     kernel. Saved: x, w and rstd, as for rms_norm."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, backend):
+    def forward(ctx, x, weight, eps, offset, backend, out_dtype):
         ctx.set_materialize_grads(False)
-        y, rstd = kernel(backend, "rms_norm_fwd")(x, weight, eps, offset)
+        y, rstd = kernel(backend, "rms_norm_fwd")(x, weight, eps, offset, out_dtype)
         ctx.save_for_backward(x, weight, rstd)
         ctx.args = (eps, offset, backend)
         return y, x.view_as(x)
@@ -124,14 +126,17 @@ class _NormOpeningResidual(torch.autograd.Function):
     def backward(ctx, dy, dres):
         x, weight, rstd = ctx.saved_tensors
         if dy is None:
-            return dres, None, None, None, None
+            return dres, None, None, None, None, None
         dx, dw = run(rms_norm_bwd, dy, x, weight, rstd, *ctx.args, dres)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
-def rms_norm_opening_residual(x: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> tuple[Tensor, Tensor]:
+def rms_norm_opening_residual(
+    x: Tensor, weight: Tensor, eps: float, offset: float, backend: str, out_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
     """(rms_norm(x), x), for a block that adds x back to its output; see ``_NormOpeningResidual``.
-    Only plain eager calls take the joint backward: traced and compiled code sees two uses of x."""
+    The norm's output in ``out_dtype`` (default x's). Only plain eager calls take the joint backward:
+    traced and compiled code sees two uses of x."""
     if plain_eager((x, weight)):
-        return _NormOpeningResidual.apply(x, weight, eps, offset, backend)
-    return rms_norm(x, weight, eps, offset, backend), x
+        return _NormOpeningResidual.apply(x, weight, eps, offset, backend, out_dtype)
+    return rms_norm(x, weight, eps, offset, backend).to(out_dtype or x.dtype), x

@@ -42,7 +42,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 # ---- rms_norm ------------------------------------------------------------------------------
 
-def rms_norm_fwd(x, weight, eps, offset):
+def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
     check_dtypes("rms_norm", x, weight)
     h = _hidden(x)
     k = kernel_for(
@@ -51,11 +51,12 @@ def rms_norm_fwd(x, weight, eps, offset):
         [ArgSpec(ROW, (h,), x.dtype), ArgSpec(BCAST, (h,), weight.dtype)],
     )
     y, rstd = k(_rows(x), weight)
-    return y.view(x.shape), rstd.view(x.shape[:-1])
+    return y.view(x.shape).to(out_dtype or x.dtype), rstd.view(x.shape[:-1])
 
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
     check_dtypes("rms_norm", dy, x, weight, dres)
+    dy = dy.to(torch.promote_types(dy.dtype, x.dtype))  # a bf16 dy of a norm whose output was asked for in bf16
     if dres is not None and dres.shape != x.shape:
         raise ValueError(f"rms_norm_bwd: dres must have x's shape {tuple(x.shape)}, got {tuple(dres.shape)}")
     h = _hidden(x)
@@ -79,14 +80,14 @@ def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
     return dx, dx.to(r_dtype), dw
 
 
-def add_rms_norm_fwd(x, r, weight, eps, offset):
+def add_rms_norm_fwd(x, r, weight, eps, offset, out_dtype=None):
     """(s, y, rstd): s = x + r (torch's add and type promotion), then rms_norm_fwd(s)."""
     check_dtypes("add_rms_norm", x, r, weight)
     if x.shape != r.shape:
         raise ValueError(f"add_rms_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
                          f"and {tuple(r.shape)}")
     s = torch.add(x, r).contiguous()
-    return (s, *rms_norm_fwd(s, weight, eps, offset))
+    return (s, *rms_norm_fwd(s, weight, eps, offset, out_dtype))
 
 
 # ---- layer_norm ----------------------------------------------------------------------------

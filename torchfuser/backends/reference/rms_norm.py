@@ -15,9 +15,9 @@ def rms_norm(x, weight, eps: float, offset: float):
     return y.to(x.dtype), rstd
 
 
-def rms_norm_fwd(x, weight, eps, offset):
+def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
     y, rstd = rms_norm(x, weight, eps, offset)
-    return y.contiguous(), rstd.contiguous()
+    return y.to(out_dtype or y.dtype).contiguous(), rstd.contiguous()
 
 
 def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
@@ -26,17 +26,19 @@ def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
     return dx, dx.to(r_dtype), dw
 
 
-def add_rms_norm_fwd(x, r, weight, eps, offset):
+def add_rms_norm_fwd(x, r, weight, eps, offset, out_dtype=None):
     """(s, y, rstd) with s = x + r in torch's promoted dtype, normalised as stored (rounded)."""
     if x.shape != r.shape:
         raise ValueError(f"add_rms_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
                          f"and {tuple(r.shape)}")
     s = torch.add(x, r).contiguous()
-    return (s, *rms_norm_fwd(s, weight, eps, offset))
+    return (s, *rms_norm_fwd(s, weight, eps, offset, out_dtype))
 
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
-    """(dx, dw); with ``dres`` (the residual stream's gradient) dx + dres, summed in the compute dtype."""
+    """(dx, dw); with ``dres`` (the residual stream's gradient) dx + dres, summed in the compute dtype.
+    dy may come in a lower precision than x (a norm whose output was asked for in bf16)."""
+    dy = dy.to(torch.promote_types(dy.dtype, x.dtype))
     if dres is None:
         dx, dw = vjp(lambda a, w: rms_norm(a, w, eps, offset)[0], (x, weight), dy)
         return dx.contiguous(), dw.contiguous()

@@ -4,7 +4,7 @@ Forward, per row x of length N:   r = rsqrt(Σx²/N + eps),  y = x · r · (offs
 Saved for the backward: x, w and r (fp32, one value per row); y is not kept.
 Backward, with w' = offset + w and g = dy · w':
     dx = r · (g − x · r² · Σ(g·x)/N)        dw = Σ_rows dy · x · r
-All arithmetic in fp32; y and dx are rounded once, to x's dtype, on the store.
+All arithmetic in fp32; y and dx are rounded once, to x's dtype (y: or the dtype asked for), on the store.
 
 With the residual add (add_rms_norm_fwd):  s = x + res, in torch.result_type(x, res), stored, and
 normalised as rounded to that dtype, so (y, r) are exactly rms_norm_fwd(s)'s. Saved for the
@@ -209,12 +209,13 @@ def sum_partials(p, dtype, q=None, q_dtype=None):
     return out if q is None else (out, out_q)
 
 
-def _norm_fwd(x, r, s, weight, eps, offset):
-    """y and rstd of the rows of x, or with r of s = x + r (stored to s)."""
+def _norm_fwd(x, r, s, weight, eps, offset, out_dtype):
+    """y (in ``out_dtype``, default x's or s's dtype) and rstd of the rows of x, or with r of s = x + r
+    (stored to s)."""
     n = x.shape[-1]
     x2, m, sx = rows_of(x, n)
     r2, _, sr = rows_of(r, n) if r is not None else (x2, m, sx)
-    y = torch.empty(x.shape, dtype=x.dtype if s is None else s.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype or (x.dtype if s is None else s.dtype), device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd
@@ -226,17 +227,17 @@ def _norm_fwd(x, r, s, weight, eps, offset):
     return y, rstd
 
 
-def rms_norm_fwd(x, weight, eps, offset):
+def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
     check_dtypes("rms_norm", x=x, weight=weight)
-    return _norm_fwd(x, None, None, weight, eps, offset)
+    return _norm_fwd(x, None, None, weight, eps, offset, out_dtype)
 
 
-def add_rms_norm_fwd(x, r, weight, eps, offset):
-    """(s, y, rstd): s = x + r in torch.result_type(x, r), and rms_norm_fwd(s)."""
+def add_rms_norm_fwd(x, r, weight, eps, offset, out_dtype=None):
+    """(s, y, rstd): s = x + r in torch.result_type(x, r), and rms_norm_fwd(s, ..., out_dtype)."""
     check_dtypes("add_rms_norm", x=x, r=r, weight=weight)
     check_same_shape("add_rms_norm", x=x, r=r)
     s = torch.empty(x.shape, dtype=torch.result_type(x, r), device=x.device)
-    return (s, *_norm_fwd(x, r, s, weight, eps, offset))
+    return (s, *_norm_fwd(x, r, s, weight, eps, offset, out_dtype))
 
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
