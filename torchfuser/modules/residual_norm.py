@@ -8,13 +8,15 @@ the norm's kernel), and x's gradients from norm_in and from the residual are sum
 norm_in's backward kernel (``rms_norm_opening_residual``). Unfused, each of those is an add
 kernel of its own over the fp32 residual stream, and the backward's cast of s's gradient for the
 bf16 attention output one more. The last add, ``s + MLP(…)``, stays: its sum is the next
-layer's input, which this layer does not see.
+layer's input, which this layer does not see. Under autocast the norms write bf16 where the
+blocks after them only project it (``_projection_dtype``).
 
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
 forward passes them (the pattern's probe found which, ``ResidualNormSpec``), and hands anything
 else to the original forward: extra positional arguments, norms that are not fused RMSNorms or
-have hooks (the fused path calls their kernels, not the modules), and code torch.compile traces (Inductor fuses the adds into its own norm kernels there).
+have hooks (the fused path calls their kernels, not the modules), and code that torch.compile
+traces (Inductor fuses the adds into its own norm kernels there).
 """
 from __future__ import annotations
 
