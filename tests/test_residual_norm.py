@@ -182,14 +182,45 @@ class WithDropoutChild(Layer):  # Phi-3's resid_attn_dropout, p = 0
 
 
 @pytest.mark.parametrize("cls, why", [
-    (ScaledResidual, "is not x + attention"), (FunctionalDropout, "is not x + attention"),
-    (WithDropoutChild, "is not x + attention"), (OwnArguments, "arguments of its own making"),
+    (ScaledResidual, "is not x + attention"), (OwnArguments, "arguments of its own making"),
     (MLPWithKeywords, "more than their input"),
 ])
 def test_probe_rejects(cls, why):
     torch.manual_seed(0)
     result = ResidualNormPattern().match(cls())
     assert why in result.reason
+
+
+def test_probe_finds_the_dropouts_between_the_blocks():
+    assert ResidualNormPattern().match(WithDropoutChild()).dropouts == ("resid_attn_dropout",)
+    assert ResidualNormPattern().match(FunctionalDropout()).float_dropouts == ("resid_pdrop",)
+    assert ResidualNormPattern().match(Layer()).dropouts == ()
+
+
+@pytest.mark.parametrize("cls, name", [(WithDropoutChild, "resid_attn_dropout"), (FunctionalDropout, "resid_pdrop")])
+def test_a_dropout_that_is_on_runs_the_original_forward(cls, name, monkeypatch):
+    ref, fused = _fused_pair(cls)
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    ran = []
+    real = torchfuser.ops.add_rms_norm
+    monkeypatch.setattr(torchfuser.ops, "add_rms_norm", lambda *a: ran.append(1) or real(*a))
+    torch.testing.assert_close(fused(x), ref(x))  # p = 0: fused
+    assert ran
+    for model in (ref, fused):
+        layer = model.layers[0]
+        if isinstance(getattr(layer, name), nn.Module):
+            getattr(layer, name).p = 0.5
+        else:
+            setattr(layer, name, 0.5)
+    ran.clear()
+    outs = []
+    for model in (ref, fused):
+        torch.manual_seed(7)
+        outs.append(model(x))
+    torch.testing.assert_close(outs[1], outs[0])  # the same dropout masks: the original forward ran
+    assert len(ran) == 1  # only the second layer, whose dropout is still off
+    fused.eval(), ref.eval()
+    torch.testing.assert_close(fused(x), ref(x))  # eval: dropouts off, fused again
 
 
 def test_probe_reads_how_arguments_are_passed():

@@ -40,6 +40,8 @@ class ResidualNormSpec:
     keyword, the parameter's default) for every parameter it passes on. ``renames``: (a keyword its
     decorators accept in place of a parameter, the attention's keyword it ends up as).
     ``passes_extra``: whether it passes unknown keywords on to the attention unchanged (``**kwargs``).
+    ``dropouts`` / ``float_dropouts``: the layer's dropouts, when one sits between the blocks: the
+    fused forward runs only while all are off (eval mode, or p = 0), the original one otherwise.
     """
 
     first: str
@@ -47,6 +49,8 @@ class ResidualNormSpec:
     arguments: tuple[tuple[str, str, object], ...]
     renames: tuple[tuple[str, str], ...] = ()
     passes_extra: bool = True
+    dropouts: tuple[str, ...] = ()  # nn.Dropout children between the blocks: fused only while off
+    float_dropouts: tuple[str, ...] = ()  # the same as float attributes read by functional dropouts
     attention: str = "self_attn"
     mlp: str = "mlp"
     norm_in: str = "input_layernorm"
@@ -79,7 +83,7 @@ class ResidualNormForward:
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
         call = None if x is None or torch.compiler.is_compiling() else self._attention_kwargs(rest)
         fusable = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and not hooked(norm_in, norm_mid)
-        if call is None or not fusable:
+        if call is None or not fusable or self._dropping():
             return type(layer).forward(layer, *args, **kwargs)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
         low = _projection_dtype(x, attention, mlp)
@@ -87,6 +91,13 @@ class ResidualNormForward:
         a = attention(**{s.attention_input: y}, **call)[0]
         h, y = norm_mid.add(x, a, low)
         return h + mlp(y)
+
+    def _dropping(self) -> bool:
+        """Whether a dropout between the blocks is on now (the fused forward has none)."""
+        layer, s = self.layer, self.spec
+        if not layer.training:
+            return False
+        return any(getattr(layer, n).p > 0 for n in s.dropouts) or any(getattr(layer, n) > 0 for n in s.float_dropouts)
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""

@@ -6,8 +6,9 @@ called. The layer qualifies when its output is exactly
 
     s = x + attention(norm_in(x))[0];   out = s + mlp(norm_mid(s))
 
-(in training mode, with every dropout child made visible and every float dropout set to 0.5,
-so that a dropout between the blocks shows), and when the attention receives norm_in's output by
+(in training mode, with every dropout of the layer at p = 0.5 so that one between the blocks shows; if
+one does, the layer still qualifies when the formula holds with them at 0, and its fused forward
+runs only while they are: ``ResidualNormSpec.dropouts``), and when the attention receives norm_in's output by
 keyword and each of the forward's other arguments unchanged, which the probe tells apart with a
 marker object per argument. What the probe learns about the call is the ``ResidualNormSpec``.
 """
@@ -88,19 +89,25 @@ class _Probe:
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
         self.module = module
 
-    def run(self, **kwargs):
-        """(output, the stand-ins' calls by child name)."""
+    def dropouts(self) -> tuple[list[str], list[str]]:
+        """(nn.Dropout children, float dropout attributes) of the layer itself."""
+        children = [n for n, m in self.module._modules.items() if isinstance(m, nn.Dropout)]
+        return children, _probe.float_dropouts(self.module)
+
+    def run(self, p: float = 0.5, **kwargs):
+        """(output, the stand-ins' calls by child name), every dropout of the layer at ``p``."""
         probe = _probe.shallow_copy(self.module)
         probe.training = True
+        children, floats = self.dropouts()
         for name, child in self.module._modules.items():
             if name not in _CHILDREN and child is not None and not any(True for _ in child.parameters()):
-                visible = copy.copy(child)  # a dropout child: in training, p = 0 or not
+                visible = copy.copy(child)  # in training, whatever it is
                 visible.training = True
-                if isinstance(child, nn.Dropout):
-                    visible.p = 0.5
+                if name in children:
+                    visible.p = p
                 probe._modules[name] = visible
-        for name in _probe.float_dropouts(self.module):
-            setattr(probe, name, 0.5)
+        for name in floats:
+            setattr(probe, name, p)
         stand = {n: _StandIn(fn, tuple_out=n == "self_attn") for n, fn in self.fns.items()}
         probe._modules.update(stand)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -121,11 +128,18 @@ def _study(module: nn.Module, first: str, params, extra: bool):
         markers[_EXTRA] = _Marker(_EXTRA)
     try:
         out, calls = probe.run(**markers)
+        dropouts = ()
+        if isinstance(out, torch.Tensor) and not _probe.close(out, probe.expected()):
+            # Maybe a dropout between the blocks (Phi-3's resid_*_dropout): the fused forward serves
+            # the calls where every dropout of the layer is off, and only if the forward is exact then.
+            out, calls = probe.run(0.0, **markers)
+            children, floats = probe.dropouts()
+            dropouts = (tuple(children), tuple(floats))
     except Exception as err:
         return Skip(f"its forward could not be probed with stand-in children ({type(err).__name__}: {err})")
     if not isinstance(out, torch.Tensor) or not _probe.close(out, probe.expected()):
-        return Skip("its forward is not x + attention(norm(x)), then + mlp(norm(·)) (a dropout, a scale or a "
-                    "post-norm between the blocks)")
+        return Skip("its forward is not x + attention(norm(x)), then + mlp(norm(·)) (a scale or a post-norm "
+                    "between the blocks?)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
     if any(len(calls[n][0][0]) != 1 or calls[n][0][1] for n in _CHILDREN if n != "self_attn"):
@@ -150,7 +164,7 @@ def _study(module: nn.Module, first: str, params, extra: bool):
         landed = [k for k, v in kw.items() if isinstance(v, _Marker)]
         if landed and landed != [alias]:
             renames.append((alias, landed[0]))
-    return ResidualNormSpec(first, inputs[0], arguments, tuple(renames), extra)
+    return ResidualNormSpec(first, inputs[0], arguments, tuple(renames), extra, *dropouts)
 
 
 class ResidualNormPattern(Pattern):
@@ -163,12 +177,11 @@ class ResidualNormPattern(Pattern):
         kids = module._modules
         if not all(isinstance(kids.get(n), nn.Module) for n in _CHILDREN):
             return None
-        others = [n for n, m in kids.items() if n not in _CHILDREN and m is not None and any(True for _ in m.parameters())]
-        if others:
-            return Skip(f"it has blocks with parameters besides one attention, one MLP and two norms ({', '.join(others)})")
+        if any(n not in _CHILDREN and m is not None and any(True for _ in m.parameters()) for n, m in kids.items()):
+            return None  # more blocks than one attention, one MLP and two norms (Gemma-2's four norms)
         norms = [RMSNormPattern().match(kids[n]) for n in _CHILDREN[2:]]
         if any(n is None or isinstance(n, Skip) for n in norms):
-            return Skip("its norms are not RMSNorms (only residual adds next to RMSNorms are fused)")
+            return None  # LayerNorms: only residual adds next to RMSNorms are fused
         sig = _signature(module)
         if isinstance(sig, Skip):
             return sig
