@@ -6,11 +6,11 @@ called. The layer qualifies when its output is exactly
 
     s = x + attention(norm_in(x))[0];   out = s + mlp(norm_mid(s))
 
-(in training mode, with every dropout of the layer at p = 0.5 so that one between the blocks shows; if
+(in training mode, every dropout of the layer at p = 0.5, so that one between the blocks shows; if
 one does, the layer still qualifies when the formula holds with them at 0, and its fused forward
-runs only while they are: ``ResidualNormSpec.dropouts``), and when the attention receives norm_in's output by
-keyword and each of the forward's other arguments unchanged, which the probe tells apart with a
-marker object per argument. What the probe learns about the call is the ``ResidualNormSpec``.
+runs only while they are off: ``ResidualNormSpec.dropouts``), and when the attention receives
+norm_in's output by keyword and each of the forward's other arguments unchanged, which the probe
+tells apart with a marker object per argument. What the probe learns is the ``ResidualNormSpec``.
 """
 from __future__ import annotations
 
