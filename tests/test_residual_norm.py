@@ -228,7 +228,8 @@ def test_probe_reads_how_arguments_are_passed():
     assert spec.arguments == (("past_key_value", "past_key_values", None),) and not spec.passes_extra
     spec = ResidualNormPattern().match(Layer())
     assert spec.first == "hidden_states" and spec.attention_input == "hidden_states" and spec.passes_extra
-    assert [a[:2] for a in spec.arguments] == [("attention_mask", "attention_mask"), ("position_embeddings", "position_embeddings")]
+    passed = [a[:2] for a in spec.arguments]
+    assert passed == [("attention_mask", "attention_mask"), ("position_embeddings", "position_embeddings")]
 
 
 # -- the installed forward ----------------------------------------------------------------------

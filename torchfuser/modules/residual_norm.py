@@ -82,8 +82,8 @@ class ResidualNormForward:
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
         call = None if x is None or torch.compiler.is_compiling() else self._attention_kwargs(rest)
-        fusable = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and not hooked(norm_in, norm_mid)
-        if call is None or not fusable or self._dropping():
+        norms = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and not hooked(norm_in, norm_mid)
+        if call is None or not norms or self._dropping():
             return type(layer).forward(layer, *args, **kwargs)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
         low = _projection_dtype(x, attention, mlp)
