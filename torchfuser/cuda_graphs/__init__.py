@@ -35,10 +35,7 @@ from torch import nn
 from torchfuser.cuda_graphs.replay import MAX_RECAPTURES, Stack
 from torchfuser.cuda_graphs.signature import join_call, split_call
 from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_replicas
-from torchfuser.modules.residual_norm import ResidualNormForward
-
-# A forward TorchFuser itself put on a layer instance: graphed as the layer's own, and put back.
-_OWN = ResidualNormForward
+from torchfuser.modules.residual_norm import ResidualNormForward  # ours on the instance: graphed, put back
 
 __all__ = ["install", "remove", "refresh_notes", "describe", "find_stacks", "split_call", "join_call", "MAX_RECAPTURES"]
 _ATTR = "_torchfuser_cuda_graphs"
@@ -59,7 +56,7 @@ def _unsupported(model: nn.Module, layers) -> str | None:
     if p is None or p.device.type != "cuda":
         return f"the model is on {p.device if p is not None else 'no device'}: move it to a CUDA device before optimize(..., cuda_graphs=True)"
     for layer in layers:
-        if "forward" in layer.__dict__ and not isinstance(layer.__dict__["forward"], _OWN):
+        if "forward" in layer.__dict__ and not isinstance(layer.__dict__["forward"], ResidualNormForward):
             return "a layer's forward is already replaced on the instance (accelerate hooks?)"
         for q in layer.parameters():
             if type(q) is not nn.Parameter or type(q.data) is not torch.Tensor or q.device != p.device:
@@ -102,7 +99,7 @@ def remove(model: nn.Module) -> None:
     for stack in model.__dict__.pop(_ATTR, []):
         for layer, forward in zip(stack.layers, stack.forwards):
             layer.__dict__.pop("forward", None)
-            if isinstance(forward, _OWN):
+            if isinstance(forward, ResidualNormForward):
                 layer.__dict__["forward"] = forward
             unfollow_replicas(layer)
         stack.graphs = None

@@ -14,26 +14,16 @@ from torch.utils import _pytree as pytree
 
 from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_failed_capture
 from torchfuser.cuda_graphs.signature import autocast_key, param_key, split_call, tensor_key
-from torchfuser.modules.base import loaded_fsdp
+from torchfuser.modules.base import hooked, loaded_fsdp
 from torchfuser.modules.residual_norm import ResidualNormForward
 
 log = logging.getLogger("torchfuser")
 MAX_RECAPTURES = 3
 
 
-def _hooked(mod: nn.Module) -> bool:
-    return bool(mod._forward_hooks or mod._forward_pre_hooks or mod._backward_hooks or mod._backward_pre_hooks)
-
-
 def _fsdp2(mod: nn.Module) -> bool:
     fsdp = loaded_fsdp()
     return fsdp is not None and isinstance(mod, getattr(fsdp, "FSDPModule", ()))
-
-
-def _global_hooks() -> bool:
-    m = nn.modules.module
-    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
 
 
 class _Token:
@@ -140,13 +130,14 @@ class Stack:
             return "the layer is sharded by FSDP2 (fully_shard): its hooks gather and reduce around autograd, which a replay bypasses", ()
         # The layer's own hooks run around the replay, in its __call__; those of the modules inside
         # it would run only while capturing.
-        params, hooked = {}, _global_hooks()
+        params, inside = {}, []
         for mod in layer.modules():
-            hooked = hooked or (mod is not layer and _hooked(mod))
+            if mod is not layer:
+                inside.append(mod)
             for p in mod._parameters.values():
                 if p is not None:
                     params[id(p)] = p
-        if hooked:
+        if hooked(*inside):
             return "hooks are registered on modules inside the layer (they would run only at capture)", ()
         return None, tuple(params.values())
 

@@ -75,19 +75,13 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
 
 
 def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
-    """(dx, dr, dw) of add_rms_norm: rms_norm_bwd with ds, and dx cast to the residual branch's dtype."""
-    dx, dw = rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds)
-    return dx, dx.to(r_dtype), dw
+    return ref_rms.norm_bwd_then_cast(rms_norm_bwd, dy, s, weight, rstd, eps, offset, ds, r_dtype)
 
 
 def add_rms_norm_fwd(x, r, weight, eps, offset, out_dtype=None):
-    """(s, y, rstd): s = x + r (torch's add and type promotion), then rms_norm_fwd(s)."""
+    """s = x + r on the host (torch's add and type promotion), then this backend's rms_norm_fwd(s)."""
     check_dtypes("add_rms_norm", x, r, weight)
-    if x.shape != r.shape:
-        raise ValueError(f"add_rms_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
-                         f"and {tuple(r.shape)}")
-    s = torch.add(x, r).contiguous()
-    return (s, *rms_norm_fwd(s, weight, eps, offset, out_dtype))
+    return ref_rms.add_then_norm(rms_norm_fwd, x, r, weight, eps, offset, out_dtype)
 
 
 # ---- layer_norm ----------------------------------------------------------------------------

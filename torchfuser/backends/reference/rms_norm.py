@@ -20,19 +20,29 @@ def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
     return y.to(out_dtype or y.dtype).contiguous(), rstd.contiguous()
 
 
-def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
-    """(dx, dr, dw) of add_rms_norm: rms_norm_bwd with ds, and dx cast to the residual branch's dtype."""
-    dx, dw = rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds)
-    return dx, dx.to(r_dtype), dw
-
-
-def add_rms_norm_fwd(x, r, weight, eps, offset, out_dtype=None):
-    """(s, y, rstd) with s = x + r in torch's promoted dtype, normalised as stored (rounded)."""
+def add_then_norm(norm_fwd, x, r, weight, eps, offset, out_dtype):
+    """add_rms_norm_fwd from a backend's ``rms_norm_fwd``: (s, y, rstd) with s = x + r in torch's
+    promoted dtype, normalised as stored (rounded)."""
     if x.shape != r.shape:
         raise ValueError(f"add_rms_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
                          f"and {tuple(r.shape)}")
     s = torch.add(x, r).contiguous()
-    return (s, *rms_norm_fwd(s, weight, eps, offset, out_dtype))
+    return (s, *norm_fwd(s, weight, eps, offset, out_dtype))
+
+
+def norm_bwd_then_cast(norm_bwd, dy, s, weight, rstd, eps, offset, ds, r_dtype):
+    """add_rms_norm_bwd from a backend's ``rms_norm_bwd``: (dx, dr, dw), dr being dx (which includes
+    ds) cast to the residual branch's dtype."""
+    dx, dw = norm_bwd(dy, s, weight, rstd, eps, offset, ds)
+    return dx, dx.to(r_dtype), dw
+
+
+def add_rms_norm_fwd(x, r, weight, eps, offset, out_dtype=None):
+    return add_then_norm(rms_norm_fwd, x, r, weight, eps, offset, out_dtype)
+
+
+def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
+    return norm_bwd_then_cast(rms_norm_bwd, dy, s, weight, rstd, eps, offset, ds, r_dtype)
 
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
