@@ -299,6 +299,57 @@ def test_hidden_states_and_layer_hooks_see_the_replayed_outputs():
 
 
 @cuda
+def test_layers_share_the_hidden_state_buffers_and_gradients_stay_in_the_pool():
+    plain, graphed = _pair()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, graphed)]
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    for step in range(3):
+        (la, ga), (lb, gb) = (_step(m, ids, o) for m, o in zip((plain, graphed), opts))
+        _close(ga, gb, f"step {step}")
+    graphs = _stack(graphed).graphs
+    # Each layer reads its predecessor's output buffer, and that predecessor's backward reads the
+    # gradient this layer's backward writes: no copy of the hidden state either way.
+    assert [g.chained for g in graphs] == [False, True, True]
+    for before, after in zip(graphs, graphs[1:]):
+        assert after.inputs[0].data_ptr() == before.outputs[0].data_ptr()
+        assert before.grad_outputs[0].data_ptr() == after.grad_inputs[0].data_ptr()
+    _step(graphed, ids)
+    pooled = _stack(graphed).pooled_grads
+    assert pooled and all(p.grad.data_ptr() in pooled for layer in graphed.model.layers for p in layer.parameters())
+
+
+@cuda
+def test_something_between_the_layers_breaks_the_chain_and_recaptures():
+    plain, graphed = _pair()
+    for m in (plain, graphed):  # a new tensor between layers 0 and 1
+        m.model.layers[0].register_forward_hook(lambda mod, args, out: out * 1.0)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2, 16), generator=gen).cuda()
+        (la, ga), (lb, gb) = _step(plain, ids), _step(graphed, ids)
+        torch.testing.assert_close(la, lb, rtol=2e-5, atol=2e-6)
+        _close(ga, gb, f"step {step}")
+    stack = _stack(graphed)
+    assert not stack.chain and stack.captures == 2 and not any(g.chained for g in stack.graphs)
+    assert stack.eager["the layer was passed something other than the previous layer's output (recaptured unchained)"] == 1
+    assert stack.replays == 1 + 3 + 3  # step 0: layer 0 only; then every layer
+
+
+@cuda
+def test_a_chained_input_changed_in_place_after_the_call_is_a_clear_error():
+    _, graphed = _pair()
+    ids = torch.randint(0, VOCAB, (2, 16)).cuda()
+    _step(graphed, ids)  # capture
+    def bump(mod, args, out):  # layer 1's backward reads layer 0's output buffer, changed here after layer 1 ran
+        args[0].add_(1.0)
+
+    graphed.model.layers[1].register_forward_hook(bump)
+    loss = graphed(input_ids=ids, labels=ids, use_cache=False).loss
+    with pytest.raises(RuntimeError, match="changed in place after the layer ran"):
+        loss.backward()
+
+
+@cuda
 def test_eager_attention_with_a_padding_mask():
     plain, graphed = _pair(attn="eager")
     ids = torch.randint(0, VOCAB, (2, 16)).cuda()

@@ -81,9 +81,10 @@ def _leaf(t, dtype, make=None):
     return leaf if make is None else make(leaf)
 
 
-def _check(op_fn, inputs, dtype, what, torch_fn=None, make=None):
+def _check(op_fn, inputs, dtype, what, torch_fn=None, make=None, laid_out=torch.Tensor.is_contiguous):
     """Compare op_fn(backend='triton') with op_fn(backend='reference') in float64 (the oracle)
-    and torch_fn (default: the reference backend) in ``dtype`` (the baseline)."""
+    and torch_fn (default: the reference backend) in ``dtype`` (the baseline). The op's outputs
+    must satisfy ``laid_out`` (the layout its custom op's fake impl promises)."""
     make = make or {}
 
     def run(fn, dt):
@@ -102,7 +103,7 @@ def _check(op_fn, inputs, dtype, what, torch_fn=None, make=None):
     for i, (g, s, r) in enumerate(zip(got, same, ref)):
         assert g.dtype == s.dtype, f"{what} output {i}: dtype {g.dtype} != {s.dtype}"
         # (gradients reach the leaves through autograd's view backward, in its layout)
-        assert i >= n_out or g.is_contiguous(), f"{what} output {i}: not contiguous"
+        assert i >= n_out or laid_out(g), f"{what} output {i}: strides {g.stride()} not the promised layout"
         assert_within_rule(g, s, r, ATOL[g.dtype] * max(1.0, r.abs().max().item()), f"{what} output {i}")
 
 
@@ -241,6 +242,11 @@ def test_gelu_non_contiguous(approximate):
 
 # ---------------------------------------------------------------- rope
 
+def _heads_inner(t):
+    """B×H×S×D over B×S×H×D memory: the layout of rope's outputs (torchfuser/ops/rope.py)."""
+    return t.transpose(1, 2).is_contiguous()
+
+
 ROPE_CASES = [  # (B, Hq, Hk, S, D, cos batch, q from a transpose)
     (1, 1, 1, 1, 16, 1, False),
     (2, 4, 2, 5, 16, 1, True),
@@ -260,7 +266,39 @@ def test_rope(case, dtype):
     else:
         q, k, make = _rand(b, hq, s, d), _rand(b, hk, s, d), None
     fn = lambda q, k, backend: F.rope(q, k, cos.to(q.dtype), sin.to(q.dtype), backend=backend)  # noqa: E731
-    _check(fn, [q, k], dtype, f"rope{case}", make=make)
+    _check(fn, [q, k], dtype, f"rope{case}", make=make, laid_out=_heads_inner)
+
+
+@pytest.mark.parametrize("backend", ["reference", "mlir", "triton"])
+def test_rope_outputs_and_grads_heads_inner(interpreter, backend, request):
+    """Attention's path: B×S×H×D projections viewed as B×H×S×D → rope → gradients as SDPA gives
+    them (B×H×S×D views of B×S×H×D memory) or contiguous. Outputs and the projections' gradients
+    stay B×S×H×D in memory, so neither attention's output nor dq/dk is copied back."""
+    if backend == "mlir":
+        pytest.importorskip("torch_mlir")
+        request.getfixturevalue("mlir_tmp_cache")
+    device = "cpu" if backend == "mlir" else DEVICE
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    b, s, hq, hk, d = 2, 5, 4, 2, 12
+    gen = torch.Generator().manual_seed(3)
+    proj = [torch.randn(b, s, h, d, generator=gen, dtype=torch.float64) for h in (hq, hk)]
+    angle = torch.randn(1, s, d // 2, generator=gen, dtype=torch.float64).repeat(1, 1, 2)
+    cots = [torch.randn(b, s, h, d, generator=gen, dtype=torch.float64).transpose(1, 2) for h in (hq, hk)]
+
+    def run(backend, dtype, cots):
+        q, k = (p.to(device, dtype).requires_grad_() for p in proj)
+        cos, sin = angle.cos().to(device, dtype), angle.sin().to(device, dtype)
+        outs = F.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, backend=backend)
+        return outs, torch.autograd.grad(outs, (q, k), [c.to(device, dtype) for c in cots])
+
+    for given in (cots, [c.contiguous() for c in cots]):  # as SDPA gives them, then contiguous
+        outs, grads = run(backend, dtype, given)
+        want_outs, want_grads = run("reference", torch.float64, given)
+        # The projections' gradients are B×S×H×D: contiguous exactly when rope_bwd's were heads-inner.
+        for got, want, laid_out in ((outs, want_outs, _heads_inner), (grads, want_grads, torch.Tensor.is_contiguous)):
+            for g, w in zip(got, want):
+                assert laid_out(g), f"{backend}: strides {g.stride()}, shape {tuple(g.shape)}"
+                torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- linear + cross-entropy
@@ -397,12 +435,13 @@ def test_linear_cross_entropy_chunks(interpreter, n, most, sizes):
 # ---------------------------------------------------------------- contract with the ops layer
 
 def _fake_vs_real(op, *args):
-    """The kernels' outputs have exactly the fake impl's shapes, dtypes and contiguity."""
+    """The kernels' outputs have exactly the fake impl's shapes, dtypes and strides (torch.compile
+    plans the graph's memory from the fake impl's)."""
     real = op(*args, "triton")
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
     fake = op(*meta, "triton")
     for r, f in zip(real if isinstance(real, tuple) else (real,), fake if isinstance(fake, tuple) else (fake,)):
-        assert (r.shape, r.dtype, r.is_contiguous()) == (f.shape, f.dtype, True)
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
 
 
 def test_outputs_match_fake_impls():
@@ -422,6 +461,9 @@ def test_outputs_match_fake_impls():
     _fake_vs_real(ops.gelu_fwd, x, "tanh")
     q, k, cos = _rand(2, 4, 3, 16), _rand(2, 2, 3, 16), _rand(1, 3, 16)
     _fake_vs_real(ops.rope_fwd, q, k, cos, cos)
+    _fake_vs_real(ops.rope_fwd, _rand(2, 3, 4, 16).transpose(1, 2), k, cos, cos)
+    _fake_vs_real(ops.rope_bwd, q, k, cos, cos)
+    _fake_vs_real(ops.rope_bwd, *ops.rope_fwd(q, k, cos, cos, "triton"), cos, cos)  # as SDPA lays out dq, dk
     h, wt, labels = _rand(7, 16), _rand(11, 16), torch.randint(0, 11, (7,)).to(DEVICE)
     for bias in (None, _rand(11)):
         for need_grad in (True, False):

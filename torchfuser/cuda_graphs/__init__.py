@@ -16,6 +16,13 @@ layer, or while an earlier replay of the same layer still waits for its backward
 forwards before one backward). A layer that reads tensor values on the host is found during the
 warm-up before capture and left eager.
 
+Consecutive layers share buffers: a layer reads its predecessor's output buffer as its hidden
+state, and the predecessor's backward reads the gradient buffer this layer's backward writes, so
+a replay copies neither in. A call passing anything else breaks the chain: that call runs
+eagerly and the next capture gives every layer input buffers of its own. Parameter gradients are
+written into the pool too and handed to autograd as they are; one still held as ``p.grad`` when
+the next forward replay starts (gradient accumulation) is copied out first.
+
 The price of replay:
 - A layer's outputs live in the graph's buffers and the next step's replay overwrites them:
   clone what you keep across steps (``output_hidden_states``).

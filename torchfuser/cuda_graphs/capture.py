@@ -26,6 +26,7 @@ class LayerGraphs:
     outputs: tuple[Tensor, ...]  # flattened static outputs
     out_spec: pytree.TreeSpec | None  # None: the forward returns one tensor
     stand_ins: list[nn.Parameter]  # what the capture's autograd graph differentiated for ``params``
+    chained: bool = False  # inputs[0] is the previous layer's outputs[0] (and so are their gradients)
     grad_outputs: list[Tensor | None] = field(default_factory=list)
     grad_inputs: tuple[Tensor | None, ...] = ()  # per input, then per parameter
     waiting: weakref.ref | None = None
@@ -36,6 +37,20 @@ class LayerGraphs:
 
 def _static_copy(t: Tensor) -> Tensor:
     return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+@contextmanager
+def _no_gc():
+    """Python's cyclic collector off while capturing: run inside a capture, it may destroy an
+    unreachable CUDA graph or release its pool, calls that invalidate the capture. (Each
+    ``torch.cuda.graph`` still collects once before its capture begins.)"""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextmanager
@@ -85,10 +100,24 @@ def _stand_ins(layer: nn.Module, params):
             m._parameters[name] = q
 
 
-def capture(layers, forwards, params, layout, tensors) -> list[LayerGraphs]:
+def _chains(prev: LayerGraphs | None, tensors) -> bool:
+    """Whether the layer's first tensor argument can be the previous layer's first output itself."""
+    if prev is None or not tensors:
+        return False
+    o, t = prev.outputs[0], tensors[0]
+    return (o.shape, o.stride(), o.dtype, o.requires_grad) == (t.shape, t.stride(), t.dtype, t.requires_grad)
+
+
+def capture(layers, forwards, params, layout, tensors, chain: bool = True) -> list[LayerGraphs]:
     """Capture every layer's forward (in order), then every backward (in reverse): the order they
     replay in, which is what lets all the captures share one memory pool (a backward's scratch
-    reuses what later layers' activations held)."""
+    reuses what later layers' activations held).
+
+    With ``chain``, a layer whose first argument is shaped like the previous layer's first output
+    (the hidden state a decoder passes on) reads that output's buffer directly, and the previous
+    layer's backward reads this layer's gradient buffer for it: a replay then copies neither the
+    hidden state in nor its gradient back (``Stack.call`` checks that the call passes that very
+    buffer, and recaptures without chaining when something runs between the layers)."""
     pool = torch.cuda.graph_pool_handle()
     enabled, dtype = autocast_key()
 
@@ -115,10 +144,15 @@ def capture(layers, forwards, params, layout, tensors) -> list[LayerGraphs]:
         torch.cuda.synchronize()
 
         graphs = []
+    with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False), no_host_reads(), _no_gc():
         for i in range(len(forwards)):
-            # Each layer gets inputs of its own, even where they are its predecessor's output: a
-            # replay copies into them, and that copy must never overwrite a tensor still in use.
+            # Inputs of its own, except a chained hidden state: a replay copies into these, and that
+            # copy must never overwrite a tensor still in use.
+            prev = graphs[-1] if graphs else None
+            chained = chain and _chains(prev, tensors)
             inputs = [_static_copy(t) for t in tensors]
+            if chained:  # a new leaf over the buffer, so that each capture's autograd graph ends at its inputs
+                inputs[0] = prev.outputs[0].detach().requires_grad_(inputs[0].requires_grad)
             fwd = torch.cuda.CUDAGraph()
             with _stand_ins(layers[i], params[i]) as stand, torch.cuda.graph(fwd, pool=pool):
                 out = call(i, inputs)
@@ -126,28 +160,27 @@ def capture(layers, forwards, params, layout, tensors) -> list[LayerGraphs]:
             if not all(isinstance(o, Tensor) for o in flat):
                 raise TypeError("the layer returns non-tensor values")
             spec = None if isinstance(out, Tensor) else spec
-            graphs.append(LayerGraphs(fwd, None, inputs, params[i], param_key(params[i]), tuple(flat), spec, stand))
+            graphs.append(LayerGraphs(fwd, None, inputs, params[i], param_key(params[i]), tuple(flat), spec, stand, chained))
 
-        for g in reversed(graphs):
+        for i in reversed(range(len(graphs))):
+            g, after = graphs[i], graphs[i + 1] if i + 1 < len(graphs) else None
             g.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in g.outputs]
+            if after is not None and after.chained and after.grad_inputs[0] is not None:
+                g.grad_outputs[0] = after.grad_inputs[0]
             outs = [o for o in g.outputs if o.requires_grad]
             need_in = [t for t in g.inputs if t.requires_grad]
-            # Parameter gradients outlive the backward (they become p.grad, kept through the
-            # optimizer step and across accumulation steps), while the pool's memory is reused by
-            # the backwards of later layers, which replay first: so the graph copies them into
-            # buffers of their own, outside the pool.
-            need_p = [(p, torch.empty_like(p)) for p in g.stand_ins if p.requires_grad]
+            # Parameter gradients stay in the pool: they become p.grad, which later layers' forward
+            # replays may overwrite (their activations can share that memory), so Stack clones any
+            # p.grad still held there before the next forward replay (gradient accumulation).
+            need_p = [p for p in g.stand_ins if p.requires_grad]
             d_in, d_p = [None] * len(need_in), [None] * len(need_p)
             if outs and (need_in or need_p):
                 g.bwd = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g.bwd, pool=pool):
-                    grads = torch.autograd.grad(outs, need_in + [p for p, _ in need_p],
+                    grads = torch.autograd.grad(outs, need_in + need_p,
                                                 [d for d in g.grad_outputs if d is not None], allow_unused=True)
-                    d_in, d_p = grads[: len(need_in)], grads[len(need_in):]
-                    pairs = [(kept, d) for (_, kept), d in zip(need_p, d_p) if d is not None]
-                    if pairs:
-                        torch._foreach_copy_([k for k, _ in pairs], [d for _, d in pairs])
-            kept = {id(p): k for (p, k), d in zip(need_p, d_p) if d is not None}
+                d_in, d_p = grads[: len(need_in)], grads[len(need_in):]
+            by_param = dict(zip(map(id, need_p), d_p))
             it = iter(d_in)
-            g.grad_inputs = (*(next(it) if t.requires_grad else None for t in g.inputs), *(kept.get(id(p)) for p in g.stand_ins))
+            g.grad_inputs = (*(next(it) if t.requires_grad else None for t in g.inputs), *(by_param.get(id(p)) for p in g.stand_ins))
     return graphs

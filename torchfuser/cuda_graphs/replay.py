@@ -35,15 +35,17 @@ class _Token:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, g: LayerGraphs, *tensors):
+    def forward(ctx, stack: "Stack", g: LayerGraphs, *tensors):
         for static, t in zip(g.inputs, tensors):
             if static.data_ptr() != t.data_ptr():
                 static.copy_(t)
         g.fwd.replay()
-        ctx.graphs, ctx.token = g, _Token()
+        ctx.stack, ctx.graphs, ctx.token = stack, g, _Token()
         # Gradients for leaves (an input the user holds) are copied: stolen by autograd they would
         # alias a buffer the next replay overwrites.
         ctx.leaf = [t.is_leaf and t.requires_grad for t in tensors[: len(g.inputs)]]
+        # A chained input is the previous layer's output buffer itself, which the backward reads.
+        ctx.chained = (tensors[0], tensors[0]._version) if g.chained else None
         g.waiting = weakref.ref(ctx.token)
         outs = tuple(o.detach() for o in g.outputs)
         ctx.mark_non_differentiable(*(o for o, s in zip(outs, g.outputs) if not s.requires_grad))
@@ -60,18 +62,20 @@ class _Replay(torch.autograd.Function):
                 "replays reuse; optimize the model without cuda_graphs=True to backward twice."
             )
         g.waiting = None
+        if ctx.chained is not None and ctx.chained[0]._version != ctx.chained[1]:
+            raise RuntimeError(
+                "torchfuser: the input of a CUDA-graphed layer was changed in place after the layer ran, "
+                "and its backward reads that input. Change a clone instead, or optimize the model "
+                "without cuda_graphs=True."
+            )
         for static, d in zip(g.grad_outputs, grads):
             if static is not None and d is not None and static.data_ptr() != d.data_ptr():
                 static.copy_(d)
-        n = len(g.inputs)
-        for p, s in zip(g.params, g.grad_inputs[n:]):
-            # p.grad still holding an earlier replay's buffer (accumulation, or zero_grad without
-            # set_to_none): keep its value in a tensor of its own before the replay overwrites it.
-            if s is not None and p.grad is not None and p.grad.data_ptr() == s.data_ptr():
-                p.grad = p.grad.clone()
         g.bwd.replay()
+        ctx.stack.grads_in_pool = True
+        n = len(g.inputs)
         ins = tuple(None if s is None else s.clone() if leaf else s.detach() for s, leaf in zip(g.grad_inputs, ctx.leaf))
-        return (None, *ins, *(None if s is None else s.detach() for s in g.grad_inputs[n:]))
+        return (None, None, *ins, *(None if s is None else s.detach() for s in g.grad_inputs[n:]))
 
 
 @dataclass(eq=False)
@@ -86,6 +90,9 @@ class Stack:
     replays: int = 0
     disabled: str | None = None
     eager: Counter = field(default_factory=Counter)
+    chain: bool = True  # capture with chained hidden states (capture.capture); off once a call breaks the chain
+    grads_in_pool: bool = False  # a backward replay handed out parameter gradients that live in the pool
+    pooled_grads: frozenset = frozenset()  # where those gradients live (data pointers)
 
     def call(self, index: int, *args, **kwargs):
         layer, forward = self.layers[index], self.forwards[index]
@@ -98,18 +105,42 @@ class Stack:
                 why = (f"a {tensors} object is passed (in training: pass use_cache=False)" if "Cache" in tensors
                        else f"an argument of type {tensors} cannot be captured")
         if why is None:
-            key = (layout, tensor_key(tensors), autocast_key(), layer.training)
-            if key != self.key or self.graphs[index].param_key != param_key(params):
-                why = self._recapture(key, layout, tensors)
-        if why is None and self.graphs[index].pending():
-            why = "an earlier forward of this layer still waits for its backward"
+            why = self._ready(index, layout, tensors, params)
         if why is not None:
             self._note(why)
             return forward(*args, **kwargs)
         g = self.graphs[index]
+        if self.grads_in_pool:
+            self._keep_grads()
         self.replays += 1
-        outs = _Replay.apply(g, *tensors, *g.params)
+        outs = _Replay.apply(self, g, *tensors, *g.params)
         return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
+
+    def _ready(self, index, layout, tensors, params) -> str | None:
+        """None when layer ``index`` can replay this call (capturing first if needed), else why not."""
+        key = (layout, tensor_key(tensors), autocast_key(), self.layers[index].training, self.chain)
+        if key != self.key or self.graphs[index].param_key != param_key(params):
+            why = self._recapture(key, layout, tensors)
+            if why is not None:
+                return why
+        g = self.graphs[index]
+        if g.pending():
+            return "an earlier forward of this layer still waits for its backward"
+        if g.chained and tensors[0].data_ptr() != g.inputs[0].data_ptr():
+            # Copying into the previous layer's output would change a tensor the caller may still
+            # use; the next capture gives every layer input buffers of its own.
+            self.chain = False
+            return "the layer was passed something other than the previous layer's output (recaptured unchained)"
+        return None
+
+    def _keep_grads(self) -> None:
+        """Parameter gradients still held in the pool (accumulation, ``zero_grad(set_to_none=False)``)
+        get storage of their own before a forward replay can overwrite them."""
+        self.grads_in_pool = False
+        for g in self.graphs:
+            for p in g.params:
+                if p.grad is not None and p.grad.data_ptr() in self.pooled_grads:
+                    p.grad = p.grad.clone()
 
     def release_replica(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica of a layer runs its own forward, eagerly: the graphs hold the
@@ -155,7 +186,8 @@ class Stack:
         self.key = self.graphs = None
         start = time.perf_counter()
         try:
-            self.graphs = capture(self.layers, self.forwards, [self._scan(layer)[1] for layer in self.layers], layout, tensors)
+            self.graphs = capture(self.layers, self.forwards, [self._scan(layer)[1] for layer in self.layers], layout,
+                                  tensors, chain=self.chain)
         except Exception as err:  # a layer that reads values on the host, or otherwise cannot be captured
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             self.disabled = (f"the layer reads tensor values on the host, which a graph cannot capture ({first})"
@@ -166,6 +198,7 @@ class Stack:
             return self.disabled
         took = time.perf_counter() - start
         self.key = key
+        self.pooled_grads = frozenset(s.data_ptr() for g in self.graphs for s in g.grad_inputs[len(g.inputs):] if s is not None)
         self.captures += 1
         self.capture_s += took
         log.info("torchfuser: captured CUDA graphs for %s (%d layers) in %.1f s", self.name, len(self.layers), took)

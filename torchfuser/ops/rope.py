@@ -6,6 +6,14 @@ from torch import Tensor
 from ._call import autograd, kernel, run
 
 
+def _heads_inner(t: Tensor) -> Tensor:
+    """An uninitialised B×H×S×D tensor like ``t`` whose memory is B×S×H×D: attention transposes
+    B×S×H×D projections into rope, and SDPA gives its output and dq/dk its query's layout, so
+    outputs in this layout spare the copies back to B×S×(H·D) after attention and rope's backward."""
+    b, h, s, d = t.shape
+    return t.new_empty((b, s, h, d)).transpose(1, 2)
+
+
 @torch.library.custom_op("torchfuser::rope_fwd", mutates_args=())
 def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tuple[Tensor, Tensor]:
     return kernel(backend, "rope_fwd")(q, k, cos, sin)
@@ -13,7 +21,7 @@ def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tu
 
 @rope_fwd.register_fake
 def _(q, k, cos, sin, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+    return _heads_inner(q), _heads_inner(k)
 
 
 @torch.library.custom_op("torchfuser::rope_bwd", mutates_args=())
@@ -23,18 +31,22 @@ def rope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, backend: str) -> 
 
 @rope_bwd.register_fake
 def _(dq, dk, cos, sin, backend):
-    return dq.new_empty(dq.shape), dk.new_empty(dk.shape)
+    return _heads_inner(dq), _heads_inner(dk)
 
 
 def _setup(ctx, inputs, output):
     q, k, cos, sin, backend = inputs
     ctx.save_for_backward(cos, sin)
     ctx.backend = backend
+    ctx.outputs = [(o.shape, o.dtype) for o in output]
 
 
 def _backward(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    gq, gk = run(rope_bwd, dq.contiguous(), dk.contiguous(), cos, sin, ctx.backend)
+    # An output the loss does not use gets no gradient: zeros stand in for it.
+    dq, dk = (g if g is not None else cos.new_zeros(shape, dtype=dtype) for g, (shape, dtype) in zip((dq, dk), ctx.outputs))
+    # Every backend reads strided gradients (SDPA's come B×S×H×D-laid): no copy here.
+    gq, gk = run(rope_bwd, dq, dk, cos, sin, ctx.backend)
     return gq, gk, None, None, None
 
 

@@ -229,7 +229,8 @@ def _rope(op: str, q, k, cos, sin):
         [ArgSpec(ROW, (b, hq, h), q.dtype)] * 2 + [ArgSpec(ROW, (b, hk, h), k.dtype)] * 2
         + [ArgSpec(ROW, (b, h), cos.dtype)] * 2 + [ArgSpec(ROW, (b, h), sin.dtype)] * 2,
     )
-    qo, ko = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(k, memory_format=torch.contiguous_format)
+    # B×H×S×D views of B×S×H×D memory, the layout ops/rope.py promises (see there why).
+    qo, ko = (t.new_empty((b, s, t.shape[1], d)).transpose(1, 2) for t in (q, k))
 
     def halves(t):  # B×H×S×D (or B×S×D) → the two halves of S×B×H×D (S×B×D)
         t = t.permute(2, 0, 1, 3) if t.dim() == 4 else t.expand(b, -1, -1).permute(1, 0, 2)

@@ -19,12 +19,20 @@ def rope(q, k, cos, sin):
     return (qf * c + _rotate_half(qf) * s).to(q.dtype), (kf * c + _rotate_half(kf) * s).to(k.dtype)
 
 
+def _heads_inner(t):
+    """t copied into B×H×S×D over B×S×H×D memory, the layout of every backend's rope outputs (see
+    torchfuser.ops.rope). Allocated as the fake impl does, so strides agree even where a size-1
+    dim would let ``contiguous`` keep another layout."""
+    b, h, s, d = t.shape
+    return t.new_empty((b, s, h, d)).transpose(1, 2).copy_(t)
+
+
 def rope_fwd(q, k, cos, sin):
     qo, ko = rope(q, k, cos, sin)
-    return qo.contiguous(), ko.contiguous()
+    return _heads_inner(qo), _heads_inner(ko)
 
 
 def rope_bwd(dq, dk, cos, sin):
     # rope is linear in (q, k): its vjp does not depend on the point it is taken at.
     gq, gk = vjp(lambda a, b: rope(a, b, cos, sin), (dq, dk), (dq, dk))
-    return gq.contiguous(), gk.contiguous()
+    return _heads_inner(gq), _heads_inner(gk)

@@ -7,7 +7,9 @@ Nothing but cos and sin is saved for the backward: rope is linear in (q, k).
 
 One program per (batch, position): cos/sin for that position are read once and reused by every
 q and k head. q/k are read through their strides (B×H×S×D views made by transposing B×S×H×D
-projections cost no copy); outputs are contiguous B×H×S×D. Math in fp32, one rounding.
+projections cost no copy). Outputs are B×H×S×D views of B×S×H×D memory, so each program writes
+one dense H·D block; SDPA lays out its output and dq/dk like its query, so attention's output
+and rope's gradients then reach B×S×(H·D) without a copy. Math in fp32, one rounding.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def _rotate_heads(X, sxh, O, soh, H, HALF, d, dm, c1, c2, s1, s2,
 @triton.jit
 def _rope_fwd_kernel(
     Q, K, COS, SIN, QO, KO, S, HQ, HK, HALF,
-    sqb, sqh, sqs, skb, skh, sks, scb, scs, ssb, sss,
+    sqb, sqh, sqs, skb, skh, sks, sob, soh, sos, spb, sph, sps, scb, scs, ssb, sss,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -57,10 +59,9 @@ def _rope_fwd_kernel(
     c2 = tl.load(cp + HALF, mask=dm, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sp, mask=dm, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sp + HALF, mask=dm, other=0.0).to(tl.float32)[None, :]
-    D = 2 * HALF
-    _rotate_heads(Q + b * sqb + s * sqs, sqh, QO + (b * HQ * S + s) * D, S * D, HQ, HALF,
+    _rotate_heads(Q + b * sqb + s * sqs, sqh, QO + b * sob + s * sos, soh, HQ, HALF,
                   d, dm, c1, c2, s1, s2, BLOCK_H, BACKWARD)
-    _rotate_heads(K + b * skb + s * sks, skh, KO + (b * HK * S + s) * D, S * D, HK, HALF,
+    _rotate_heads(K + b * skb + s * sks, skh, KO + b * spb + s * sps, sph, HK, HALF,
                   d, dm, c1, c2, s1, s2, BLOCK_H, BACKWARD)
 
 
@@ -78,13 +79,17 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _heads_inner(t: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = t.shape
+    return t.new_empty((b, s, h, d)).transpose(1, 2)
+
+
 def _launch(q, k, cos, sin, backward: bool):
     check_dtypes("rope", q=q, k=k, cos=cos, sin=sin)
     q, k, cos, sin = _dense_last(q), _dense_last(k), _dense_last(cos), _dense_last(sin)
     b, hq, s, d = q.shape
     hk = k.shape[1]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    qo, ko = _heads_inner(q), _heads_inner(k)
     if q.numel() == 0 and k.numel() == 0:
         return qo, ko
     block_h, block_d, warps = _config(max(hq, hk), d // 2)
@@ -93,7 +98,7 @@ def _launch(q, k, cos, sin, backward: bool):
     ssb = sin.stride(0) if sin.shape[0] > 1 else 0
     _rope(
         (b * s,), q, k, cos, sin, qo, ko, s, hq, hk, d // 2,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3], *ko.stride()[:3],
         scb, cos.stride(1), ssb, sin.stride(1),
         BLOCK_H=block_h, BLOCK_D=block_d, BACKWARD=backward, num_warps=warps,
     )
