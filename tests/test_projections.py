@@ -131,6 +131,64 @@ def test_a_single_projection_runs_as_itself():
         assert projections.joint(torch.randn(3, 32), [m]) is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_residual_plus_projection_matches_float64_within_rule(device):
+    """r + down(x) under autocast as one node (the MLP's last residual add): the sum and every
+    gradient (r's, x's, the fp32 weight's) within the DESIGN.md rule of the float64 computation,
+    against autocast's ``r + nn.Linear(x)``. On CUDA the sum comes from cuBLAS's epilogue and the
+    weight's gradient in fp32 straight from the product."""
+    torch.manual_seed(4)
+    down = nn.Linear(40, 24, bias=False).to(device)
+    r = torch.randn(3, 7, 24, device=device, requires_grad=True)
+    x = torch.randn(3, 7, 40, device=device)
+    fused = lambda x: projections.residual_linear(r, x, down)  # noqa: E731
+    plain = lambda x: r + down(x)  # noqa: E731
+    ref_down = copy.deepcopy(down).double()
+    ref_r = r.detach().double().requires_grad_()
+    ref = _grads(lambda x: ref_r + ref_down(x), x.double(), [ref_r, ref_down.weight], None)
+    got, base = (_grads(f, x, [r, down.weight], torch.bfloat16) for f in (fused, plain))
+    for name, f, p, want in zip(["y", "dx", "dr", "dW"], got, base, ref):
+        assert f.dtype == p.dtype, name
+        assert_within_rule(f, p, want, ATOL[torch.float32], name)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert "_ResidualLinear" in type(fused(x).grad_fn).__name__
+    if device == "cuda" and hasattr(torch.ops.aten.addmm, "dtype"):
+        assert projections._out_dtype_ok(x.device)  # the epilogue's sum is the one in use
+
+
+def test_residual_plus_projection_only_where_it_is_the_same_computation():
+    r, x = torch.randn(2, 24), torch.randn(2, 40)
+    down, biased = nn.Linear(40, 24, bias=False), nn.Linear(40, 24)
+    assert projections.residual_linear(r, x, down) is None  # no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert projections.residual_linear(r, x, down) is not None
+        assert projections.residual_linear(r, x, biased) is None
+        assert projections.residual_linear(r.bfloat16(), x, down) is None
+        down.register_forward_hook(lambda *a: None)
+        assert projections.residual_linear(r, x, down) is None
+
+
+def test_the_layers_last_add_runs_inside_the_down_projection():
+    """Under autocast a fused Llama layer ends in that node; with the MLP hooked, or its forward
+    replaced on the instance, it calls the MLP."""
+    model = torchfuser.optimize(make("llama"))
+    layer = model.model.layers[0]
+    ids = batch(padded=False)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+    assert "_ResidualLinear" in type(out.grad_fn).__name__
+    calls = []
+    handle = layer.mlp.register_forward_hook(lambda *a: calls.append("hook"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids)
+    handle.remove()
+    inner = layer.mlp.forward
+    layer.mlp.forward = lambda x: calls.append("forward") or inner(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids)
+    assert calls == ["hook", "forward"]
+
+
 def _separate(linears, x) -> bool:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ys = project(x, list(linears))

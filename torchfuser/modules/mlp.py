@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, keep_dropout
-from torchfuser.modules.projections import joint
+from torchfuser.modules.projections import joint, residual_linear
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,19 @@ class FusedGatedMLP(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
+        return apply_dropout(self, s.dropout, getattr(self, s.down)(self._gated(x)))
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + self(x)``, the sum inside the down projection's GEMM where it can be
+        (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on)."""
+        s = self.spec
+        h = self._gated(x)
+        dropping = s.dropout is not None and self.training and _p(getattr(self, s.dropout)) > 0
+        out = None if dropping else residual_linear(residual, h, getattr(self, s.down))
+        return out if out is not None else residual + apply_dropout(self, s.dropout, getattr(self, s.down)(h))
+
+    def _gated(self, x: Tensor) -> Tensor:
+        s = self.spec
         if s.gate_up is not None:
             packed, gate_first = getattr(self, s.gate_up)(x), s.gate_first
         else:  # gate and up as one GEMM under autocast; None where that would differ
@@ -57,7 +70,11 @@ class FusedGatedMLP(FusedModule):
         else:
             up, gate = packed.chunk(2, dim=-1)
             h = self._act(gate, up, backend=self.backend)
-        return apply_dropout(self, s.dropout, getattr(self, s.down)(h))
+        return h
+
+
+def _p(dropout) -> float:
+    return dropout.p if isinstance(dropout, nn.Module) else float(dropout)
 
 
 class FusedMLP(FusedModule):

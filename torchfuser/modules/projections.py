@@ -98,6 +98,49 @@ class _AutocastLinear(torch.autograd.Function):
         return (dx, None, None, *dws, *dbs)
 
 
+def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | None:
+    """``residual + linear(x)`` under autocast with the sum in the GEMM's epilogue: cuBLAS adds the
+    fp32 residual to its fp32 accumulator and writes the sum once (autocast's way rounds the product
+    to bf16, writes it, and an add kernel reads both back), and the backward writes the weight's fp32
+    gradient straight from the accumulator. None where that would not be the same computation:
+    without autocast, a residual that is not fp32, a bias, a hook, not a plain ``nn.Linear``, or
+    outside plain eager mode."""
+    device = x.device.type
+    if (not torch.is_autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
+            or linear.bias is not None or not plain_eager((residual, x, linear.weight))):
+        return None
+    return _ResidualLinear.apply(residual, x, torch.get_autocast_dtype(device), linear.weight)
+
+
+class _ResidualLinear(torch.autograd.Function):
+    """out = r + x·Wᵀ in fp32, x and W cast to the autocast dtype. Saved: the cast x and W.
+    Backward: dr = dout as it is; dx = dout·W and dW = doutᵀ·x from dout cast once, dW in fp32."""
+
+    @staticmethod
+    def forward(ctx, r, x, dtype, weight):
+        xc, w = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(xc, w)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        out = _addmm_fp32(r.reshape(-1, r.shape[-1]), xc.reshape(-1, xc.shape[-1]), w.t())
+        return out.view(r.shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        xc, w = ctx.saved_tensors
+        g = dout.reshape(-1, dout.shape[-1]).to(w.dtype)
+        dx = _mm(g, w, ctx.x_dtype).view(xc.shape) if ctx.needs_input_grad[1] else None
+        dw = _mm(g.t(), xc.reshape(-1, xc.shape[-1]), ctx.w_dtype) if ctx.needs_input_grad[3] else None
+        return dout, dx, None, dw
+
+
+def _addmm_fp32(r: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """r + a·b in fp32 (r fp32, a and b low precision): in cuBLAS's epilogue where supported, else
+    the product rounded to a's dtype and then added (autocast's numerics)."""
+    if _out_dtype_ok(a.device):
+        return torch.addmm(r, a, b, out_dtype=torch.float32)
+    return r + torch.mm(a, b)
+
+
 def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """a·b in ``dtype``: written in fp32 by cuBLAS from its fp32 accumulator where supported (fp32
     is the one out_dtype it takes for bf16/fp16 operands), else rounded to the operands' dtype and
@@ -111,13 +154,15 @@ _OUT_DTYPE: dict[torch.device, bool] = {}
 
 
 def _out_dtype_ok(device: torch.device) -> bool:
-    """Whether ``torch.mm(bf16, bf16, out_dtype=float32)`` runs on ``device``: asked once, by trying
+    """Whether ``torch.mm(bf16, bf16, out_dtype=float32)`` (and ``addmm`` with an fp32 addend) runs on
+    ``device``: asked once, by trying
     (where the ``aten::mm.dtype`` overload exists, CUDA has a kernel for it and the CPU has none)."""
     ok = _OUT_DTYPE.get(device)
     if ok is None:
         try:
             one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
             ok = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+            ok = ok and torch.addmm(one.float(), one, one, out_dtype=torch.float32).dtype == torch.float32
         except (RuntimeError, TypeError, NotImplementedError):
             ok = False
         _OUT_DTYPE[device] = ok

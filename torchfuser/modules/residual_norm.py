@@ -7,15 +7,16 @@
 the norm's kernel), and x's gradients from norm_in and from the residual are summed inside
 norm_in's backward kernel (``rms_norm_opening_residual``). Unfused, each of those is an add
 kernel of its own over the fp32 residual stream, and the backward's cast of s's gradient for the
-bf16 attention output one more. The last add, ``s + MLP(…)``, stays: its sum is the next
-layer's input, which this layer does not see. Under autocast the norms write bf16 where the
-blocks after them only project it (``_projection_dtype``).
+bf16 attention output one more. The last add, ``s + MLP(…)``, happens inside the MLP's down
+projection GEMM under autocast (``FusedGatedMLP.add_to``). Under autocast the norms write bf16
+where the blocks after them only project it (``_projection_dtype``).
 
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
 forward passes them (the pattern's probe found which, ``ResidualNormSpec``), and hands anything
 else to the original forward: extra positional arguments, norms that are not fused RMSNorms or
-have hooks (the fused path calls their kernels, not the modules), and code that torch.compile
+have hooks or a forward of their own (the fused path calls their kernels, not the modules; the
+MLP is then called as itself too), and code that torch.compile
 traces (Inductor fuses the adds into its own norm kernels there).
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ class ResidualNormForward:
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
         call = None if x is None or torch.compiler.is_compiling() else self._attention_kwargs(rest)
-        norms = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and not hooked(norm_in, norm_mid)
+        norms = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and _as_class(norm_in, norm_mid)
         if call is None or not norms or self._dropping():
             return type(layer).forward(layer, *args, **kwargs)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
@@ -90,7 +91,7 @@ class ResidualNormForward:
         y, x = norm_in.opening_residual(x, low)
         a = attention(**{s.attention_input: y}, **call)[0]
         h, y = norm_mid.add(x, a, low)
-        return h + mlp(y)
+        return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks is on now (the fused forward has none)."""
@@ -102,6 +103,12 @@ class ResidualNormForward:
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _as_class(*modules: nn.Module) -> bool:
+    """Whether calling these modules would run just their class's forward (no hooks, no forward
+    replaced on the instance), so that this forward may call their methods instead."""
+    return not hooked(*modules) and not any("forward" in m.__dict__ for m in modules)
 
 
 def _projection_dtype(x, attention: nn.Module, mlp: nn.Module) -> torch.dtype | None:
