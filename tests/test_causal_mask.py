@@ -3,6 +3,8 @@ causal runs with is_causal=True; every other mask is kept. Forward and every gra
 same function in float64."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -188,3 +190,16 @@ def test_inductor_pass_leaves_other_attention_and_keeps_the_users_pass(no_compil
         assert len(inductor_pass.RECENT) == before, "an attention call outside FusedAttention was touched"
         inductor_pass.uninstall()
         assert config.pre_grad_custom_pass is users_pass
+
+
+def test_inductor_cache_key_follows_the_ops_fake_impls(monkeypatch):
+    """Inductor bakes the fake impls' output strides into the code it caches: a change to the ops
+    layer must change the pass's uuid, or a stale cached graph fails its stride checks."""
+    from torchfuser.compiler import inductor_pass
+
+    rope = Path(torchfuser.ops.__file__).parent / "rope.py"
+    assert rope in inductor_pass._sources()
+    before = inductor_pass.CausalMaskPass().uuid()
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: real(p) + (b"# changed" if p == rope else b""))
+    assert inductor_pass.CausalMaskPass().uuid() != before

@@ -164,6 +164,7 @@ def test_residual_plus_projection_only_where_it_is_the_same_computation():
         assert projections.residual_linear(r, x, down) is not None
         assert projections.residual_linear(r, x, biased) is None
         assert projections.residual_linear(r.bfloat16(), x, down) is None
+        assert projections.residual_linear(r[:1], x, down) is None  # would broadcast
         down.register_forward_hook(lambda *a: None)
         assert projections.residual_linear(r, x, down) is None
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
+import torchfuser.ops
 from torchfuser.compiler import causal_mask, grouped_kv
 from torchfuser.compiler.record import CompileRecord
 
@@ -40,9 +41,18 @@ def _uuid_of(p) -> str:
     return repr(uuid() if callable(uuid) else None)
 
 
+def _sources() -> list[Path]:
+    """What the compiled code depends on besides the graph: these rewrites, and the ops layer,
+    whose fake impls give Inductor the layouts it bakes into its code (a cached graph from before
+    a change to them would fail its stride checks)."""
+    ops = Path(torchfuser.ops.__file__).parent
+    return [Path(__file__), Path(causal_mask.__file__), Path(grouped_kv.__file__), *sorted(ops.glob("*.py"))]
+
+
 class CausalMaskPass(CustomGraphPass):
     """Runs the passes that were installed before it, then ``causal_mask.run`` and
-    ``grouped_kv.run`` on the calls of ``FusedAttention``. ``uuid`` (Inductor's cache key) covers this code and those passes."""
+    ``grouped_kv.run`` on the calls of ``FusedAttention``. ``uuid`` (Inductor's cache key) covers this
+    code, the ops layer and those passes."""
 
     def __init__(self, previous=None):
         self.previous = previous
@@ -61,7 +71,7 @@ class CausalMaskPass(CustomGraphPass):
 
     def uuid(self) -> str:
         digest = hashlib.sha256()
-        for source in (__file__, causal_mask.__file__, grouped_kv.__file__):
+        for source in _sources():
             digest.update(Path(source).read_bytes())
         digest.update("".join(_uuid_of(p) for p in _passes(self.previous)).encode())
         return digest.hexdigest()

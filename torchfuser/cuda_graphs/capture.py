@@ -126,61 +126,74 @@ def capture(layers, forwards, params, layout, tensors, chain: bool = True) -> li
         return forwards[i](*args, **kwargs)
 
     with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False), no_host_reads():
-        # Warm-up off the capture: compiles kernels, picks cuBLAS/cuDNN algorithms, and finds a
-        # layer that reads values back to the host (which would break the capture) while that
-        # is still harmless.
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), _syncs_raise():
-            for i in range(len(forwards)):
-                sample = [_static_copy(t) for t in tensors]
-                with _stand_ins(layers[i], params[i]) as stand:
-                    outs = [o for o in pytree.tree_leaves(call(i, sample)) if isinstance(o, Tensor) and o.requires_grad]
-                wrt = [t for t in (*sample, *stand) if t.requires_grad]
-                if outs and wrt:
-                    torch.autograd.grad(outs, wrt, [torch.randn_like(o) for o in outs], allow_unused=True)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-
-        graphs = []
-    with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False), no_host_reads(), _no_gc():
-        for i in range(len(forwards)):
-            # Inputs of its own, except a chained hidden state: a replay copies into these, and that
-            # copy must never overwrite a tensor still in use.
-            prev = graphs[-1] if graphs else None
-            chained = chain and _chains(prev, tensors)
-            inputs = [_static_copy(t) for t in tensors]
-            if chained:  # a new leaf over the buffer, so that each capture's autograd graph ends at its inputs
-                inputs[0] = prev.outputs[0].detach().requires_grad_(inputs[0].requires_grad)
-            fwd = torch.cuda.CUDAGraph()
-            with _stand_ins(layers[i], params[i]) as stand, torch.cuda.graph(fwd, pool=pool):
-                out = call(i, inputs)
-            flat, spec = pytree.tree_flatten(out)
-            if not all(isinstance(o, Tensor) for o in flat):
-                raise TypeError("the layer returns non-tensor values")
-            spec = None if isinstance(out, Tensor) else spec
-            graphs.append(LayerGraphs(fwd, None, inputs, params[i], param_key(params[i]), tuple(flat), spec, stand, chained))
-
-        for i in reversed(range(len(graphs))):
-            g, after = graphs[i], graphs[i + 1] if i + 1 < len(graphs) else None
-            g.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in g.outputs]
-            if after is not None and after.chained and after.grad_inputs[0] is not None:
-                g.grad_outputs[0] = after.grad_inputs[0]
-            outs = [o for o in g.outputs if o.requires_grad]
-            need_in = [t for t in g.inputs if t.requires_grad]
-            # Parameter gradients stay in the pool: they become p.grad, which later layers' forward
-            # replays may overwrite (their activations can share that memory), so Stack clones any
-            # p.grad still held there before the next forward replay (gradient accumulation).
-            need_p = [p for p in g.stand_ins if p.requires_grad]
-            d_in, d_p = [None] * len(need_in), [None] * len(need_p)
-            if outs and (need_in or need_p):
-                g.bwd = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g.bwd, pool=pool):
-                    grads = torch.autograd.grad(outs, need_in + need_p,
-                                                [d for d in g.grad_outputs if d is not None], allow_unused=True)
-                d_in, d_p = grads[: len(need_in)], grads[len(need_in):]
-            by_param = dict(zip(map(id, need_p), d_p))
-            it = iter(d_in)
-            g.grad_inputs = (*(next(it) if t.requires_grad else None for t in g.inputs), *(by_param.get(id(p)) for p in g.stand_ins))
+        _warm_up(layers, params, tensors, call)
+        with _no_gc():
+            graphs = _capture_forwards(layers, params, tensors, call, pool, chain)
+            _capture_backwards(graphs, pool)
     return graphs
+
+
+def _warm_up(layers, params, tensors, call) -> None:
+    """Every layer's forward and backward once, off the capture: compiles kernels, picks cuBLAS and
+    cuDNN algorithms, and finds a layer that reads values back to the host (which would break the
+    capture) while that is still harmless."""
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), _syncs_raise():
+        for i in range(len(layers)):
+            sample = [_static_copy(t) for t in tensors]
+            with _stand_ins(layers[i], params[i]) as stand:
+                outs = [o for o in pytree.tree_leaves(call(i, sample)) if isinstance(o, Tensor) and o.requires_grad]
+            wrt = [t for t in (*sample, *stand) if t.requires_grad]
+            if outs and wrt:
+                torch.autograd.grad(outs, wrt, [torch.randn_like(o) for o in outs], allow_unused=True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _capture_forwards(layers, params, tensors, call, pool, chain: bool) -> list[LayerGraphs]:
+    graphs = []
+    for i in range(len(layers)):
+        # Inputs of its own, except a chained hidden state: a replay copies into these, and that
+        # copy must never overwrite a tensor still in use.
+        prev = graphs[-1] if graphs else None
+        chained = chain and _chains(prev, tensors)
+        inputs = [_static_copy(t) for t in tensors]
+        if chained:  # a new leaf over the buffer, so that each capture's autograd graph ends at its inputs
+            inputs[0] = prev.outputs[0].detach().requires_grad_(inputs[0].requires_grad)
+        fwd = torch.cuda.CUDAGraph()
+        with _stand_ins(layers[i], params[i]) as stand, torch.cuda.graph(fwd, pool=pool):
+            out = call(i, inputs)
+        flat, spec = pytree.tree_flatten(out)
+        if not all(isinstance(o, Tensor) for o in flat):
+            raise TypeError("the layer returns non-tensor values")
+        spec = None if isinstance(out, Tensor) else spec
+        graphs.append(LayerGraphs(fwd, None, inputs, params[i], param_key(params[i]), tuple(flat), spec, stand, chained))
+    return graphs
+
+
+def _capture_backwards(graphs: list[LayerGraphs], pool) -> None:
+    """Each layer's backward graph, last layer first (the order they replay in)."""
+    for i in reversed(range(len(graphs))):
+        g, after = graphs[i], graphs[i + 1] if i + 1 < len(graphs) else None
+        g.grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in g.outputs]
+        if after is not None and after.chained and after.grad_inputs[0] is not None:
+            g.grad_outputs[0] = after.grad_inputs[0]
+        outs = [o for o in g.outputs if o.requires_grad]
+        need_in = [t for t in g.inputs if t.requires_grad]
+        # Parameter gradients stay in the pool: they become p.grad, which later layers' forward
+        # replays may overwrite (their activations can share that memory), so Stack clones any
+        # p.grad still held there before the next forward replay (gradient accumulation).
+        need_p = [p for p in g.stand_ins if p.requires_grad]
+        d_in, d_p = [None] * len(need_in), [None] * len(need_p)
+        if outs and (need_in or need_p):
+            g.bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.bwd, pool=pool):
+                grads = torch.autograd.grad(outs, need_in + need_p, [d for d in g.grad_outputs if d is not None],
+                                            allow_unused=True)
+            d_in, d_p = grads[: len(need_in)], grads[len(need_in):]
+        by_param = dict(zip(map(id, need_p), d_p))
+        it = iter(d_in)
+        g.grad_inputs = (*(next(it) if t.requires_grad else None for t in g.inputs),
+                         *(by_param.get(id(p)) for p in g.stand_ins))

@@ -103,11 +103,12 @@ def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | 
     fp32 residual to its fp32 accumulator and writes the sum once (autocast's way rounds the product
     to bf16, writes it, and an add kernel reads both back), and the backward writes the weight's fp32
     gradient straight from the accumulator. None where that would not be the same computation:
-    without autocast, a residual that is not fp32, a bias, a hook, not a plain ``nn.Linear``, or
-    outside plain eager mode."""
+    without autocast, a residual that is not fp32 or would broadcast, a bias, a hook, not a plain
+    ``nn.Linear``, or outside plain eager mode."""
     device = x.device.type
     if (not torch.is_autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
-            or linear.bias is not None or not plain_eager((residual, x, linear.weight))):
+            or linear.bias is not None or residual.shape != (*x.shape[:-1], linear.out_features)
+            or not plain_eager((residual, x, linear.weight))):
         return None
     return _ResidualLinear.apply(residual, x, torch.get_autocast_dtype(device), linear.weight)
 
