@@ -301,6 +301,21 @@ def test_rope_outputs_and_grads_heads_inner(interpreter, backend, request):
                 torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
 
 
+
+def test_rope_backward_hands_strided_gradients_to_the_backend(monkeypatch):
+    """SDPA's dq/dk reach the backend's rope_bwd as they are (no copy in the ops layer)."""
+    from torchfuser.backends import reference
+
+    seen, real = [], reference.rope_bwd
+    monkeypatch.setattr(reference, "rope_bwd", lambda dq, dk, *a: seen.append((dq.stride(), dk.stride())) or real(dq, dk, *a))
+    q, k = (torch.randn(2, 5, h, 8, requires_grad=True) for h in (4, 2))
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    qo, ko = F.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, backend="reference")
+    cots = [torch.randn(2, 5, h, 8).transpose(1, 2) for h in (4, 2)]
+    torch.autograd.backward([qo, ko], cots)
+    assert seen == [(cots[0].stride(), cots[1].stride())]
+
+
 # ---------------------------------------------------------------- linear + cross-entropy
 
 def _plain_lce(reduction, softcap, ignore_index=-100):
