@@ -340,7 +340,8 @@ def test_a_chained_input_changed_in_place_after_the_call_is_a_clear_error():
     _, graphed = _pair()
     ids = torch.randint(0, VOCAB, (2, 16)).cuda()
     _step(graphed, ids)  # capture
-    def bump(mod, args, out):  # layer 1's backward reads layer 0's output buffer, changed here after layer 1 ran
+
+    def bump(mod, args, out):  # after layer 1 ran: its backward reads this buffer (layer 0's output)
         args[0].add_(1.0)
 
     graphed.model.layers[1].register_forward_hook(bump)
