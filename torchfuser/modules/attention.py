@@ -20,7 +20,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F
-from torchfuser.modules.base import FusedModule, adopt, apply_dropout, hand_back, host_reads_allowed, keep_dropout
+from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
+                                     keep_dropout)
 from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
@@ -217,13 +218,6 @@ class FusedAttention(FusedModule):
         qr, kr = F.rope(q[..., :rd], k[..., :rd], cos, sin, backend=self.backend)
         return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
 
-    def _dropout_p(self) -> float:
-        s = self.spec
-        if not self.training or s.dropout is None:
-            return 0.0
-        value = getattr(self, s.dropout)
-        return float(value.p if isinstance(value, nn.Module) else value)
-
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         s = self.spec
         if args:  # positional arguments, named as the original forward names them
@@ -259,7 +253,7 @@ class FusedAttention(FusedModule):
         )
         with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
             out, _ = sdpa_attention_forward(
-                self, q, k, v, mask, dropout=self._dropout_p(), scaling=s.scaling, is_causal=False if eager else None
+                self, q, k, v, mask, dropout=dropout_p(self, s.dropout), scaling=s.scaling, is_causal=False if eager else None
             )
         out = getattr(self, s.out)(out.reshape(*lead, -1).contiguous())
         return apply_dropout(self, s.out_dropout, out), None

@@ -82,6 +82,15 @@ def keep_dropout(fused: nn.Module, original: nn.Module, name: str | None) -> str
     return None
 
 
+def dropout_p(module: nn.Module, name: str | None) -> float:
+    """The probability the dropout ``name`` (an nn.Dropout child or a float attribute) applies now:
+    0 without one or outside training."""
+    if name is None or not module.training:
+        return 0.0
+    drop = getattr(module, name)
+    return float(drop.p if isinstance(drop, nn.Module) else drop)
+
+
 def apply_dropout(module: nn.Module, name: str | None, x):
     if name is None:
         return x

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from torchfuser import functional as F
-from torchfuser.modules.base import FusedModule, adopt, apply_dropout, keep_dropout
+from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
 from torchfuser.modules.projections import joint, residual_linear
 
 
@@ -53,8 +53,7 @@ class FusedGatedMLP(FusedModule):
         (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on)."""
         s = self.spec
         h = self._gated(x)
-        dropping = s.dropout is not None and self.training and _p(getattr(self, s.dropout)) > 0
-        out = None if dropping else residual_linear(residual, h, getattr(self, s.down))
+        out = None if dropout_p(self, s.dropout) > 0 else residual_linear(residual, h, getattr(self, s.down))
         return out if out is not None else residual + apply_dropout(self, s.dropout, getattr(self, s.down)(h))
 
     def _gated(self, x: Tensor) -> Tensor:
@@ -71,10 +70,6 @@ class FusedGatedMLP(FusedModule):
             up, gate = packed.chunk(2, dim=-1)
             h = self._act(gate, up, backend=self.backend)
         return h
-
-
-def _p(dropout) -> float:
-    return dropout.p if isinstance(dropout, nn.Module) else float(dropout)
 
 
 class FusedMLP(FusedModule):

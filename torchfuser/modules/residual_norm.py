@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from torchfuser.modules.attention import FusedAttention
-from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP
 from torchfuser.modules.norms import FusedRMSNorm
 
@@ -96,9 +96,7 @@ class ResidualNormForward:
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks is on now (the fused forward has none)."""
         layer, s = self.layer, self.spec
-        if not layer.training:
-            return False
-        return any(getattr(layer, n).p > 0 for n in s.dropouts) or any(getattr(layer, n) > 0 for n in s.float_dropouts)
+        return any(dropout_p(layer, n) > 0 for n in (*s.dropouts, *s.float_dropouts))
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""

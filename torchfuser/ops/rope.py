@@ -3,15 +3,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchfuser.backends.reference.rope import empty_heads_inner
+
 from ._call import autograd, kernel, run
 
 
-def _heads_inner(t: Tensor) -> Tensor:
-    """An uninitialised B×H×S×D tensor like ``t`` whose memory is B×S×H×D: attention transposes
-    B×S×H×D projections into rope, and SDPA gives its output and dq/dk its query's layout, so
-    outputs in this layout spare the copies back to B×S×(H·D) after attention and rope's backward."""
-    b, h, s, d = t.shape
-    return t.new_empty((b, s, h, d)).transpose(1, 2)
+# Outputs (and input gradients) are B×H×S×D views of B×S×H×D memory (``empty_heads_inner``):
+# attention transposes B×S×H×D projections into rope, and SDPA gives its output and dq/dk its query's
+# layout, so this layout spares the copies back to B×S×(H·D) after attention and rope's backward.
 
 
 @torch.library.custom_op("torchfuser::rope_fwd", mutates_args=())
@@ -21,7 +20,7 @@ def rope_fwd(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, backend: str) -> tu
 
 @rope_fwd.register_fake
 def _(q, k, cos, sin, backend):
-    return _heads_inner(q), _heads_inner(k)
+    return empty_heads_inner(q), empty_heads_inner(k)
 
 
 @torch.library.custom_op("torchfuser::rope_bwd", mutates_args=())
@@ -31,7 +30,7 @@ def rope_bwd(dq: Tensor, dk: Tensor, cos: Tensor, sin: Tensor, backend: str) -> 
 
 @rope_bwd.register_fake
 def _(dq, dk, cos, sin, backend):
-    return _heads_inner(dq), _heads_inner(dk)
+    return empty_heads_inner(dq), empty_heads_inner(dk)
 
 
 def _setup(ctx, inputs, output):

@@ -12,6 +12,7 @@ import torch
 from torchfuser.backends.reference import gated as ref_gated
 from torchfuser.backends.reference import layer_norm as ref_ln
 from torchfuser.backends.reference import rms_norm as ref_rms
+from torchfuser.backends.reference import rope as ref_rope
 from torchfuser.backends.reference._autodiff import compute_dtype, vjp
 
 from .capture import BCAST, ROW, ArgSpec
@@ -229,8 +230,7 @@ def _rope(op: str, q, k, cos, sin):
         [ArgSpec(ROW, (b, hq, h), q.dtype)] * 2 + [ArgSpec(ROW, (b, hk, h), k.dtype)] * 2
         + [ArgSpec(ROW, (b, h), cos.dtype)] * 2 + [ArgSpec(ROW, (b, h), sin.dtype)] * 2,
     )
-    # B×H×S×D views of B×S×H×D memory, the layout ops/rope.py promises (see there why).
-    qo, ko = (t.new_empty((b, s, t.shape[1], d)).transpose(1, 2) for t in (q, k))
+    qo, ko = ref_rope.empty_heads_inner(q), ref_rope.empty_heads_inner(k)
 
     def halves(t):  # B×H×S×D (or B×S×D) → the two halves of S×B×H×D (S×B×D)
         t = t.permute(2, 0, 1, 3) if t.dim() == 4 else t.expand(b, -1, -1).permute(1, 0, 2)

@@ -19,12 +19,16 @@ def rope(q, k, cos, sin):
     return (qf * c + _rotate_half(qf) * s).to(q.dtype), (kf * c + _rotate_half(kf) * s).to(k.dtype)
 
 
-def _heads_inner(t):
-    """t copied into B×H×S×D over B×S×H×D memory, the layout of every backend's rope outputs (see
-    torchfuser.ops.rope). Allocated as the fake impl does, so strides agree even where a size-1
-    dim would let ``contiguous`` keep another layout."""
+def empty_heads_inner(t):
+    """An uninitialised B×H×S×D tensor like ``t`` over B×S×H×D memory: the layout of every backend's
+    rope outputs and of its fake impl (torchfuser.ops.rope says why)."""
     b, h, s, d = t.shape
-    return t.new_empty((b, s, h, d)).transpose(1, 2).copy_(t)
+    return t.new_empty((b, s, h, d)).transpose(1, 2)
+
+
+def _heads_inner(t):
+    # Not ``contiguous``: with a size-1 dim it may keep strides other than the fake impl's.
+    return empty_heads_inner(t).copy_(t)
 
 
 def rope_fwd(q, k, cos, sin):

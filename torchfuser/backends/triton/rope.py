@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torchfuser.backends.reference.rope import empty_heads_inner
+
 from ._common import Launcher, check_dtypes, next_pow2, warps_for
 
 
@@ -79,17 +81,12 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _heads_inner(t: torch.Tensor) -> torch.Tensor:
-    b, h, s, d = t.shape
-    return t.new_empty((b, s, h, d)).transpose(1, 2)
-
-
 def _launch(q, k, cos, sin, backward: bool):
     check_dtypes("rope", q=q, k=k, cos=cos, sin=sin)
     q, k, cos, sin = _dense_last(q), _dense_last(k), _dense_last(cos), _dense_last(sin)
     b, hq, s, d = q.shape
     hk = k.shape[1]
-    qo, ko = _heads_inner(q), _heads_inner(k)
+    qo, ko = empty_heads_inner(q), empty_heads_inner(k)
     if q.numel() == 0 and k.numel() == 0:
         return qo, ko
     block_h, block_d, warps = _config(max(hq, hk), d // 2)
