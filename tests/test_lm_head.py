@@ -45,6 +45,20 @@ def test_logits_are_never_materialised():
     assert out.logits is None and out.loss.ndim == 0 and calls == []
 
 
+def test_steps_after_the_first_build_no_tensor_from_host_values(monkeypatch):
+    """``torch.tensor(values, device=cuda)`` is a blocking copy: made in every step, the host would
+    wait there for the whole forward. The probe logits are made once per dtype and device."""
+    _, fused = lm_pair()
+    ids, mask, labels = batch()
+    first = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: made.append(a) or real(*a, **k))
+    again = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert not [a for a in made if a and a[0] == torchfuser.modules.lm_head.PROBE_LOGITS]
+    torch.testing.assert_close(again, first)
+
+
 @pytest.mark.parametrize("case", ["ignore_index", "all_ignored_row", "num_items_tensor", "num_items_int", "shift_labels"])
 def test_loss_matches_hf(case):
     ref, fused = lm_pair()

@@ -36,16 +36,24 @@ class LMHeadLossSpec:
 
 
 class CaptureHead(nn.Module):
-    """Stands in for the head during one fused forward: keeps its input, returns two probe logits
+    """Stands in for the head during one fused forward: keeps its input, returns the probe logits
     per position instead of a vocabulary's worth."""
 
-    def __init__(self):
+    def __init__(self, probes: dict | None = None):
         super().__init__()
         self.inputs: list[Tensor] = []
+        self.probes = {} if probes is None else probes  # (dtype, device) → the probe logits
 
     def forward(self, hidden: Tensor) -> Tensor:
         self.inputs.append(hidden)
-        probe = torch.tensor(PROBE_LOGITS, dtype=hidden.dtype, device=hidden.device)
+        key = (hidden.dtype, hidden.device)
+        probe = None if torch.compiler.is_compiling() else self.probes.get(key)
+        if probe is None:
+            # Kept per dtype and device in eager mode: a tensor built from host values is a blocking
+            # copy, which would make every training step wait here for the whole forward to finish.
+            probe = torch.tensor(PROBE_LOGITS, dtype=hidden.dtype, device=hidden.device)
+            if not torch.compiler.is_compiling():
+                self.probes[key] = probe
         return probe.expand(*hidden.shape[:-1], len(PROBE_LOGITS)).clone()
 
 
@@ -72,6 +80,7 @@ class FusedLMHeadLoss:
         # Keep the signature visible: generate() and the Trainer inspect model.forward's parameters.
         self.__signature__ = inspect.signature(self._original())
         self.values_checked = False  # the value check syncs with the device: once per instance
+        self.probes: dict = {}  # the capture head's probe logits, made once (CaptureHead)
 
     def _original(self):
         # functools.partial, not function.__get__: torch.compile traces the former, not the latter.
@@ -105,7 +114,7 @@ class FusedLMHeadLoss:
 
     def _fused(self, original, head: nn.Linear, kwargs):
         labels = kwargs.pop("labels")
-        capture = CaptureHead()
+        capture = CaptureHead(self.probes)
         self.model._modules[self.spec.head] = capture
         try:
             out = original(**kwargs, labels=None)

@@ -93,7 +93,7 @@ class _AutocastLinear(torch.autograd.Function):
             dw = _mm(dy2.t(), xc.reshape(-1, xc.shape[-1]), ctx.dtypes[0]).split(ctx.rows)
             dws = [g if want else None for g, want in zip(dw, need_w)]
         if any(need_b):
-            db = dy2.sum(0, dtype=torch.float32).to(ctx.dtypes[n]).split(ctx.rows)
+            db = _column_sums(dy2).to(ctx.dtypes[n]).split(ctx.rows)
             dbs = [g if want else None for g, want in zip(db, need_b)]
         return (dx, None, None, *dws, *dbs)
 
@@ -140,6 +140,15 @@ def _addmm_fp32(r: Tensor, a: Tensor, b: Tensor) -> Tensor:
     if _out_dtype_ok(a.device):
         return torch.addmm(r, a, b, out_dtype=torch.float32)
     return r + torch.mm(a, b)
+
+
+def _column_sums(g: Tensor) -> Tensor:
+    """Σ over the rows of g, in fp32: as a product with a row of ones where cuBLAS writes fp32 from
+    low-precision operands (a bias gradient of 8192×1152 bf16 on an H200: 14 µs, against 22 µs for
+    the column reduction kernel of ``sum``; the same fp32 accumulation of exact values), else ``sum``."""
+    if g.dtype != torch.float32 and _out_dtype_ok(g.device):
+        return torch.mm(g.new_ones(1, g.shape[0]), g, out_dtype=torch.float32)[0]
+    return g.sum(0, dtype=torch.float32)
 
 
 def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:

@@ -166,7 +166,7 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
     check_dtypes("layer_norm", dy=dy, x=x, weight=weight, bias=bias)
     n = x.shape[-1]
     (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
-    block, rows, one_pass, warps = norm_config(n)
+    block, rows, one_pass, warps = norm_config(n, backward=True)
     grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     alloc = torch.empty if one_pass and m > 0 else torch.zeros

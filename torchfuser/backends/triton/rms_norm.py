@@ -31,14 +31,18 @@ from ._common import (
 MAX_FUSED = 16384
 _CHUNK = 4096
 _TILE = 4096  # elements per program in the one-pass case: short rows are packed several per program
+_BWD_ROWS = 2
 
 
 @lru_cache(maxsize=None)
-def norm_config(n: int) -> tuple[int, int, bool, int]:
-    """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm."""
+def norm_config(n: int, backward: bool = False) -> tuple[int, int, bool, int]:
+    """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm. The
+    backwards' tiles hold at most _BWD_ROWS rows: at 8192×896 (a decoder layer's fp32 residual
+    stream) the backward took 54 µs in 4-row tiles, 41 µs in 2-row tiles (H200,
+    benchmarks/norm_bwd_probe.py, NOTES-triton.md)."""
     if n <= MAX_FUSED:
         block = next_pow2(n)
-        rows = max(1, min(64, _TILE // block))
+        rows = max(1, min(_BWD_ROWS if backward else 64, _TILE // block))
         return block, rows, True, warps_for(rows * block)
     return _CHUNK, 1, False, warps_for(_CHUNK)
 
@@ -195,7 +199,9 @@ def _sum_partials_kernel(P, OUT, Q, OUT_Q, G, N, TWO: tl.constexpr, BLOCK_G: tl.
 _fwd = Launcher(_rms_norm_fwd_kernel)
 _bwd = Launcher(_rms_norm_bwd_kernel)
 _sum_partials = Launcher(_sum_partials_kernel)
-_SUM_BLOCK_N = 128
+# Narrow column blocks: more programs share the reduction (264×896: 16.2 → 6.9 µs, H200).
+_SUM_BLOCK_N = 16
+_SUM_BLOCK_G = 64
 
 
 def sum_partials(p, dtype, q=None, q_dtype=None):
@@ -205,7 +211,7 @@ def sum_partials(p, dtype, q=None, q_dtype=None):
     out_q = torch.empty(n, dtype=q_dtype, device=p.device) if q is not None else out
     if n > 0:
         _sum_partials((cdiv(n, _SUM_BLOCK_N),), p, out, p if q is None else q, out_q, g, n,
-                      TWO=q is not None, BLOCK_G=32, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
+                      TWO=q is not None, BLOCK_G=_SUM_BLOCK_G, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
     return out if q is None else (out, out_q)
 
 
@@ -258,7 +264,7 @@ def _norm_bwd(dy, x, weight, rstd, offset, dres, dx2_dtype):
     n = x.shape[-1]
     (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
     dres2, _, sdres = rows_of(dres, n) if dres is not None else (x2, m, sx)
-    block, rows, one_pass, warps = norm_config(n)
+    block, rows, one_pass, warps = norm_config(n, backward=True)
     grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dx2 = None if dx2_dtype is None else torch.empty(x.shape, dtype=dx2_dtype, device=x.device)
