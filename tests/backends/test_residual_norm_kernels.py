@@ -98,8 +98,11 @@ def _check(B, shape, strided, dts, device):
         _same(dx, dx0 + dres, "dx != the norm's dx + dres")
 
     dx3, dr, dw3 = B.add_rms_norm_bwd(dy, s, w, rstd, EPS, offset, dres, rd)
-    assert dr.dtype == rd and dr.is_contiguous() and torch.equal(dx3, dx) and torch.equal(dw3, dw)
-    assert torch.equal(dr, dx.to(rd)), "the residual branch's gradient is not dx rounded to its dtype"
+    assert dr.dtype == rd and dr.is_contiguous()
+    # Another specialisation of the same kernel (it also stores dr): compiled, its code may differ.
+    _same(dx3, dx, "add_rms_norm_bwd's dx differs from rms_norm_bwd's with dres")
+    _same(dw3, dw, "add_rms_norm_bwd's dw differs from rms_norm_bwd's")
+    assert torch.equal(dr, dx3.to(rd)), "the residual branch's gradient is not dx rounded to its dtype"
 
     ref = _plain_fwd_bwd(x, r, w, dy, dres, offset, torch.float64)
     same = _plain_fwd_bwd(x, r, w, dy, dres, offset, sd)
