@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F
+from torchfuser.ops._call import plain_eager
 
 # What the capture head hands the model's forward in place of the logits; the forward's own
 # post-processing of these values tells what it does to logits (a scale, a softcap, or else).
@@ -46,13 +47,13 @@ class CaptureHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         self.inputs.append(hidden)
-        key = (hidden.dtype, hidden.device)
-        probe = None if torch.compiler.is_compiling() else self.probes.get(key)
+        key, keep = (hidden.dtype, hidden.device), plain_eager((hidden,))  # never keep a traced or fake tensor
+        probe = self.probes.get(key) if keep else None
         if probe is None:
-            # Kept per dtype and device in eager mode: a tensor built from host values is a blocking
-            # copy, which would make every training step wait here for the whole forward to finish.
+            # A tensor built from host values is a blocking copy: made in every step, the host would
+            # wait here for the whole forward to finish. So it is made once per dtype and device.
             probe = torch.tensor(PROBE_LOGITS, dtype=hidden.dtype, device=hidden.device)
-            if not torch.compiler.is_compiling():
+            if keep:
                 self.probes[key] = probe
         return probe.expand(*hidden.shape[:-1], len(PROBE_LOGITS)).clone()
 
