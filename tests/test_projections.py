@@ -190,37 +190,6 @@ def test_the_layers_last_add_runs_inside_the_down_projection():
     assert calls == ["hook", "forward"]
 
 
-def test_a_layers_weights_are_cast_by_one_copy_with_the_same_results(monkeypatch):
-    """Under autocast a fused qwen2 layer (q/k/v with biases) casts the weights of q/k/v, gate/up
-    and down with one multi-tensor copy, and takes them from it; loss and every gradient are bit for
-    bit those of the projections casting their own weights."""
-    from torchfuser.modules import residual_norm
-
-    ids, mask, labels = batch(padded=False)
-    model = torchfuser.optimize(make("qwen2"), backend="reference")
-    layers = len(model.model.layers)
-    copies, concatenations = [], []
-    real_copy, real_cat = torch._foreach_copy_, projections._cast_cat
-    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: copies.append(len(d)) or real_copy(d, s))
-    monkeypatch.setattr(projections, "_cast_cat", lambda *a: concatenations.append(1) or real_cat(*a))
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        return [loss.detach()] + [p.grad for p in model.parameters()]
-
-    once = step()
-    assert copies == [3 + 3 + 2 + 1] * layers and not concatenations  # q, k, v weights and biases; gate, up; down
-    monkeypatch.setattr(residual_norm, "_cast_groups", lambda attention, mlp: [])
-    copies.clear()
-    each = step()
-    assert not copies and len(concatenations) == 3 * layers  # q/k/v weights, their biases, gate/up
-    for name, a, b in zip(["loss"] + [n for n, _ in model.named_parameters()], once, each):
-        assert torch.equal(a, b), name
-
-
 def _separate(linears, x) -> bool:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ys = project(x, list(linears))

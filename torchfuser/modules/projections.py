@@ -27,17 +27,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from torchfuser.modules import casts
 from torchfuser.modules.base import hooked
 from torchfuser.ops._call import plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 _SMALL_BYTES = 32 << 20
-
-
-def plain_linears(linears) -> bool:
-    """Whether these are plain ``nn.Linear``s without hooks, all with a bias or all without: what
-    ``joint`` runs as one GEMM and ``residual_linear`` as one."""
+def _plain(linears) -> bool:
     with_bias = linears[0].bias is not None
     return not hooked(*linears) and all(type(m) is nn.Linear and (m.bias is not None) == with_bias for m in linears)
 
@@ -47,13 +42,13 @@ def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:
     would not give the same result (see the module docstring): then call each projection."""
     device = x.device.type
     if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not torch.is_autocast_enabled(device)
-            or not plain_linears(linears)):
+            or not _plain(linears)):
         return None
     dtype = torch.get_autocast_dtype(device)
     weights = [m.weight for m in linears]
     biases = [] if linears[0].bias is None else [m.bias for m in linears]
     if plain_eager((x, *weights, *biases)):
-        return _AutocastLinear.apply(x, dtype, len(weights), casts.lookup(linears, dtype), *weights, *biases)
+        return _AutocastLinear.apply(x, dtype, len(weights), *weights, *biases)
     weight = _cast_cat(weights, dtype)
     bias = None if not biases else _cast_cat(biases, dtype)
     with torch.autocast(device, enabled=False):
@@ -70,18 +65,15 @@ def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
 
 class _AutocastLinear(torch.autograd.Function):
     """y = x·Wᵀ + b with x, W (the weights concatenated) and b cast to the autocast dtype once.
-    ``cast``: (W, b) already cast (``casts.LayerCasts``), or None. Saved: the cast x and W.
-    Backward: dx = dy·W and dW = dyᵀ·x, each written by cuBLAS in the dtype its input had (fp32
-    straight from the fp32 accumulator where ``out_dtype`` is supported), db = Σ dy in fp32;
-    gradients are computed only for inputs that need them."""
+    Saved: the cast x and W. Backward: dx = dy·W and dW = dyᵀ·x, each written by cuBLAS in the
+    dtype its input had (fp32 straight from the fp32 accumulator where ``out_dtype`` is supported),
+    db = Σ dy in fp32; gradients are computed only for inputs that need them."""
 
     @staticmethod
-    def forward(ctx, x, dtype, n_weights, cast, *params):
+    def forward(ctx, x, dtype, n_weights, *params):
         weights, biases = params[:n_weights], params[n_weights:]
-        if cast is not None:
-            w, b = cast
-        else:
-            w, b = _cast_cat(weights, dtype), _cast_cat(biases, dtype) if biases else None
+        w = _cast_cat(weights, dtype)
+        b = _cast_cat(biases, dtype) if biases else None
         xc = x.to(dtype)
         ctx.save_for_backward(xc, w)
         ctx.x_dtype, ctx.n_weights = x.dtype, n_weights
@@ -93,7 +85,7 @@ class _AutocastLinear(torch.autograd.Function):
     def backward(ctx, dy):
         xc, w = ctx.saved_tensors
         n = ctx.n_weights
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[4:4 + n], ctx.needs_input_grad[4 + n:]
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3:3 + n], ctx.needs_input_grad[3 + n:]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = _mm(dy2, w, ctx.x_dtype).view(xc.shape) if need_x else None
         dws, dbs = [None] * n, [None] * len(need_b)
@@ -103,7 +95,7 @@ class _AutocastLinear(torch.autograd.Function):
         if any(need_b):
             db = _column_sums(dy2).to(ctx.dtypes[n]).split(ctx.rows)
             dbs = [g if want else None for g, want in zip(db, need_b)]
-        return (dx, None, None, None, *dws, *dbs)
+        return (dx, None, None, *dws, *dbs)
 
 
 def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | None:
@@ -114,23 +106,20 @@ def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | 
     without autocast, a residual that is not fp32 or would broadcast, a bias, a hook, not a plain
     ``nn.Linear``, or outside plain eager mode."""
     device = x.device.type
-    if (not torch.is_autocast_enabled(device) or residual.dtype != torch.float32 or not plain_linears([linear])
+    if (not torch.is_autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
             or linear.bias is not None or residual.shape != (*x.shape[:-1], linear.out_features)
             or not plain_eager((residual, x, linear.weight))):
         return None
-    dtype = torch.get_autocast_dtype(device)
-    cast = casts.lookup([linear], dtype)
-    return _ResidualLinear.apply(residual, x, dtype, linear.weight, None if cast is None else cast[0])
+    return _ResidualLinear.apply(residual, x, torch.get_autocast_dtype(device), linear.weight)
 
 
 class _ResidualLinear(torch.autograd.Function):
-    """out = r + x·Wᵀ in fp32, x and W cast to the autocast dtype (W given already cast, or None).
-    Saved: the cast x and W. Backward: dr = dout as it is; dx = dout·W and dW = doutᵀ·x from dout
-    cast once, dW in fp32."""
+    """out = r + x·Wᵀ in fp32, x and W cast to the autocast dtype. Saved: the cast x and W.
+    Backward: dr = dout as it is; dx = dout·W and dW = doutᵀ·x from dout cast once, dW in fp32."""
 
     @staticmethod
-    def forward(ctx, r, x, dtype, weight, cast):
-        xc, w = x.to(dtype), (weight.to(dtype) if cast is None else cast)
+    def forward(ctx, r, x, dtype, weight):
+        xc, w = x.to(dtype), weight.to(dtype)
         ctx.save_for_backward(xc, w)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         out = _addmm_fp32(r.reshape(-1, r.shape[-1]), xc.reshape(-1, xc.shape[-1]), w.t())
@@ -142,7 +131,7 @@ class _ResidualLinear(torch.autograd.Function):
         g = dout.reshape(-1, dout.shape[-1]).to(w.dtype)
         dx = _mm(g, w, ctx.x_dtype).view(xc.shape) if ctx.needs_input_grad[1] else None
         dw = _mm(g.t(), xc.reshape(-1, xc.shape[-1]), ctx.w_dtype) if ctx.needs_input_grad[3] else None
-        return dout, dx, None, dw, None
+        return dout, dx, None, dw
 
 
 def _addmm_fp32(r: Tensor, a: Tensor, b: Tensor) -> Tensor:

@@ -26,12 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchfuser.modules import casts, projections
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP
 from torchfuser.modules.norms import FusedRMSNorm
-from torchfuser.ops._call import plain_eager
 
 
 @dataclass(frozen=True)
@@ -90,12 +88,10 @@ class ResidualNormForward:
             return type(layer).forward(layer, *args, **kwargs)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
         low = _projection_dtype(x, attention, mlp)
-        groups = None if low is None else _cast_groups(attention, mlp)
-        with casts.current(casts.LayerCasts(groups, low) if groups else None):
-            y, x = norm_in.opening_residual(x, low)
-            a = attention(**{s.attention_input: y}, **call)[0]
-            h, y = norm_mid.add(x, a, low)
-            return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
+        y, x = norm_in.opening_residual(x, low)
+        a = attention(**{s.attention_input: y}, **call)[0]
+        h, y = norm_mid.add(x, a, low)
+        return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks is on now (the fused forward has none)."""
@@ -129,26 +125,6 @@ def _projection_dtype(x, attention: nn.Module, mlp: nn.Module) -> torch.dtype | 
     if all(type(m) is nn.Linear for m in linears) and not hooked(*linears):
         return torch.get_autocast_dtype(device)
     return None
-
-
-def _cast_groups(attention: FusedAttention, mlp: FusedGatedMLP) -> list[list[nn.Linear]]:
-    """The groups of projections whose autocast weights one ``casts.LayerCasts`` copy can give
-    (``_projection_dtype`` has checked q/k/v and gate/up): q/k/v and gate/up when each runs as one
-    GEMM, and the down projection when the layer's last add runs inside it. Only plain fp32 tensors:
-    under a tensor subclass or mode each projection casts its own."""
-    groups = []
-    if attention.spec.layout == "separate":
-        groups.append([getattr(attention, n) for n in attention.spec.qkv])
-    if mlp.spec.gate_up is None:
-        groups.append([getattr(mlp, mlp.spec.gate), getattr(mlp, mlp.spec.up)])
-    groups = [g for g in groups if len(g) > 1 and projections.plain_linears(g)]
-    down = getattr(mlp, mlp.spec.down)
-    if projections.plain_linears([down]) and down.bias is None and _as_class(mlp) and not dropout_p(mlp, mlp.spec.dropout):
-        groups.append([down])
-    params = [p for g in groups for m in g for p in m.parameters()]
-    if not params or not plain_eager(params) or any(p.dtype != torch.float32 for p in params):
-        return []
-    return groups
 
 
 def install(layer: nn.Module, spec: ResidualNormSpec) -> None:
