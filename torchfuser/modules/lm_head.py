@@ -115,7 +115,7 @@ class FusedLMHeadLoss:
 
     def _fused(self, original, head: nn.Linear, kwargs):
         labels = kwargs.pop("labels")
-        capture = CaptureHead(self.probes)
+        capture = CaptureHead(self.__dict__.setdefault("probes", {}))  # setdefault: pickled by an older version
         self.model._modules[self.spec.head] = capture
         try:
             out = original(**kwargs, labels=None)
