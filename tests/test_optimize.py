@@ -211,3 +211,32 @@ def test_a_model_saved_whole_loads_fused_and_restores(backend, tmp_path):
     torchfuser.restore(loaded)
     assert not any(type(m).__name__.startswith("Fused") for m in loaded.modules())
     assert "forward" not in loaded.__dict__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_a_fused_training_step_never_waits_for_the_gpu(cuda_graphs, monkeypatch):
+    """Once warm, a fused training step makes no host sync (no blocking copy, no value read back),
+    so the host runs ahead of the GPU. transformers' own packed-sequence check, which reads a value
+    on the host in every forward, is stubbed out."""
+    from transformers import masking_utils
+
+    model = tiny_llama().cuda().train()
+    torchfuser.optimize(model, cuda_graphs=cuda_graphs)
+    ids = torch.randint(0, 128, (2, 16), device="cuda")
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
