@@ -7,17 +7,33 @@ from pathlib import Path
 import torch
 
 
-def profiled(call, device: torch.device, times: int):
+def profiled(call, device: torch.device, times: int, record_shapes: bool = False):
     """The profile of ``call()`` run ``times`` times (host ops, and GPU kernels on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=record_shapes) as prof:
         for _ in range(times):
             call()
             if cuda:
                 torch.cuda.synchronize(device)
     return prof
+
+
+def idle_gaps(prof):
+    """(GPU kernels in start order, [(gap start, gap end, kernel before, kernel after)]): the spans in
+    which no kernel ran, between the first kernel and the last."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    gaps, end, last = [], None, None
+    for k in kernels:
+        if end is not None and k.time_range.start > end:
+            gaps.append((end, k.time_range.start, last, k))
+        if end is None or k.time_range.end > end:
+            end, last = k.time_range.end, k
+    return kernels, gaps
 
 
 def write_tables(prof, path: Path, keys: tuple[str, ...], rows: int, width: int, extra: str = "") -> None:

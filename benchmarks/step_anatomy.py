@@ -18,12 +18,12 @@ import sys
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchfuser  # noqa: E402
+from profiling import idle_gaps, profiled  # noqa: E402
 from train_step import build  # noqa: E402
 
 _MOVES = ("aten::_to_copy", "aten::copy_", "aten::add", "aten::add_", "aten::cat", "aten::sum", "aten::fill_",
@@ -42,16 +42,10 @@ def shapes(prof) -> None:
 
 
 def gaps(prof, least_us: float = 40.0) -> None:
-    events = prof.events()
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    host = [e for e in events if e.device_type == DeviceType.CPU]
+    host = [e for e in prof.events() if e.device_type == DeviceType.CPU]
+    kernels, found = idle_gaps(prof)
+    found = [(a, b, before.name, after.name) for a, b, before, after in found if b - a > least_us]
     busy = sum(k.time_range.end - k.time_range.start for k in kernels)
-    found, end, last = [], None, None
-    for k in kernels:
-        if end is not None and k.time_range.start - end > least_us:
-            found.append((end, k.time_range.start, last.name, k.name))
-        if end is None or k.time_range.end > end:
-            end, last = k.time_range.end, k
     span = kernels[-1].time_range.end - kernels[0].time_range.start
     print(f"{len(kernels)} kernels, busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; "
           f"{len(found)} gaps over {least_us:.0f} µs: {sum(b - a for a, b, _, _ in found) / 1e3:.2f} ms")
@@ -83,9 +77,7 @@ def main():
     for _ in range(4):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=a.what == "shapes") as prof:
-        step()
-        torch.cuda.synchronize()
+    prof = profiled(step, dev, 1, record_shapes=a.what == "shapes")
     (shapes if a.what == "shapes" else gaps)(prof)
 
 

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
-from profiling import profiled, write_tables  # noqa: E402
+from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 
 VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
@@ -167,15 +167,8 @@ def profile(step_fn, opt, ids, autocast, device, path):
 
 def gpu_idle(prof, top: int = 12) -> str:
     """Where the GPU waits for the host: the gaps between consecutive kernels, largest first."""
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    gaps, end, last = [], None, None
-    for k in kernels:
-        if end is not None and k.time_range.start > end:
-            gaps.append((k.time_range.start - end, last.name, k.name))
-        if end is None or k.time_range.end > end:
-            end, last = k.time_range.end, k
+    kernels, found = idle_gaps(prof)
+    gaps = [(b - a, before.name, after.name) for a, b, before, after in found]
     span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
     lines = [f"\nGPU idle between kernels: {sum(g[0] for g in gaps) / 1e3:.2f} ms of {span / 1e3:.2f} ms "
              f"({len(gaps)} gaps); largest:"]

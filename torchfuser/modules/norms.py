@@ -48,8 +48,8 @@ class FusedRMSNorm(FusedModule):
         """(this norm of x in ``out_dtype``, x) for a block that adds x back: x's two gradients are summed
         in the norm's backward kernel (``ops.rms_norm_opening_residual``)."""
         s, weight = self.spec, getattr(self, self.spec.weight)
-        F.check_rms_norm(x, weight)
-        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), resolve(self.backend, x.device),
+        device = F.check_rms_norm(x, weight)
+        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), resolve(self.backend, device),
                                              out_dtype)
 
 

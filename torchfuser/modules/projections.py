@@ -32,6 +32,8 @@ from torchfuser.ops._call import plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 _SMALL_BYTES = 32 << 20
+
+
 def _plain(linears) -> bool:
     with_bias = linears[0].bias is not None
     return not hooked(*linears) and all(type(m) is nn.Linear and (m.bias is not None) == with_bias for m in linears)

@@ -11,5 +11,6 @@ from .rms_norm import add_rms_norm, rms_norm, rms_norm_opening_residual
 from .rope import rope
 
 __all__ = [
-    "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed", "geglu_packed", "gelu", "rope", "linear_cross_entropy",
+    "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed",
+    "geglu_packed", "gelu", "rope", "linear_cross_entropy",
 ]
