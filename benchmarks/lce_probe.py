@@ -32,6 +32,8 @@ def main():
     p.add_argument("--overlap", default="", help="also: the op on two streams with two logits buffers of "
                    "these tokens each (the CE kernel of one chunk beside the GEMMs of the other), e.g. 768,1024")
     p.add_argument("--plans", action="store_true", help="also: balanced chunks against a fixed stride")
+    p.add_argument("--dw-fp32", action="store_true", help="also: dW summed over the op's chunks in bf16 and "
+                   "then cast to fp32 (autocast's gradient of an fp32 weight), against summed in fp32 by cuBLAS")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     n, hdim, v, dt = a.tokens, a.hidden, a.vocab, torch.bfloat16
@@ -82,6 +84,8 @@ def main():
         torch.cuda.empty_cache()
     if a.plans:
         plans(h, w, labels, emit)
+    if a.dw_fp32:
+        dw_fp32(h, w, emit)
     for rows in map(int, filter(None, a.layouts.split(","))):
         layouts(h, w, rows, emit)
     for rows in map(int, filter(None, a.overlap.split(","))):
@@ -122,6 +126,37 @@ def plans(h, w, labels, emit):
             emit(what="op fwd+bwd, chunk plan", plan=name, sizes=[size for _, size in plan(n, most)],
                  ms=round(do_bench(op, rep=300), 3))
     lce.chunks = balanced
+
+
+def dw_fp32(h, w, emit):
+    """The dW products of the op's chunk plan, in two ways: bf16 sums then one cast to fp32, and an
+    fp32 sum written by cuBLAS (``out_dtype``, in place with ``out=``); their error against float64."""
+    n, v = h.shape[0], w.shape[0]
+    plan = lce.chunks(n, lce.chunk_rows(n, v, h.element_size(), (n + v) * h.shape[1] * h.element_size()))
+    z = torch.randn(plan[0][1], v, device="cuda", dtype=h.dtype) * 1e-4  # one chunk's dl, reused
+
+    def bf16_then_cast():
+        dw = torch.empty_like(w)
+        for i, (start, size) in enumerate(plan):
+            hc = h[start:start + size]
+            torch.mm(z[:size].t(), hc, out=dw) if i == 0 else dw.addmm_(z[:size].t(), hc)
+        return dw.float()
+
+    def fp32_sum():
+        dw = torch.empty(w.shape, device="cuda", dtype=torch.float32)
+        for i, (start, size) in enumerate(plan):
+            hc = h[start:start + size]
+            if i == 0:
+                torch.mm(z[:size].t(), hc, out_dtype=torch.float32, out=dw)
+            else:
+                torch.addmm(dw, z[:size].t(), hc, out_dtype=torch.float32, out=dw)
+        return dw
+
+    want = sum(z[:size].double().t() @ h[start:start + size].double() for start, size in plan)
+    for name, fn in (("bf16 sums, then cast", bf16_then_cast), ("fp32 sum", fp32_sum)) * 2:
+        err = float((fn().double() - want).abs().max())
+        emit(what="dW over the chunks", how=name, chunks=[size for _, size in plan],
+             ms=round(do_bench(fn, rep=200), 3), max_abs_err=err, extra_gib=round(extra_peak(fn)[1], 3))
 
 
 def layouts(h, w, rows, emit):

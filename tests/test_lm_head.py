@@ -262,3 +262,78 @@ def test_a_z_loss_is_skipped_with_the_reason():
     torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"])
     (entry,) = torchfuser.report(model).entries
     assert not entry.is_fused and "z_loss_coefficient=0.0001" in entry.reason
+
+
+def tied_pair():
+    """A tied Llama whose padding row is among the tokens, with repeated tokens."""
+    ref, fused = lm_pair(tie_word_embeddings=True, pad_token_id=5)
+    assert fused.lm_head.weight is fused.model.embed_tokens.weight
+    ids, mask, labels = batch()
+    ids[0, :3] = 5  # the padding row gets no gradient from the embedding
+    ids[1, 4:8] = 9  # one row's gradient summed over four tokens
+    return ref, fused, dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def vocab_sized_ops(prof, vocab):
+    """The ATen ops of a profile that took a vocab-sized (V×H) tensor."""
+    return {e.name for e in prof.events()
+            if any(isinstance(s, list) and s[:1] == [vocab] and len(s) == 2 for s in e.input_shapes)}
+
+
+def test_a_tied_input_embedding_adds_its_gradient_into_the_heads():
+    """The tied weight's two gradients meet without a dense V×H embedding gradient or an add of
+    two V×H tensors: the embedding's rows go into the head's gradient in place, which becomes W.grad."""
+    ref, fused, kwargs = tied_pair()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        b = fused(**kwargs)
+        b.loss.backward()
+    a = ref(**kwargs)
+    a.loss.backward()
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    for (n, p), q in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    ops = vocab_sized_ops(prof, fused.config.vocab_size)
+    assert "aten::index_put_" in ops
+    assert not ops & {"aten::embedding_dense_backward", "aten::embedding_backward", "aten::add", "aten::add_",
+                      "aten::clone", "aten::zeros", "aten::new_zeros"}, ops
+
+
+def test_a_tied_embedding_gradient_accumulates_and_reaches_autograd_grad():
+    ref, fused, kwargs = tied_pair()
+    for _ in range(2):  # the second step adds to an existing W.grad
+        ref(**kwargs).loss.backward()
+        fused(**kwargs).loss.backward()
+    for (n, p), q in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    (want,) = torch.autograd.grad(ref(**kwargs).loss, [ref.lm_head.weight])
+    (got,) = torch.autograd.grad(fused(**kwargs).loss, [fused.lm_head.weight])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embeddings_given_as_inputs_embeds_or_hooked_take_the_plain_path():
+    ref, fused, kwargs = tied_pair()
+    embeds = ref.model.embed_tokens(kwargs.pop("input_ids")).detach().requires_grad_()
+    a, b = ref(inputs_embeds=embeds, **kwargs), fused(inputs_embeds=embeds, **kwargs)
+    assert_same_loss_and_grads(a, b, ref, fused)
+    calls = []
+    fused.model.embed_tokens.register_forward_hook(lambda m, i, o: calls.append(o.shape))
+    ref.zero_grad(), fused.zero_grad()
+    _, _, kwargs = tied_pair()
+    assert_same_loss_and_grads(*both(ref, fused, **kwargs), ref, fused)
+    assert calls == [kwargs["input_ids"].shape + (fused.config.hidden_size,)]  # module hooks still run
+    assert "forward" not in fused.model.embed_tokens.__dict__  # routed only during the fused call
+
+
+def test_the_tied_embedding_backward_without_the_heads_gradient_is_nn_embeddings():
+    """When the head's gradient has not reached the slot (another order of autograd's nodes), the
+    embedding's backward returns its own dense gradient."""
+    from torchfuser.modules import tied_embedding as te
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(11, 6, generator=g, requires_grad=True)
+    ids = torch.tensor([[1, 4, 4, 2], [4, 0, 1, 9]])
+    up = torch.randn(2, 4, 6, generator=g)
+    (want,) = torch.autograd.grad(torch.nn.functional.embedding(ids, weight, padding_idx=4), [weight], up)
+    (got,) = torch.autograd.grad(te._TiedEmbedding.apply(ids, weight, te.GradSlot(), 4), [weight], up)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got[4].abs().max() == 0

@@ -12,9 +12,9 @@ import torchfuser
 from torchfuser.modules import FusedGatedMLP, FusedRMSNorm
 
 
-def tiny_llama(seed=0):
+def tiny_llama(seed=0, tied=False):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")
+                      num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa", tie_word_embeddings=tied)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
@@ -214,14 +214,15 @@ def test_a_model_saved_whole_loads_fused_and_restores(backend, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_a_fused_training_step_never_waits_for_the_gpu(cuda_graphs, monkeypatch):
+def test_a_fused_training_step_never_waits_for_the_gpu(cuda_graphs, tied, monkeypatch):
     """Once warm, a fused training step makes no host sync (no blocking copy, no value read back),
     so the host runs ahead of the GPU. transformers' own packed-sequence check, which reads a value
     on the host in every forward, is stubbed out."""
     from transformers import masking_utils
 
-    model = tiny_llama().cuda().train()
+    model = tiny_llama(tied=tied).cuda().train()
     torchfuser.optimize(model, cuda_graphs=cuda_graphs)
     ids = torch.randint(0, 128, (2, 16), device="cuda")
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)

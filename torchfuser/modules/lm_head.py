@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F
+from torchfuser.modules import tied_embedding
 from torchfuser.ops._call import plain_eager
 
 # What the capture head hands the model's forward in place of the logits; the forward's own
@@ -69,7 +70,8 @@ class FusedLMHeadLoss:
     are honoured exactly as in ``transformers.loss.loss_utils.ForCausalLMLoss``.
 
     Without labels, in eval mode, or with ``logits_to_keep`` set, the original forward runs
-    unchanged.
+    unchanged. Where the input embedding shares the head's weight, its gradient is added into the
+    head's in place during a fused eager call (``tied_embedding``).
     """
 
     def __init__(self, model: nn.Module, spec: LMHeadLossSpec, backend: str = "auto"):
@@ -116,13 +118,19 @@ class FusedLMHeadLoss:
     def _fused(self, original, head: nn.Linear, kwargs):
         labels = kwargs.pop("labels")
         capture = CaptureHead(self.__dict__.setdefault("probes", {}))  # setdefault: pickled by an older version
+        embedding, slot = self._tied_embedding(head, kwargs), tied_embedding.GradSlot()
         self.model._modules[self.spec.head] = capture
+        if embedding is not None:
+            tied_embedding.install(embedding, slot)
         try:
             out = original(**kwargs, labels=None)
         finally:
             self.model._modules[self.spec.head] = head
+            if embedding is not None:
+                tied_embedding.uninstall(embedding)
         self._check(out, capture)
         hidden, bias = capture.inputs[0], head.bias
+        weight = head.weight if embedding is None else tied_embedding.leave_grad(head.weight, slot)
         if self.spec.logit_scale != 1.0:  # s·(h·Wᵀ + b) = (s·h)·Wᵀ + s·b: the logits are never formed
             hidden = hidden * self.spec.logit_scale
             bias = None if bias is None else bias * self.spec.logit_scale
@@ -133,7 +141,7 @@ class FusedLMHeadLoss:
         shift = shift.to(hidden.device)
         n_items = kwargs.get("num_items_in_batch")
         loss = F.linear_cross_entropy(
-            hidden, head.weight, shift, bias=bias, ignore_index=ignore_index,
+            hidden, weight, shift, bias=bias, ignore_index=ignore_index,
             reduction="mean" if n_items is None else "sum", softcap=self.spec.softcap, backend=self.backend,
         )
         if n_items is not None:
@@ -148,6 +156,17 @@ class FusedLMHeadLoss:
         if isinstance(out, tuple):  # return_dict=False: HF's tuple is (loss, logits, ...); logits left out
             return (loss,) + tuple(out[1:])
         return dataclasses.replace(out, loss=loss, logits=None)
+
+    def _tied_embedding(self, head: nn.Linear, kwargs) -> nn.Embedding | None:
+        """The input embedding whose gradient goes straight into the head's (``tied_embedding``):
+        in eager training steps that embed ``input_ids`` with a weight tied to the head's."""
+        if kwargs.get("inputs_embeds") is not None or not (torch.is_grad_enabled() and head.weight.requires_grad):
+            return None
+        get = getattr(self.model, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+        if embedding is None or tied_embedding.tie_reason(embedding, head) or not plain_eager((head.weight,)):
+            return None
+        return embedding
 
     def _check(self, out, capture: CaptureHead) -> None:
         """The forward must have called the head once and done to its output exactly what the spec

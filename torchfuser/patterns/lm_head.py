@@ -137,7 +137,8 @@ class _Uninstall:
 
 class LMHeadLossPattern(Pattern):
     name = "lm_head_loss"
-    description = "causal-LM loss via linear_cross_entropy, full logits never materialised (training with labels)"
+    description = ("causal-LM loss via linear_cross_entropy, full logits never materialised (training with labels); "
+                   "a tied input embedding's gradient added into the head's in place")
     fused = FusedLMHeadLoss
 
     def match(self, module):
