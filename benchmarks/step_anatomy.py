@@ -2,19 +2,25 @@
 
     python benchmarks/step_anatomy.py shapes [--model qwen05b]   # copies, casts, adds, sums by shape
     python benchmarks/step_anatomy.py gaps [--model qwen05b]     # GPU idle gaps and the host ops in them
+    python benchmarks/step_anatomy.py sync [--model qwen05b]     # what transformers' host read costs a step
 
 ``shapes`` profiles one step of ``optimize(model)`` (no CUDA graphs, so every ATen op is seen with its
 input shapes) and lists the ops that launch copy, cast, add and reduction kernels, by shape, with
 their GPU time. ``gaps`` profiles one step of ``optimize(model, cuda_graphs=True)`` and lists every
 gap longer than 40 µs between GPU kernels with the host ops that started during it (the profiler
-slows the host, so the gaps read longer than they are). A diagnostic for NOTES-train-step.md.
+slows the host, so the gaps read longer than they are). ``sync`` times graphed steps as they are
+and with transformers' packed-sequence check (a host read of a device value in every forward, for
+every variant alike) stubbed out, alternating, without the profiler: what that read costs the GPU
+in idle time. A diagnostic for NOTES-train-step.md.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import os
+import statistics
 import sys
+import time
 
 import torch
 from torch.autograd import DeviceType
@@ -44,9 +50,9 @@ def shapes(prof) -> None:
 def gaps(prof, least_us: float = 40.0) -> None:
     host = [e for e in prof.events() if e.device_type == DeviceType.CPU]
     kernels, found = idle_gaps(prof)
+    span = max(k.time_range.end for k in kernels) - kernels[0].time_range.start
+    busy = span - sum(b - a for a, b, _, _ in found)  # kernels of a graph can overlap: not their sum
     found = [(a, b, before.name, after.name) for a, b, before, after in found if b - a > least_us]
-    busy = sum(k.time_range.end - k.time_range.start for k in kernels)
-    span = kernels[-1].time_range.end - kernels[0].time_range.start
     print(f"{len(kernels)} kernels, busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms; "
           f"{len(found)} gaps over {least_us:.0f} µs: {sum(b - a for a, b, _, _ in found) / 1e3:.2f} ms")
     for a, b, before, after in found:
@@ -56,14 +62,33 @@ def gaps(prof, least_us: float = 40.0) -> None:
                 print(f"  {e.time_range.end - e.time_range.start:8.0f} µs {e.name[:60]}")
 
 
+def time_without_host_read(step, steps: int = 10, rounds: int = 3) -> None:
+    from transformers import masking_utils
+
+    real = masking_utils.find_packed_sequence_indices
+    for r in range(rounds):
+        for name, fn in (("as is", real), ("packed-sequence check stubbed", lambda position_ids: None)):
+            masking_utils.find_packed_sequence_indices = fn
+            step()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            print(f"round {r}: {name}: {statistics.median(times) * 1e3:.2f} ms a step (median of {steps})")
+    masking_utils.find_packed_sequence_indices = real
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("shapes", "gaps"))
+    p.add_argument("what", choices=("shapes", "gaps", "sync"))
     p.add_argument("--model", default="qwen05b")
     a = p.parse_args()
     dev = torch.device("cuda")
     model = build(a.model, dev, 0)
-    torchfuser.optimize(model, cuda_graphs=a.what == "gaps")
+    torchfuser.optimize(model, cuda_graphs=a.what != "shapes")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (4, 2048), device=dev)
 
@@ -77,6 +102,8 @@ def main():
     for _ in range(4):
         step()
     torch.cuda.synchronize()
+    if a.what == "sync":
+        return time_without_host_read(step)
     prof = profiled(step, dev, 1, record_shapes=a.what == "shapes")
     (shapes if a.what == "shapes" else gaps)(prof)
 

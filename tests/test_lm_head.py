@@ -337,3 +337,26 @@ def test_the_tied_embedding_backward_without_the_heads_gradient_is_nn_embeddings
     (got,) = torch.autograd.grad(te._TiedEmbedding.apply(ids, weight, te.GradSlot(), 4), [weight], up)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert got[4].abs().max() == 0
+
+
+def test_a_fused_forward_pickled_before_the_probe_cache_loads_and_runs(tmp_path):
+    _, fused = lm_pair()
+    ids, mask, labels = batch()
+    want = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
+    del fused.forward.probes  # as saved by a version without the cache
+    torch.save(fused, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask, labels=labels).loss, want)
+    assert loaded.forward.probes
+
+
+def test_a_tied_model_compiles_in_one_graph_with_the_plain_tied_gradient():
+    """Under torch.compile the tied-embedding routing stays out of the trace (autograd's own sum)."""
+    from torch._dynamo.utils import counters
+
+    ref, fused, kwargs = tied_pair()
+    counters.clear()
+    b = torch.compile(fused, fullgraph=True, backend="eager")(**kwargs)
+    assert not counters["graph_break"]
+    assert "forward" not in fused.model.embed_tokens.__dict__
+    assert_same_loss_and_grads(ref(**kwargs), b, ref, fused)

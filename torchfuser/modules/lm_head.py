@@ -85,6 +85,12 @@ class FusedLMHeadLoss:
         self.values_checked = False  # the value check syncs with the device: once per instance
         self.probes: dict = {}  # the capture head's probe logits, made once (CaptureHead)
 
+    def __setstate__(self, state: dict) -> None:
+        # Unpickling. Not a lookup with a default in the forward: torch.compile cannot trace
+        # ``self.__dict__.setdefault`` (torch 2.11, fullgraph=True).
+        self.__dict__.update(state)
+        self.__dict__.setdefault("probes", {})  # pickled by a version before the probe cache
+
     def _original(self):
         # functools.partial, not function.__get__: torch.compile traces the former, not the latter.
         return self.previous if self.previous is not None else functools.partial(type(self.model).forward, self.model)
@@ -117,8 +123,9 @@ class FusedLMHeadLoss:
 
     def _fused(self, original, head: nn.Linear, kwargs):
         labels = kwargs.pop("labels")
-        capture = CaptureHead(self.__dict__.setdefault("probes", {}))  # setdefault: pickled by an older version
-        embedding, slot = self._tied_embedding(head, kwargs), tied_embedding.GradSlot()
+        capture = CaptureHead(self.probes)
+        embedding = self._tied_embedding(head, kwargs)
+        slot = None if embedding is None else tied_embedding.GradSlot()
         self.model._modules[self.spec.head] = capture
         if embedding is not None:
             tied_embedding.install(embedding, slot)
@@ -160,13 +167,13 @@ class FusedLMHeadLoss:
     def _tied_embedding(self, head: nn.Linear, kwargs) -> nn.Embedding | None:
         """The input embedding whose gradient goes straight into the head's (``tied_embedding``):
         in eager training steps that embed ``input_ids`` with a weight tied to the head's."""
+        if not plain_eager((head.weight,)):  # first: torch.compile traces none of what follows
+            return None
         if kwargs.get("inputs_embeds") is not None or not (torch.is_grad_enabled() and head.weight.requires_grad):
             return None
         get = getattr(self.model, "get_input_embeddings", None)
         embedding = get() if callable(get) else None
-        if embedding is None or tied_embedding.tie_reason(embedding, head) or not plain_eager((head.weight,)):
-            return None
-        return embedding
+        return None if embedding is None or tied_embedding.tie_reason(embedding, head) else embedding
 
     def _check(self, out, capture: CaptureHead) -> None:
         """The forward must have called the head once and done to its output exactly what the spec
