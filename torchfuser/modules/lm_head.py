@@ -173,7 +173,7 @@ class FusedLMHeadLoss:
             return None
         get = getattr(self.model, "get_input_embeddings", None)
         embedding = get() if callable(get) else None
-        return None if embedding is None or tied_embedding.tie_reason(embedding, head) else embedding
+        return embedding if embedding is not None and tied_embedding.routable(embedding, head) else None
 
     def _check(self, out, capture: CaptureHead) -> None:
         """The forward must have called the head once and done to its output exactly what the spec

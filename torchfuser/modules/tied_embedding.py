@@ -71,17 +71,13 @@ class _TiedEmbedding(torch.autograd.Function):
         return None, None, None, None
 
 
-def tie_reason(embedding: nn.Module, head: nn.Linear) -> str | None:
-    """Why the embedding's gradient cannot be added into the head's, or None when it can."""
-    if type(embedding) is not nn.Embedding:
-        return f"the input embeddings are a {type(embedding).__name__}, not an nn.Embedding"
-    if embedding.weight is not head.weight:
-        return "the input and output embeddings are not tied"
-    if "forward" in embedding.__dict__:
-        return "the input embeddings have an instance forward (a hook library's)"
-    if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
-        return "the input embeddings use max_norm, scale_grad_by_freq or sparse gradients"
-    return None
+def routable(embedding: nn.Module, head: nn.Linear) -> bool:
+    """Whether the embedding's gradient can go into the head's: a plain ``nn.Embedding`` (not a
+    subclass that scales its output) sharing the head's weight, with no forward of its own on the
+    instance (a hook library's), and no ``max_norm``, ``scale_grad_by_freq`` or sparse gradients."""
+    return (type(embedding) is nn.Embedding and embedding.weight is head.weight
+            and "forward" not in embedding.__dict__ and embedding.max_norm is None
+            and not embedding.scale_grad_by_freq and not embedding.sparse)
 
 
 def install(embedding: nn.Embedding, slot: GradSlot) -> None:
