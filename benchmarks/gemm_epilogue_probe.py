@@ -27,7 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torchfuser.backends.triton import gated  # noqa: E402
+from torchfuser.backends.triton import gated, gated_matmul  # noqa: E402
 
 # (BM, BN, BK, warps, stages)
 CONFIGS = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 256, 64, 8, 3),
@@ -131,6 +131,7 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--inter", type=int, default=4864)
+    p.add_argument("--backward-only", action="store_true")
     p.add_argument("--out")
     a = p.parse_args()
     from triton.testing import do_bench
@@ -168,14 +169,22 @@ def main():
          tflops=round(2 * m * hd * n / do_bench(lambda: torch.mm(dy, w_down), rep=200) / 1e9, 1))
     best("bwd: Triton GEMM with the SwiGLU-backward epilogue", lambda c: (fused_bwd(dy, w_down, gu, c),), want_bwd)
     best("bwd: Triton GEMM alone", lambda c: (fused_bwd(dy, w_down, gu, c, epilogue=False),), (dh,))
+    emit(what="bwd: the library's kernel (backends/triton/gated_matmul.py)",
+         ms=round(do_bench(lambda: gated_matmul.swiglu_packed_matmul_bwd(dy, w_down, gu), rep=200), 4))
 
+    if a.backward_only:
+        return write(rows, a.out)
     want_fwd = (gu, gated.swiglu_packed_fwd(gu))
     emit(what="fwd: cuBLAS gate_up + swiglu_packed_fwd",
          ms=round(do_bench(lambda: gated.swiglu_packed_fwd(torch.mm(x, w_gu.t())), rep=200), 4))
     emit(what="fwd: cuBLAS gate_up alone", ms=round(do_bench(lambda: torch.mm(x, w_gu.t()), rep=200), 4))
     best("fwd: Triton GEMM with the SwiGLU epilogue", lambda c: fused_fwd(x, w_gu, c), want_fwd)
-    if a.out:
-        with open(a.out, "w") as f:
+    write(rows, a.out)
+
+
+def write(rows, path):
+    if path:
+        with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 
@@ -15,6 +16,9 @@ def test_notebook_runs(path):
     code = [("".join(c["source"]), i) for i, c in enumerate(cells) if c["cell_type"] == "code"]
     assert code, f"{path.name} has no code cells"
     scope = {"__name__": "__notebook__"}
+    # A notebook starts in a fresh kernel: no compiled frames left by earlier tests, whose
+    # recompilations of the same transformers code could exhaust torch.compile's cache limit.
+    torch._dynamo.reset()
     for source, index in code:
         exec(compile(source, f"{path.name}[cell {index}]", "exec"), scope)
 
