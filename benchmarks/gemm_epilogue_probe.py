@@ -27,7 +27,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torchfuser.backends.triton import gated, gated_matmul  # noqa: E402
+from torchfuser.backends.triton import gated  # noqa: E402
 
 # (BM, BN, BK, warps, stages)
 CONFIGS = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 8, 5), (128, 256, 64, 8, 3),
@@ -169,8 +169,6 @@ def main():
          tflops=round(2 * m * hd * n / do_bench(lambda: torch.mm(dy, w_down), rep=200) / 1e9, 1))
     best("bwd: Triton GEMM with the SwiGLU-backward epilogue", lambda c: (fused_bwd(dy, w_down, gu, c),), want_bwd)
     best("bwd: Triton GEMM alone", lambda c: (fused_bwd(dy, w_down, gu, c, epilogue=False),), (dh,))
-    emit(what="bwd: the library's kernel (backends/triton/gated_matmul.py)",
-         ms=round(do_bench(lambda: gated_matmul.swiglu_packed_matmul_bwd(dy, w_down, gu), rep=200), 4))
 
     if a.backward_only:
         return write(rows, a.out)

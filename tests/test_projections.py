@@ -12,7 +12,7 @@ from torch import nn
 import torchfuser
 from numerics import ATOL, assert_within_rule
 from torchfuser.modules import FusedAttention
-from torchfuser.modules import mlp, projections
+from torchfuser.modules import projections
 from torchfuser.modules.projections import project
 
 from test_architectures import batch, make
@@ -156,33 +156,6 @@ def test_residual_plus_projection_matches_float64_within_rule(device):
         assert projections._out_dtype_ok(x.device)  # the epilogue's sum is the one in use
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_swiglu_then_residual_plus_projection_matches_float64_within_rule(device):
-    """r + down(swiglu(gate_up)) under autocast as one node, whose backward computes the down
-    projection's input gradient and SwiGLU's backward in one kernel where the backend has one (the
-    Triton backend on CUDA): the sum and every gradient (r's, gate_up's, the fp32 weight's) within
-    the DESIGN.md rule of the float64 computation, against autocast's ``r + down(swiglu(gate_up))``."""
-    from torchfuser import functional as F
-
-    torch.manual_seed(5)
-    down = nn.Linear(40, 24, bias=False).to(device)
-    r = torch.randn(3, 7, 24, device=device, requires_grad=True)
-    gu = (torch.randn(3, 7, 80, device=device) * 2).bfloat16()
-    fused = lambda gu: projections.swiglu_residual_linear(r, gu, down, None)  # noqa: E731
-    plain = lambda gu: r + down(F.swiglu(gu))  # noqa: E731
-    ref_down = copy.deepcopy(down).double()
-    ref_r = r.detach().double().requires_grad_()
-    ref = _grads(lambda gu: ref_r + ref_down(F.swiglu(gu, backend="reference")), gu.double(), [ref_r, ref_down.weight], None)
-    got, base = (_grads(f, gu, [r, down.weight], torch.bfloat16) for f in (fused, plain))
-    for name, f, p, want in zip(["y", "dgate_up", "dr", "dW"], got, base, ref):
-        assert f.dtype == p.dtype, name
-        assert_within_rule(f, p, want, ATOL[torch.bfloat16 if name == "dgate_up" else torch.float32], name)
-    with torch.autocast(device, dtype=torch.bfloat16):
-        assert "_SwiGLUResidualLinear" in type(fused(gu).grad_fn).__name__
-        assert projections.swiglu_residual_linear(r, gu.float(), down, None) is None  # not the autocast dtype
-        assert projections.swiglu_residual_linear(r, gu[..., :60], down, None) is None  # not [gate | up] of down's input
-
-
 def test_residual_plus_projection_only_where_it_is_the_same_computation():
     r, x = torch.randn(2, 24), torch.randn(2, 40)
     down, biased = nn.Linear(40, 24, bias=False), nn.Linear(40, 24)
@@ -204,7 +177,7 @@ def test_the_layers_last_add_runs_inside_the_down_projection():
     ids = batch(padded=False)[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(input_ids=ids, output_hidden_states=True).hidden_states[1]
-    assert "_SwiGLUResidualLinear" in type(out.grad_fn).__name__  # with SwiGLU's backward (swiglu_residual_linear)
+    assert "_ResidualLinear" in type(out.grad_fn).__name__
     calls = []
     handle = layer.mlp.register_forward_hook(lambda *a: calls.append("hook"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -263,16 +236,9 @@ def test_model_under_autocast_matches_float64_within_rule(arch, monkeypatch):
     attention = next(m for m in fused.modules() if isinstance(m, FusedAttention))
     attention.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["hidden_states"].dtype), with_kwargs=True)
     layers = torchfuser.report(fused).counts().get("residual_norm", {}).get("fused", 0)
-    packed_calls = []  # SwiGLU on the packed [gate | up]: alone, or with the down projection in one node
-    real, real_joint = torchfuser.ops.swiglu_packed, mlp.swiglu_residual_linear
+    packed_calls = []
+    real = torchfuser.ops.swiglu_packed
     monkeypatch.setattr(torchfuser.ops, "swiglu_packed", lambda *a: packed_calls.append(1) or real(*a))
-
-    def joint_node(*a):
-        out = real_joint(*a)
-        packed_calls.extend([1] if out is not None else [])
-        return out
-
-    monkeypatch.setattr(mlp, "swiglu_residual_linear", joint_node)
     results = []
     for model, dtype in ((ref, None), (plain, torch.bfloat16), (fused, torch.bfloat16)):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):

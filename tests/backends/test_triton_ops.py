@@ -227,29 +227,6 @@ def test_gated_packed_of_a_strided_tensor():
     _check(fn, [_rand(37, 246, scale=2.0)], torch.bfloat16, "swiglu packed transposed", make={0: _transposed})
 
 
-# (M, K, N): one row; odd sizes (K past its last full tile, tiles past N); two row blocks of two
-# column blocks each; a K of several full tiles
-MATMUL_CASES = [(1, 64, 32), (37, 123, 77), (130, 96, 200), (64, 256, 48)]
-
-
-@pytest.mark.parametrize("m,k,n", MATMUL_CASES, ids=str)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_swiglu_packed_matmul_bwd(interpreter, m, k, n, dtype):
-    """swiglu_packed_bwd(dy @ W, gate_up) in one GEMM with SwiGLU's backward in its epilogue (fp32
-    takes the two-step path), against float64, with the two-step path in ``dtype`` as the baseline;
-    dy read through a row stride."""
-    from torchfuser.backends import reference
-
-    dy = _rand(m, k + 5)[:, :k]
-    w, gu = _rand(k, n, scale=k**-0.5), _rand(m, 2 * n, scale=2.0)
-    want = reference.swiglu_packed_bwd(dy.double() @ w.double(), gu.double())
-    low = [t.to(dtype) for t in (dy, w, gu)]
-    got = interpreter.swiglu_packed_matmul_bwd(*low)
-    two_steps = reference.swiglu_packed_bwd(torch.mm(low[0], low[1]), low[2])
-    assert got.dtype == dtype and got.is_contiguous()
-    assert_within_rule(got, two_steps, want, ATOL[dtype], f"swiglu_packed_matmul_bwd {m}x{k}x{n}")
-
-
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", LOW + [torch.float16])
 def test_gelu(approximate, dtype):

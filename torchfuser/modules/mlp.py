@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
-from torchfuser.modules.projections import joint, residual_linear, swiglu_residual_linear
+from torchfuser.modules.projections import joint, residual_linear
 
 
 @dataclass(frozen=True)
@@ -50,40 +50,26 @@ class FusedGatedMLP(FusedModule):
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
         """``residual + self(x)``, the sum inside the down projection's GEMM where it can be
-        (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on);
-        for SwiGLU on a packed [gate | up] also its backward with the down projection's in one
-        kernel (``projections.swiglu_residual_linear``)."""
-        s, down = self.spec, getattr(self, self.spec.down)
-        packed, gate_first = self._packed(x)
-        no_dropout = dropout_p(self, s.dropout) == 0
-        if no_dropout and packed is not None and gate_first and s.activation == "silu":
-            out = swiglu_residual_linear(residual, packed, down, self.backend)
-            if out is not None:
-                return out
-        h = self._activate(x, packed, gate_first)
-        out = residual_linear(residual, h, down) if no_dropout else None
-        return out if out is not None else residual + apply_dropout(self, s.dropout, down(h))
+        (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on)."""
+        s = self.spec
+        h = self._gated(x)
+        out = None if dropout_p(self, s.dropout) > 0 else residual_linear(residual, h, getattr(self, s.down))
+        return out if out is not None else residual + apply_dropout(self, s.dropout, getattr(self, s.down)(h))
 
     def _gated(self, x: Tensor) -> Tensor:
-        return self._activate(x, *self._packed(x))
-
-    def _packed(self, x: Tensor) -> tuple[Tensor | None, bool]:
-        """(one [gate | up] or [up | gate] product, whether gate comes first); (None, True) where
-        gate and up must run as the separate projections they are."""
         s = self.spec
         if s.gate_up is not None:
-            return getattr(self, s.gate_up)(x), s.gate_first
-        # gate and up as one GEMM under autocast; None where that would differ
-        return joint(x, [getattr(self, s.gate), getattr(self, s.up)]), True
-
-    def _activate(self, x: Tensor, packed: Tensor | None, gate_first: bool) -> Tensor:
-        s = self.spec
+            packed, gate_first = getattr(self, s.gate_up)(x), s.gate_first
+        else:  # gate and up as one GEMM under autocast; None where that would differ
+            packed, gate_first = joint(x, [getattr(self, s.gate), getattr(self, s.up)]), True
         if packed is None:
-            return self._act(getattr(self, s.gate)(x), getattr(self, s.up)(x), backend=self.backend)
-        if gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
-            return self._act(packed, backend=self.backend)
-        up, gate = packed.chunk(2, dim=-1)
-        return self._act(gate, up, backend=self.backend)
+            h = self._act(getattr(self, s.gate)(x), getattr(self, s.up)(x), backend=self.backend)
+        elif gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
+            h = self._act(packed, backend=self.backend)
+        else:
+            up, gate = packed.chunk(2, dim=-1)
+            h = self._act(gate, up, backend=self.backend)
+        return h
 
 
 class FusedMLP(FusedModule):

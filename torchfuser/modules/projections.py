@@ -27,10 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from torchfuser import ops
-from torchfuser.backends import resolve
 from torchfuser.modules.base import hooked
-from torchfuser.ops._call import plain_eager, run
+from torchfuser.ops._call import plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 _SMALL_BYTES = 32 << 20
@@ -109,32 +107,12 @@ def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | 
     gradient straight from the accumulator. None where that would not be the same computation:
     without autocast, a residual that is not fp32 or would broadcast, a bias, a hook, not a plain
     ``nn.Linear``, or outside plain eager mode."""
-    dtype = _residual_dtype(residual, x, linear, x.shape[-1])
-    return None if dtype is None else _ResidualLinear.apply(residual, x, dtype, linear.weight)
-
-
-def swiglu_residual_linear(residual: Tensor, gate_up: Tensor, linear: nn.Module, backend: str | None) -> Tensor | None:
-    """``residual_linear(residual, swiglu(gate_up), linear)`` as one autograd node, whose backward
-    computes the down projection's input gradient and SwiGLU's backward in one kernel where the
-    backend has one (``swiglu_packed_matmul_bwd``: dh is never written). None where
-    ``residual_linear`` would be, or where gate_up is not the autocast dtype's [gate | up]."""
-    dtype = _residual_dtype(residual, gate_up, linear, 2 * linear.in_features)
-    if dtype is None or gate_up.dtype != dtype:
-        return None
-    return _SwiGLUResidualLinear.apply(residual, gate_up, dtype, resolve(backend, gate_up.device), linear.weight)
-
-
-def _residual_dtype(residual: Tensor, x: Tensor, linear: nn.Module, width: int) -> torch.dtype | None:
-    """The autocast dtype where ``residual + linear(f(x))`` may run with the sum in the GEMM (x of
-    last dim ``width``), else None: without autocast, a residual that is not fp32 or would broadcast,
-    a bias, a hook, not a plain ``nn.Linear``, or outside plain eager mode."""
     device = x.device.type
     if (not torch.is_autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
-            or linear.bias is not None or x.shape[-1] != width
-            or residual.shape != (*x.shape[:-1], linear.out_features)
+            or linear.bias is not None or residual.shape != (*x.shape[:-1], linear.out_features)
             or not plain_eager((residual, x, linear.weight))):
         return None
-    return torch.get_autocast_dtype(device)
+    return _ResidualLinear.apply(residual, x, torch.get_autocast_dtype(device), linear.weight)
 
 
 class _ResidualLinear(torch.autograd.Function):
@@ -156,33 +134,6 @@ class _ResidualLinear(torch.autograd.Function):
         dx = _mm(g, w, ctx.x_dtype).view(xc.shape) if ctx.needs_input_grad[1] else None
         dw = _mm(g.t(), xc.reshape(-1, xc.shape[-1]), ctx.w_dtype) if ctx.needs_input_grad[3] else None
         return dout, dx, None, dw
-
-
-class _SwiGLUResidualLinear(torch.autograd.Function):
-    """out = r + swiglu(gate_up)·Wᵀ in fp32, W cast to the autocast dtype. Saved: gate_up, h =
-    swiglu(gate_up) and the cast W (what the SwiGLU op and ``_ResidualLinear`` would save).
-    Backward: dr = dout; d(gate_up) = swiglu'(gate_up, dout·W) in one kernel; dW = doutᵀ·h in fp32."""
-
-    @staticmethod
-    def forward(ctx, r, gate_up, dtype, backend, weight):
-        h = run(ops.gated.swiglu_packed_fwd, gate_up, backend)
-        w = weight.to(dtype)
-        ctx.save_for_backward(gate_up, h, w)
-        ctx.backend, ctx.w_dtype = backend, weight.dtype
-        out = _addmm_fp32(r.reshape(-1, r.shape[-1]), h.reshape(-1, h.shape[-1]), w.t())
-        return out.view(r.shape)
-
-    @staticmethod
-    def backward(ctx, dout):
-        gate_up, h, w = ctx.saved_tensors
-        g = dout.reshape(-1, dout.shape[-1]).to(w.dtype)
-        dgu = dw = None
-        if ctx.needs_input_grad[1]:
-            gu = gate_up.reshape(-1, gate_up.shape[-1])
-            dgu = run(ops.gated.swiglu_packed_matmul_bwd, g, w, gu, ctx.backend).view(gate_up.shape)
-        if ctx.needs_input_grad[4]:
-            dw = _mm(g.t(), h.reshape(-1, h.shape[-1]), ctx.w_dtype)
-        return dout, dgu, None, None, dw
 
 
 def _addmm_fp32(r: Tensor, a: Tensor, b: Tensor) -> Tensor:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchfuser.backends import kernels
-
 from ._call import autograd, kernel, run
 
 
@@ -74,21 +72,6 @@ swiglu_fwd, swiglu_bwd, _swiglu = _define_gated("swiglu")
 geglu_fwd, geglu_bwd, _geglu = _define_gated("geglu")
 swiglu_packed_fwd, swiglu_packed_bwd, _swiglu_packed = _define_packed("swiglu")
 geglu_packed_fwd, geglu_packed_bwd, _geglu_packed = _define_packed("geglu")
-
-
-@torch.library.custom_op("torchfuser::swiglu_packed_matmul_bwd", mutates_args=())
-def swiglu_packed_matmul_bwd(dy: Tensor, weight: Tensor, gate_up: Tensor, backend: str) -> Tensor:
-    """``swiglu_packed_bwd(dy @ weight, gate_up)`` (dy M×K, weight K×N, gate_up M×2N): a gated MLP's
-    down projection's input gradient and SwiGLU's backward, as one kernel where the backend has one
-    (the Triton one), else as the product and then the backend's ``swiglu_packed_bwd``."""
-    if hasattr(kernels(backend), "swiglu_packed_matmul_bwd"):
-        return kernel(backend, "swiglu_packed_matmul_bwd")(dy, weight, gate_up)
-    return kernel(backend, "swiglu_packed_bwd")(torch.mm(dy, weight), gate_up)
-
-
-@swiglu_packed_matmul_bwd.register_fake
-def _(dy, weight, gate_up, backend):
-    return gate_up.new_empty(gate_up.shape)
 
 
 def swiglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:

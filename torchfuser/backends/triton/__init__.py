@@ -12,7 +12,6 @@ from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
-from .gated_matmul import swiglu_packed_matmul_bwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 from .linear_cross_entropy import linear_cross_entropy_fwd, linear_cross_entropy_scale_
 from .rms_norm import add_rms_norm_bwd, add_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd
@@ -21,6 +20,6 @@ from .rope import rope_bwd, rope_fwd
 __all__ = [
     "rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
-    "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd", "swiglu_packed_matmul_bwd",
+    "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_",
 ]

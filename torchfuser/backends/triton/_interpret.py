@@ -10,10 +10,6 @@
    store of an interpreted kernel was then up to one ulp off the GPU's, and a kernel's x + r in
    bf16 could not be compared bit for bit with torch's. Patched only when the interpreter's cast
    truncates, and only for that one pair of dtypes.
-3. bf16 ``tl.dot``: the interpreter keeps bf16 values as their uint16 bit patterns (NumPy has no
-   bf16) and multiplies those integers, so every bf16 product came out as garbage (the fp16 and
-   fp32 ones are right). Patched to widen bf16 operands to fp32 first, only when the interpreter's
-   bf16 product is wrong.
 """
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ def apply() -> None:
         return
     _fix_scalar_index()
     _fix_bf16_rounding()
-    _fix_bf16_dot()
 
 
 def _fix_scalar_index() -> None:
@@ -81,30 +76,3 @@ def _fix_bf16_rounding() -> None:
 
     cast_impl._torchfuser_fixed = True
     builder.cast_impl = cast_impl
-
-
-def _fix_bf16_dot() -> None:
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
-    if getattr(original, "_torchfuser_fixed", False):
-        return
-    two = interpreter.TensorHandle(np.full((1, 1), 0x4000, dtype=np.uint16), tl.bfloat16)  # 2.0
-    acc = interpreter.TensorHandle(np.zeros((1, 1), dtype=np.float32), tl.float32)
-    if original(None, two, two, acc, None, None).data[0, 0] == 4.0:
-        return  # this interpreter multiplies bf16 values, not their bits: nothing to fix
-
-    def widen(h):
-        if h.dtype.scalar != tl.bfloat16:
-            return h
-        data = (np.asarray(h.data).astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    create_dot._torchfuser_fixed = True
-    builder.create_dot = create_dot
