@@ -12,7 +12,8 @@ so the fusion needs a GEMM of our own. This times, on one GPU, with Triton's pla
 - the forward: [gate | up] = x·W_gate_upᵀ, then h = silu(gate)·up, as cuBLAS + our kernel and as one
   Triton GEMM with two accumulators (gate and up tiles of the same columns) writing gate, up and h;
 - the backward's GEMM alone, Triton against cuBLAS: how far the GEMM itself is from cuBLAS.
-A diagnostic for NOTES-triton.md, not library code.
+A diagnostic for NOTES-triton.md, not library code: its kernels have no edge handling, so the sizes
+must be multiples of every tile tried (128, 256 and 64 along K).
 """
 from __future__ import annotations
 
@@ -138,6 +139,8 @@ def main():
 
     dev, dt, gen = torch.device("cuda"), torch.bfloat16, torch.Generator("cuda").manual_seed(0)
     m, hd, n = a.tokens, a.hidden, a.inter
+    if m % 256 or n % 256 or hd % 128:
+        raise SystemExit("gemm_epilogue_probe: --tokens and --inter must be multiples of 256, --hidden of 128")
     x = torch.randn(m, hd, device=dev, dtype=dt, generator=gen)
     w_gu = (torch.randn(2 * n, hd, device=dev, generator=gen) * hd**-0.5).to(dt)
     w_down = (torch.randn(hd, n, device=dev, generator=gen) * n**-0.5).to(dt)
