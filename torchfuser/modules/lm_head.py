@@ -125,10 +125,8 @@ class FusedLMHeadLoss:
         labels = kwargs.pop("labels")
         capture = CaptureHead(self.probes)
         embedding = self._tied_embedding(head, kwargs)
-        slot = None if embedding is None else tied_embedding.GradSlot()
         self.model._modules[self.spec.head] = capture
-        if embedding is not None:
-            tied_embedding.install(embedding, slot)
+        slot = None if embedding is None else tied_embedding.install(embedding)
         try:
             out = original(**kwargs, labels=None)
         finally:
@@ -137,7 +135,7 @@ class FusedLMHeadLoss:
                 tied_embedding.uninstall(embedding)
         self._check(out, capture)
         hidden, bias = capture.inputs[0], head.bias
-        weight = head.weight if embedding is None else tied_embedding.leave_grad(head.weight, slot)
+        weight = head.weight if slot is None else tied_embedding.leave_grad(head.weight, slot)
         if self.spec.logit_scale != 1.0:  # s·(h·Wᵀ + b) = (s·h)·Wᵀ + s·b: the logits are never formed
             hidden = hidden * self.spec.logit_scale
             bias = None if bias is None else bias * self.spec.logit_scale

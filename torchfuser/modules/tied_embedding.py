@@ -80,13 +80,15 @@ def routable(embedding: nn.Module, head: nn.Linear) -> bool:
             and not embedding.scale_grad_by_freq and not embedding.sparse)
 
 
-def install(embedding: nn.Embedding, slot: GradSlot) -> None:
-    """Route this embedding's calls through the slot until ``uninstall`` (module hooks still run)."""
+def install(embedding: nn.Embedding) -> GradSlot:
+    """Route this embedding's calls through a new slot until ``uninstall`` (module hooks still run)."""
+    slot = GradSlot()
 
     def forward(ids: Tensor) -> Tensor:
         return _TiedEmbedding.apply(ids, embedding.weight, slot, embedding.padding_idx)
 
     embedding.__dict__["forward"] = forward
+    return slot
 
 
 def uninstall(embedding: nn.Embedding) -> None:
