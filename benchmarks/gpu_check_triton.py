@@ -145,6 +145,19 @@ def correctness(quick: bool):
     check(f"linear_cross_entropy {N}x{H}x{V} softcap=30",
           lambda h, w, backend: lce(h, w, backend, 30.0), [r(N, H), r(V, H, scale=H**-0.5 * 4)], bf,
           torch_fn=lambda h, w: plain(h, w, 30.0))
+    # Column V − 5000 about 48 nats above every other logit, and the label of every third token:
+    # most rows raise the CE kernel's reference past the first block and rescale their start.
+    u = torch.nn.functional.normalize(r(H), dim=0)
+    w_far = r(V, H, scale=H**-0.5 * 2)
+    w_far[V - 5000] += 12 * u
+    labels_far = labels.clone()
+    labels_far[1::3] = V - 5000
+
+    def far(h, w, backend):
+        return F.linear_cross_entropy(h, w, labels_far, backend=backend)
+
+    check(f"linear_cross_entropy {N}x{H}x{V} far row max", far, [r(N, H) + 4 * u, w_far], bf,
+          torch_fn=lambda h, w: TF.cross_entropy(TF.linear(h, w).float(), labels_far))
 
 
 def lce_memory():

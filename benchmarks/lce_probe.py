@@ -26,11 +26,9 @@ def main():
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--rows", default="", help="also: the op with these tokens per chunk, e.g. 1536,2048")
-    p.add_argument("--parts", action="store_true", help="also time each step of one chunk")
+    p.add_argument("--parts", default="", help="also time each step of one chunk of these tokens, e.g. 1536,2048")
     p.add_argument("--layouts", default="", help="also: each GEMM with the logits as C×V and as V×C, with "
                    "cuBLAS and cuBLASLt, at these tokens per chunk, e.g. 1536,8192")
-    p.add_argument("--overlap", default="", help="also: the op on two streams with two logits buffers of "
-                   "these tokens each (the CE kernel of one chunk beside the GEMMs of the other), e.g. 768,1024")
     p.add_argument("--plans", action="store_true", help="also: balanced chunks against a fixed stride")
     p.add_argument("--dw-fp32", action="store_true", help="also: dW summed over the op's chunks in bf16 and "
                    "then cast to fp32 (autocast's gradient of an fp32 weight), against summed in fp32 by cuBLAS")
@@ -56,31 +54,35 @@ def main():
              extra_gib=round(extra, 3))
     lce.chunk_rows = rule
 
-    for rows in (1408, 2048, 4096, 8192) if a.parts else ():
+    for rows in map(int, filter(None, a.parts.split(","))):
         hc = h[:rows]
         z = torch.mm(hc, w.t())
         dw = torch.empty_like(w)
-        dh = torch.empty(rows, hdim, device="cuda", dtype=dt)
+        dh, hs, g = torch.empty_like(hc), torch.empty_like(hc), lce._times_w(z, w)
         losses = torch.empty(rows, device="cuda")
         nvalid = torch.tensor(n, device="cuda")
+        row_scale = torch.empty(rows, device="cuda")
 
         def ce_kernel():
-            lce.ce_rows(z, None, labels[:rows], losses, nvalid, -100, None, True, True)
+            lce.ce_rows(z, None, labels[:rows], losses, row_scale, nvalid, -100, None, True, True)
 
         steps = {
             "CE kernel": ce_kernel,
             "logits mm": lambda: torch.mm(hc, w.t()),
-            "dh mm": lambda: torch.mm(z, w, out=dh),
+            "dh mm (fp32 out)": lambda: lce._times_w(z, w),
+            "dh mm (bf16 out)": lambda: torch.mm(z, w, out=dh),
             "dW mm": lambda: torch.mm(z.t(), hc, out=dw),
             "dW addmm_": lambda: dw.addmm_(z.t(), hc),
+            "row scale": lambda: lce._row_scale((rows, lce.cdiv(hdim, 4096)), g, hdim, hc, hdim, row_scale, dh, hdim,
+                                                hs, hdim, BLOCK_H=min(4096, lce.next_pow2(hdim)), num_warps=4),
         }
         for name, fn in steps.items():
             ms = do_bench(fn, rep=200)
-            flops = 0 if name == "CE kernel" else 2 * rows * hdim * v
+            flops = 0 if name in ("CE kernel", "row scale") else 2 * rows * hdim * v
             emit(what=name, rows=rows, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-                 gbps=round(3 * rows * v * 2 / ms / 1e6, 1),
+                 gbps=round(2 * rows * v * 2 / ms / 1e6, 1),
                  ms_per_8192_tokens=round(ms * n / rows, 3))
-        z = dw = dh = None  # free before the next size
+        z = dw = dh = hs = g = None  # free before the next size
         torch.cuda.empty_cache()
     if a.plans:
         plans(h, w, labels, emit)
@@ -88,14 +90,6 @@ def main():
         dw_fp32(h, w, emit)
     for rows in map(int, filter(None, a.layouts.split(","))):
         layouts(h, w, rows, emit)
-    for rows in map(int, filter(None, a.overlap.split(","))):
-        fn = lambda: two_streams(h, w, labels, rows)  # noqa: E731
-        out, extra = extra_peak(fn)
-        ref = lce.linear_cross_entropy_fwd(h, w, None, labels, -100, None, "mean", True)
-        err = [float((x.float() - y.float()).abs().max()) for x, y in zip(out[:3], ref[:3])]
-        del out, ref
-        emit(what="op on two streams", rows=rows, ms=round(do_bench(fn, rep=300), 3), extra_gib=round(extra, 3),
-             max_abs_diff_loss_dh_dw=err)
     if a.out:
         with open(a.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows_out)
@@ -184,43 +178,6 @@ def layouts(h, w, rows, emit):
             emit(what=f"{step} mm", layout=layout, blas=lib, rows=rows, ms=round(ms, 3),
                  tflops=round(2 * rows * h.shape[1] * v / ms / 1e9, 1), ms_per_8192_tokens=round(ms * n / rows, 3))
     torch.backends.cuda.preferred_blas_library(before)
-
-
-def two_streams(h, w, labels, rows):
-    """The op (no bias, no softcap, mean) with two logits buffers on two streams: chunk i runs on
-    stream i % 2 in buffer i % 2, so one chunk's CE kernel can run beside the other's GEMMs. dW's
-    read-modify-writes stay in chunk order (events); dh slices are disjoint."""
-    n, v = h.shape[0], w.shape[0]
-    main = torch.cuda.current_stream()
-    streams = (torch.cuda.Stream(), torch.cuda.Stream())
-    losses = torch.empty(n, device=h.device)
-    nvalid = (labels != -100).sum()
-    dh, dw = torch.empty_like(h), torch.empty_like(w)
-    bufs = [torch.empty(rows, v, device=h.device, dtype=h.dtype) for _ in range(2)]
-    done_dw = None
-    for s in streams:
-        s.wait_stream(main)
-    for i, start in enumerate(range(0, n, rows)):
-        s, z = streams[i % 2], bufs[i % 2]
-        with torch.cuda.stream(s):
-            hc = h[start:start + rows]
-            z = z[:hc.shape[0]]
-            torch.mm(hc, w.t(), out=z)
-            lce.ce_rows(z, None, labels[start:start + rows], losses[start:start + rows], nvalid, -100, None, True, True)
-            torch.mm(z, w, out=dh[start:start + rows])
-            if done_dw is not None:
-                s.wait_event(done_dw)
-            if start == 0:
-                torch.mm(z.t(), hc, out=dw)
-            else:
-                dw.addmm_(z.t(), hc)
-            done_dw = torch.cuda.Event()
-            done_dw.record(s)
-    for s in streams:
-        main.wait_stream(s)
-    for b in bufs:
-        b.record_stream(main)
-    return losses.sum() / nvalid, dh, dw
 
 
 if __name__ == "__main__":

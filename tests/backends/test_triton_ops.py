@@ -358,8 +358,8 @@ def test_linear_cross_entropy(case, dtype, interpreter, monkeypatch):
     if chunk is not None:
         itemsize, module = torch.finfo(dtype).bits // 8, interpreter.linear_cross_entropy
         monkeypatch.setattr(module, "EXTRA_BYTES", 0)
-        monkeypatch.setattr(module, "MIN_CHUNK_BYTES", chunk * v * itemsize)
-        assert module.chunk_rows(n, v, itemsize, 1 << 20) == chunk
+        monkeypatch.setattr(module, "MIN_CHUNK_BYTES", chunk * (v * itemsize + (4 + itemsize) * h))
+        assert module.chunk_rows(n, v, itemsize, 1 << 20, h) == chunk
     labels = torch.randint(0, v, (n,)).to(DEVICE)
     if n > 1:
         labels[::5] = -100  # ignored tokens: no loss, no gradient, not counted by 'mean'
@@ -371,6 +371,48 @@ def test_linear_cross_entropy(case, dtype, interpreter, monkeypatch):
 
     plain = _plain_lce(reduction, softcap)
     _check(fn, inputs, dtype, f"lce{case}", torch_fn=lambda hid, w, *b: plain(hid, w, labels, *b))
+
+
+@pytest.mark.parametrize("dtype", LOW + [torch.float16])
+@pytest.mark.parametrize("through", ["bias", "weight"])
+def test_linear_cross_entropy_row_max_far_past_the_first_block(through, dtype, interpreter, monkeypatch):
+    """Column 250 of 300 sits 40–60 nats above every other logit, far past the first block's max
+    (blocks of 64): the kernel raises its reference and rescales what it has written of the row.
+    Some tokens have it as their label (p_y ≈ 1: dl_y ≈ 0 must not cancel), some not, some ignored."""
+    monkeypatch.setattr(interpreter.linear_cross_entropy, "_BLOCK_V", 64)
+    n, h, v, far = 37, 48, 300, 250
+    labels = torch.randint(0, v, (n,))
+    labels[::3], labels[::7] = far, -100
+    hid, w = torch.randn(n, h), torch.randn(v, h) * h**-0.5
+    bias = None
+    if through == "bias":
+        bias = torch.randn(v) * 0.5
+        bias[far] = 50.0
+    else:
+        hid[:, 0] = 4.0 + torch.rand(n)
+        w[far, 0] = 12.0
+    inputs = [hid.to(DEVICE), w.to(DEVICE)] + ([bias.to(DEVICE)] if bias is not None else [])
+    labels = labels.to(DEVICE)
+
+    def fn(x, weight, *b, backend):
+        return F.linear_cross_entropy(x, weight, labels, bias=b[0] if b else None, backend=backend)
+
+    plain = _plain_lce("mean", None)
+    _check(fn, inputs, dtype, f"lce far max {through}", torch_fn=lambda x, weight, *b: plain(x, weight, labels, *b))
+
+
+def test_linear_cross_entropy_fp16_with_a_sum_of_exps_past_its_range(interpreter):
+    """70000 near-equal logits: Σexp(z − max) ≈ 70000 > fp16's 65504, so in fp16 the kernel writes
+    softmax − onehot itself (two passes) instead of the unnormalised q and the target's q_y − S."""
+    n, h, v = 3, 16, 70000
+    labels = torch.tensor([5, 69999, 40000]).to(DEVICE)
+    inputs = [_rand(n, h), _rand(v, h, scale=1e-3)]
+
+    def fn(hid, w, *, backend):
+        return F.linear_cross_entropy(hid, w, labels, backend=backend)
+
+    plain = _plain_lce("mean", None)
+    _check(fn, inputs, torch.float16, "lce fp16 wide", torch_fn=lambda hid, w: plain(hid, w, labels))
 
 
 def test_linear_cross_entropy_without_grad(interpreter):

@@ -7,10 +7,17 @@ with scale = 1/#counted tokens ('mean') or 1 ('sum'). For an upstream gradient o
     dh = dl · W,   dW = Σ_chunks dlᵀ · h,   db = Σ_tokens dl
 Nothing is saved for the backward but these gradients (the ops layer scales them by dloss).
 
-Per chunk of C tokens: cuBLAS writes the logits (C×V, input dtype, fp32 accumulation), one Triton
-program per token makes two passes over its row in fp32 (online max/sum-exp, then softmax −
-onehot) and writes dl back in place over the logits; cuBLAS then reads dl for dh and dW.
-Extra memory: one chunk of logits + the gradients, held near EXTRA_BYTES.
+Per chunk of C tokens: cuBLAS writes the logits (C×V, input dtype, fp32 accumulation). One Triton
+program per token then reads its row once and writes back, in place, q = exp(z − m)·(1 − t²)
+against a reference m fixed per row (the larger of z_y and the first block's max; raised, and the
+row's earlier part rescaled, only if a later block exceeds it by RANGE), and at the target column
+(exp(z_y − m) − Σexp(z − m))·(1 − t_y²). With S = Σexp(z − m) and a_n = scale_n / S_n the row's
+dl is a_n·q_n, so the GEMMs read q and the per-row a_n goes elsewhere:
+    dh_n = a_n · (q_n · W)    (cuBLAS, fp32 out; a small kernel scales and rounds once)
+    dW  += qᵀ · (a ⊙ h)        db += Σ_n a_n q_n
+One read and one write of the logits, where writing softmax − onehot takes two reads and a write
+(what the kernel does for fp16, whose range q and S can pass: there a_n = scale_n).
+Extra memory: one chunk of logits, its C×H scaled copies, and the gradients, held near EXTRA_BYTES.
 """
 from __future__ import annotations
 
@@ -26,11 +33,16 @@ from ._math import tanh
 # (benchmarks/lce_probe.py, NOTES-triton.md): chunks of 1024–2048 tokens run at the same speed,
 # token counts that are not a multiple of 512 (1408, 1664) up to 10% slower, and fewer than
 # ~1000 tokens per chunk slower again. At 8192×2048×128256 bf16 this gives 1536-token chunks and
-# 0.89 GiB; at 8192×896×151936, 2048-token chunks and 0.85 GiB.
+# 0.9 GiB; at 8192×896×151936, 2048-token chunks and 0.86 GiB.
 EXTRA_BYTES = 960 << 20
 MIN_CHUNK_BYTES = 128 << 20
-_BLOCK_V = 4096
-_WARPS = 8
+# The CE kernel's block and warps: 3.5–3.7 TB/s of reads + writes on an H200, where 4096 columns
+# and 8 or 16 warps ran at 3.3–3.5 (lce-ce-configs, run 99).
+_BLOCK_V = 1024
+_WARPS = 4
+# How far (in nats) a row's logits may exceed its reference m before m is raised: q ≤ e^32 and
+# S ≤ V·e^32 stay far inside fp32 and bf16, and a_n = scale/S far above their smallest normals.
+_RANGE = 32.0
 
 
 @triton.jit
@@ -48,37 +60,47 @@ def _logit(Z, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.conste
 
 @triton.jit
 def _linear_cross_entropy_fwd_kernel(
-    Z, stride_z, B, LABELS, LOSS, NVALID, V, ignore_index, softcap,
+    Z, stride_z, B, LABELS, LOSS, ROW_SCALE, REF, stride_ref, NVALID, V, ignore_index, softcap,
     HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, NEED_GRAD: tl.constexpr, MEAN: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, RANGE: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = Z + row * stride_z
+    ref_row = REF + row * stride_ref
     label = tl.load(LABELS + row)
     valid = label != ignore_index
     target = tl.where(valid, label, 0)
     cols = tl.arange(0, BLOCK_V)
 
-    # Pass 1: per-lane running max and sum of exp, merged once at the end. The max starts at a
-    # finite floor so that all-masked lanes give exp(−inf − floor) = 0, never inf − inf = nan.
-    m = tl.full([BLOCK_V], -1e30, dtype=tl.float32)
-    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    # The target logit, read before the row is overwritten. A confident row's max is often z_y.
+    y = tl.load(z_row + target).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(B + target).to(tl.float32)
+    t_y = y
+    if SOFTCAP:
+        t_y = tanh(y / softcap)
+        y = softcap * t_y
+
+    m = y
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)  # per-lane Σ exp(z − m), merged once at the end
     for start in range(0, V, BLOCK_V):
         c = start + cols
-        z, _ = _logit(z_row, B, c, c < V, softcap, HAS_BIAS, SOFTCAP)
-        m_new = tl.maximum(m, z)
-        s = s * tl.exp(m - m_new) + tl.exp(z - m_new)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(s * tl.exp(m - m_row), axis=0))
-
-    # The target logit is read before pass 2 overwrites the row's bytes.
-    z_y = tl.load(z_row + target).to(tl.float32)
-    if HAS_BIAS:
-        z_y += tl.load(B + target).to(tl.float32)
-    if SOFTCAP:
-        z_y = softcap * tanh(z_y / softcap)
-    tl.store(LOSS + row, tl.where(valid, lse - z_y, 0.0))
+        mask = c < V
+        z, t = _logit(z_row, B, c, mask, softcap, HAS_BIAS, SOFTCAP)
+        top = tl.max(z, axis=0)
+        m = tl.where(start == 0, tl.maximum(m, top), m)
+        if top > m + RANGE:  # rare: raise m; the blocks written so far are rescaled after the loop
+            s = s * tl.exp(m - top)
+            m = top
+        e = tl.exp(z - m)  # masked lanes: exp(−inf) = 0
+        s += e
+        if NEED_GRAD and ONE_PASS:
+            if SOFTCAP:
+                e = e * (1.0 - t) * (1.0 + t)
+            tl.store(z_row + c, e.to(Z.dtype.element_ty), mask=mask)  # the target's too: rewritten below
+            tl.store(ref_row + start // BLOCK_V, m)  # the reference this block was written against
+    total = tl.sum(s, axis=0)  # ≥ 1: the column that set m is in it
+    tl.store(LOSS + row, tl.where(valid, m + tl.log(total) - y, 0.0))
 
     if NEED_GRAD:
         if MEAN:
@@ -86,7 +108,8 @@ def _linear_cross_entropy_fwd_kernel(
         else:
             scale = 1.0
         scale = tl.where(valid, scale, 0.0)
-        # Pass 2 overwrites each block of logits with its dl after reading it.
+    if NEED_GRAD and not ONE_PASS:  # fp16: q and S may pass its 65504, so dl itself (a_n = scale)
+        lse = m + tl.log(total)
         for start in range(0, V, BLOCK_V):
             c = start + cols
             mask = c < V
@@ -94,19 +117,44 @@ def _linear_cross_entropy_fwd_kernel(
             g = tl.exp(z - lse) - (c == target).to(tl.float32)
             if SOFTCAP:
                 g = g * (1.0 - t) * (1.0 + t)
-            tl.store(z_row + c, (g * scale).to(Z.dtype.element_ty), mask=mask)
+            tl.store(z_row + c, g.to(Z.dtype.element_ty), mask=mask)
+        tl.store(ROW_SCALE + row, scale)
+    if NEED_GRAD and ONE_PASS:
+        # Every thread's stores of the row land before the ones below (a block barrier orders
+        # global memory within the program); a mask per column would also cost the stores their
+        # vector width (one element an instruction: 2.4× slower on an H200).
+        tl.debug_barrier()
+        if tl.load(ref_row) < m:  # m was raised: bring the blocks written before to the final m
+            for start in range(0, V, BLOCK_V):
+                ref = tl.load(ref_row + start // BLOCK_V)
+                if ref < m:
+                    c = start + cols
+                    q = tl.load(z_row + c, mask=c < V, other=0.0).to(tl.float32)
+                    tl.store(z_row + c, (q * tl.exp(ref - m)).to(Z.dtype.element_ty), mask=c < V)
+            tl.debug_barrier()
+        g_y = tl.exp(y - m) - total  # (p_y − 1)·S, without the cancellation of p_y − 1 in bf16
+        if SOFTCAP:
+            g_y = g_y * (1.0 - t_y) * (1.0 + t_y)
+        tl.store(z_row + target, g_y.to(Z.dtype.element_ty))
+        tl.store(ROW_SCALE + row, scale / total)
 
 
-def ce_rows(z, bias, labels, losses, nvalid, ignore_index, softcap, need_grad, mean):
+def ce_rows(z, bias, labels, losses, row_scale, nvalid, ignore_index, softcap, need_grad, mean):
     """The CE kernel over the rows of one chunk's logits ``z`` (C×V), one program per row: losses,
-    and dl in place. (Fewer programs walking rows in turn, so that pass 2 re-reads its row from L2,
-    ran at 43–86% of this one's speed on an H200, with or without eviction hints: NOTES-triton.md.)"""
+    and (need_grad) q in place of the logits and a_n in ``row_scale``. (Fewer programs walking rows
+    in turn ran at 43–86% of this one's speed on an H200, with or without eviction hints; several
+    programs a row that wait for each other, slower still: NOTES-triton.md.)"""
     rows, v = z.shape
+    block = min(_BLOCK_V, next_pow2(v))
+    one_pass = z.dtype != torch.float16  # fp16's range is too small for q and S
+    # Each block's reference m (a few bytes a row), for the rare row whose m is raised midway.
+    ref = torch.empty((rows, cdiv(v, block)) if need_grad and one_pass else (1, 1), dtype=torch.float32,
+                      device=z.device)
     _ce_kernel(
-        (rows,), z, z.stride(0), z if bias is None else bias, labels, losses, nvalid, v,
-        int(ignore_index), 1.0 if softcap is None else float(softcap),
+        (rows,), z, z.stride(0), z if bias is None else bias, labels, losses, row_scale, ref, ref.stride(0), nvalid,
+        v, int(ignore_index), 1.0 if softcap is None else float(softcap),
         HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, NEED_GRAD=bool(need_grad), MEAN=mean,
-        BLOCK_V=min(_BLOCK_V, next_pow2(v)), num_warps=_WARPS,
+        BLOCK_V=block, RANGE=_RANGE, ONE_PASS=one_pass, num_warps=_WARPS,
     )
 
 
@@ -126,6 +174,53 @@ def _scale_kernel(G, S, N, BLOCK: tl.constexpr):
 
 _scale = Launcher(_scale_kernel)
 _SCALE_BLOCK = 4096
+
+
+@triton.jit
+def _row_scale_kernel(G, stride_g, X, stride_x, A, DH, stride_dh, XS, H, BLOCK_H: tl.constexpr):
+    # dh = a ⊙ g (g: q·W in fp32, rounded once here) and xs = a ⊙ x, for one row's block of columns.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    a = tl.load(A + row)
+    g = tl.load(G + row * stride_g + cols, mask=mask).to(tl.float32)
+    tl.store(DH + row * stride_dh + cols, (a * g).to(DH.dtype.element_ty), mask=mask)
+    x = tl.load(X + row * stride_x + cols, mask=mask).to(tl.float32)
+    tl.store(XS + row * H + cols, (a * x).to(XS.dtype.element_ty), mask=mask)
+
+
+_row_scale = Launcher(_row_scale_kernel)
+
+
+def _times_w(q, weight):
+    """q·W with an fp32 result where cuBLAS can give one (the row-scale kernel then rounds once)."""
+    if q.dtype == torch.float32:
+        return torch.mm(q, weight)
+    if q.device.type == "cpu":  # Triton's interpreter in the tests: what cuBLAS computes
+        return torch.mm(q.float(), weight.float())
+    if torch.version.hip is None:
+        return torch.mm(q, weight, out_dtype=torch.float32)
+    return torch.mm(q, weight)  # ROCm has no fp32-output overload: one rounding more
+
+
+def _chunk_grads(q, h, weight, a, dh, dw, db, first):
+    """A chunk's share of the gradients from q (dl = a ⊙ q, in place of its logits): its rows of
+    dh, and its terms of dW and db (written by the first chunk, added by the others)."""
+    rows, hdim = h.shape
+    hs = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # a ⊙ h
+    g = _times_w(q, weight)
+    block = min(4096, next_pow2(hdim))
+    _row_scale((rows, cdiv(hdim, block)), g, g.stride(0), h, h.stride(0), a, dh, dh.stride(0), hs, hdim,
+               BLOCK_H=block, num_warps=4)
+    del g
+    if first:
+        torch.mm(q.t(), hs, out=dw)
+    else:
+        dw.addmm_(q.t(), hs)
+    if db is not None:
+        # Σ_n a_n q_n, with a split into two rounded parts so that the sum sees a to ~2⁻¹⁶.
+        hi = a.to(q.dtype)
+        db += _times_w(torch.stack([hi, (a - hi.float()).to(q.dtype)]), q).sum(0)
 
 
 def linear_cross_entropy_scale_(grads, scale):
@@ -159,11 +254,12 @@ def chunks(n: int, most: int) -> list[tuple[int, int]]:
     return out
 
 
-def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int) -> int:
-    """Tokens per chunk: the most whose logits fit in what EXTRA_BYTES leaves beside the returned
-    gradients, rounded down to a multiple of 512 when that many fit (cuBLAS's fast shapes)."""
+def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int, hidden: int = 0) -> int:
+    """Tokens per chunk: the most whose logits (and, for a ``hidden`` wide input, the fp32 q·W and
+    the scaled input) fit in what EXTRA_BYTES leaves beside the returned gradients, rounded down to
+    a multiple of 512 when that many fit (cuBLAS's fast shapes)."""
     budget = max(MIN_CHUNK_BYTES, EXTRA_BYTES - grad_bytes)
-    most = max(1, budget // (itemsize * v))
+    most = max(1, budget // (itemsize * v + (4 + itemsize) * hidden))
     if most >= n:
         return n
     unit = 512 if most >= 512 else 64 if most >= 128 else 1
@@ -176,7 +272,7 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         raise TypeError(f"linear_cross_entropy: hidden and weight dtypes differ ({hidden.dtype}, {weight.dtype})")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
-    n, _ = hidden.shape
+    n, hdim = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
     labels = labels.contiguous()
@@ -191,23 +287,19 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
         if bias is not None:
             db = torch.zeros(v, dtype=torch.float32, device=dev)
-    rows = chunk_rows(n, v, hidden.element_size(), dh.nbytes + dw.nbytes + db.nbytes)
+    rows = chunk_rows(n, v, hidden.element_size(), dh.nbytes + dw.nbytes + db.nbytes, hdim if need_grad else 0)
     mean = reduction == "mean"
+    row_scale = torch.empty(min(rows, n), dtype=torch.float32, device=dev)  # a_n of a chunk's tokens
     for start, size in chunks(n, rows):
         h = hidden[start:start + size]
         # Logits in the input dtype, as nn.Linear gives them (fp32 accumulation, one rounding);
         # the kernel works in fp32. bf16 logits halve its reads and double the tokens per chunk.
         z = torch.mm(h, weight.t())
-        ce_rows(z, bias, labels[start:start + size], losses[start:start + size], nvalid, ignore_index, softcap,
-                need_grad, mean)
-        if need_grad:  # z now holds dl
-            torch.mm(z, weight, out=dh[start:start + size])
-            if start == 0:
-                torch.mm(z.t(), h, out=dw)
-            else:
-                dw.addmm_(z.t(), h)
-            if bias is not None:
-                db += z.sum(0, dtype=torch.float32)
+        a = row_scale[:size]
+        ce_rows(z, bias, labels[start:start + size], losses[start:start + size], a, nvalid, ignore_index,
+                softcap, need_grad, mean)
+        if need_grad:
+            _chunk_grads(z, h, weight, a, dh[start:start + size], dw, db if bias is not None else None, start == 0)
         del z  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = losses.sum()
     if mean:
