@@ -378,7 +378,8 @@ def test_linear_cross_entropy(case, dtype, interpreter, monkeypatch):
 def test_linear_cross_entropy_row_max_far_past_the_first_block(through, dtype, interpreter, monkeypatch):
     """Column 250 of 300 sits 40–60 nats above every other logit, far past the first block's max
     (blocks of 64): the kernel raises its reference and rescales what it has written of the row.
-    Some tokens have it as their label (p_y ≈ 1: dl_y ≈ 0 must not cancel), some not, some ignored."""
+    Some tokens have it as their label (p_y ≈ 1: dl_y ≈ 0 must not cancel), some not, some ignored.
+    (fp16 runs the two-pass form, whose running max is raised the same way.)"""
     monkeypatch.setattr(interpreter.linear_cross_entropy, "_BLOCK_V", 64)
     n, h, v, far = 37, 48, 300, 250
     labels = torch.randint(0, v, (n,))
