@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from torchfuser.backends._gemm import fp32_out_ok as _out_dtype_ok
 from torchfuser.modules.base import hooked
 from torchfuser.ops._call import plain_eager
 
@@ -160,25 +161,6 @@ def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     if dtype == torch.float32 and a.dtype != dtype and _out_dtype_ok(a.device):
         return torch.mm(a, b, out_dtype=dtype)
     return torch.mm(a, b).to(dtype)
-
-
-_OUT_DTYPE: dict[torch.device, bool] = {}
-
-
-def _out_dtype_ok(device: torch.device) -> bool:
-    """Whether ``torch.mm(bf16, bf16, out_dtype=float32)`` (and ``addmm`` with an fp32 addend) runs on
-    ``device``: asked once, by trying
-    (where the ``aten::mm.dtype`` overload exists, CUDA has a kernel for it and the CPU has none)."""
-    ok = _OUT_DTYPE.get(device)
-    if ok is None:
-        try:
-            one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
-            ok = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
-            ok = ok and torch.addmm(one.float(), one, one, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _OUT_DTYPE[device] = ok
-    return ok
 
 
 def _cast_cat(params: list[Tensor], dtype: torch.dtype) -> Tensor:

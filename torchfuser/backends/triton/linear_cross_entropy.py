@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._gemm import fp32_out_ok
 from ._common import Launcher, cdiv, check_dtypes, next_pow2
 from ._math import tanh
 
@@ -196,11 +197,11 @@ def _times_w(q, weight):
     """q·W with an fp32 result where cuBLAS can give one (the row-scale kernel then rounds once)."""
     if q.dtype == torch.float32:
         return torch.mm(q, weight)
+    if fp32_out_ok(q.device):
+        return torch.mm(q, weight, out_dtype=torch.float32)
     if q.device.type == "cpu":  # Triton's interpreter in the tests: what cuBLAS computes
         return torch.mm(q.float(), weight.float())
-    if torch.version.hip is None:
-        return torch.mm(q, weight, out_dtype=torch.float32)
-    return torch.mm(q, weight)  # ROCm has no fp32-output overload: one rounding more
+    return torch.mm(q, weight)  # no fp32-output GEMM on this device: one rounding more
 
 
 def _chunk_grads(q, h, weight, a, dh, dw, db, first):
