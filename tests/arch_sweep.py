@@ -1,0 +1,242 @@
+"""Every causal-LM model type of the installed transformers, tiny and random, unfused against fused.
+
+Each type gets a tiny config made from its defaults by generic size fields (hidden 64, 2 layers, 4
+heads, 4 experts of which 2 are active, vocabulary 128, every dropout 0), is trained one step on the
+CPU in fp32 (``labels=input_ids``) unfused and fused (``backend="reference"``), and is classed:
+
+- ``fused``: something was fused, and the loss and every gradient match the unfused model's;
+- ``nothing``: no block matched or every candidate was skipped (the report says why); exact too;
+- ``unbuildable``: the config or the plain model cannot be built or run on ``input_ids`` alone
+  (a composite or audio model, an optional dependency missing): not TorchFuser's business;
+- ``wrong``: a loss or gradient differs — a failure;
+- ``crash``: ``optimize``, the fused step, ``restore`` or the report raised — a failure.
+
+``python tests/arch_sweep.py`` prints the table; ``--readme`` rewrites the README's generated table.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import re
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import torchfuser
+
+VOCAB = 128
+# Generic size fields of transformers' configs, by name: (names, tiny value).
+_SIZES = [
+    (("vocab_size",), VOCAB),
+    (("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "hidden_dim", "word_embed_proj_dim",
+      "embedding_size", "d_embed"), 64),
+    (("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_ff", "ffn_hidden_size",
+      "d_inner"), 128),
+    (("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
+      "num_decoder_layers", "num_encoder_layers"), 2),
+    (("num_attention_heads", "n_head", "n_heads", "decoder_attention_heads", "encoder_attention_heads",
+      "num_heads", "n_attn_heads"), 4),
+    (("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num", "num_kv"), 2),
+    (("head_dim", "kv_channels", "attention_head_size", "v_head_dim"), 16),
+    (("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    (("num_experts_per_tok", "moe_topk", "num_selected_experts", "moe_k", "top_k", "num_experts_per_token"), 2),
+    (("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
+    (("n_group", "topk_group", "num_expert_group"), 1),
+    (("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"), 8),
+    (("q_lora_rank",), 16),
+    (("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"), 128),
+]
+_SIZE = {name: value for names, value in _SIZES for name in names}
+SEQ = 12
+
+
+@dataclass
+class Result:
+    model_type: str
+    kind: str  # fused | nothing | unbuildable | wrong | crash
+    detail: str = ""
+    fused: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # pattern → one reason
+
+    @property
+    def failed(self) -> bool:
+        return self.kind in ("wrong", "crash")
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _tiny(values: dict) -> dict:
+    """Overrides for one config's fields: sizes by name, every dropout 0, sub-configs likewise."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            out[key] = {**value, **_tiny(value)}
+        elif isinstance(value, bool) or value is None and key not in _SIZE:
+            continue
+        elif key in _SIZE and (value is None or isinstance(value, int)):
+            out[key] = _SIZE[key]
+        elif isinstance(value, float) and ("drop" in key or "jitter" in key):
+            out[key] = 0.0
+    return out
+
+
+def tiny_config(model_type: str):
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    overrides = _tiny(defaults)
+    for key in ("layer_types", "mlp_layer_types", "layers_block_type", "attn_layer_indices", "no_rope_layers"):
+        overrides.pop(key, None)  # derived from the layer count when left out
+    cfg = AutoConfig.for_model(model_type, **{**{k: v for k, v in defaults.items() if k in overrides}, **overrides})
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) >= VOCAB:
+            setattr(cfg, name, 0)
+    return cfg
+
+
+def _step(model, ids):
+    torch.manual_seed(0)
+    out = model(input_ids=ids, labels=ids)
+    loss = out.loss if not isinstance(out, tuple) else out[0]
+    loss.backward()
+    return loss.detach()
+
+
+def _grads_match(ref, fused) -> str | None:
+    for (name, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        if (a.grad is None) != (b.grad is None):
+            return f"{name}: gradient {'missing' if b.grad is None else 'extra'} in the fused model"
+        if a.grad is not None:
+            tol = 1e-4 * a.grad.abs().max().item() + 1e-6
+            err = (a.grad - b.grad).abs().max().item()
+            if not err <= tol:
+                return f"{name}: gradient differs by {err:.3g} (tolerance {tol:.3g})"
+    return None
+
+
+def _short(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".splitlines()[0]
+    return text[:160]
+
+
+def run_one(model_type: str) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            cfg = tiny_config(model_type)
+            torch.manual_seed(0)
+            ref = AutoModelForCausalLM.from_config(cfg).float().train()
+            ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+            fused = copy.deepcopy(ref)
+            loss_ref = _step(ref, ids)
+        except Exception as err:
+            return Result(model_type, "unbuildable", _short(err))
+        keys = list(fused.state_dict())
+        rng = torch.get_rng_state()
+        try:
+            torchfuser.optimize(fused, backend="reference")
+            rep = torchfuser.report(fused)
+        except Exception as err:
+            return Result(model_type, "crash", "optimize: " + _short(err) + _where(err))
+        fused_counts = {p: c["fused"] for p, c in rep.counts().items() if c["fused"]}
+        skipped = {}
+        for e in rep.skipped:
+            skipped.setdefault(e.pattern, e.reason)
+        res = Result(model_type, "fused" if fused_counts else "nothing", fused=fused_counts, skipped=skipped)
+        moved_rng = not torch.equal(rng, torch.get_rng_state())
+        if list(fused.state_dict()) != keys:
+            return _fail(res, "wrong", "state_dict keys changed")
+        try:
+            loss = _step(fused, ids)
+        except Exception as err:
+            return _fail(res, "crash", "fused step: " + _short(err) + _where(err))
+        if not torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6):
+            return _fail(res, "wrong", f"loss {loss.item():.6g}, unfused {loss_ref.item():.6g}")
+        if why := _grads_match(ref, fused):
+            return _fail(res, "wrong", why)
+        try:
+            torchfuser.restore(fused)
+        except Exception as err:
+            return _fail(res, "crash", "restore: " + _short(err))
+        if any(isinstance(m, torchfuser.modules.base.FusedModule) for m in fused.modules()):
+            return _fail(res, "crash", "restore left fused modules behind")
+        if moved_rng:
+            return _fail(res, "crash", "optimize moved the global CPU random generator")
+        return res
+
+
+def _fail(res: Result, kind: str, detail: str) -> Result:
+    res.kind, res.detail = kind, detail
+    return res
+
+
+def _where(err: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "torchfuser" in f.filename]
+    return f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+
+
+def sweep(types=None) -> list[Result]:
+    return [run_one(t) for t in (types or model_types())]
+
+
+def table(results: list[Result]) -> str:
+    """The Markdown table of the README's architectures section."""
+    lines = ["| model type | result | fused blocks | left alone (one reason a pattern) |", "|---|---|---|---|"]
+    for r in results:
+        fused = ", ".join(f"{p} {n}" for p, n in r.fused.items()) or "—"
+        if r.kind == "unbuildable":
+            why = f"not built here: {r.detail}"
+        elif r.failed:
+            why = f"**{r.kind}**: {r.detail}"
+        else:
+            why = "; ".join(f"{p}: {w}" for p, w in r.skipped.items()) or "—"
+        lines.append(f"| {r.model_type} | {r.kind} | {fused} | {why.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def summary(results: list[Result]) -> str:
+    from collections import Counter
+
+    c = Counter(r.kind for r in results)
+    return ", ".join(f"{k} {c[k]}" for k in ("fused", "nothing", "unbuildable", "wrong", "crash")) + f" of {len(results)}"
+
+
+_BEGIN, _END = "<!-- arch-sweep:begin -->", "<!-- arch-sweep:end -->"
+
+
+def write_readme(results: list[Result], path: Path) -> None:
+    import transformers
+
+    text = path.read_text()
+    body = (f"{_BEGIN}\nGenerated by `python tests/arch_sweep.py --readme` with transformers {transformers.__version__}: "
+            f"{summary(results)}.\n\n{table(results)}\n{_END}")
+    if _BEGIN in text:
+        text = re.sub(re.escape(_BEGIN) + ".*?" + re.escape(_END), lambda _: body, text, flags=re.S)
+    else:
+        text += "\n" + body + "\n"
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    readme = "--readme" in args
+    names = [a for a in args if not a.startswith("--")]
+    results = []
+    for t in names or model_types():
+        r = run_one(t)
+        results.append(r)
+        print(f"{t:28s} {r.kind:12s} {r.fused} {r.detail}", flush=True)
+    print(summary(results))
+    if readme:
+        write_readme(results, Path(__file__).resolve().parents[1] / "README.md")
