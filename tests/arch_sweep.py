@@ -74,18 +74,55 @@ def model_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+_LAYERS = _SIZES[3][0]
+# Types whose configs tie fields together beyond generic sizes.
+_EXTRA = {
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "mamba2": dict(num_heads=8),  # heads · head_dim = expand · hidden
+    "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8),
+}
+
+
+def _per_layer(values: list, n_layers: int):
+    """A per-layer list shortened to a few layers that keep each kind it names (attention and
+    recurrent layers of a hybrid, sliding and full attention...)."""
+    kinds = list(dict.fromkeys(v if not isinstance(v, list) else tuple(v) for v in values))
+    kinds = [list(k) if isinstance(k, tuple) else k for k in kinds][:4]
+    return (kinds * 2)[:max(2, len(kinds))]
+
+
 def _tiny(values: dict) -> dict:
-    """Overrides for one config's fields: sizes by name, every dropout 0, sub-configs likewise."""
+    """Overrides for one config's fields: sizes by name, every dropout 0, per-layer lists cut to the
+    few layers kept, sub-configs likewise."""
     out = {}
+    n_layers = next((values[k] for k in _LAYERS if isinstance(values.get(k), int)), None)
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")) and "layer" not in key:
             out[key] = {**value, **_tiny(value)}
-        elif isinstance(value, bool) or value is None and key not in _SIZE:
+        elif isinstance(value, bool):
             continue
         elif key in _SIZE and (value is None or isinstance(value, int)):
             out[key] = _SIZE[key]
         elif isinstance(value, float) and ("drop" in key or "jitter" in key):
             out[key] = 0.0
+        elif (isinstance(value, list) or isinstance(value, str) and "pattern" in key) and n_layers and n_layers > 2 \
+                and len(value) == n_layers:
+            short = _per_layer(list(value), n_layers)
+            out[key] = "".join(short) if isinstance(value, str) else short
+            for k in _LAYERS:
+                if k in values:
+                    out[k] = len(short)
+    per_layer = next(((list(values[k]), v) for k, v in out.items() if isinstance(v, list) and k in values
+                      and isinstance(values[k], list) and len(values[k]) == n_layers), None)
+    for key, value in values.items():  # indices into the default depth → the kept layers of the same kinds
+        if per_layer and key.endswith(("_layer_ids", "_layer_indices", "per_layer_config")) and isinstance(value, (list, dict)):
+            old, short = per_layer
+            first = {}
+            for i in value:
+                if isinstance(i, int) and i < len(old):
+                    first.setdefault(str(old[i]), i)
+            kept = [j for j, kind in enumerate(short) if str(kind) in first]
+            out[key] = {j: value[first[str(short[j])]] for j in kept} if isinstance(value, dict) else kept
     return out
 
 
@@ -93,19 +130,21 @@ def tiny_config(model_type: str):
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(model_type).to_dict()
-    overrides = _tiny(defaults)
-    for key in ("layer_types", "mlp_layer_types", "layers_block_type", "attn_layer_indices", "no_rope_layers"):
-        overrides.pop(key, None)  # derived from the layer count when left out
-    cfg = AutoConfig.for_model(model_type, **{**{k: v for k, v in defaults.items() if k in overrides}, **overrides})
+    overrides = {**_tiny(defaults), **_EXTRA.get(model_type, {})}
+    if "qk_rope_head_dim" in defaults:  # multi-head latent attention: the rotary width is the head_dim
+        overrides["head_dim"] = overrides["qk_rope_head_dim"]
+    overrides.pop("attention_layers", None)  # GPT-Neo derives it from attention_types
+    cfg = AutoConfig.for_model(model_type, **overrides)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        if isinstance(getattr(cfg, name, None), int) and getattr(cfg, name) >= VOCAB:
-            setattr(cfg, name, 0)
+        for sub in (cfg, getattr(cfg, "text_config", None)):
+            if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
+                setattr(sub, name, 0)
     return cfg
 
 
 def _step(model, ids):
     torch.manual_seed(0)
-    out = model(input_ids=ids, labels=ids)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
     loss = out.loss if not isinstance(out, tuple) else out[0]
     loss.backward()
     return loss.detach()
