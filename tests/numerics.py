@@ -1,7 +1,14 @@
 """The DESIGN.md numerics rule, shared by the op tests of every backend."""
 from __future__ import annotations
 
+import pytest
 import torch
+
+from torchfuser.backends import unavailable_reason
+
+_NO_MLIR = unavailable_reason("mlir", "cpu")
+# Tests of what the MLIR backend compiles: skipped where torch-mlir is not installed (the GPU machine).
+needs_mlir = pytest.mark.skipif(_NO_MLIR is not None, reason=_NO_MLIR or "")
 
 
 def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import torchfuser
+from numerics import needs_mlir
 from torchfuser.compiler import partition
 
 REF = dict(rewrite=True, kernels="reference")
@@ -92,6 +93,7 @@ def heads_scaled_and_merged(x, w):
     return y.transpose(1, 2).view(x.shape[0], x.shape[1], -1)
 
 
+@needs_mlir
 def test_region_outputs_keep_the_traced_layout():
     f = torchfuser.jit(heads_scaled_and_merged)
     args = [randn(3, 5, 4, 8), randn(8)]
@@ -245,6 +247,7 @@ def test_rewrite_then_inductor():
     assert rec.graph_backend == "inductor" and "torch.ops.torchfuser.rms_norm_fwd" in rec.graphs["rewrite"]
 
 
+@needs_mlir
 def test_inductor_keeps_elementwise_ops_with_auto_rewrite():
     """rewrite="auto" under Inductor: norms, gated activations and rope stay Inductor's (it fuses
     them with their neighbours), each with its reason in the record; linear + cross-entropy is
@@ -308,6 +311,7 @@ def norm_then_tanh(x, w):
     return torch.tanh(rms_gemma(x, w)) * 2
 
 
+@needs_mlir
 def test_explain_shows_regions_rewrites_and_stages():
     f = torchfuser.jit(norm_then_tanh, **REF)
     x, w = randn(4, 32), randn(32)
@@ -424,10 +428,9 @@ def test_optimize_then_inductor_fullgraph(kind):
         torch.testing.assert_close(p.grad, ref_grads[n], atol=1e-4, rtol=1e-3, msg=n)
 
 
+@needs_mlir
 def test_cpu_regions_are_compiled_by_mlir_not_left_eager():
     """A fallback keeps results right, so only this tells that the regions really were compiled."""
-    pytest.importorskip("torch_mlir")
-
     @torchfuser.jit
     def gated(x, w, b):
         h = x @ w
@@ -440,6 +443,7 @@ def test_cpu_regions_are_compiled_by_mlir_not_left_eager():
     assert "region backward/backward_region_0 [mlir]" in text
 
 
+@needs_mlir
 def test_cpu_auto_leaves_swiglu_inside_a_pointwise_region_to_the_region_compiler():
     """rewrite="auto" on the CPU: silu(x)·y feeding further pointwise ops stays in the MLIR region
     (one loop instead of a kernel boundary); a SwiGLU between matmuls is still rewritten."""

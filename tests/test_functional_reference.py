@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as TF
 
 import torchfuser.functional as F
-from numerics import ATOL, assert_within_rule
+from numerics import ATOL, assert_within_rule, needs_mlir
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SHAPES = [(1, 64), (37, 123), (2, 3, 96), (4, 8192)]
@@ -147,7 +147,7 @@ def test_linear_cross_entropy(dtype, bias, softcap, reduction):
     _check(fused, plain, inputs, dtype, "linear_cross_entropy")
 
 
-@pytest.mark.parametrize("backend", ["reference", "mlir"])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("mlir", marks=needs_mlir)])
 def test_implementations_do_not_see_autocast(backend):
     """Under autocast an op casts its inputs as its functional says, and its implementation then
     runs on those dtypes with autocast off (as in compiled graphs): the same result as the call on

@@ -113,7 +113,11 @@ def _real_examples(node: Node):
 
 
 def _compile_graph():
-    """``torchfuser.backends.mlir.compile_graph`` if the MLIR backend provides it yet, else None."""
+    """``torchfuser.backends.mlir.compile_graph`` if the MLIR backend can run here, else None."""
+    from torchfuser.backends import unavailable_reason
+
+    if unavailable_reason("mlir", "cpu") is not None:
+        return None
     try:
         import torchfuser.backends.mlir as mlir
 
@@ -164,8 +168,10 @@ def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic:
     fused = fuse_by_partitions(gm, [list(p.nodes) for p in partitions], prefix=f"{which}_region_")
     compile_graph = _compile_graph()
     if compile_graph is None:
-        record.note(f"{which}: torchfuser.backends.mlir.compile_graph is not available yet; "
-                    f"{len(partitions)} region(s) run eagerly (ATen op by op)")
+        from torchfuser.backends import unavailable_reason
+
+        why = unavailable_reason("mlir", "cpu") or "torchfuser.backends.mlir.compile_graph is not available"
+        record.note(f"{which}: {why}; {len(partitions)} region(s) run eagerly (ATen op by op)")
     for node in list(fused.graph.nodes):
         if node.op != "call_module" or not node.target.startswith(f"{which}_region_"):
             continue
