@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import os
 import warnings
 
@@ -123,6 +124,7 @@ def test_optimize_inside_fsdp1_says_to_optimize_first(one_rank):
 
 
 def _two_ranks(rank: int, store: str, failures):
+    faulthandler.enable()  # a rank that dies of a signal prints where
     # A rank that fails leaves the other in a collective: the timeout ends it instead of the test's.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
