@@ -34,10 +34,14 @@ def _model():
 
 
 def _shard(model):
-    """FSDP2: every decoder layer and the root."""
+    """FSDP2: every decoder layer and the root, on a CPU mesh (without one, fully_shard takes the
+    accelerator's: on a GPU machine every rank would move its shards to cuda:0 for gloo)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model.model.layers:
-        fsdp.fully_shard(layer)
-    fsdp.fully_shard(model)
+        fsdp.fully_shard(layer, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
     return model
 
 
