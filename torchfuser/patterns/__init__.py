@@ -6,11 +6,14 @@ from torchfuser.patterns.attention import AttentionPattern
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.lm_head import LMHeadLossPattern
 from torchfuser.patterns.mlp import GatedMLPPattern, MLPPattern
+from torchfuser.patterns.moe import MoEPattern
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 
-PATTERNS: dict[str, Pattern] = {p.name: p for p in (LMHeadLossPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(), GatedMLPPattern(), MLPPattern(),
-                                                ResidualNormPattern())}
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (
+    LMHeadLossPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(),
+    MoEPattern(),  # before the MLPs: a block of experts is one candidate, its parts are not
+    GatedMLPPattern(), MLPPattern(), ResidualNormPattern())}
 
 
 def select(include=None, exclude=()) -> list[Pattern]:
