@@ -69,7 +69,8 @@ def _signature(module: nn.Module):
         if p.kind is p.VAR_KEYWORD:
             extra = True
         elif p.kind is p.VAR_POSITIONAL or p.default is p.empty:
-            return Skip(f"its forward's parameter {p.name!r} has no default")
+            return Skip(f"its forward requires {p.name!r} (it has no default); only layers whose arguments after the "
+                        "hidden states all have defaults are fused")
         else:
             rest.append((p.name, p.default))
     return params[0].name, rest, extra
@@ -137,10 +138,12 @@ def _study(module: nn.Module, first: str, params, extra: bool):
             children, floats = probe.dropouts()
             dropouts = (tuple(children), tuple(floats))
     except Exception as err:
-        return Skip(f"its forward could not be probed with stand-in children ({type(err).__name__}: {err})")
+        first = str(err).splitlines()[0] if str(err) else ""
+        return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
+                    f"stand-ins for them it raised {type(err).__name__}: {first})")
     if not isinstance(out, torch.Tensor) or not _probe.close(out, probe.expected()):
-        return Skip("its forward is not x + attention(norm(x)), then + mlp(norm(·)) (a scale or a post-norm "
-                    "between the blocks?)")
+        return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)): something sits "
+                    "between the blocks (a residual scale, a post-norm, a parallel branch)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
     if any(len(calls[n][0][0]) != 1 or calls[n][0][1] for n in _CHILDREN if n != "self_attn"):
@@ -191,6 +194,10 @@ class ResidualNormPattern(Pattern):
         norms = [kids[n] if isinstance(kids[n], FusedRMSNorm) else RMSNormPattern().match(kids[n]) for n in _CHILDREN[2:]]
         if any(n is None or isinstance(n, Skip) for n in norms):
             return None  # LayerNorms: only residual adds next to RMSNorms are fused
+        if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
+            return None if all(isinstance(n, FusedRMSNorm) for n in norms) else Skip(
+                "its forward is already replaced on the instance (by accelerate's hooks?), which a fused forward "
+                "would bypass")
         if not self.norms_fused and not all(isinstance(n, FusedRMSNorm) for n in norms):
             # Its fused forward calls the norms' kernels: with plain norms every call would run the original.
             return Skip("its RMSNorms are left unfused (the rms_norm pattern is not selected), and the residual "
