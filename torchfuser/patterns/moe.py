@@ -2,8 +2,8 @@
 
 A candidate has a router, a child whose 2-D ``weight`` maps the hidden size to E ≥ 2 expert scores
 (an ``nn.Linear`` or a router module of its own), and E experts: a ModuleList / ModuleDict of E
-modules of one class (Mixtral before transformers 5, JetMoE...), or stacked parameters whose first
-dimension is E (transformers 5's ``gate_up_proj`` / ``down_proj``), held by a child or by the
+small MLPs of one class (Mixtral before transformers 5), or stacked parameters whose first
+dimension is E (transformers 5's ``gate_up_proj`` / ``down_proj``, JetMoE's), held by a child or by the
 block itself. Per-expert modules that are plain MLPs are still offered to the MLP patterns one by
 one (each is an ordinary module call, exact when fused); stacked experts are nobody's.
 """
