@@ -182,7 +182,7 @@ class WithDropoutChild(Layer):  # Phi-3's resid_attn_dropout, p = 0
 
 
 @pytest.mark.parametrize("cls, why", [
-    (ScaledResidual, "is not x + attention"), (OwnArguments, "arguments of its own making"),
+    (ScaledResidual, "is not the pre-norm x + attention"), (OwnArguments, "arguments of its own making"),
     (MLPWithKeywords, "more than their input"),
 ])
 def test_probe_rejects(cls, why):

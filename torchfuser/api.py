@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, walker
+from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, unwrap, walker
+from torchfuser.modules import fallbacks
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.report import FusionReport
 
@@ -88,11 +89,19 @@ def restore(model: nn.Module) -> nn.Module:
 
 
 def report(model: nn.Module) -> FusionReport:
-    """The FusionReport of the last ``optimize`` call(s) on ``model``."""
+    """The FusionReport of the last ``optimize`` call(s) on ``model``, or on the model inside a wrapper
+    (PEFT, DDP / FSDP, torch.compile), with the calls that fell back to an original forward since."""
     _check_model(model)
-    st = walker.state(model)
-    result = st.report if st is not None else model.__dict__.get("_torchfuser_last_report")
-    if result is None:
-        return FusionReport(type(model).__name__, notes=["torchfuser.optimize was not called on this model"])
-    result.notes = _cuda_graphs.refresh_notes(model, result.notes)  # replays, captures, eager calls
+    path, target = unwrap.optimized(model)
+    if target is None:
+        return FusionReport(type(model).__name__, notes=[
+            "torchfuser.optimize was not called on this model, nor on any module inside it"])
+    st = walker.state(target)
+    result = st.report if st is not None else target.__dict__[unwrap.LAST_REPORT]
+    result.notes = _cuda_graphs.refresh_notes(target, result.notes)  # replays, captures, eager calls
+    result.fallbacks = fallbacks.counts(target)
+    result.notes = [n for n in result.notes if not n.startswith(fallbacks.HEAD)] + fallbacks.notes(target)
+    if path:
+        return result.with_note(f"optimize was called on {path!r} ({type(target).__name__}) inside this "
+                                f"{type(model).__name__}: module names are relative to it")
     return result

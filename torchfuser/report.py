@@ -1,6 +1,7 @@
 """FusionReport: every candidate block the walker looked at, fused or skipped, and why."""
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -27,6 +28,15 @@ class FusionReport:
         self.model_type = model_type
         self.notes = list(notes or [])
         self._entries: dict[str, Entry] = {}
+        # {module name: {reason: calls}}: calls a fused block handed to its original forward
+        # (filled in by torchfuser.report; the notes say the same in words).
+        self.fallbacks: dict[str, dict[str, int]] = {}
+
+    def with_note(self, note: str) -> "FusionReport":
+        """A copy with one more note, sharing the entries."""
+        other = copy.copy(self)
+        other.notes = [*self.notes, note]
+        return other
 
     def add(self, entry: Entry) -> None:
         self._entries[entry.name] = entry
@@ -105,4 +115,5 @@ class FusionReport:
             "counts": self.counts(),
             "entries": [e.__dict__ for e in self.entries],
             "notes": self.notes,
+            "fallbacks": self.fallbacks,
         }

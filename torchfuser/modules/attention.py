@@ -6,7 +6,8 @@ of ``AttentionSpec``.
 The projections, norms and dropouts stay the original submodules (adopted under their original
 names), so ``state_dict`` keys and values do not change. Anything this forward cannot reproduce
 at call time (an attention implementation other than eager/sdpa, a request for attention
-weights, rotary tables of an unexpected width) runs the original module instead.
+weights, rotary tables of an unexpected width) runs the original module instead, and is counted
+(``modules.fallbacks``) so that the report says so.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
                                      keep_dropout)
+from torchfuser.modules import fallbacks
 from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
@@ -169,19 +171,23 @@ class FusedAttention(FusedModule):
         _record_attention_weights(original, out)
         return out
 
-    def _wants_fallback(self, kwargs) -> bool:
+    def _fallback_reason(self, kwargs) -> str | None:
+        """Why this call must run the original module, or None (checked on every call: cheap reads only)."""
         impl = getattr(self.config, "_attn_implementation", None)
         if impl not in _IMPLEMENTATIONS:
-            return True
+            return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
         if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
-            return True  # SDPA never forms the attention weights
+            return "output_attentions=True (SDPA never forms the attention weights)"
         if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
-            return True
+            return "called with encoder states (cross-attention)"
         if self.spec.rotary_dim:
             pe = kwargs.get("position_embeddings")
-            if pe is None or pe[0].shape[-1] != self.spec.rotary_table_dim:
-                return True
-        return False
+            if pe is None:
+                return "no position_embeddings given (the fused attention applies the rotary tables it is passed)"
+            if pe[0].shape[-1] != self.spec.rotary_table_dim:
+                return (f"rotary tables {pe[0].shape[-1]} wide, not the {self.spec.rotary_table_dim} "
+                        "found when it was fused")
+        return None
 
     # -- forward --------------------------------------------------------------------------
     def _project(self, x: Tensor):
@@ -222,7 +228,9 @@ class FusedAttention(FusedModule):
         s = self.spec
         if args:  # positional arguments, named as the original forward names them
             kwargs.update(zip(s.positional, args))
-        if self._wants_fallback(kwargs):
+        why = self._fallback_reason(kwargs)
+        if why is not None:
+            fallbacks.count(self, why)
             return self._fallback(hidden_states, kwargs)
         lead = hidden_states.shape[:-1]
         q, k, v = self._project(hidden_states)

@@ -17,7 +17,8 @@ forward passes them (the pattern's probe found which, ``ResidualNormSpec``), and
 else to the original forward: extra positional arguments, norms that are not fused RMSNorms or
 have hooks or a forward of their own (the fused path calls their kernels, not the modules; the
 MLP is then called as itself too), and code that torch.compile
-traces (Inductor fuses the adds into its own norm kernels there).
+traces (Inductor fuses the adds into its own norm kernels there). Each such call but the traced
+ones is counted with its reason (``modules.fallbacks``), and the report lists them.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchfuser.modules import fallbacks
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP
@@ -79,19 +81,35 @@ class ResidualNormForward:
 
     def __call__(self, *args, **kwargs):
         layer, s = self.layer, self.spec
-        norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
+        if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
+            return type(layer).forward(layer, *args, **kwargs)
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
-        call = None if x is None or torch.compiler.is_compiling() else self._attention_kwargs(rest)
-        norms = isinstance(norm_in, FusedRMSNorm) and isinstance(norm_mid, FusedRMSNorm) and _as_class(norm_in, norm_mid)
-        if call is None or not norms or self._dropping():
+        call = None if x is None else self._attention_kwargs(rest)
+        why = self._unfused(args, x, call)
+        if why is not None:
+            fallbacks.count(layer, why)
             return type(layer).forward(layer, *args, **kwargs)
+        norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
         low = _projection_dtype(x, attention, mlp)
         y, x = norm_in.opening_residual(x, low)
         a = attention(**{s.attention_input: y}, **call)[0]
         h, y = norm_mid.add(x, a, low)
         return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
+
+    def _unfused(self, args, x, call) -> str | None:
+        """Why this call runs the original forward, or None."""
+        if len(args) > 1:
+            return "positional arguments after the hidden states"
+        if x is None:
+            return "called without hidden states"
+        if call is None:
+            return "keywords its forward does not pass on to the attention"
+        layer, s = self.layer, self.spec
+        if why := _unfused_norms(getattr(layer, s.norm_in), getattr(layer, s.norm_mid)):
+            return why
+        return "a dropout between the blocks is on (the fused forward has none)" if self._dropping() else None
 
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks is on now (the fused forward has none)."""
@@ -101,6 +119,15 @@ class ResidualNormForward:
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _unfused_norms(*norms: nn.Module) -> str | None:
+    """Why the fused path cannot use these norms' kernels in place of calling them, or None."""
+    if not all(isinstance(n, FusedRMSNorm) for n in norms):
+        return "its norms are no longer fused RMSNorms"
+    if not _as_class(*norms):
+        return "hooks (or a forward of their own) on its norms: the fused path would skip them"
+    return None
 
 
 def _as_class(*modules: nn.Module) -> bool:
@@ -142,4 +169,5 @@ class Uninstall:
     def __call__(self) -> None:
         if isinstance(self.layer.__dict__.get("forward"), ResidualNormForward):
             del self.layer.__dict__["forward"]
+        fallbacks.clear(self.layer)
         unfollow_replicas(self.layer)

@@ -22,7 +22,7 @@ import math
 from torch import nn
 
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
     check, forward_params, row_runs, rows_read, takes_rope, value_rows,
 )
@@ -166,6 +166,37 @@ def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None):
                 yield prob, out
 
 
+def _no_layout(module: nn.Module, projs) -> str:
+    """Why no spec could even be written down for these projections, in words."""
+    ins = {a for a, _ in projs.values()}
+    if len(projs) == 3 and len(ins) == 1 and len({b for _, b in projs.values()}) == 1:
+        return (f"q, k and v projections ({', '.join(projs)}) and no output projection: that sits in another module "
+                "(BERT's SelfOutput), and only attention modules holding all four are fused")
+    heads, kv, d = _heads(module, max(b for _, b in projs.values()))
+    counts = f"{heads} heads, {kv} k/v heads of {d}" if heads else "no head count found"
+    why = ("q, k and v read from the hidden states (three projections or one fused) and an output projection "
+           "back")
+    if len(projs) > 4:
+        why += "; more projections than those mean an output gate, or a low-rank / latent attention (DeepSeek's MLA)"
+    return f"its projections ({_reasons.projections(projs)}; {counts}) fit no layout the fused attention has: {why}"
+
+
+def _probe_failed(module: nn.Module, first: str, tried: int, cut: bool) -> str:
+    """Why no spec reproduced the module's forward, from the likeliest spec's failure."""
+    cls = type(module).__name__
+    missing = _reasons.missing_arguments(first) if first.startswith("TypeError") else []
+    if missing:
+        return (f"{cls}'s forward requires {_reasons.quoted(missing)}, which the fused attention is not given "
+                "(it takes the hidden states, the mask, rotary tables and a cache)")
+    if first.startswith("forward does not return"):
+        return f"{cls}'s forward does not return (output, attention weights) as transformers' attention modules do"
+    tries = f"any of the {tried} layouts tried" + (" (the search stopped there)" if cut else "")
+    if first.startswith("output differs"):
+        return (f"its output is not softmax(q·kᵀ·scale + mask)·v from its projections for {tries}: it scales, "
+                "rotates, normalises or masks in a way the fused attention does not")
+    return f"its forward could not run as the fused attention would, for {tries} (likeliest: {first})"
+
+
 class AttentionPattern(Pattern):
     name = "attention"
     description = "projections → q/k norm → rope (functional.rope) → SDPA → output projection"
@@ -188,8 +219,8 @@ class AttentionPattern(Pattern):
         if isinstance(result, Skip) and "position_ids" in names and "position_embeddings" not in names:
             # The likely cause (GPT-J and CodeGen before transformers took their tables out of the
             # attention): the fused attention is given its rotary tables, it does not build them.
-            return Skip(f"rotary computed inside the attention from position_ids (it takes no "
-                        f"position_embeddings): not fused; {result.reason}")
+            return Skip(f"it computes its rotary embedding itself from position_ids (it takes no "
+                        f"position_embeddings), and the fused attention applies tables it is given: {result.reason}")
         return result
 
     # -- what is never fused -------------------------------------------------------------
@@ -197,7 +228,7 @@ class AttentionPattern(Pattern):
     def _unsupported(module: nn.Module, arg_names: list[str]) -> str | None:
         cfg = getattr(module, "config", None)
         if getattr(module, "is_cross_attention", False):
-            return "cross-attention (keys/values from an encoder) is not fused"
+            return "cross-attention (keys and values from an encoder's states) is not fused"
         for attr in _SOFTCAP_ATTRS:
             cap = getattr(module, attr, None)
             if cap is not None:
@@ -208,14 +239,24 @@ class AttentionPattern(Pattern):
                     "beyond floor_scale tokens, which SDPA is not told")
         for arg in _UNSUPPORTED_ARGS:
             if arg in arg_names:
-                return f"forward takes {arg!r} (ALiBi / position bias): not reproduced by SDPA"
-        if any(p is not None for p in module._parameters.values()):
-            return f"attention with parameters of its own {list(module._parameters)} (e.g. sinks, learned biases)"
+                return (f"its forward takes {arg!r}, a position bias added to the attention scores (ALiBi, "
+                        "T5-style buckets), which the fused attention does not add")
+        own = [n for n, p in module._parameters.items() if p is not None]
+        if own:
+            what = ("attention sinks (a learned logit per head in the softmax's denominator)" if "sinks" in own
+                    else "parameters of its own")
+            return (f"{what}: {_reasons.quoted(own)}, besides its projections; the fused attention (SDPA) computes "
+                    "softmax(q·kᵀ·scale + mask)·v and nothing they add")
         impl = getattr(cfg, "_attn_implementation", None)
+        if impl is None:
+            return ("its model chooses no attention implementation (config._attn_implementation is None): it "
+                    "computes attention its own way (linear or recurrent attention, or an older model's own code), "
+                    "which the fused attention does not assume")
         if impl not in _IMPLEMENTATIONS:
-            return f"attention implementation {impl!r}: only eager and sdpa are reproduced (their masks are what SDPA takes)"
+            return (f"attention implementation {impl!r}: only 'eager' and 'sdpa' are reproduced (load the model with "
+                    "attn_implementation='sdpa' to fuse it)")
         if getattr(cfg, "output_attentions", False):
-            return "config.output_attentions=True: SDPA does not form attention weights"
+            return "config.output_attentions=True asks for attention weights, which SDPA does not form"
         return None
 
     @staticmethod
@@ -232,9 +273,11 @@ class AttentionPattern(Pattern):
             else:
                 unknown.append(n)
         if unknown:
-            return Skip(f"unrecognised submodules {unknown}")
+            return Skip(f"unrecognised submodules {unknown} ({_reasons.children(module, unknown)}) besides its "
+                        "projections: the fused attention reproduces projections, a q and a k norm and dropouts only")
         if len(norms) not in (0, 2):
-            return Skip(f"{len(norms)} norm submodule(s) {norms}; q/k norms come in pairs")
+            return Skip(f"{'a single norm' if len(norms) == 1 else f'{len(norms)} norms'} ({_reasons.quoted(norms)}), "
+                        "not a pair of q and k norms")
         return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
 
     # -- guesses and probes ----------------------------------------------------------------
@@ -287,14 +330,12 @@ class AttentionPattern(Pattern):
                     return self._pick_dropouts(module, spec, parts[1])
                 first_reason = first_reason or reason
         if first_reason is None:
-            return Skip("projection shapes fit no q/k/v/output layout with the head counts found")
+            return Skip(_no_layout(module, projs))
         mine = next(((key[0][0], rows) for key, rows in v_rows.items() if rows is not None), None)
         if mine is not None and not v_fits:
             return Skip(f"fused projection {mine[0]!r} holds v in its output rows {row_runs(mine[1])}; no layout "
                         "reads v from there (q, k and v in any order, in as many blocks as divide the heads)")
-        if cut:
-            return Skip(f"no layout matched within {len(tried)} probes (likeliest: {first_reason})")
-        return Skip(f"forward does not compute softmax(q·kᵀ·scale + mask)·v as fused (likeliest layout: {first_reason})")
+        return Skip(_probe_failed(module, first_reason, len(tried), cut))
 
     @staticmethod
     def _pick_dropouts(module, spec: AttentionSpec, drops):
@@ -302,5 +343,6 @@ class AttentionPattern(Pattern):
             candidate = dataclasses.replace(spec, dropout=prob, out_dropout=out)
             if check(module, candidate, training=True) is None:
                 return candidate
-        return Skip("in training its output differs from SDPA with the dropouts found: a dropout it does not reproduce")
+        return Skip("in training its output differs from SDPA with every placement of the dropouts found: it drops "
+                    "out something the fused attention does not")
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP, GatedMLPSpec, MLPSpec
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns.base import Pattern, Skip
 
 _H, _I = 8, 12  # probe widths: small, and I ≠ H so that shapes cannot line up by accident
@@ -24,6 +24,14 @@ _ACT_FNS = {
     "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
     "gelu": torch.nn.functional.gelu,
 }
+
+
+_ACT_WORDS = {"silu": "SiLU", "gelu_tanh": "tanh-GELU", "gelu": "exact (erf) GELU"}
+
+
+def _unknown(module: nn.Module, names: list[str]) -> str:
+    return (f"unrecognised submodules {names} ({_reasons.children(module, names)}) besides its projections and "
+            "activation: the fused MLP would not compute them")
 
 
 @dataclass
@@ -57,7 +65,7 @@ def _parts(module: nn.Module) -> _Parts | None:
     return _Parts(proj, acts[0][0], acts[0][1], drops[0] if drops else None, others)
 
 
-def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int, int]]):
+def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int, int]], what: str):
     gen = _probe.generator(4)
     probe = _probe.shallow_copy(module)
     small = {n: _probe.small_projection(module._modules[n], *widths[n], gen) for n in widths}
@@ -68,7 +76,7 @@ def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int,
     try:
         return small, x, _probe.run(probe, x)
     except Exception as err:
-        return small, x, Skip(f"probe forward failed: {type(err).__name__}: {err}")
+        return small, x, Skip(_reasons.failed_probe(module, err, what))
 
 
 def _in_training(module: nn.Module, spec, small: dict, fused_cls):
@@ -132,10 +140,11 @@ class GatedMLPPattern(Pattern):
             layouts = [dict(gate_up=gate_up, gate_first=True), dict(gate_up=gate_up, gate_first=False)]
             widths = {gate_up: (_H, 2 * _I), down: (_I, _H)}
         if parts.others:
-            return Skip(f"unrecognised submodules {parts.others}")
+            return Skip(_unknown(module, parts.others))
         if parts.act_kind not in ("silu", "gelu_tanh"):
-            return Skip(f"activation {parts.act_kind} has no fused gated kernel (silu and tanh-GELU do)")
-        small, x, y = _probe_module(module, parts, widths)
+            return Skip(f"a gated MLP with {_ACT_WORDS[parts.act_kind]}: that activation has no fused gated kernel "
+                        "(SiLU, as in SwiGLU, and tanh-GELU, as in GeGLU, do)")
+        small, x, y = _probe_module(module, parts, widths, "MLPs computing down(act(gate(x))·up(x)) from x alone")
         if isinstance(y, Skip):
             return y
         act = _ACT_FNS[parts.act_kind]
@@ -167,10 +176,12 @@ class MLPPattern(Pattern):
         if inner != inner2 or h_in != h_out:
             return None
         if parts.others:
-            return Skip(f"unrecognised submodules {parts.others}")
+            return Skip(_unknown(module, parts.others))
         if parts.act_kind not in ("gelu", "gelu_tanh"):
-            return Skip(f"activation {parts.act_kind} in a plain MLP is not fused (GELU variants are)")
-        small, x, y = _probe_module(module, parts, {fc_in: (_H, _I), fc_out: (_I, _H)})
+            return Skip(f"an ungated MLP with {_ACT_WORDS[parts.act_kind]}, fc_out(act(fc_in(x))): only ungated MLPs "
+                        "with GELU (erf or tanh) are fused")
+        small, x, y = _probe_module(module, parts, {fc_in: (_H, _I), fc_out: (_I, _H)},
+                                    "MLPs computing fc_out(gelu(fc_in(x))) from x alone")
         if isinstance(y, Skip):
             return y
         expected = small[fc_out](_ACT_FNS[parts.act_kind](small[fc_in](x)))

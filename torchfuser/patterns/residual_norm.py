@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from torchfuser.modules import residual_norm
+from torchfuser.modules.norms import FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
 from torchfuser.patterns import _probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
@@ -68,7 +69,8 @@ def _signature(module: nn.Module):
         if p.kind is p.VAR_KEYWORD:
             extra = True
         elif p.kind is p.VAR_POSITIONAL or p.default is p.empty:
-            return Skip(f"its forward's parameter {p.name!r} has no default")
+            return Skip(f"its forward requires {p.name!r} (it has no default); only layers whose arguments after the "
+                        "hidden states all have defaults are fused")
         else:
             rest.append((p.name, p.default))
     return params[0].name, rest, extra
@@ -136,10 +138,12 @@ def _study(module: nn.Module, first: str, params, extra: bool):
             children, floats = probe.dropouts()
             dropouts = (tuple(children), tuple(floats))
     except Exception as err:
-        return Skip(f"its forward could not be probed with stand-in children ({type(err).__name__}: {err})")
+        first = str(err).splitlines()[0] if str(err) else ""
+        return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
+                    f"stand-ins for them it raised {type(err).__name__}: {first})")
     if not isinstance(out, torch.Tensor) or not _probe.close(out, probe.expected()):
-        return Skip("its forward is not x + attention(norm(x)), then + mlp(norm(·)) (a scale or a post-norm "
-                    "between the blocks?)")
+        return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)): something sits "
+                    "between the blocks (a residual scale, a post-norm, a parallel branch)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
     if any(len(calls[n][0][0]) != 1 or calls[n][0][1] for n in _CHILDREN if n != "self_attn"):
@@ -167,9 +171,17 @@ def _study(module: nn.Module, first: str, params, extra: bool):
     return ResidualNormSpec(first, inputs[0], arguments, tuple(renames), extra, *dropouts)
 
 
+def _p(module: nn.Module, name: str) -> float:
+    value = getattr(module, name)
+    return float(value.p if isinstance(value, nn.Module) else value)
+
+
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
     description = "pre-norm decoder layer: residual adds inside its RMSNorms (forward and backward)"
+
+    def __init__(self, norms_fused: bool = True):
+        self.norms_fused = norms_fused  # whether the rms_norm pattern runs in the same optimize call
 
     def match(self, module: nn.Module):
         if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
@@ -179,13 +191,26 @@ class ResidualNormPattern(Pattern):
             return None
         if any(n not in _CHILDREN and m is not None and any(True for _ in m.parameters()) for n, m in kids.items()):
             return None  # more blocks than one attention, one MLP and two norms (Gemma-2's four norms)
-        norms = [RMSNormPattern().match(kids[n]) for n in _CHILDREN[2:]]
+        norms = [kids[n] if isinstance(kids[n], FusedRMSNorm) else RMSNormPattern().match(kids[n]) for n in _CHILDREN[2:]]
         if any(n is None or isinstance(n, Skip) for n in norms):
             return None  # LayerNorms: only residual adds next to RMSNorms are fused
+        if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
+            return None if all(isinstance(n, FusedRMSNorm) for n in norms) else Skip(
+                "its forward is already replaced on the instance (by accelerate's hooks?), which a fused forward "
+                "would bypass")
+        if not self.norms_fused and not all(isinstance(n, FusedRMSNorm) for n in norms):
+            # Its fused forward calls the norms' kernels: with plain norms every call would run the original.
+            return Skip("its RMSNorms are left unfused (the rms_norm pattern is not selected), and the residual "
+                        "adds are fused into the norms' kernels: select rms_norm to fuse this layer")
         sig = _signature(module)
         if isinstance(sig, Skip):
             return sig
-        return _study(module, *sig)
+        spec = _study(module, *sig)
+        on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
+        if on:  # it would fuse only calls with them off: in training, none
+            return Skip(f"dropout between its blocks ({', '.join(on)}) is on, and the fused forward has none "
+                        "(it would run only with the dropout at 0)")
+        return spec
 
     def apply(self, root, qualname, module, spec, backend) -> Applied:
         if "forward" in module.__dict__:

@@ -1,0 +1,52 @@
+"""Call-time fallbacks: a fused block that hands a call to the original forward says so here.
+
+A block reported fused must run fused, or the report must say how often it did not. Each
+fallback adds one to a Counter in the module's ``__dict__``, keyed by the reason; the fused
+path pays nothing. ``torchfuser.report(model)`` turns the counters into notes (``notes``).
+
+Not counted while torch.compile traces: a trace runs once for many calls, so a count there
+would say nothing about how often the code ran. nn.DataParallel replicas copy ``__dict__``
+shallowly and so count into the original's Counter.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import torch
+from torch import nn
+
+_ATTR = "_torchfuser_fallbacks"
+HEAD = "fallback: "  # every note made here starts so, to be replaced when the report is refreshed
+
+
+def count(module: nn.Module, why: str) -> None:
+    if torch.compiler.is_compiling():
+        return
+    counter = module.__dict__.get(_ATTR)
+    if counter is None:
+        counter = module.__dict__[_ATTR] = Counter()
+    counter[why] += 1
+
+
+def counts(model: nn.Module) -> dict[str, dict[str, int]]:
+    """{qualified module name: {reason: calls}} for every module of ``model`` that fell back."""
+    return {name: dict(c) for name, m in model.named_modules() if (c := m.__dict__.get(_ATTR))}
+
+
+def clear(module: nn.Module) -> None:
+    module.__dict__.pop(_ATTR, None)
+
+
+def notes(model: nn.Module) -> list[str]:
+    """One line per (module name with layer indices as *, reason), summed over the layers."""
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for name, reasons in counts(model).items():
+        for why, n in reasons.items():
+            grouped.setdefault((re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name) or "(model)", why), []).append(n)
+    lines = []
+    for (name, why), ns in grouped.items():
+        where = f"{name} ({len(ns)} modules)" if len(ns) > 1 else name
+        calls = "call" if sum(ns) == 1 else "calls"
+        lines.append(f"{HEAD}{where}: {sum(ns)} {calls} ran the original forward, not the fused one: {why}")
+    return lines
