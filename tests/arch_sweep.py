@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-import torchfuser
+if __name__ == "__main__":  # run as a script: the torchfuser of this checkout, not an installed one
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torchfuser  # noqa: E402
 
 VOCAB = 128
 # Generic size fields of transformers' configs, by name: (names, tiny value).
