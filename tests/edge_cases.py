@@ -8,7 +8,6 @@ import torch.nn.functional as TF
 
 import torchfuser.functional as F
 from torchfuser import ops
-from torchfuser.backends import resolve
 
 EPS = 1e-6
 
@@ -41,7 +40,7 @@ def _rope_inputs(shape):
 CASES = {
     "rms_norm": (_norm_inputs, lambda x, w, be: F.rms_norm(x, w, EPS, backend=be), _rms, 2),
     "rms_norm_opening_residual": (
-        _norm_inputs, lambda x, w, be: ops.rms_norm_opening_residual(x, w, EPS, 0.0, resolve(be, x.device)),
+        _norm_inputs, lambda x, w, be: ops.rms_norm_opening_residual(x, w, EPS, 0.0, F.backend_for(be, x.device)),
         lambda x, w: (_rms(x, w), x), 2),
     "add_rms_norm": (
         lambda shape: (torch.randn(shape), *_norm_inputs(shape)),

@@ -51,12 +51,13 @@ def test_empty_input_gives_what_pytorch_gives(name, shape, backend):
 
 
 @pytest.mark.parametrize("name,shape", _cases(empty=False))
-def test_op_runs_on_meta(name, shape):
+@pytest.mark.parametrize("backend", [None, "mlir", "triton"])
+def test_op_runs_on_meta(name, shape, backend):
     """Shape propagation: outputs and gradients on the meta device with the shapes and dtypes of the
-    unfused computation's."""
+    unfused computation's, whichever backend was asked for (none has values to compute on)."""
     make, fused, plain, n_grad = CASES[name]
     inputs = make(shape)
-    got = outputs_and_grads(lambda *a: fused(*a, None), inputs, n_grad, device="meta")
+    got = outputs_and_grads(lambda *a: fused(*a, backend), inputs, n_grad, device="meta")
     want = outputs_and_grads(plain, inputs, n_grad, device="meta")
     for g, w in zip(got[0] + got[1], want[0] + want[1], strict=True):
         assert (g.device.type, g.shape, g.dtype) == ("meta", w.shape, w.dtype)
