@@ -61,9 +61,12 @@ def further_inputs(module: nn.Module) -> list[str]:
     except (TypeError, ValueError):
         return []
     code = getattr(inspect.unwrap(getattr(forward, "__func__", forward)), "__code__", None)
-    return [p.name for p in params
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
-            or code is None or _reads(code, p.name)]
+
+    def needed(p: inspect.Parameter) -> bool:
+        required = p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        return required or code is None or _reads(code, p.name)
+
+    return [p.name for p in params if needed(p)]
 
 
 class Pattern:
