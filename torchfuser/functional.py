@@ -29,6 +29,13 @@ def _check_same_device(op: str, **tensors: Tensor | None) -> torch.device:
     return first
 
 
+def backend_for(backend: str | None, device: torch.device) -> str:
+    """The backend for tensors on ``device``. Meta tensors hold no values, only shapes: the reference
+    backend's PyTorch propagates them (forward and backward) whichever backend was asked for, as the
+    unfused model's PyTorch does."""
+    return resolve(backend, device) if device.type != "meta" else "reference"
+
+
 def _check_vector(op: str, name: str, t: Tensor | None, size: int) -> None:
     if t is not None and (t.dim() != 1 or t.shape[0] != size):
         raise ValueError(f"{op}: {name} must have shape ({size},) to match the last dim of x, got {tuple(t.shape)}")
@@ -36,7 +43,7 @@ def _check_vector(op: str, name: str, t: Tensor | None, size: int) -> None:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, offset: float = 0.0, backend: str | None = None) -> Tensor:
     """x · rsqrt(mean(x², -1) + eps) · (offset + weight); offset=1 gives Gemma's norm. Output dtype: x's."""
-    return ops.rms_norm(x, weight, float(eps), float(offset), resolve(backend, check_rms_norm(x, weight)))
+    return ops.rms_norm(x, weight, float(eps), float(offset), backend_for(backend, check_rms_norm(x, weight)))
 
 
 def check_rms_norm(x: Tensor, weight: Tensor) -> torch.device:
@@ -64,7 +71,7 @@ def add_rms_norm(
     device = _check_same_device(op, x=x, residual=residual, weight=weight)
     if out_dtype is not None and out_dtype not in _FLOATS:
         raise TypeError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype}")
-    return ops.add_rms_norm(x, residual, weight, float(eps), float(offset), resolve(backend, device), out_dtype)
+    return ops.add_rms_norm(x, residual, weight, float(eps), float(offset), backend_for(backend, device), out_dtype)
 
 
 def layer_norm(
@@ -78,7 +85,7 @@ def layer_norm(
         _check_float("bias", bias, "layer_norm")
         _check_vector("layer_norm", "bias", bias, x.shape[-1])
     device = _check_same_device("layer_norm", x=x, weight=weight, bias=bias)
-    return ops.layer_norm(x, weight, bias, float(eps), resolve(backend, device))
+    return ops.layer_norm(x, weight, bias, float(eps), backend_for(backend, device))
 
 
 def _check_pair(op: str, gate: Tensor, up: Tensor) -> torch.device:
@@ -93,12 +100,12 @@ def _check_pair(op: str, gate: Tensor, up: Tensor) -> torch.device:
 
 def _gated(op: str, gate: Tensor, up: Tensor | None, backend: str | None) -> Tensor:
     if up is not None:
-        return getattr(ops, op)(gate, up, resolve(backend, _check_pair(op, gate, up)))
+        return getattr(ops, op)(gate, up, backend_for(backend, _check_pair(op, gate, up)))
     _check_float("gate", gate, op)
     if gate.dim() == 0 or gate.shape[-1] % 2:
         raise ValueError(f"{op}: with up=None, gate holds [gate | up] along its last dim, which must be even; "
                          f"got shape {tuple(gate.shape)}")
-    return getattr(ops, f"{op}_packed")(gate, resolve(backend, gate.device))
+    return getattr(ops, f"{op}_packed")(gate, backend_for(backend, gate.device))
 
 
 def swiglu(gate: Tensor, up: Tensor | None = None, *, backend: str | None = None) -> Tensor:
@@ -117,7 +124,7 @@ def gelu(x: Tensor, approximate: str = "none", *, backend: str | None = None) ->
     _check_float("x", x, "gelu")
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return ops.gelu(x, approximate, resolve(backend, x.device))
+    return ops.gelu(x, approximate, backend_for(backend, x.device))
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None = None) -> tuple[Tensor, Tensor]:
@@ -143,7 +150,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None 
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("rope: cos and sin require grad, but rope treats them as constants; pass cos.detach(), sin.detach()")
     device = _check_same_device("rope", q=q, k=k, cos=cos, sin=sin)
-    return ops.rope(q, k, cos, sin, resolve(backend, device))
+    return ops.rope(q, k, cos, sin, backend_for(backend, device))
 
 
 def linear_cross_entropy(

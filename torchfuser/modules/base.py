@@ -38,6 +38,23 @@ class FusedModule(nn.Module):
     def extra_repr(self) -> str:
         return f"spec={self.spec}, backend={self.backend or 'auto'}"
 
+    def __getattr__(self, name: str):
+        """What this module does not hold or define itself, read from the module it replaced
+        (``Pattern.build`` keeps it as ``_original``, outside ``_modules``: no state_dict key, no
+        second visit by ``.to()``): model code reads its children's config, eps, sizes and flags
+        (Mamba2 passes ``self.norm.variance_epsilon`` to its kernel), and must get what it got."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            original = self.__dict__.get("_original")
+            if original is None or name.startswith("__"):  # copy/pickle protocol probes stay misses
+                raise
+        try:
+            return getattr(original, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', "
+                                 f"nor has the {type(original).__name__} it replaced") from None
+
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")

@@ -7,7 +7,6 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
-from torchfuser.backends import resolve
 from torchfuser.modules.base import FusedModule, adopt
 
 
@@ -49,7 +48,7 @@ class FusedRMSNorm(FusedModule):
         in the norm's backward kernel (``ops.rms_norm_opening_residual``)."""
         s, weight = self.spec, getattr(self, self.spec.weight)
         device = F.check_rms_norm(x, weight)
-        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), resolve(self.backend, device),
+        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), F.backend_for(self.backend, device),
                                              out_dtype)
 
 

@@ -43,8 +43,24 @@ def _without_autocast(fn, *args):
         return fn(*args)
 
 
+def _own_storage(out):
+    """Forward outputs as tensors of their own, not views: backends hand out views of the buffers
+    they wrote (MLIR's row-flattened results, rope's B×S×H×D memory seen as B×H×S×D), and autograd
+    forbids in-place updates of a custom Function's view outputs (XLM does ``tensor *= mask`` on a
+    norm's output). ``detach`` drops the view relation at no cost; the storage and strides stay."""
+    if isinstance(out, tuple):
+        return tuple(o.detach() if o._is_view() else o for o in out)
+    return out.detach() if out._is_view() else out
+
+
+def _forward_kernel(fn, *args):
+    return _own_storage(fn(*args))
+
+
 def kernel(backend: str, name: str):
     fn = _backend_kernel(backend, name)
+    if name.endswith("_fwd"):
+        fn = functools.partial(_forward_kernel, fn)
     if _C._is_any_autocast_enabled():
         # An implementation sees its inputs' dtypes, never autocast's: compiled graphs run it that
         # way (autocast is applied when tracing, around the op), and the reference backend's fp32
@@ -97,6 +113,17 @@ def inductor_fuses(backend: str, op: str) -> bool:
     return kind == "inductor" and (not names or op in names.split(","))
 
 
+def empty(*tensors) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors)
+
+
+def for_empty(args: tuple) -> tuple:
+    """``args`` (backend last) with the reference backend for an empty tensor (no rows, or rows of
+    width 0): plain PyTorch gives what PyTorch gives on those, while a compiled kernel has nothing to
+    compile for (MLIR rejects zero-size memrefs; Triton cannot view no elements as rows)."""
+    return (*args[:-1], "reference") if args[-1] != "reference" and empty(*args) else args
+
+
 def autograd(fwd_op, setup, backward, elementwise: bool = True):
     """Register ``backward`` as ``fwd_op``'s autograd and return the op's entry point.
 
@@ -127,6 +154,7 @@ def autograd(fwd_op, setup, backward, elementwise: bool = True):
     op = fwd_name.removesuffix("_fwd")
 
     def call(*args):
+        args = for_empty(args)
         if impl is not None and plain_eager(args):
             return Eager.apply(*args)
         if definition is not None and inductor_fuses(args[-1], op):

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import autograd, kernel, plain_eager, run
+from ._call import autograd, empty, kernel, plain_eager, run
 
 
 @torch.library.custom_op("torchfuser::rms_norm_fwd", mutates_args=())
@@ -137,6 +137,7 @@ def rms_norm_opening_residual(
     """(rms_norm(x), x), for a block that adds x back to its output; see ``_NormOpeningResidual``.
     The norm's output in ``out_dtype`` (default x's). Only plain eager calls take the joint backward:
     traced and compiled code sees two uses of x."""
+    backend = "reference" if empty(x, weight) else backend
     if plain_eager((x, weight)):
         return _NormOpeningResidual.apply(x, weight, eps, offset, backend, out_dtype)
     return rms_norm(x, weight, eps, offset, backend).to(out_dtype or x.dtype), x

@@ -1,6 +1,8 @@
 """The pattern interface: recognise a block, say why not, build its fused replacement."""
 from __future__ import annotations
 
+import dis
+import inspect
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -39,6 +41,34 @@ class _PutBack:
         self.parent._modules[self.attr] = self.original
 
 
+def _reads(code, name: str) -> bool:
+    """Whether ``code`` reads its local ``name`` (or a nested function captures it)."""
+    if name in code.co_cellvars:
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith("LOAD_FAST") and name in (ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)):
+            return True
+    return False
+
+
+def further_inputs(module: nn.Module) -> list[str]:
+    """The arguments of ``module``'s forward after its first that the forward requires or reads
+    (a gated norm's ``gate``): a block called with more than x computes more than a function of x,
+    so a fused module of x alone would fail or be wrong. Unreadable code counts every argument."""
+    forward = module.forward
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    code = getattr(inspect.unwrap(getattr(forward, "__func__", forward)), "__code__", None)
+
+    def needed(p: inspect.Parameter) -> bool:
+        required = p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        return required or code is None or _reads(code, p.name)
+
+    return [p.name for p in params if needed(p)]
+
+
 class Pattern:
     """Recognises one kind of block by structure and math.
 
@@ -58,7 +88,10 @@ class Pattern:
         return module.named_parameters()
 
     def build(self, module: nn.Module, spec, backend: str) -> FusedModule:
-        return self.fused(module, spec, backend)
+        fused = self.fused(module, spec, backend)
+        if isinstance(fused, FusedModule):  # answers the attribute reads the original answered
+            fused.__dict__.setdefault("_original", module)
+        return fused
 
     def apply(self, root: nn.Module, qualname: str, module: nn.Module, spec, backend: str) -> Applied:
         """Swap ``module`` (at ``qualname`` under ``root``) for its fused module, in place."""

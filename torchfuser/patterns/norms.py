@@ -12,7 +12,7 @@ from torch import nn
 
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.patterns import _probe
-from torchfuser.patterns.base import Pattern, Skip
+from torchfuser.patterns.base import Pattern, Skip, further_inputs
 
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
 
@@ -57,6 +57,8 @@ def _candidate(module: nn.Module):
     if eps is None:
         hinted = "norm" in type(module).__name__.lower()
         return Skip("norm-like module without an epsilon attribute") if hinted else None
+    if more := further_inputs(module):
+        return Skip(f"its forward takes more than x ({', '.join(more)}): a gated or conditioned norm, not a plain one")
     return names, eps
 
 

@@ -93,6 +93,10 @@ _keys: dict[tuple, str] = {}
 def kernel_for(op: str, spec: dict, fn: Callable, args: Sequence[ArgSpec], rows: int | None = None) -> Kernel:
     """The compiled kernel of ``fn`` (a function of the tensors described by ``args``)."""
     args = tuple(args)
+    empty = [a.shape for a in args if 0 in a.shape]
+    if empty:  # MLIR has no zero-size memref to compile for: say so before the parser does
+        raise ValueError(f"{op}: the mlir backend compiles no kernel for zero-size rows (shapes {empty}); "
+                         "torchfuser.functional runs empty tensors on the reference backend")
     rows = rows or default_rows(args)
     try:
         fast = (op, tuple(sorted(spec.items())), args, rows)
