@@ -7,6 +7,7 @@ from torch import Tensor
 
 from torchfuser import ops
 from torchfuser.backends import resolve
+from torchfuser.ops._call import autocast_enabled
 
 __all__ = ["rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy"]
 
@@ -185,7 +186,7 @@ def linear_cross_entropy(
     if softcap is not None and not softcap > 0:
         raise ValueError(f"{op}: softcap must be a positive number or None, got {softcap!r}")
     device = _check_same_device(op, hidden=hidden, weight=weight, bias=bias, labels=labels)
-    if torch.is_autocast_enabled(device.type):
+    if autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)

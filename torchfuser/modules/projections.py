@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from torchfuser.backends._gemm import fp32_out_ok as _out_dtype_ok
 from torchfuser.modules.base import hooked
-from torchfuser.ops._call import plain_eager
+from torchfuser.ops._call import autocast_enabled, plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 _SMALL_BYTES = 32 << 20
@@ -44,7 +44,7 @@ def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:
     """``torch.cat([m(x) for m in linears], -1)`` as one GEMM, under autocast; None where that
     would not give the same result (see the module docstring): then call each projection."""
     device = x.device.type
-    if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not torch.is_autocast_enabled(device)
+    if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not autocast_enabled(device)
             or not _plain(linears)):
         return None
     dtype = torch.get_autocast_dtype(device)
@@ -109,7 +109,7 @@ def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | 
     without autocast, a residual that is not fp32 or would broadcast, a bias, a hook, not a plain
     ``nn.Linear``, or outside plain eager mode."""
     device = x.device.type
-    if (not torch.is_autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
+    if (not autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
             or linear.bias is not None or residual.shape != (*x.shape[:-1], linear.out_features)
             or not plain_eager((residual, x, linear.weight))):
         return None

@@ -32,6 +32,7 @@ from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP
 from torchfuser.modules.norms import FusedRMSNorm
+from torchfuser.ops._call import autocast_enabled
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def _projection_dtype(x, attention: nn.Module, mlp: nn.Module) -> torch.dtype | 
     anyway (the same values; the norm writes half the bytes, the cast kernel goes, and the backward
     reads a bf16 dy, as autocast's own cast gives). Else None: the norms' own dtype."""
     device = x.device.type
-    if not torch.is_autocast_enabled(device) or x.dtype != torch.float32:
+    if not autocast_enabled(device) or x.dtype != torch.float32:
         return None
     if not (isinstance(attention, FusedAttention) and isinstance(mlp, FusedGatedMLP)):
         return None

@@ -71,6 +71,12 @@ def kernel(backend: str, name: str):
     return lambda *args: _with_keys(fn, *args)
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False on devices autocast does not know (meta:
+    shape propagation through a fused model must not fail where the plain model runs)."""
+    return device_type in ("cpu", "cuda", "xpu", "mps", "hpu") and torch.is_autocast_enabled(device_type)
+
+
 def plain_eager(args) -> bool:
     """Whether a call may skip the dispatcher: plain tensors, eager mode, no tracing, no dispatch
     or function mode, no functorch transform. Everywhere else the registered custom op (fake
