@@ -64,6 +64,24 @@ def test_trainer_callback_fuses_every_model_its_model_init_builds(tmp_path):
     assert callback.report is torchfuser.report(built[-1])
 
 
+def test_trainer_callback_leaves_a_wrapper_of_the_fused_model():
+    """With FSDP the Trainer's model at train begin is the wrapper around the model fused at init."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from torchfuser import walker
+
+    args = SimpleNamespace(n_gpu=1, local_rank=-1)
+    callback = torchfuser.TorchFuserCallback(backend="reference")
+    model = LlamaForCausalLM(_tiny_cfg())
+    callback.on_init_end(args, None, None, model=model)
+    first = callback.report
+    wrapper = nn.ModuleDict({"module": model})
+    callback.on_train_begin(args, None, None, model=wrapper)
+    assert callback.report is first and walker.state(wrapper) is None
+
+
 def test_inspect_model_type(capsys):
     assert cli.main(["inspect", "llama", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

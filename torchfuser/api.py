@@ -47,16 +47,14 @@ def optimize(
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
     Parameters and ``state_dict`` keys stay exactly as they were. Calling it again changes
-    nothing already fused. ``torchfuser.report(model)`` says what was fused and what was
-    skipped, and why; ``torchfuser.restore(model)`` undoes it.
+    nothing already fused but its backend, when another is given. ``torchfuser.report(model)``
+    says what was fused and what was skipped, and why; ``torchfuser.restore(model)`` undoes it.
+    Nothing outside ``model`` changes (every random generator comes out as it went in), and a
+    swap that fails leaves the model as it was.
 
     backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
         ``"reference"``, ``"triton"`` or ``"mlir"``.
     patterns / exclude: pattern names to use / to leave out (see ``torchfuser.PATTERNS``).
-    Changes nothing outside ``model``: every random generator comes out as it went in, and a swap
-    that fails leaves the model as it was. A later call with another backend moves every fused
-    block of the model to it.
-
     strict: raise, before changing anything, if any candidate block would be skipped.
     verbose: print the report.
     cuda_graphs: also capture each stack of fused layers (the decoder layers) into CUDA graphs at

@@ -6,7 +6,7 @@ import weakref
 
 from transformers import TrainerCallback
 
-from torchfuser.api import optimize, report
+from torchfuser.api import _check_not_flattened, optimize, report
 
 log = logging.getLogger("torchfuser")
 
@@ -28,7 +28,12 @@ class TorchFuserCallback(TrainerCallback):
         self._done = weakref.WeakSet()  # a Trainer with model_init builds a new model per run and trial
 
     def _fuse(self, model, state) -> None:
-        if model is None or model in self._done:
+        if model is None or any(m in self._done for m in model.modules()):
+            return  # fused already, perhaps inside a wrapper (with FSDP the Trainer's model is the wrapper)
+        try:
+            _check_not_flattened(model)
+        except ValueError as err:  # model_init's model, wrapped by the Trainer before training begins
+            log.warning("torchfuser: the model is left unfused (with model_init, call torchfuser.optimize in it): %s", err)
             return
         optimize(model, **self.optimize_kwargs)
         self._done.add(model)

@@ -33,7 +33,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     - The callable takes torch tensors in ``example_inputs`` order (any strides; inner stride
       1 avoids a copy) and returns a tuple of contiguous torch tensors, in ``gm``'s output
       order, dtypes as ``gm`` would give. Kernels are cached like the op kernels (key: the
-      graph's code, the argument specs).
+      graph's code and the values of the constants it reads, the argument specs).
     """
     if not example_inputs or example_inputs[0].dim() == 0:
         raise NotImplementedError("compile_graph: the first input must have a leading (row) dim")
