@@ -41,6 +41,47 @@ def test_trainer_callback_fuses_trains_and_checkpoint_loads_into_plain_transform
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_trainer_callback_fuses_every_model_its_model_init_builds(tmp_path):
+    """A Trainer with model_init builds a model in __init__ and a new one at each train() (and trial)."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    built = []
+
+    def model_init():
+        built.append(LlamaForCausalLM(_tiny_cfg()))
+        return built[-1]
+
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=True)
+    callback = torchfuser.TorchFuserCallback(backend="reference")
+    trainer = Trainer(model_init=model_init, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    trainer.train()
+    assert len(built) == 3 and trainer.model is built[-1]
+    assert all(isinstance(m.model.norm, FusedRMSNorm) for m in built)
+    assert callback.report is torchfuser.report(built[-1])
+
+
+def test_trainer_callback_leaves_a_wrapper_of_the_fused_model():
+    """With FSDP the Trainer's model at train begin is the wrapper around the model fused at init."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from torchfuser import walker
+
+    args = SimpleNamespace(n_gpu=1, local_rank=-1)
+    callback = torchfuser.TorchFuserCallback(backend="reference")
+    model = LlamaForCausalLM(_tiny_cfg())
+    callback.on_init_end(args, None, None, model=model)
+    first = callback.report
+    wrapper = nn.ModuleDict({"module": model})
+    callback.on_train_begin(args, None, None, model=wrapper)
+    assert callback.report is first and walker.state(wrapper) is None
+
+
 def test_inspect_model_type(capsys):
     assert cli.main(["inspect", "llama", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

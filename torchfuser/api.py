@@ -1,6 +1,8 @@
 """The public entry points: optimize, restore, report."""
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, unwrap, walker
@@ -13,8 +15,9 @@ __all__ = ["optimize", "restore", "report"]
 
 _COMPILE_NOTE = (
     "torch.compile with Inductor: fused attention whose mask is exactly causal and built from constants runs "
-    "SDPA's causal kernels, with grouped k/v heads unrepeated (a pre-grad pass; "
-    "torchfuser.compiler.inductor_pass.uninstall() takes it out)"
+    "SDPA's causal kernels, with grouped k/v heads unrepeated (a process-wide pre-grad pass in "
+    "torch._inductor.config.pre_grad_custom_pass, active while a fused model lives: restore() of the last one "
+    "takes it out, torchfuser.compiler.inductor_pass.uninstall() at once)"
 )
 
 
@@ -45,8 +48,10 @@ def optimize(
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
     Parameters and ``state_dict`` keys stay exactly as they were. Calling it again changes
-    nothing already fused. ``torchfuser.report(model)`` says what was fused and what was
-    skipped, and why; ``torchfuser.restore(model)`` undoes it.
+    nothing already fused but its backend, when another is given. ``torchfuser.report(model)``
+    says what was fused and what was skipped, and why; ``torchfuser.restore(model)`` undoes it.
+    Nothing outside ``model`` changes (every random generator comes out as it went in), and a
+    swap that fails leaves the model as it was.
 
     backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
         ``"reference"``, ``"triton"`` or ``"mlir"``.
@@ -62,15 +67,20 @@ def optimize(
     _check_not_flattened(model)
     backend = backends.check_name(backend)
     chosen = _patterns.select(patterns, exclude)
+    st = walker.state(model)
+    rebackend = st is not None and st.backend != backend
     result = walker.fuse(model, chosen, backend, strict)
     if not walker.state(model):
         model.__dict__["_torchfuser_last_report"] = result
     if any(e.pattern == "attention" for e in result.fused):
         from torchfuser.compiler import inductor_pass  # imports Inductor's config: only when needed
 
-        inductor_pass.install()
+        inductor_pass.hold(model)
         if _COMPILE_NOTE not in result.notes:
             result.notes.append(_COMPILE_NOTE)
+    if rebackend and _cuda_graphs.describe(model) is not None:
+        _cuda_graphs.remove(model)  # the captured graphs replay the old backend's kernels: capture anew
+        cuda_graphs = True
     if cuda_graphs:
         result.notes += [n for n in _cuda_graphs.install(model) if n not in result.notes]
     if verbose:
@@ -85,7 +95,11 @@ def restore(model: nn.Module) -> nn.Module:
     _check_model(model)
     model.__dict__.pop("_torchfuser_last_report", None)
     _cuda_graphs.remove(model)
-    return walker.restore(model)
+    walker.restore(model)
+    inductor_pass = sys.modules.get("torchfuser.compiler.inductor_pass")  # not imported: nothing held
+    if inductor_pass is not None:
+        inductor_pass.release(model)
+    return model
 
 
 def report(model: nn.Module) -> FusionReport:

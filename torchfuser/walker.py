@@ -2,6 +2,7 @@
 to undo it, and record every candidate in the model's FusionReport."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ _STATE = "_torchfuser_state"
 class _State:
     report: FusionReport
     undo: list[Applied] = field(default_factory=list)
+    backend: str = "auto"  # what every fused module of the model asks for (a class default: older pickles)
 
 
 def state(model: nn.Module) -> _State | None:
@@ -78,9 +80,15 @@ def find(model: nn.Module, patterns: list[Pattern]):
 
 
 def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool) -> FusionReport:
+    # Probes seed, draw and run dropouts: whatever a pattern does, the user's generators come out as they went in.
+    with _probe.saved_rng():
+        return _fuse(model, patterns, backend, strict)
+
+
+def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool) -> FusionReport:
     st = state(model)
     if st is None:
-        st = _State(FusionReport(type(model).__name__))
+        st = _State(FusionReport(type(model).__name__), backend=backend)
     found = find(model, patterns)
     skipped = [(n, r.reason) for n, _, _, r in found if isinstance(r, Skip)]
     if strict and skipped:
@@ -89,25 +97,52 @@ def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool) 
     if any("is a DTensor" in why for _, why in skipped):
         warnings.warn("torchfuser.optimize: blocks with sharded (DTensor) parameters are left as they are; "
                       "call optimize(model) before fully_shard / parallelize_module (see the report)", stacklevel=3)
-    if backend != "auto" and any(not isinstance(r, Skip) for *_, r in found):
+    if backend != "auto" and (st.undo or any(not isinstance(r, Skip) for *_, r in found)):
         backends.resolve(backend, _device(model))  # fail now, not at the first forward
-    entries = {}
-    # Deepest first: a block swapped later adopts its already-fused children.
-    for name, module, pattern, result in sorted(found, key=lambda f: -len(f[0].split("."))):
-        original = type(module).__name__
-        if isinstance(result, Skip):
-            entries[name] = Entry(name, pattern.name, original, reason=result.reason)
-            log.info("skipped %s (%s): %s", name or "(model)", original, result.reason)
-            continue
-        applied = pattern.apply(model, name, module, result, backend)
-        st.undo.append(applied)
-        label = _backend_label(backend, _device(module))
-        entries[name] = Entry(name, pattern.name, original, fused=applied.fused_type, backend=label)
+    entries = _swap(model, found, backend)
+    if st.undo and st.backend != backend:
+        _set_backend(model, st, backend)
     for name, *_ in found:  # report in module order
-        st.report.add(entries[name])
+        st.report.add(entries[name][0])
+    st.undo += [applied for _, applied in entries.values() if applied is not None]
     if st.undo:
         model.__dict__[_STATE] = st
     return st.report
+
+
+def _swap(model: nn.Module, found, backend: str) -> dict:
+    """{name: (Entry, Applied or None)}; all or nothing: a swap that raises undoes the ones before it."""
+    entries, done = {}, []
+    try:
+        # Deepest first: a block swapped later adopts its already-fused children.
+        for name, module, pattern, result in sorted(found, key=lambda f: -len(f[0].split("."))):
+            original = type(module).__name__
+            if isinstance(result, Skip):
+                entries[name] = Entry(name, pattern.name, original, reason=result.reason), None
+                log.info("skipped %s (%s): %s", name or "(model)", original, result.reason)
+                continue
+            applied = pattern.apply(model, name, module, result, backend)
+            done.append(applied)
+            label = _backend_label(backend, _device(module))
+            entries[name] = Entry(name, pattern.name, original, fused=applied.fused_type, backend=label), applied
+    except BaseException:
+        for applied in reversed(done):
+            applied.undo()
+        raise
+    return entries
+
+
+def _set_backend(model: nn.Module, st: _State, backend: str) -> None:
+    """Blocks fused by an earlier call ask for ``backend`` from now on, and the report says so."""
+    # The fused modules, and what the undos hold (the LM head's fused forward is no module).
+    fused = [m for m in model.modules() if isinstance(m, FusedModule)] + [getattr(a.undo, "fused", None) for a in st.undo]
+    for f in fused:
+        if hasattr(f, "backend") and hasattr(f, "spec"):
+            f.backend = None if backend == "auto" else backend
+    for e in st.report.fused:
+        if e.backend is not None:
+            st.report.add(dataclasses.replace(e, backend=_backend_label(backend, _device(model.get_submodule(e.name)))))
+    st.backend = backend
 
 
 def restore(model: nn.Module) -> nn.Module:

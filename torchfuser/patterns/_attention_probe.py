@@ -137,10 +137,10 @@ def run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
     probe.training = training
     fused = FusedAttention(probe, spec, "reference")
     fused.training = training
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with torch.no_grad(), _probe.saved_rng():
+        _probe.seed_cpu(0)
         want = type(probe).forward(probe, x, **kwargs)  # the class's forward: no hooks
-        torch.manual_seed(0)
+        _probe.seed_cpu(0)
         got = fused(x, **kwargs)
     return want, got
 

@@ -69,17 +69,16 @@ def projection_dims(module: nn.Module) -> tuple[int, int] | None:
 def small_projection(module: nn.Module, n_in: int, n_out: int, gen: torch.Generator) -> nn.Module:
     """A random float64 CPU projection of the same kind (and bias-ness) with smaller dims."""
     has_bias = getattr(module, "bias", None) is not None
-    if isinstance(module, nn.Linear):
-        small = nn.Linear(n_in, n_out, bias=has_bias, dtype=torch.float64)
-        small.weight.data = randn(n_out, n_in, gen=gen) / n_in**0.5
-    else:
-        small = Conv1D(n_out, n_in).double()
-        small.weight.data = randn(n_in, n_out, gen=gen) / n_in**0.5
-        if not has_bias:
-            raise ValueError("Conv1D without bias")
+    if not isinstance(module, nn.Linear) and not has_bias:
+        raise ValueError("Conv1D without bias")
+    # Built on the meta device: the default init would draw from the global generator.
+    with torch.device("meta"):
+        small = nn.Linear(n_in, n_out, bias=has_bias) if isinstance(module, nn.Linear) else Conv1D(n_out, n_in)
+    shape = (n_out, n_in) if isinstance(module, nn.Linear) else (n_in, n_out)
+    small.weight = nn.Parameter(randn(*shape, gen=gen) / n_in**0.5, requires_grad=False)
     if has_bias:
-        small.bias.data = randn(n_out, gen=gen)
-    return small.requires_grad_(False)
+        small.bias = nn.Parameter(randn(n_out, gen=gen), requires_grad=False)
+    return small
 
 
 def float_dropouts(module: nn.Module) -> list[str]:
@@ -97,11 +96,11 @@ def run(probe: nn.Module, *args):
 
 def activation_kind(act) -> str | None:
     """Which standard activation a callable computes: 'silu', 'gelu_tanh', 'gelu', or None."""
-    if isinstance(act, nn.Module) and any(True for _ in act.parameters()):
+    if isinstance(act, nn.Dropout) or isinstance(act, nn.Module) and any(True for _ in act.parameters()):
         return None
     x = randn(64, gen=generator(1)) * 3
     try:
-        with torch.no_grad():
+        with torch.no_grad(), saved_rng():  # any child is tried: one may draw (a dropout of its own kind)
             y = act(x)
     except Exception:
         return None
@@ -113,6 +112,40 @@ def activation_kind(act) -> str | None:
         "gelu": torch.nn.functional.gelu(x),
     }
     return next((k for k, ref in candidates.items() if close(y, ref)), None)
+
+
+def _device_rngs():
+    """(get_state, set_state) of every device generator that exists now: CUDA's only once CUDA is
+    initialized (reading them would initialize it; before that nothing can have drawn from them)."""
+    rngs = [(torch.get_rng_state, torch.set_rng_state)]
+    if torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            rngs.append((lambda i=i: torch.cuda.get_rng_state(i), lambda s, i=i: torch.cuda.set_rng_state(s, i)))
+    if torch.backends.mps.is_available():
+        rngs.append((torch.mps.get_rng_state, torch.mps.set_rng_state))
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available() and xpu.is_initialized():
+        for i in range(xpu.device_count()):
+            rngs.append((lambda i=i: xpu.get_rng_state(i), lambda s, i=i: xpu.set_rng_state(s, i)))
+    return rngs
+
+
+@contextlib.contextmanager
+def saved_rng():
+    """Every device's random generator exactly as before on exit: ``optimize`` must not move the
+    user's random streams (``fork_rng(devices=[])`` keeps the CPU one only)."""
+    saved = [(put, get()) for get, put in _device_rngs()]
+    try:
+        yield
+    finally:
+        for put, state in saved:
+            put(state)
+
+
+def seed_cpu(seed: int) -> None:
+    """Seed the CPU generator alone (probes run on CPU tensors); ``torch.manual_seed`` would also
+    seed every CUDA device, or queue that seed for when CUDA starts. Call inside ``saved_rng``."""
+    torch.default_generator.manual_seed(seed)
 
 
 @contextlib.contextmanager

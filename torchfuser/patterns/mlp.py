@@ -100,10 +100,10 @@ def _in_training(module: nn.Module, spec, small: dict, fused_cls):
         candidate = dataclasses.replace(spec, dropout=name)
         fused = fused_cls(probe, candidate, "reference")
         fused.training = True
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+        with torch.no_grad(), _probe.saved_rng():
+            _probe.seed_cpu(0)
             want = type(probe).forward(probe, x)  # the class's forward: no hooks
-            torch.manual_seed(0)
+            _probe.seed_cpu(0)
             got = fused(x)
         if _probe.close(got, want):
             return candidate

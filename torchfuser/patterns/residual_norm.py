@@ -112,7 +112,7 @@ class _Probe:
             setattr(probe, name, p)
         stand = {n: _StandIn(fn, tuple_out=n == "self_attn") for n, fn in self.fns.items()}
         probe._modules.update(stand)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), _probe.saved_rng():
             out = type(self.module).forward(probe, self.x, **kwargs)
         return out, {n: s.calls for n, s in stand.items()}
 

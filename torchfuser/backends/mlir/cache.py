@@ -1,7 +1,8 @@
 """Compile cache: in memory (per process) and on disk (shared by processes), bounded.
 
-Key: op name, spec (eps, offset, …), every argument's role/shape/dtype, chunk rows, the
-torch-mlir version and this backend's ``VERSION``. On disk, under
+Key: op name, spec (eps, offset, …; a graph's code and constants), every argument's
+role/shape/dtype, chunk rows, the torch and torch-mlir versions, this backend's ``VERSION`` and
+a hash of the sources that shape a kernel (``sources()``). On disk, under
 ``$TORCHFUSER_CACHE_DIR`` or ``$XDG_CACHE_HOME/torchfuser`` (``~/.cache/torchfuser``) in
 ``mlir/``: ``<key>.json`` (the kernel's signature, so a hit needs no tracing) next to
 ``<key>.so`` (the JIT's position-independent object linked by the system C compiler) or, where
@@ -24,15 +25,16 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 VERSION = "1"   # bump when the pipeline changes what a key compiles to
-# ... and, so that a forgotten bump cannot serve a stale kernel, the key also holds a hash of
-# the sources that decide what a kernel compiles to (a stale expf-calling SwiGLU kernel from
-# before mathlib.py was once served from disk this way: 3.8 ns/element instead of 0.5).
-_PIPELINE_SOURCES = ("capture.py", "importer.py", "passes.py", "wrapper.py", "mathlib.py", "fastmath.py", "pipeline.py", "jit.py")
+# ... and, so that a forgotten bump cannot serve a stale kernel (a silent wrong or slow result: an
+# expf-calling SwiGLU kernel from before mathlib.py was once served from disk this way), the key
+# also holds a hash of every source that shapes a kernel: this backend whole, the reference
+# definitions it captures, and the saved-tensor hooks it captures under.
 MAX_BYTES = int(os.environ.get("TORCHFUSER_MLIR_CACHE_MAX_MB", "256")) << 20
 MAX_MEMORY_ENTRIES = 512
 
@@ -63,17 +65,18 @@ def cache_dir() -> str | None:
     return os.path.join(root, "mlir")
 
 
+def sources() -> list[Path]:
+    backends = Path(__file__).resolve().parent.parent
+    return [*sorted((backends / "mlir").rglob("*.py")), *sorted((backends / "reference").rglob("*.py")),
+            backends / "_saved_hooks.py"]
+
+
 @functools.lru_cache(maxsize=None)
 def pipeline_hash() -> str:
     h = hashlib.sha256()
-    here = os.path.dirname(os.path.abspath(__file__))
-    # The kernels are derived from the reference definitions: a changed definition is a new kernel.
-    reference = os.path.join(os.path.dirname(here), "reference")
-    sources = [os.path.join(here, n) for n in _PIPELINE_SOURCES]
-    sources += sorted(os.path.join(reference, n) for n in os.listdir(reference) if n.endswith(".py"))
-    for path in sources:
-        with open(path, "rb") as f:
-            h.update(os.path.basename(path).encode() + b"\0" + f.read())
+    root = Path(__file__).resolve().parent.parent
+    for path in sources():
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 from typing import Sequence
 
 import torch
+from torch import nn
 
 from .capture import BCAST, ROW, ArgSpec
 from .compile import kernel_for, stage_ir
@@ -31,7 +33,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     - The callable takes torch tensors in ``example_inputs`` order (any strides; inner stride
       1 avoids a copy) and returns a tuple of contiguous torch tensors, in ``gm``'s output
       order, dtypes as ``gm`` would give. Kernels are cached like the op kernels (key: the
-      graph's code, the argument specs).
+      graph's code and the values of the constants it reads, the argument specs).
     """
     if not example_inputs or example_inputs[0].dim() == 0:
         raise NotImplementedError("compile_graph: the first input must have a leading (row) dim")
@@ -55,7 +57,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     guarded = any(n.op == "call_function" and n.target in _TRIG for n in gm.graph.nodes)
     kernel_fn = _with_trig_counts(gm) if guarded else fn
     _check_row_contract(fn, example_inputs, args, n)
-    spec = {"code": gm.code, "trig_bound": TRIG_BOUND if guarded else None}
+    spec = {"code": gm.code, "constants": constants_digest(gm), "trig_bound": TRIG_BOUND if guarded else None}
     kernel = kernel_for("graph", spec, kernel_fn, args)
     n_out = len(kernel.cap.out_roles)
 
@@ -74,6 +76,36 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[torch.Tenso
     run.kernel = kernel
     run.stage_ir = functools.cache(lambda: stage_ir("graph", kernel_fn, args))  # for explain, on demand
     return run
+
+
+def constants_digest(gm: torch.fx.GraphModule) -> str:
+    """A hash of what ``gm.code`` reads from ``gm`` (constants, parameters, buffers, submodules): the
+    capture bakes those values into the kernel, so two graphs of one code with other constants
+    must not share a cache entry."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    h = hashlib.sha256()
+    with unset_fake_temporarily():
+        for node in gm.graph.nodes:
+            if node.op not in ("get_attr", "call_module"):
+                continue
+            value = gm.get_submodule(node.target) if node.op == "call_module" else _attr(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                tensors, text = [value], ""
+            else:
+                tensors, text = list(value.state_dict().values()) if isinstance(value, nn.Module) else [], repr(value)
+            h.update(f"{node.op}:{node.target}:{text}".encode())
+            for t in tensors:
+                t = t.detach().cpu().contiguous().reshape(-1)
+                h.update(f"{t.dtype}{tuple(t.shape)}".encode() + t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+def _attr(gm: torch.fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _with_trig_counts(gm: torch.fx.GraphModule):
