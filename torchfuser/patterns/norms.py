@@ -69,7 +69,9 @@ def _run_probe(module: nn.Module, eps: float):
     try:
         return probe, x, _probe.run(probe, x)
     except Exception as err:  # the module's own forward failed on a plain 2-D input
-        return probe, x, Skip(f"probe forward failed: {type(err).__name__}: {err}")
+        first = str(err).splitlines()[0][:120] if str(err) else ""
+        return probe, x, Skip(f"{type(module).__name__}'s forward does not run on plain (rows, hidden) input "
+                              f"({type(err).__name__}: {first}), so it is not a plain norm of the last dimension")
 
 
 def _rms(x, w, eps, offset):
