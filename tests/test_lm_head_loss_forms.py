@@ -208,3 +208,29 @@ def test_labels_outside_the_vocabulary_raise_through_the_fused_head(backend, bad
         ref(input_ids=ids, labels=labels)
     with pytest.raises(IndexError, match=f"label {bad} is outside the vocabulary \\[0, {V}\\)"):
         fused(input_ids=ids, labels=labels)
+
+
+class DtypeLlamaForCausalLM(LlamaForCausalLM):
+    """Mamba's way: the head's input cast to ``self.lm_head.weight.dtype``, then HF's loss."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        h = self.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm_head(h.to(self.lm_head.weight.dtype))
+        loss = None if labels is None else self.loss_function(logits, labels, V, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_reading_the_heads_weight_compiles_in_one_graph():
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    ref = DtypeLlamaForCausalLM(_CFG)
+    fused, entry = _fuse(ref)
+    assert entry.is_fused
+    ids, _, labels = batch()
+    counters.clear()
+    b = torch.compile(fused, fullgraph=True, backend="eager")(input_ids=ids, labels=labels)
+    assert not counters["graph_break"] and b.logits is None
+    assert_same_loss_and_grads(ref(input_ids=ids, labels=labels), b, ref, fused)

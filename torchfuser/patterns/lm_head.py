@@ -71,7 +71,7 @@ def _not_plain_linear(head: nn.Linear) -> str:
     if extra:
         return f"has parameters besides weight and bias ({', '.join(extra)}), which the fused loss would leave out"
     if type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
-        return "has a forward of its own, which the fused loss would not run"
+        return "has a forward of its own (a subclass's, or one set on the instance as accelerate's hooks do), which the fused loss would not run"
     if hooked(head):
         return "has forward or backward hooks, which the fused loss would not run"
     return ""
@@ -162,8 +162,11 @@ class LMHeadLossPattern(Pattern):
         spec = _with_measured_scale(spec, logits)
         if isinstance(spec, Skip):
             return spec
-        changed = probe.probe_logits(module, name, perturb=True)
-        if changed is None or not torch.allclose(changed, logits, rtol=1e-6):
+        changed = probe.probe_logits(module, name, perturb=True)  # the model's other parameters changed
+        if changed is None:
+            return Skip("its forward did not run again with the model's other parameters changed, so whether its "
+                        "logit scaling is read from a parameter (which would need a gradient) could not be told")
+        if not torch.allclose(changed, logits, rtol=1e-6):
             return Skip("the forward changes the logits by a value read from a parameter or buffer of the model "
                         "(a learnable logit scale, say); the fused loss would hold that value fixed and give it no gradient")
         form = probe.probe_loss(module, name, spec)
