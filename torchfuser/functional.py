@@ -170,6 +170,12 @@ def linear_cross_entropy(
     hidden: (..., H); weight: V×H; labels: hidden's leading shape, int64. ``reduction`` is
     ``"mean"`` (over tokens whose label is not ``ignore_index``) or ``"sum"``. Under autocast the
     matrix product runs in the autocast dtype, as ``nn.Linear`` would. Returns an fp32 scalar.
+
+    A label outside ``[0, V)`` that is not ``ignore_index`` raises ``IndexError`` where checking
+    is free: labels on the CPU (every backend, eager or compiled). Elsewhere (CUDA/ROCm, the
+    reference backend on any other device) a host check would wait for the device, so such a
+    row's loss, hence the returned loss, is NaN instead, and so are the gradients, eager and
+    under torch.compile alike (no graph break).
     """
     op = "linear_cross_entropy"
     _check_float("hidden", hidden, op)

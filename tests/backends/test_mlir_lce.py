@@ -91,3 +91,40 @@ def test_lce_need_grad_false_returns_empties():
     loss, dh, dw, db = linear_cross_entropy_fwd(h.float(), w.float(), None, y, -100, None, "mean", False)
     assert loss.shape == () and dh.numel() == dw.numel() == db.numel() == 0
     assert len({dh.data_ptr(), dw.data_ptr(), db.data_ptr()}) >= 1 and dh is not dw and dw is not db
+
+
+@pytest.mark.parametrize("backend", ["mlir", "reference"])
+@pytest.mark.parametrize("bad", [40, 1000, -1, -7])
+def test_lce_label_outside_the_vocabulary_raises(backend, bad):
+    """PyTorch's cross_entropy raises for such a label; on the CPU the check is free, so do we
+    (a finite loss from a label that picks no logit would be silently wrong). A custom
+    ignore_index is not such a label; the default -100 is one once ignore_index is changed."""
+    h, w, _, y = _data(6, 16, 40, False)
+    y[3] = bad
+    with pytest.raises(IndexError, match=f"label {bad} is outside the vocabulary \\[0, 40\\)"):
+        F.linear_cross_entropy(h.float(), w.float(), y, backend=backend)
+    with pytest.raises(IndexError, match="outside the vocabulary"):  # compiled: still raised, at run time
+        torch.compile(lambda a, b: F.linear_cross_entropy(a, b, y, backend=backend))(h.float(), w.float())
+
+
+@pytest.mark.parametrize("backend", ["mlir", "reference"])
+def test_lce_custom_ignore_index_is_no_outside_label_but_minus_100_then_is(backend):
+    h, w, _, y = _data(6, 16, 40, False)
+    y[1] = -1
+    assert torch.isfinite(F.linear_cross_entropy(h.float(), w.float(), y, ignore_index=-1, backend=backend))
+    y[4] = -100
+    with pytest.raises(IndexError, match="label -100 .* not ignore_index \\(-1\\)"):
+        F.linear_cross_entropy(h.float(), w.float(), y, ignore_index=-1, backend=backend)
+
+
+def test_lce_kernel_gives_nan_for_an_outside_label_without_the_host_check(monkeypatch):
+    """Behind the host check, the loss's one definition (``token_loss``, which the MLIR kernel is
+    derived from) gives such a row NaN: no path returns a finite loss for it."""
+    import torchfuser.backends.mlir.lce as lce
+    monkeypatch.setattr(lce, "check_labels", lambda *a: None)
+    h, w, _, y = _data(6, 16, 40, False)
+    y[3] = 45
+    loss, dh, dw, _ = lce.linear_cross_entropy_fwd(h.float(), w.float(), None, y, -100, None, "mean", True)
+    assert torch.isnan(loss) and torch.isnan(dh).any()
+    y[3] = 4
+    assert torch.isfinite(lce.linear_cross_entropy_fwd(h.float(), w.float(), None, y, -100, None, "mean", False)[0])

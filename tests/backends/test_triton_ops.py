@@ -552,3 +552,20 @@ def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
         F.rms_norm(x, torch.randn(8), backend="triton")
     with pytest.raises(BackendUnavailable, match="CUDA"):
         F.linear_cross_entropy(x, torch.randn(5, 8), torch.zeros(4, dtype=torch.long), backend="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # one-pass and two-pass forms
+@pytest.mark.parametrize("bad", [123, 5000, -1])
+def test_linear_cross_entropy_label_outside_the_vocabulary_gives_nan(interpreter, dtype, bad):
+    """A label ≥ V or < 0 (not ignore_index) would read outside the row and give a finite loss; a
+    host check would wait for the device, so the kernel makes that row's loss and gradients NaN.
+    The other rows' gradients stay finite (a NaN scale touches only its row of dh)."""
+    h, w = _rand(9, 64).to(dtype), _rand(123, 64, scale=0.25).to(dtype)
+    labels = torch.randint(0, 123, (9,))
+    labels[2], labels[5] = -100, bad
+    loss, dh, dw, db = interpreter.linear_cross_entropy_fwd(h, w, None, labels.to(DEVICE), -100, None, "mean", True)
+    assert torch.isnan(loss), loss
+    assert torch.isnan(dh[5]).all() and torch.isfinite(dh[[0, 1, 2, 3, 4, 6, 7, 8]]).all()
+    assert torch.isnan(dw).any()
+    labels[5] = 7  # the same rows with the label in range: finite
+    assert torch.isfinite(interpreter.linear_cross_entropy_fwd(h, w, None, labels.to(DEVICE), -100, None, "sum", False)[0])

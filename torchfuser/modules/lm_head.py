@@ -23,13 +23,21 @@ from torchfuser.ops._call import plain_eager
 PROBE_LOGITS = (1.5, 45.0, -7.25)
 
 
+# The forward keywords that HF's ForCausalLMLoss honours (sum / num_items_in_batch, a custom
+# ignore_index, labels shifted by the caller).
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
 @dataclass(frozen=True)
 class LMHeadLossSpec:
-    """loss = cross_entropy(softcap(s·(h @ W.T + b)), shifted labels), as HF's ``ForCausalLMLoss``."""
+    """loss = cross_entropy(softcap(s·(h @ W.T + b)), labels), labels shifted or not; the defaults
+    are HF's ``ForCausalLMLoss``. The pattern learns the fields from the model's forward."""
 
     head: str = "lm_head"  # the nn.Linear child of the model that produces the logits
     softcap: float | None = None  # Gemma-2's final_logit_softcapping: tanh(z/c)·c
     logit_scale: float = 1.0  # logits · s before the loss (Cohere's logit_scale, Granite's 1/logits_scaling)
+    shift: bool = True  # tokens < n predict n (ForCausalLMLoss); False: labels[i] is logits[i]'s target (BART's decoder)
+    loss_kwargs: tuple[str, ...] = LOSS_KWARGS  # those of LOSS_KWARGS the forward's loss honours
 
     def transform(self, logits: Tensor) -> Tensor:
         """What the model's forward does to the head's output before the loss."""
@@ -39,12 +47,23 @@ class LMHeadLossSpec:
 
 class CaptureHead(nn.Module):
     """Stands in for the head during one fused forward: keeps its input, returns the probe logits
-    per position instead of a vocabulary's worth."""
+    per position instead of a vocabulary's worth. Any other attribute read comes from the real
+    head: Mamba's forward casts its input to ``self.lm_head.weight.dtype``."""
 
-    def __init__(self, probes: dict | None = None):
+    def __init__(self, probes: dict | None = None, real: nn.Module | None = None):
         super().__init__()
         self.inputs: list[Tensor] = []
         self.probes = {} if probes is None else probes  # (dtype, device) → the probe logits
+        self.__dict__["_real"] = real  # not a submodule: its parameters stay the model's alone
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            real = self.__dict__.get("_real")
+            if real is None:
+                raise
+            return getattr(real, name)
 
     def forward(self, hidden: Tensor) -> Tensor:
         self.inputs.append(hidden)
@@ -65,9 +84,10 @@ class FusedLMHeadLoss:
     In training mode with ``labels``, the decoder runs as usual, the head's input (the final
     hidden states) is captured and the loss comes from ``linear_cross_entropy``: the logits are
     never materialised and **``output.logits`` is None** (a ``return_dict=False`` tuple leaves
-    them out, as it leaves out every None field). Labels are shifted, ``ignore_index`` (default
-    -100), ``shift_labels`` and the Trainer's ``num_items_in_batch`` (sum / num_items_in_batch)
-    are honoured exactly as in ``transformers.loss.loss_utils.ForCausalLMLoss``.
+    them out, as it leaves out every None field). Labels are shifted or not, and ``ignore_index``
+    (default -100), ``shift_labels`` and the Trainer's ``num_items_in_batch`` (sum /
+    num_items_in_batch) honoured or not, as the model's own forward does (the spec, probed);
+    for most models that is ``transformers.loss.loss_utils.ForCausalLMLoss``.
 
     Without labels, in eval mode, or with ``logits_to_keep`` set, the original forward runs
     unchanged. Where the input embedding shares the head's weight, its gradient is added into the
@@ -123,7 +143,7 @@ class FusedLMHeadLoss:
 
     def _fused(self, original, head: nn.Linear, kwargs):
         labels = kwargs.pop("labels")
-        capture = CaptureHead(self.probes)
+        capture = CaptureHead(self.probes, head)
         embedding = self._tied_embedding(head, kwargs)
         self.model._modules[self.spec.head] = capture
         slot = None if embedding is None else tied_embedding.install(embedding)
@@ -139,14 +159,22 @@ class FusedLMHeadLoss:
         if self.spec.logit_scale != 1.0:  # s·(h·Wᵀ + b) = (s·h)·Wᵀ + s·b: the logits are never formed
             hidden = hidden * self.spec.logit_scale
             bias = None if bias is None else bias * self.spec.logit_scale
-        ignore_index = kwargs.get("ignore_index", -100)
-        shift = kwargs.get("shift_labels")
-        if shift is None:  # tokens < n predict n; the last position has no target
-            shift = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        shift = shift.to(hidden.device)
-        n_items = kwargs.get("num_items_in_batch")
+        # A keyword the forward's loss does not honour reached only the decoder, as without fusion.
+        honoured = {k: kwargs.get(k) for k in self.spec.loss_kwargs}
+        ignore_index = -100 if honoured.get("ignore_index") is None else honoured["ignore_index"]
+        target = honoured.get("shift_labels")
+        if target is None:
+            # shifted: tokens < n predict n, the last position has no target
+            target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:] if self.spec.shift else labels
+        target = target.to(hidden.device)
+        if target.shape != hidden.shape[:-1]:
+            raise RuntimeError(
+                f"lm_head_loss: {type(self.model).__name__}'s head got hidden states of shape {tuple(hidden.shape)} for labels "
+                f"of shape {tuple(target.shape)}; the fused loss needs one label per position. "
+                "Run torchfuser.optimize(model, exclude=['lm_head_loss'])")
+        n_items = honoured.get("num_items_in_batch")
         loss = F.linear_cross_entropy(
-            hidden, weight, shift, bias=bias, ignore_index=ignore_index,
+            hidden, weight, target, bias=bias, ignore_index=ignore_index,
             reduction="mean" if n_items is None else "sum", softcap=self.spec.softcap, backend=self.backend,
         )
         if n_items is not None:

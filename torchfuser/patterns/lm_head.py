@@ -2,12 +2,15 @@
 
 A candidate is a Hugging Face causal LM (``*ForCausalLM``, or any class the auto mapping lists for
 causal LM, e.g. ``GPT2LMHeadModel``) whose forward takes ``labels``. It is fused when its output
-embedding is a direct ``nn.Linear`` child as wide as the vocabulary, its loss function is HF's
-``ForCausalLMLoss``, and what its forward does to the logits is a positive scale and/or Gemma-2's
-final softcapping: measured by running the model's own forward on a shallow copy whose decoder is
-a stub and whose head returns probe values (where that cannot run, a config naming a logit
-transform means skip). The model cannot be replaced in its parent (it is usually the root), so
-``apply`` installs a per-instance forward and its undo removes it; the class is never touched.
+embedding is a plain ``nn.Linear`` child as wide as the vocabulary and its forward's treatment of
+the logits and labels is one the fused loss reproduces, all learned by running the model's own
+forward on a shallow copy whose decoder is a stub and whose head returns known values
+(``_lm_head_probe``): the logit transform (a positive scale and/or Gemma-2's final softcapping,
+not read from a parameter), and the loss (cross-entropy of shifted or unshifted labels, and which
+of num_items_in_batch / ignore_index / shift_labels it honours). Where the forward cannot run
+that way, it is fused only if it calls transformers' loss_function and its config names no logit
+transform. The model cannot be replaced in its parent (it is usually the root), so ``apply``
+installs a per-instance forward and its undo removes it; the class is never touched.
 """
 from __future__ import annotations
 
@@ -17,17 +20,16 @@ import inspect
 import torch
 from torch import nn
 
-from torchfuser.modules.base import follow_replicas, unfollow_replicas
-from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, FusedLMHeadLoss, LMHeadLossSpec
-from torchfuser.patterns import _probe
+from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.lm_head import PROBE_LOGITS, FusedLMHeadLoss, LMHeadLossSpec
+from torchfuser.patterns import _lm_head_probe as probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
-    from transformers.modeling_outputs import BaseModelOutputWithPast
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError:  # pragma: no cover - transformers is a dependency
-    ForCausalLMLoss, BaseModelOutputWithPast, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = None, None, {}
+    ForCausalLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = None, {}
 
 # Config fields of logit transforms (Cohere's logit_scale, Granite's logits_scaling, muP-style
 # output multipliers, ...): where the forward cannot be probed on a stub decoder, present and set → skip.
@@ -47,63 +49,6 @@ def _causal_lm_names() -> set[str]:
 _CAUSAL_LM = _causal_lm_names()
 
 
-class _StubDecoder(nn.Module):
-    """Stands in for the decoder while the model's own forward is probed: fixed final hidden states
-    and, for whatever else the forward reads of its decoder (Falcon-H1's lm_head_multiplier), the
-    real decoder's attributes."""
-
-    def __init__(self, hidden: torch.Tensor, real: nn.Module):
-        super().__init__()
-        self.hidden = hidden
-        self.__dict__["_real"] = real  # not a submodule
-
-    def forward(self, *args, **kwargs):
-        out = BaseModelOutputWithPast(last_hidden_state=self.hidden)
-        # Fields other decoders add (a mixture of experts' router_logits): absent, as None.
-        return _OrNone(out)
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_real"], name)
-
-
-class _OrNone:
-    """A decoder output whose missing fields read as None."""
-
-    def __init__(self, out):
-        self.__dict__["_out"] = out
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["_out"], name, None)
-
-    def __getitem__(self, key):
-        return self.__dict__["_out"][key]
-
-
-def _probe_logits(model: nn.Module, head: str, width: int) -> torch.Tensor | None:
-    """What the model's forward makes of the head's output when the head returns PROBE_LOGITS, on
-    a shallow copy whose decoder is a stub (nothing of the model runs but its top level); None
-    where the forward does not run that way."""
-    prefix = getattr(model, "base_model_prefix", None)
-    if not isinstance(prefix, str) or not isinstance(model._modules.get(prefix), nn.Module):
-        return None
-    probe = _probe.shallow_copy(model)
-    probe._modules[prefix] = _StubDecoder(_probe.randn(1, 2, width, gen=_probe.generator(7)), model._modules[prefix])
-    probe._modules[head] = CaptureHead()
-    try:
-        with torch.no_grad():
-            out = type(model).forward(probe, input_ids=torch.zeros(1, 2, dtype=torch.long))
-            logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
-            if not (isinstance(logits, torch.Tensor) and logits.shape[-1] == len(PROBE_LOGITS)):
-                return None
-            # Back to the CPU: some forwards move logits to the head's device (the meta device under inspect).
-            return logits.detach().reshape(-1, len(PROBE_LOGITS))[0].double().cpu()
-    except Exception:
-        return None
-
-
 def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
     """``spec`` with the logit scale the forward applies (Cohere multiplies by logit_scale, Granite
     divides by logits_scaling, HyperCLOVAX multiplies by it), or a Skip for any other transform."""
@@ -117,6 +62,38 @@ def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
         return Skip(f"the forward transforms the logits (head output {PROBE_LOGITS} → "
                     f"{tuple(round(v, 4) for v in logits.tolist())}), not as a positive scale the fused loss reproduces")
     return dataclasses.replace(spec, logit_scale=float(ratio[0]))
+
+
+def _not_plain_linear(head: nn.Linear) -> str:
+    """Why calling ``head`` may not be ``h @ W.T + b`` with W, b its only parameters ('' if it is):
+    Dory's head is an nn.Linear subclass that multiplies by a learnable logit_scale."""
+    extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
+    if extra:
+        return f"has parameters besides weight and bias ({', '.join(extra)}), which the fused loss would leave out"
+    if type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
+        return "has a forward of its own (a subclass's, or one set on the instance as accelerate's hooks do), which the fused loss would not run"
+    if hooked(head):
+        return "has forward or backward hooks, which the fused loss would not run"
+    return ""
+
+
+def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
+    """Where the forward does not run on a stub decoder (ProphetNet reshapes the decoder's second
+    output): fused only if it computes its loss with transformers' loss_function and its config
+    names no logit transform."""
+    cfg = getattr(module, "config", None)
+    for attr in _UNKNOWN_LOGIT_TRANSFORMS:
+        value = getattr(cfg, attr, None)
+        if value is not None:
+            return Skip(f"config.{attr}={value}: a logit scaling the fused loss does not reproduce")
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        source = ""
+    if "self.loss_function(" not in source:
+        return Skip("its forward could not be run with a stand-in decoder to learn how it forms its loss, and it "
+                    "does not compute it with transformers' loss_function (ForCausalLMLoss)")
+    return spec
 
 
 @dataclasses.dataclass
@@ -157,6 +134,9 @@ class LMHeadLossPattern(Pattern):
         head = get_head() if callable(get_head) else None
         if not isinstance(head, nn.Linear):
             return Skip(f"output embeddings are {type(head).__name__}, not an nn.Linear")
+        why = _not_plain_linear(head)
+        if why:
+            return Skip(f"output embeddings {type(head).__name__} {why}; only a plain nn.Linear head is fused")
         name = next((n for n, m in module._modules.items() if m is head), None)
         if name is None:
             return Skip("output embeddings are not a direct child of the model")
@@ -176,14 +156,26 @@ class LMHeadLossPattern(Pattern):
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
-        logits = _probe_logits(module, name, head.in_features)
-        if logits is None:  # the forward would not run on a stub decoder: judge by the config
-            for attr in _UNKNOWN_LOGIT_TRANSFORMS:
-                value = getattr(cfg, attr, None)
-                if value is not None:
-                    return Skip(f"config.{attr}={value}: a logit scaling the fused loss does not reproduce")
+        logits = probe.probe_logits(module, name)
+        if logits is None:  # the forward would not run on a stub decoder: judge by the config and the code
+            return _unprobed(module, spec)
+        spec = _with_measured_scale(spec, logits)
+        if isinstance(spec, Skip):
             return spec
-        return _with_measured_scale(spec, logits)
+        changed = probe.probe_logits(module, name, perturb=True)  # the model's other parameters changed
+        if changed is None:
+            return Skip("its forward did not run again with the model's other parameters changed, so whether its "
+                        "logit scaling is read from a parameter (which would need a gradient) could not be told")
+        if not torch.allclose(changed, logits, rtol=1e-6):
+            return Skip("the forward changes the logits by a value read from a parameter or buffer of the model "
+                        "(a learnable logit scale, say); the fused loss would hold that value fixed and give it no gradient")
+        form = probe.probe_loss(module, name, spec)
+        if form is None:
+            return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
+                        "its loss could not be learned")
+        if isinstance(form, str):
+            return Skip(form)
+        return dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1])
 
     def parameters_used(self, module):
         get_head = getattr(module, "get_output_embeddings", None)

@@ -8,7 +8,7 @@
 ``head`` per token (a row of V logits), in fp32:
     s    = tanh(z / cap) · cap            (when softcap is set, else s = z)
     lse  = m + log Σ exp(s − m),  m = max s (a constant for the gradient: it cancels)
-    loss = (lse − s[label]) · [label ≠ ignore_index]
+    loss = (lse − s[label]) · [label ≠ ignore_index]   (NaN for a label outside [0, V); raised before)
 and ∂z = scale · ∂loss/∂z = scale · (softmax(s) − onehot(label)) · ∂s/∂z · [label ≠ ignore],
 derived by ``torch.func.vjp`` from ``head`` (never written by hand); ``scale`` is 1/#valid
 tokens for ``mean`` and 1 for ``sum``. The label is picked with an iota comparison instead of
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from torchfuser.backends.reference.linear_cross_entropy import token_loss
+from torchfuser.backends.reference.linear_cross_entropy import check_labels, token_loss
 
 from .capture import BCAST, ROW, ArgSpec
 from .compile import kernel_for
@@ -64,6 +64,7 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
     if y.stride(0) != 1:
         y = y.contiguous()
     n, vocab = h.shape[0], weight.shape[0]
+    check_labels(y, vocab, ignore_index)  # the kernel would give NaN; on the CPU a clear error is free
     w32 = weight.float()
     b32 = None if bias is None else bias.float()
     valid = int((y != ignore_index).sum()) if reduction == "mean" else 0

@@ -23,7 +23,30 @@ def token_loss(z, label, ignore_index: int, softcap: float | None):
     lse = (s - m).exp().sum(-1).log() + m.squeeze(-1)
     onehot = torch.arange(z.shape[-1], dtype=label.dtype, device=z.device) == label.unsqueeze(-1)
     picked = torch.where(onehot, s, torch.zeros((), dtype=s.dtype, device=s.device)).sum(-1)
-    return torch.where(label != ignore_index, lse - picked, torch.zeros((), dtype=s.dtype, device=s.device))
+    loss = torch.where(label != ignore_index, lse - picked, torch.zeros((), dtype=s.dtype, device=s.device))
+    # A label outside the vocabulary would pick nothing and give a finite loss: NaN instead (a
+    # factor, so that the row's gradient is NaN too), where the host check (``check_labels``) is
+    # not free. Not NaN·0 for the others: that is NaN.
+    nan, one = (torch.full((), v, dtype=s.dtype, device=s.device) for v in (float("nan"), 1.0))
+    return loss * torch.where(outside_vocab(label, z.shape[-1], ignore_index), nan, one)
+
+
+def outside_vocab(label, vocab: int, ignore_index: int):
+    """Labels that are neither ignore_index nor a class in [0, vocab)."""
+    return (label != ignore_index) & ((label < 0) | (label >= vocab))
+
+
+def check_labels(labels, vocab: int, ignore_index: int) -> None:
+    """Raise, as PyTorch's cross_entropy does, for a label outside the vocabulary. Only for labels
+    on the CPU, where reading the answer costs no wait for a device (elsewhere the loss is NaN);
+    fake or traced tensors have no values to check."""
+    if type(labels) is not torch.Tensor or labels.device.type != "cpu":
+        return
+    bad = outside_vocab(labels, vocab, ignore_index)
+    if bool(bad.any()):
+        raise IndexError(
+            f"linear_cross_entropy: label {int(labels[bad][0])} is outside the vocabulary [0, {vocab}) and is not "
+            f"ignore_index ({ignore_index}); {int(bad.sum())} such label(s)")
 
 
 def linear_cross_entropy(hidden, weight, bias, labels, ignore_index: int, softcap: float | None, reduction: str):
@@ -37,6 +60,7 @@ def linear_cross_entropy(hidden, weight, bias, labels, ignore_index: int, softca
 
 
 def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
+    check_labels(labels, weight.shape[0], ignore_index)
     args = (labels, ignore_index, softcap, reduction)
     if not need_grad:  # three distinct empties: custom-op outputs must not alias each other
         loss = linear_cross_entropy(hidden, weight, bias, *args).float()

@@ -1,7 +1,8 @@
 """Linear + cross-entropy in Triton, chunked over tokens: the full logits never exist.
 
 Per token n with hidden h (H), label y, logits l = h·Wᵀ + b (V), z = softcap·tanh(l/softcap) or l:
-    loss_n = logsumexp(z) − z_y                      (0 when y == ignore_index)
+    loss_n = logsumexp(z) − z_y                      (0 when y == ignore_index; NaN, and a NaN
+                                                      gradient, when y is outside [0, V))
     ∂loss_n/∂l = (softmax(z) − onehot(y)) · (1 − tanh²(l/softcap) if softcap) · scale
 with scale = 1/#counted tokens ('mean') or 1 ('sum'). For an upstream gradient of 1:
     dh = dl · W,   dW = Σ_chunks dlᵀ · h,   db = Σ_tokens dl
@@ -70,7 +71,10 @@ def _linear_cross_entropy_fwd_kernel(
     ref_row = REF + row * stride_ref
     label = tl.load(LABELS + row)
     valid = label != ignore_index
-    target = tl.where(valid, label, 0)
+    # A label outside [0, V) (not ignore_index): a host check would wait for the device, so the
+    # row's loss and gradient scale are NaN instead, and column 0 is read in place of the label's.
+    outside = valid & ((label < 0) | (label >= V))
+    target = tl.where(valid & ~outside, label, 0)
     cols = tl.arange(0, BLOCK_V)
 
     # The target logit, read before the row is overwritten. A confident row's max is often z_y.
@@ -101,14 +105,14 @@ def _linear_cross_entropy_fwd_kernel(
             tl.store(z_row + c, e.to(Z.dtype.element_ty), mask=mask)  # the target's too: rewritten below
             tl.store(ref_row + start // BLOCK_V, m)  # the reference this block was written against
     total = tl.sum(s, axis=0)  # ≥ 1: the column that set m is in it
-    tl.store(LOSS + row, tl.where(valid, m + tl.log(total) - y, 0.0))
+    tl.store(LOSS + row, tl.where(outside, float("nan"), tl.where(valid, m + tl.log(total) - y, 0.0)))
 
     if NEED_GRAD:
         if MEAN:
             scale = 1.0 / tl.load(NVALID).to(tl.float32)
         else:
             scale = 1.0
-        scale = tl.where(valid, scale, 0.0)
+        scale = tl.where(outside, float("nan"), tl.where(valid, scale, 0.0))
     if NEED_GRAD and not ONE_PASS:  # fp16: q and S may pass its 65504, so dl itself (a_n = scale)
         lse = m + tl.log(total)
         for start in range(0, V, BLOCK_V):

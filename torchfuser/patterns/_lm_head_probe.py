@@ -1,0 +1,205 @@
+"""Probes of a causal LM's own forward for the lm_head_loss pattern: what it does to the head's
+output (a scale, a softcap) and how it forms its loss from the logits and labels.
+
+Each runs the model's class forward on a shallow copy whose decoder is a stub returning fixed
+hidden states and whose head returns fixed values, so nothing of the model runs but its top
+level. Every random value comes from a local ``torch.Generator``; the model is never changed.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from torchfuser.modules.lm_head import LOSS_KWARGS, PROBE_LOGITS, CaptureHead, LMHeadLossSpec
+from torchfuser.patterns import _probe
+
+try:
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+except ImportError:  # pragma: no cover - transformers is a dependency
+    BaseModelOutputWithPast = None
+
+_B, _S = 2, 5  # the probe batch: 2 rows of 5 tokens
+
+
+class _StubDecoder(nn.Module):
+    """Stands in for the decoder: returns fixed final hidden states. Whatever else the forward
+    reads of it comes from the real decoder (Falcon-H1's lm_head_multiplier), except submodules,
+    which are stubs too (BART-style ``self.model.decoder(...)``), and, when ``perturb`` is set,
+    parameters and buffers, which come back changed (to tell a scale read off them)."""
+
+    def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False):
+        super().__init__()
+        self.hidden = hidden
+        self.__dict__["_real"] = real  # not a submodule
+        self.__dict__["_perturb"] = perturb
+
+    def forward(self, *args, **kwargs):
+        # Fields other decoders add (a mixture of experts' router_logits): absent, as None.
+        return _OrNone(BaseModelOutputWithPast(last_hidden_state=self.hidden))
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            value = getattr(self.__dict__["_real"], name)
+        if isinstance(value, nn.Module):
+            return _StubDecoder(self.hidden, value, self.__dict__["_perturb"])
+        if self.__dict__["_perturb"] and isinstance(value, torch.Tensor) and value.is_floating_point():
+            return _changed(value)
+        return value
+
+
+class _OrNone:
+    """A decoder output whose missing fields read as None."""
+
+    def __init__(self, out):
+        self.__dict__["_out"] = out
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_out"], name, None)
+
+    def __getitem__(self, key):
+        return self.__dict__["_out"][key]
+
+
+class _FixedLogits(CaptureHead):
+    """A head returning given logits (B×S×V) whatever its input (only its shape is checked)."""
+
+    def __init__(self, logits: torch.Tensor, real: nn.Module):
+        super().__init__(real=real)
+        self.logits = logits
+
+    def forward(self, hidden):
+        if tuple(hidden.shape[:-1]) != tuple(self.logits.shape[:-1]):
+            raise ValueError("the head's input is not the decoder's (batch, sequence) hidden states")
+        return self.logits.to(hidden.dtype)
+
+
+def _changed(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() * 2 + 1
+
+
+def _perturbed(module: nn.Module, children=None) -> nn.Module:
+    """A shallow copy whose floating parameters and buffers, and those of ``children`` (default:
+    all), are changed."""
+    copy = _probe.shallow_copy(module)
+    for table in (copy._parameters, copy._buffers):
+        for name, t in table.items():
+            if t is not None and t.is_floating_point():
+                table[name] = nn.Parameter(_changed(t), requires_grad=False) if isinstance(t, nn.Parameter) else _changed(t)
+    children = module._modules if children is None else children
+    for name, child in children.items():
+        if child is not None:
+            copy._modules[name] = _perturbed(child)
+    return copy
+
+
+def _run(model: nn.Module, head: str, make_head, perturb: bool = False, **kwargs):
+    """The model's forward on a stub copy (decoder stubbed, ``make_head(real_head)`` as head, and
+    with ``perturb`` every other parameter and buffer changed); None where it raises."""
+    prefix = getattr(model, "base_model_prefix", None)
+    decoder = model._modules.get(prefix) if isinstance(prefix, str) else None
+    if not isinstance(decoder, nn.Module) or BaseModelOutputWithPast is None:
+        return None
+    probe = _probe.shallow_copy(model)
+    if perturb:  # the decoder and the head are replaced below: copying them would cost their memory
+        others = {n: m for n, m in model._modules.items() if n not in (prefix, head) and m is not None}
+        probe = _perturbed(probe, others)
+    width = model._modules[head].in_features
+    probe._modules[prefix] = _StubDecoder(_probe.randn(_B, _S, width, gen=_probe.generator(7)), decoder, perturb)
+    probe._modules[head] = make_head(model._modules[head])
+    try:
+        with torch.no_grad():
+            return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
+    except Exception:
+        return None
+
+
+def _logits_of(out, width: int) -> torch.Tensor | None:
+    logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
+    if not (isinstance(logits, torch.Tensor) and logits.shape[-1] == width):
+        return None
+    # Back to the CPU: some forwards move logits to the head's device (the meta device under inspect).
+    return logits.detach().reshape(-1, width).double().cpu()
+
+
+def probe_logits(model: nn.Module, head: str, perturb: bool = False) -> torch.Tensor | None:
+    """What the forward makes of the head's output when the head returns PROBE_LOGITS (one row);
+    None where the forward does not run that way."""
+    out = _run(model, head, lambda real: CaptureHead(real=real), perturb)
+    logits = None if out is None else _logits_of(out, len(PROBE_LOGITS))
+    return None if logits is None else logits[0]
+
+
+def _loss_of(out) -> torch.Tensor | None:
+    loss = out[0] if isinstance(out, tuple) else getattr(out, "loss", None)
+    return loss.detach().double().cpu() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    params = inspect.signature(type(model).forward).parameters
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool, tuple[str, ...]] | str | None:
+    """How the forward forms its loss, learned from its loss on known logits and labels:
+    ``(shift, honoured keywords)``; a reason (str) where it is no form the fused loss reproduces;
+    None where the forward does not run on the stub."""
+    gen = _probe.generator(11)
+    vocab = model._modules[head].out_features
+    # fp32-exact values: a forward that casts the logits to fp32 loses nothing.
+    z = _probe.randn(_B, _S, vocab, gen=gen).mul(2).float().double()
+    labels = torch.randint(0, vocab, (_B, _S), generator=gen)
+    labels[0, 2] = labels[1, 3] = -100
+    other = torch.randint(0, vocab, (_B, _S), generator=gen)  # shift_labels: unrelated to labels
+
+    # A mixture of experts' router loss is added by the fused forward itself (and the stub has no
+    # router logits): off here, where the forward has the switch.
+    if "output_router_logits" in inspect.signature(type(model).forward).parameters:
+        fixed = {"output_router_logits": False}
+    else:
+        fixed = {}
+
+    def loss(**kwargs):
+        out = _run(model, head, lambda real: _FixedLogits(z, real), **fixed, **kwargs)
+        return None if out is None else _loss_of(out)
+
+    s = spec.transform(z).reshape(-1, vocab)
+
+    def ce(target, reduction="mean", ignore_index=-100):
+        return nn.functional.cross_entropy(s, target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+
+    def shifted(y, pad=-100):
+        return nn.functional.pad(y, (0, 1), value=pad)[..., 1:]
+
+    got = loss(labels=labels.clone())
+    if got is None:
+        return None
+    forms = {True: shifted(labels), False: labels}
+    shift = next((k for k, y in forms.items() if _probe.close(got, ce(y))), None)
+    if shift is None:
+        return (f"its loss is not a cross-entropy of shifted or unshifted labels that the fused loss reproduces "
+                f"(on probe logits it gives {got.item():.6g}; shifted labels would give {ce(forms[True]).item():.6g}, "
+                f"unshifted {ce(forms[False]).item():.6g})")
+    plain = forms[shift]
+    ignore3 = labels.clone()
+    ignore3[labels == -100] = 3  # a class when not ignored: ignored or counted tells the two apart
+    ignore3[0, 3] = ignore3[1, 1] = 3
+    tries = {  # each of LOSS_KWARGS: : (its value, labels, the loss were it honoured, the loss were it not)
+        "num_items_in_batch": (torch.tensor(7), labels, ce(plain, "sum") / 7, ce(plain)),
+        "ignore_index": (3, ignore3, ce(shifted(ignore3, 3) if shift else ignore3, ignore_index=3),
+                         ce(shifted(ignore3) if shift else ignore3)),
+        "shift_labels": (other, labels, ce(other), ce(plain)),
+    }
+    honoured = []
+    for name, (value, y, yes, no) in tries.items():
+        if not _accepts(model, name):
+            continue
+        got = loss(labels=y.clone(), **{name: value})
+        if got is not None and _probe.close(got, yes):
+            honoured.append(name)
+        elif got is None or not _probe.close(got, no):
+            return f"its loss with {name}= given is neither the fused loss's with nor without it"
+    return shift, tuple(honoured)
