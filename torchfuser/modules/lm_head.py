@@ -207,10 +207,11 @@ class FusedLMHeadLoss:
 
         The forward's code does not change between calls, so the value half of the check (which
         waits for the device) runs on the first eager call only; under torch.compile it is skipped
-        (a data-dependent check would break the graph)."""
+        (a data-dependent check would break the graph), and on the meta device there are no values."""
         logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
         ok = len(capture.inputs) == 1 and isinstance(logits, Tensor) and logits.shape[-1] == len(PROBE_LOGITS)
-        if ok and not self.values_checked and not torch.compiler.is_compiling():
+        # Meta tensors hold no values (shape propagation): there is nothing to check.
+        if ok and not self.values_checked and not torch.compiler.is_compiling() and logits.device.type != "meta":
             want = self.spec.transform(torch.tensor(PROBE_LOGITS, dtype=torch.float64))
             got = logits.detach().reshape(-1, len(PROBE_LOGITS)).double().cpu()
             ok = self.values_checked = bool(torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=1e-2))
