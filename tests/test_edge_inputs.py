@@ -181,6 +181,8 @@ def test_attribute_reads_by_class_and_misses():
     with pytest.raises(AttributeError, match="FusedRMSNorm.*nor has the LlamaRMSNorm"):
         norm.no_such_attribute
     assert not hasattr(norm, "__deepcopy__")
+    del norm._parameters["weight"]  # as FSDP1 does before it registers its flat parameter
+    assert not hasattr(norm, "weight")  # absent, not the replaced module's (stale) parameter
 
 
 def test_attribute_reads_survive_save_load_deepcopy_and_restore():

@@ -49,6 +49,10 @@ class FusedModule(nn.Module):
             original = self.__dict__.get("_original")
             if original is None or name.startswith("__"):  # copy/pickle protocol probes stay misses
                 raise
+            # Its tensors are only those this module adopted: one it does not hold (FSDP1 took the
+            # parameter away to flatten it) must read as absent, not as the original's stale object.
+            if name in original._parameters or name in original._buffers:
+                raise
         try:
             return getattr(original, name)
         except AttributeError:
