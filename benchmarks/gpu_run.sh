@@ -50,6 +50,11 @@ for stage in "$@"; do
     sdpa-probe) timeout 120 python3 benchmarks/sdpa_probe.py --out "$OUT/sdpa-probe.jsonl" ;;
     proj-probe) timeout 120 python3 benchmarks/projection_probe.py --out "$OUT/projection-probe.jsonl" ;;
     triton-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
+    suite) timeout ${SUITE_S:-420} python3 -m pytest -p no:cacheprovider -n 8 -rfE ;;  # the whole suite, as the README runs it
+    lce-label-ab) cp .ab/lce_before.py torchfuser/backends/triton/_lce_before.py \
+            && timeout 150 python3 benchmarks/probes/lce_label_check_ab.py --rounds 12 | tee "$OUT/lce-label-ab.jsonl"
+          rm -f torchfuser/backends/triton/_lce_before.py ;;
+    fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
 done

@@ -82,6 +82,8 @@ _EXTRA = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "mamba2": dict(num_heads=8),  # heads · head_dim = expand · hidden
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8),
+    "dory": dict(n_input_layers=2, n_recurrent_layers=0, n_output_layers=2, num_hidden_layers=4,
+                 layer_types=["sliding_attention", "mlp", "full_attention", "mlp"]),  # the three must sum up
 }
 
 

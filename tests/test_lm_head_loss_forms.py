@@ -11,6 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import torchfuser
+from torchfuser.backends import unavailable_reason
 from torchfuser.modules.lm_head import CaptureHead, LMHeadLossSpec
 
 from arch_sweep import tiny_config
@@ -198,8 +199,8 @@ def test_prophetnet_is_skipped_with_the_reason():
 @pytest.mark.parametrize("backend", ["reference", "mlir"])
 @pytest.mark.parametrize("bad", [V, -5])
 def test_labels_outside_the_vocabulary_raise_through_the_fused_head(backend, bad):
-    if backend == "mlir":
-        pytest.importorskip("torch_mlir")
+    if backend == "mlir" and unavailable_reason("mlir", "cpu"):
+        pytest.skip(unavailable_reason("mlir", "cpu"))
     ref = _tiny("llama")
     fused, _ = _fuse(ref, backend)
     ids, _, labels = batch()
@@ -208,6 +209,25 @@ def test_labels_outside_the_vocabulary_raise_through_the_fused_head(backend, bad
         ref(input_ids=ids, labels=labels)
     with pytest.raises(IndexError, match=f"label {bad} is outside the vocabulary \\[0, {V}\\)"):
         fused(input_ids=ids, labels=labels)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the in-kernel flag is the CUDA path")
+@pytest.mark.parametrize("bad", [V, -5])
+def test_labels_outside_the_vocabulary_give_a_nan_loss_on_cuda(bad):
+    """On CUDA a host check would wait for the GPU every step: the loss is NaN instead, with no raise,
+    in eager and under CUDA graphs; the same batch with the label fixed is finite."""
+    ref = _tiny("llama").cuda()
+    for graphs in (False, True):
+        fused = torchfuser.optimize(copy.deepcopy(ref), cuda_graphs=graphs).train()
+        ids, _, labels = (t.cuda() for t in batch())
+        for _ in range(3):  # capture, then replays
+            good = fused(input_ids=ids, labels=labels, use_cache=False).loss
+            good.backward()
+            assert torch.isfinite(good)
+        labels[0, 4] = bad
+        loss = fused(input_ids=ids, labels=labels, use_cache=False).loss
+        loss.backward()
+        assert torch.isnan(loss), (graphs, loss)
 
 
 class DtypeLlamaForCausalLM(LlamaForCausalLM):
