@@ -139,7 +139,7 @@ def test_report_lists_fused_and_skipped(arch):
     want = dict(EXPECTED[arch], lm_head_loss=1)
     for pattern, n in want.items():
         assert counts[pattern]["fused"] == n, (pattern, str(rep))
-    skipped = SKIPPED_ATTENTION.get(arch) or ("rotary computed inside" if rotary_inside(ref) else None)
+    skipped = SKIPPED_ATTENTION.get(arch) or ("computes its rotary embedding itself" if rotary_inside(ref) else None)
     if skipped:
         assert counts["attention"] == {"fused": 0, "skipped": 2}
         assert all(skipped in e.reason for e in rep.skipped if e.pattern == "attention")
