@@ -110,11 +110,11 @@ def test_inspect_config_json(tmp_path, capsys):
     assert "Qwen2ForCausalLM" in out and "rms_norm" in out
 
 
-@pytest.mark.parametrize("arg, words", [("not-a-model", "neither a config.json"), ("missing.json", "no such config file")])
-def test_inspect_bad_target(arg, words):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["inspect", arg])
-    assert words in str(info.value)
+@pytest.mark.parametrize("arg, words", [("not-a-model", "neither a checkpoint directory"),
+                                        ("missing.json", "no such file or directory")])
+def test_inspect_bad_target(arg, words, capsys):
+    assert cli.main(["inspect", arg]) == 2
+    assert words in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
@@ -150,9 +150,37 @@ def test_callback_warns_that_data_parallel_replicas_run_without_graphs(caplog):
     ({"model_type": "ministral", "hidden_size": 64, "num_attention_heads": 4}, "transformers could not build 'ministral'"),
     ({"model_type": "llama", "hidden_size": 64, "head_dim": "x"}, "is not a valid transformers config"),
 ])
-def test_inspect_config_transformers_cannot_build(tmp_path, fields, words):
+def test_inspect_config_transformers_cannot_build(tmp_path, fields, words, capsys):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(fields))
-    with pytest.raises(SystemExit) as info:
-        cli.main(["inspect", str(cfg)])
-    assert words in str(info.value)
+    assert cli.main(["inspect", str(cfg)]) == 2
+    assert words in capsys.readouterr().err
+
+
+def _callback_args(tmp_path, **kw):
+    pytest.importorskip("accelerate")
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+
+def test_trainer_callback_prints_its_report_once_on_the_main_process(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    args = _callback_args(tmp_path)
+    callback = torchfuser.TorchFuserCallback(backend="reference")
+    callback.on_init_end(args, SimpleNamespace(is_world_process_zero=True), None, model=LlamaForCausalLM(_tiny_cfg()))
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM: 12 blocks fused" in out and "model.layers.*.mlp" in out  # the table, not the summary alone
+    callback.on_train_begin(args, SimpleNamespace(is_world_process_zero=True), None, model=LlamaForCausalLM(_tiny_cfg()))
+    assert capsys.readouterr().out == ""  # model_init's next model fuses alike: nothing new to say
+    other = torchfuser.TorchFuserCallback(backend="reference")
+    other.on_init_end(args, SimpleNamespace(is_world_process_zero=False), None, model=LlamaForCausalLM(_tiny_cfg()))
+    assert other.report is not None and capsys.readouterr().out == ""  # fused on every process, printed on one
+
+
+@pytest.mark.parametrize("callback_kw, args_kw", [({"verbose": False}, {}), ({}, {"log_level": "error"})])
+def test_trainer_callback_report_can_be_silenced(tmp_path, capsys, callback_kw, args_kw):
+    callback = torchfuser.TorchFuserCallback(backend="reference", **callback_kw)
+    callback.on_init_end(_callback_args(tmp_path, **args_kw), None, None, model=LlamaForCausalLM(_tiny_cfg()))
+    assert callback.report.fused and capsys.readouterr().out == ""

@@ -241,3 +241,43 @@ def test_a_fused_training_step_never_waits_for_the_gpu(cuda_graphs, tied, monkey
         step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_filter_fn_chooses_blocks_and_reports_the_others():
+    model, seen = tiny_llama(), []
+
+    def not_layer_0(name, module):
+        seen.append((name, module))
+        return not name.startswith("model.layers.0.")
+
+    torchfuser.optimize(model, backend="reference", filter_fn=not_layer_0)
+    modules = dict(model.named_modules())
+    assert all(modules[n] is m for n, m in seen if n.startswith("model.layers.0."))  # the refused, left in place
+    rep = torchfuser.report(model)
+    assert len(seen) == len(rep) and {n for n, _ in seen} == {e.name for e in rep.entries}  # each candidate, once
+    excluded = {e.name for e in rep.skipped if e.reason == "excluded by filter_fn"}
+    assert excluded and excluded == {n for n, _ in seen if n.startswith("model.layers.0.")}
+    assert isinstance(model.model.layers[1].mlp, FusedGatedMLP) and not isinstance(model.model.layers[0].mlp, FusedGatedMLP)
+    assert isinstance(model.model.norm, FusedRMSNorm)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    (loss, grads), (loss_ref, grads_ref) = loss_and_grads(model, ids), loss_and_grads(tiny_llama(), ids)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_filter_fn_exclusions_pass_strict_and_a_second_call_fuses_them():
+    model = torchfuser.optimize(tiny_llama(), backend="reference", strict=True,
+                                filter_fn=lambda name, module: not isinstance(module, type(tiny_llama().model.norm)))
+    rep = torchfuser.report(model)
+    assert rep.counts()["rms_norm"] == {"fused": 0, "skipped": 5}
+    # The layers' residual adds run inside their norms' kernels: with the norms excluded, so are they.
+    layer = next(e for e in rep.entries if e.name == "model.layers.0")
+    assert layer.reason.startswith("excluded by filter_fn, through its input_layernorm and post_attention_layernorm")
+    torchfuser.optimize(model, backend="reference")
+    assert torchfuser.report(model).counts()["rms_norm"] == {"fused": 5, "skipped": 0}
+
+
+def test_filter_fn_must_be_callable():
+    with pytest.raises(TypeError, match="filter_fn must be a callable"):
+        torchfuser.optimize(tiny_llama(), filter_fn="model.layers.0")

@@ -41,6 +41,7 @@ def optimize(
     backend: str = "auto",
     patterns=None,
     exclude=(),
+    filter_fn=None,
     strict: bool = False,
     verbose: bool = False,
     cuda_graphs: bool = False,
@@ -56,7 +57,11 @@ def optimize(
     backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
         ``"reference"``, ``"triton"`` or ``"mlir"``.
     patterns / exclude: pattern names to use / to leave out (see ``torchfuser.PATTERNS``).
-    strict: raise, before changing anything, if any candidate block would be skipped.
+    filter_fn: ``filter_fn(qualified_name, module) -> bool`` is asked about every candidate block
+        (the name as in ``model.named_modules()``; ``""`` for the model itself, the LM head + loss
+        candidate); a block it refuses stays as it is and is reported skipped, "excluded by filter_fn".
+    strict: raise, before changing anything, if any candidate block would be skipped (but for
+        those ``filter_fn`` excludes).
     verbose: print the report.
     cuda_graphs: also capture each stack of fused layers (the decoder layers) into CUDA graphs at
         the first training step and replay them after: far fewer host launches, for models whose
@@ -67,9 +72,11 @@ def optimize(
     _check_not_flattened(model)
     backend = backends.check_name(backend)
     chosen = _patterns.select(patterns, exclude)
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable (qualified_name, module) -> bool, got {type(filter_fn).__name__}")
     st = walker.state(model)
     rebackend = st is not None and st.backend != backend
-    result = walker.fuse(model, chosen, backend, strict)
+    result = walker.fuse(model, chosen, backend, strict, filter_fn)
     if not walker.state(model):
         model.__dict__["_torchfuser_last_report"] = result
     if any(e.pattern == "attention" for e in result.fused):

@@ -17,6 +17,10 @@ from torchfuser.report import Entry, FusionReport
 
 log = logging.getLogger("torchfuser")
 _STATE = "_torchfuser_state"
+EXCLUDED = "excluded by filter_fn"  # a user's choice, not a failure: strict=True lets it pass
+# Patterns whose fused block calls the kernels of these children: with a child left plain by
+# filter_fn, every call would fall back to the original forward.
+_NEEDS_FUSED = {"residual_norm": ("input_layernorm", "post_attention_layernorm")}
 
 
 @dataclass
@@ -58,8 +62,9 @@ def _not_plain(params) -> str | None:
     return None
 
 
-def find(model: nn.Module, patterns: list[Pattern]):
-    """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order."""
+def find(model: nn.Module, patterns: list[Pattern], filter_fn=None):
+    """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order.
+    A candidate ``filter_fn(qualname, module)`` refuses is a Skip: listed, not swapped."""
     found = []
     with _probe.one_thread():
         for name, module in model.named_modules():
@@ -72,33 +77,49 @@ def find(model: nn.Module, patterns: list[Pattern]):
                     log.warning("torchfuser: %s pattern failed on %s: %r", pattern.name, name or "(model)", err)
                     result = Skip(f"could not be examined ({type(err).__name__}: {err})")
                 if result is not None:
+                    if filter_fn is not None and not filter_fn(name, module):
+                        found.append((name, module, pattern, Skip(EXCLUDED)))
+                        break
                     why = _not_plain(pattern.parameters_used(module))
                     result = Skip(why) if why else result
                     found.append((name, module, pattern, result))
                     break
-    return found
+    return _children_excluded(found) if filter_fn is not None else found
 
 
-def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool) -> FusionReport:
+def _children_excluded(found):
+    excluded = {n for n, *_, r in found if r == Skip(EXCLUDED)}
+    out = []
+    for name, module, pattern, result in found:
+        kids = [k for k in _NEEDS_FUSED.get(pattern.name, ()) if f"{name}.{k}".lstrip(".") in excluded]
+        if kids and not isinstance(result, Skip):
+            result = Skip(f"{EXCLUDED}, through its {' and '.join(kids)} (its fused form runs their kernels)")
+        out.append((name, module, pattern, result))
+    return out
+
+
+def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn=None) -> FusionReport:
     # Probes seed, draw and run dropouts: whatever a pattern does, the user's generators come out as they went in.
     with _probe.saved_rng():
-        return _fuse(model, patterns, backend, strict)
+        return _fuse(model, patterns, backend, strict, filter_fn)
 
 
-def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool) -> FusionReport:
+def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn) -> FusionReport:
     st = state(model)
     if st is None:
         st = _State(FusionReport(type(model).__name__), backend=backend)
-    found = find(model, patterns)
-    skipped = [(n, r.reason) for n, _, _, r in found if isinstance(r, Skip)]
+    found = find(model, patterns, filter_fn)
+    skipped = [(n, r.reason) for n, _, _, r in found if isinstance(r, Skip) and not r.reason.startswith(EXCLUDED)]
     if strict and skipped:
         listing = "\n".join(f"  {n or '(model)'}: {why}" for n, why in skipped)
         raise ValueError(f"strict=True and {len(skipped)} candidate block(s) would be skipped:\n{listing}")
     if any("is a DTensor" in why for _, why in skipped):
         warnings.warn("torchfuser.optimize: blocks with sharded (DTensor) parameters are left as they are; "
                       "call optimize(model) before fully_shard / parallelize_module (see the report)", stacklevel=3)
-    if backend != "auto" and (st.undo or any(not isinstance(r, Skip) for *_, r in found)):
-        backends.resolve(backend, _device(model))  # fail now, not at the first forward
+    device = _device(model)
+    # Fail now, not at the first forward; a meta model runs nothing until it is materialised elsewhere.
+    if backend != "auto" and device.type != "meta" and (st.undo or any(not isinstance(r, Skip) for *_, r in found)):
+        backends.resolve(backend, device)
     entries = _swap(model, found, backend)
     if st.undo and st.backend != backend:
         _set_backend(model, st, backend)

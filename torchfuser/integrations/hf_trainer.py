@@ -20,14 +20,21 @@ class TorchFuserCallback(TrainerCallback):
     start of its training, once the optimizer is built. Parameters stay the same objects, so
     an optimizer built earlier keeps valid references, and checkpoints keep the original
     ``state_dict`` keys (they load into plain ``transformers``).
+
+    The report is printed on the main process when a model is fused (once for models that fuse
+    alike, as model_init's do), unless ``verbose=False`` or ``TrainingArguments.log_level`` is
+    "error" or "critical"; it is also logged at INFO and kept in ``callback.report``.
     """
 
-    def __init__(self, **optimize_kwargs):
+    def __init__(self, *, verbose: bool = True, **optimize_kwargs):
+        optimize_kwargs.pop("verbose", None)  # optimize's own print would run on every process
         self.optimize_kwargs = optimize_kwargs
+        self.verbose = verbose
         self.report = None  # of the latest model fused
+        self._printed = None  # the summary printed last: a model_init run that fuses alike prints nothing new
         self._done = weakref.WeakSet()  # a Trainer with model_init builds a new model per run and trial
 
-    def _fuse(self, model, state) -> None:
+    def _fuse(self, model, args, state) -> None:
         if model is None or any(m in self._done for m in model.modules()):
             return  # fused already, perhaps inside a wrapper (with FSDP the Trainer's model is the wrapper)
         try:
@@ -41,9 +48,12 @@ class TorchFuserCallback(TrainerCallback):
         if state is None or state.is_world_process_zero:
             log.info("torchfuser: %s", self.report.summary())
             log.debug("%s", self.report)
+            if self.verbose and not _quiet(args) and self._printed != self.report.summary():
+                _print(self.report)
+                self._printed = self.report.summary()
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        self._fuse(model, state)
+        self._fuse(model, args, state)
         if self.optimize_kwargs.get("cuda_graphs") and _data_parallel(args):
             log.warning("torchfuser: the Trainer will wrap the model in nn.DataParallel (%d GPUs, no launcher): its "
                         "replicas run the layers without CUDA graphs; launch with torchrun for DDP, which keeps them",
@@ -52,7 +62,25 @@ class TorchFuserCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         # A model swapped into the Trainer after __init__, or built by its model_init at each train(),
         # is fused here (the optimizer already holds its parameters: the same objects after fusing).
-        self._fuse(model, state)
+        self._fuse(model, args, state)
+
+
+def _print(report) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if not (console.is_terminal or console.is_jupyter):  # a log file: rich's 80 columns would fold every name
+        console = Console(width=160)
+    console.print(report)
+
+
+def _quiet(args) -> bool:
+    """Whether the user asked this process's logs for errors only (``log_level="error"``)."""
+    level = getattr(args, "get_process_log_level", None)
+    try:
+        return callable(level) and level() > logging.WARNING
+    except Exception:  # a stand-in args object: no opinion
+        return False
 
 
 def _data_parallel(args) -> bool:

@@ -70,10 +70,19 @@ def further_inputs(module: nn.Module) -> list[str]:
 
 
 class Pattern:
-    """Recognises one kind of block by structure and math.
+    """Recognises one kind of block by structure and math, and builds its fused replacement.
+    The public interface for a pattern of one's own (``torchfuser.register_pattern``;
+    docs/extending.md):
 
-    ``match`` returns None for modules that are not candidates at all, a ``Skip`` for
-    candidates it will not fuse (with the reason), or a frozen spec for blocks it will.
+    - ``name``: how the report and ``optimize(patterns=, exclude=)`` call it.
+    - ``match(module)``: None for a module that is no candidate at all (the next pattern is asked),
+      a ``Skip(reason)`` for a candidate it will not fuse, or a frozen spec (a dataclass: what
+      ``build`` needs) for one it will. Called on every module, on whatever device (``meta`` too):
+      read structure and attributes, and check the math on small copies, never the model's tensors.
+    - ``build(module, spec, backend)``: the fused module; by default ``fused(module, spec, backend)``.
+      It must hold the original's parameters (``adopt``), not copies.
+    - ``parameters_used(module)``: (name, parameter) pairs the fused module computes with; a
+      candidate whose are not plain tensors (DTensor, quantized) is skipped with that reason.
     """
 
     name: ClassVar[str] = ""
@@ -100,6 +109,20 @@ class Pattern:
         parent_name, _, attr = qualname.rpartition(".")
         parent = root.get_submodule(parent_name)
         fused = self.build(module, spec, backend)
+        _check_holds_originals(self, fused, module)
         fused.train(module.training)
         parent._modules[attr] = fused
         return Applied(type(fused).__name__, _PutBack(parent, attr, fused, module))
+
+
+def _check_holds_originals(pattern: Pattern, fused: nn.Module, module: nn.Module) -> None:
+    """A fused module with parameters of its own would train weights no checkpoint of the model
+    holds, and ``restore`` would hand them to the original: refuse it before the swap."""
+    if not isinstance(fused, nn.Module):
+        raise TypeError(f"{type(pattern).__name__}.build returned a {type(fused).__name__}, not an nn.Module")
+    mine = {id(p) for p in module.parameters()}
+    new = [n for n, p in fused.named_parameters() if id(p) not in mine]
+    if new:
+        raise ValueError(f"{type(pattern).__name__}.build made a {type(fused).__name__} with parameters the "
+                         f"{type(module).__name__} does not hold ({', '.join(new)}): a fused module must hold the "
+                         "original parameter objects (torchfuser.adopt), not copies")
