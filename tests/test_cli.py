@@ -56,12 +56,16 @@ def _mistakes(tmp_path):
     listed.write_text("[1, 2]")
     empty = tmp_path / "empty"
     empty.mkdir()
+    vision = tmp_path / "vit"
+    vision.mkdir()
+    (vision / "config.json").write_text(json.dumps({"model_type": "vit"}))
     cases = {
         "malformed config.json": (["inspect", str(bad)], "is not valid JSON"),
         "json not an object": (["inspect", str(listed)], "has no 'model_type' field"),
         "nonexistent path": (["inspect", str(tmp_path / "nope")], "no such file or directory"),
         "hub id": (["inspect", "meta-llama/Llama-3.2-1B"], "inspect reads local checkpoints"),
         "directory without config.json": (["inspect", str(empty)], "has no config.json"),
+        "no causal LM": (["inspect", str(vision)], "cannot build a causal LM for 'vit'"),
         "not a device": (["demo", "--device", "gpu0"], "is not a device"),
         "short demo": (["demo", "--steps", "2"], "at least 4"),
     }
@@ -73,7 +77,7 @@ def _mistakes(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["malformed config.json", "json not an object", "nonexistent path", "hub id",
-                                  "directory without config.json", "not a device", "short demo",
+                                  "directory without config.json", "no causal LM", "not a device", "short demo",
                                   "cuda without CUDA", "backend that cannot run"])
 def test_mistakes_are_one_line_and_exit_2(case, tmp_path, capsys):
     cases = _mistakes(tmp_path)
@@ -97,10 +101,15 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
 
 def test_a_subcommand_is_one_function_in_commands(capsys):
     """How `bench` (or any later subcommand) plugs in: add(sub) sets run=; CLIError is its mistake."""
+    def run(args):
+        if args.fail:
+            raise cli.CLIError("asked to")
+        return 7
+
     def add(sub):
         p = sub.add_parser("hello")
         p.add_argument("--fail", action="store_true")
-        p.set_defaults(run=lambda args: (_ for _ in ()).throw(cli.CLIError("asked to")) if args.fail else 7)
+        p.set_defaults(run=run)
 
     cli.COMMANDS.append(add)
     try:

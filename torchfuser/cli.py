@@ -46,6 +46,12 @@ def check_backend(backend: str, device) -> None:
         raise CLIError(f"--backend {backend}: {err}") from None
 
 
+def _said(err: Exception) -> str:
+    """A third-party error in one line: transformers' messages run on (lists of every config class)."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"
+
+
 def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="train a small Llama-style model with and without TorchFuser, side by side")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -89,7 +95,7 @@ def _config_file(path: Path):
     try:
         return AutoConfig.for_model(data.pop("model_type"), **data)
     except Exception as err:  # transformers' validators raise their own error types
-        raise CLIError(f"{path} is not a valid transformers config: {type(err).__name__}: {err}") from None
+        raise CLIError(f"{path} is not a valid transformers config: {_said(err)}") from None
 
 
 def _config(target: str):
@@ -125,11 +131,12 @@ def _run_inspect(args) -> int:
     with torch.device("meta"):  # no memory, no weights: only the module structure
         try:
             model = AutoModelForCausalLM.from_config(cfg)
-        except ValueError as err:
-            raise CLIError(f"cannot build a causal LM for {cfg.model_type!r}: {err}") from None
+        except ValueError:  # not one of AutoModelForCausalLM's config classes
+            raise CLIError(f"cannot build a causal LM for {cfg.model_type!r}: transformers has no causal-LM class "
+                           f"for {type(cfg).__name__}") from None
         except (TypeError, AttributeError, KeyError) as err:  # a default config transformers itself cannot build
             raise CLIError(f"transformers could not build {cfg.model_type!r} from this config "
-                           f"({type(err).__name__}: {err}); pass a config.json with the model's sizes instead") from None
+                           f"({_said(err)}); pass a config.json with the model's sizes instead") from None
     optimize(model, backend=args.backend)
     rep = report(model)
     if args.json:

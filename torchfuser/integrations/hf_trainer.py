@@ -23,11 +23,11 @@ class TorchFuserCallback(TrainerCallback):
 
     The report is printed on the main process when a model is fused (once for models that fuse
     alike, as model_init's do), unless ``verbose=False`` or ``TrainingArguments.log_level`` is
-    "error" or "critical"; it is also logged at INFO and kept in ``callback.report``.
+    "error" or "critical"; it is also logged at INFO and kept in ``callback.report``. (``verbose`` is
+    the callback's: optimize's own would print on every process.)
     """
 
     def __init__(self, *, verbose: bool = True, **optimize_kwargs):
-        optimize_kwargs.pop("verbose", None)  # optimize's own print would run on every process
         self.optimize_kwargs = optimize_kwargs
         self.verbose = verbose
         self.report = None  # of the latest model fused
