@@ -17,7 +17,7 @@ def _tiny_cfg():
                        num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
 
 
-def test_trainer_callback_fuses_trains_and_checkpoint_loads_into_plain_transformers(tmp_path):
+def test_trainer_callback_fuses_trains_and_checkpoint_loads_into_plain_transformers(tmp_path, capsys):
     pytest.importorskip("accelerate")
     from transformers import Trainer, TrainingArguments
 
@@ -31,6 +31,7 @@ def test_trainer_callback_fuses_trains_and_checkpoint_loads_into_plain_transform
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     assert isinstance(model.model.norm, FusedRMSNorm)  # fused at Trainer init, before any step
     assert callback.report is not None and callback.report.fused
+    assert "LlamaForCausalLM: 12 blocks fused" in capsys.readouterr().out  # where the user sees it
     trainer.train()
     assert [id(p) for p in model.parameters()] == params_before  # the optimizer kept valid references
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "checkpoint-2")
