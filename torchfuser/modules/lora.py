@@ -111,9 +111,10 @@ class _Plan:
     base_dtype: torch.dtype
     lora_dtype: torch.dtype
 
-    def split(self, tensors):
+    def split(self, items):
+        """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
         n, k = len(self.rows), len(self.term_proj)
-        it = iter(tensors)
+        it = iter(items)
         take = lambda count: [next(it) for _ in range(count)]  # noqa: E731
         return take(self.n_inputs), take(n), take(n if self.has_bias else 0), take(k), take(k)
 
@@ -220,8 +221,8 @@ class _LoRALinear(torch.autograd.Function):
             plain = [k for k, t in enumerate(plan.term_input) if t == 0]
             hs = [None] * len(As)
             if plain:  # the A's of every adapter without a live dropout: one GEMM on x
-                h0 = torch.mm(x2.to(cl), torch.cat([a[k] for k in plain]).t()).split([a[k].shape[0] for k in plain], dim=1)
-                for k, h in zip(plain, h0):
+                h0 = torch.mm(x2.to(cl), torch.cat([a[k] for k in plain]).t())
+                for k, h in zip(plain, h0.split([a[k].shape[0] for k in plain], dim=1)):
                     hs[k] = h
             for k, t in enumerate(plan.term_input):
                 if t:
@@ -231,7 +232,9 @@ class _LoRALinear(torch.autograd.Function):
         # The saved base weights: the cast/concatenation where autocast made one (as autocast saves
         # its cast), else the parameters themselves, concatenated again in the backward (no copy kept).
         cast = w.dtype != weights[0].dtype
-        ctx.save_for_backward(xb, *inputs, *(weights if not cast else [w]), *a, *bb, *hs)
+        # x (as cast) only where a gradient reads it: a base weight's, or an A's on x itself.
+        wants_x = any(plan.split(ctx.needs_input_grad[2:])[1]) or bool(plain)
+        ctx.save_for_backward(xb if wants_x else None, *inputs, *(weights if not cast else [w]), *a, *bb, *hs)
         ctx.plan, ctx.cast, ctx.x_dtype = plan, cast, x.dtype
         ctx.dtypes = [t.dtype for t in (*weights, *biases, *As, *Bs)]
         return y
@@ -245,15 +248,11 @@ class _LoRALinear(torch.autograd.Function):
         rest = saved[1 + plan.n_inputs:]
         nw = 1 if ctx.cast else n
         weights, a, bb, hs = rest[:nw], rest[nw:nw + k], rest[nw + k:nw + 2 * k], rest[nw + 2 * k:]
-        need = ctx.needs_input_grad
-        need_x, need_in = need[1], need[2:2 + plan.n_inputs]
-        at = 2 + plan.n_inputs
-        need_w, need_b = need[at:at + n], need[at + n:at + n + (n if plan.has_bias else 0)]
-        at += n + (n if plan.has_bias else 0)
-        need_a, need_bb = need[at:at + k], need[at + k:at + 2 * k]
-        w_dtypes, a_dtypes, b_dtypes = ctx.dtypes[:n], ctx.dtypes[-2 * k:-k] if k else [], ctx.dtypes[-k:] if k else []
+        need_x = ctx.needs_input_grad[1]
+        need_in, need_w, need_b, need_a, need_bb = plan.split(ctx.needs_input_grad[2:])
+        _, w_dtypes, b_dtypes, a_dtypes, bb_dtypes = plan.split([None] * plan.n_inputs + ctx.dtypes)
         with torch._C._DisableAutocast():
-            x2 = xb.reshape(-1, xb.shape[-1])
+            x2 = None if xb is None else xb.reshape(-1, xb.shape[-1])
             dy2 = dy.reshape(-1, dy.shape[-1])
             cols = dy2.split(list(plan.rows), dim=1)
             d_a, d_bb, d_in = [None] * k, [None] * k, [None] * plan.n_inputs
@@ -261,7 +260,7 @@ class _LoRALinear(torch.autograd.Function):
             for j, (i, s) in enumerate(zip(plan.term_proj, plan.scaling)):
                 g = cols[i].to(cl)
                 if need_bb[j]:
-                    d_bb[j] = _mm(g.t(), hs[j], b_dtypes[j]).mul_(s)
+                    d_bb[j] = _mm(g.t(), hs[j], bb_dtypes[j]).mul_(s)
                 dh[j] = torch.mm(g, bb[j]).mul_(s)
             dx = None
             if need_x:
@@ -288,9 +287,9 @@ class _LoRALinear(torch.autograd.Function):
                 for i, g in enumerate(cols):
                     d_w[i] = _mm(g.t(), x2, w_dtypes[i]) if need_w[i] else None
             for i, g in enumerate(cols[:len(need_b)]):
-                d_b[i] = _column_sums(g).to(ctx.dtypes[n + i]) if need_b[i] else None
+                d_b[i] = _column_sums(g).to(b_dtypes[i]) if need_b[i] else None
         if dx is not None:
-            dx = dx.view(*xb.shape[:-1], dx.shape[-1])
+            dx = dx.view(*dy.shape[:-1], dx.shape[-1])
         return (None, dx, *d_in, *d_w, *d_b, *d_a, *d_bb)
 
 
