@@ -67,7 +67,8 @@ def _step(model, seed=3, **kw):
 def _same(ref, fused, rtol=1e-5, atol=1e-7, **kw):
     (la, ga), (lb, gb) = _step(ref, **kw), _step(fused, **kw)
     torch.testing.assert_close(lb, la, rtol=rtol, atol=atol)
-    assert ga and all("lora_" in n or "modules_to_save" in n for n in ga)  # frozen base: no gradient for it
+    trained = ("lora_", "modules_to_save", "hada_")  # the adapters, a trained copy, LoHa's factors
+    assert ga and all(any(t in n for t in trained) for n in ga)  # frozen base: no gradient for it
     assert list(gb) == list(ga)
     for n in ga:
         torch.testing.assert_close(gb[n], ga[n], rtol=rtol, atol=atol, msg=n)
@@ -249,3 +250,35 @@ def test_node_gradcheck(bias):
     linears[0].train()
     torch.testing.assert_close(fused(x), peft_way(x), rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(fused, (x, *params))
+
+
+def test_other_peft_layers_leave_the_block_with_the_reason():
+    """A tuner layer other than plain LoRA (LoHa here; bnb's Linear4bit takes the same branch)."""
+    cfg = peft.LoHaConfig(r=4, target_modules=["q_proj", "gate_proj"], init_weights=False)
+    ref = peft.get_peft_model(_base(), cfg)
+    fused = torchfuser.optimize(copy.deepcopy(ref), backend="reference")
+    blocks = [e for e in torchfuser.report(fused).entries if e.pattern in ("attention", "gated_mlp")]
+    assert blocks and all(not e.is_fused and "another PEFT method" in e.reason for e in blocks)
+    _same(ref, fused)
+
+
+def test_generate_with_kv_cache():
+    ref, fused = _pair("qwen2")
+    ref.eval(), fused.eval()
+    ids = _ids()[:1, :5]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(fused.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+
+
+def test_lora_on_conv1d_projections_runs_as_peft_layers():
+    """GPT-2's Conv1D projections are single ones (c_attn holds q, k and v): called as PEFT's layers."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, attn_pdrop=0.0, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_implementation="eager"))
+    cfg = peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, init_lora_weights=False)
+    ref = peft.get_peft_model(base, cfg)
+    fused = torchfuser.optimize(copy.deepcopy(ref), backend="reference")
+    counts = torchfuser.report(fused).counts()
+    assert counts["attention"]["fused"] == 2 and counts["mlp"]["fused"] == 2
+    _same(ref, fused)

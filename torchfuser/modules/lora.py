@@ -68,7 +68,8 @@ def unsupported(name: str, m: nn.Module) -> str | None:
         return None
     base = m.get_base_layer()
     if type(m) is not _lora_linear_type():
-        return (f"{name} is PEFT's {type(m).__module__.split('.')[-1]}.{type(m).__name__} over "
+        where = type(m).__module__.removeprefix("peft.tuners.")  # e.g. 'loha.layer', 'lora.bnb'
+        return (f"{name} is PEFT's {where}.{type(m).__name__} over "
                 f"{type(base).__name__} (a quantised base or another PEFT method): the fused block computes "
                 "plain LoRA on an nn.Linear base only")
     if type(base) is not nn.Linear and type(base).__name__ != "Conv1D":
