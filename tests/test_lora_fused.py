@@ -282,3 +282,18 @@ def test_lora_on_conv1d_projections_runs_as_peft_layers():
     counts = torchfuser.report(fused).counts()
     assert counts["attention"]["fused"] == 2 and counts["mlp"]["fused"] == 2
     _same(ref, fused)
+
+
+def test_mixed_batch_adapter_names_run_as_peft_layers():
+    """PEFT passes ``adapter_names`` through forward pre-hooks on its layers: hooked layers run as themselves."""
+    ref, fused = _pair()
+    for m in (ref, fused):
+        torch.manual_seed(5)
+        m.add_adapter("second", peft.LoraConfig(r=4, target_modules=ALL, init_lora_weights=False))
+        m.eval()
+    fused.load_state_dict(ref.state_dict())
+    names = ["default", "second"]
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=_ids(), adapter_names=names).logits,
+                                   ref(input_ids=_ids(), adapter_names=names).logits, rtol=1e-5, atol=1e-6)
+    assert "hooks on a LoRA layer" in " ".join(fallbacks.notes(fused))
