@@ -86,6 +86,11 @@ def test_fused_and_exact(kind, order, monkeypatch):
     assert spy.calls == 4  # q/k/v and gate/up of each of the two layers, one node each
     assert not fallbacks.counts(fused)
     assert layer.self_attn.lora_summary == "LoRA r=8" and "with LoRA r=8" in repr(layer.mlp)
+    torchfuser.restore(fused if order == "before" else fused.base_model.model)  # what optimize was given
+    # the original blocks are back, holding the same LoRA layers
+    layer = fused.base_model.model.model.layers[0]
+    assert type(layer.self_attn).__name__.endswith("Attention") and not isinstance(layer.self_attn, FusedAttention)
+    assert isinstance(layer.mlp.up_proj, peft.tuners.lora.Linear) and list(fused.state_dict()) == list(ref.state_dict())
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
