@@ -302,3 +302,20 @@ def test_mixed_batch_adapter_names_run_as_peft_layers():
         torch.testing.assert_close(fused(input_ids=_ids(), adapter_names=names).logits,
                                    ref(input_ids=_ids(), adapter_names=names).logits, rtol=1e-5, atol=1e-6)
     assert "hooks on a LoRA layer" in " ".join(fallbacks.notes(fused))
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_lora_on_tied_embeddings(order):
+    """LoRA on embed_tokens of a tied model: PEFT's embedding layer, the fused head on the tied base weight."""
+    def base():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**_CFG, tie_word_embeddings=True, attn_implementation="sdpa"))
+    cfg = dict(r=4, target_modules=["embed_tokens", "q_proj", "k_proj"], init_lora_weights=False)
+    ref = peft.get_peft_model(base(), peft.LoraConfig(**cfg))
+    if order == "before":
+        fused = torchfuser.optimize(copy.deepcopy(ref), backend="reference")
+    else:
+        fused = peft.get_peft_model(torchfuser.optimize(base(), backend="reference"), peft.LoraConfig(**cfg))
+        fused.load_state_dict(ref.state_dict())
+    assert torchfuser.report(fused).counts()["lm_head_loss"]["fused"] == 1
+    _same(ref, fused)
