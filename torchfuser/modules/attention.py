@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
                                      keep_dropout)
-from torchfuser.modules import fallbacks
+from torchfuser.modules import fallbacks, lora
 from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
@@ -162,6 +162,14 @@ class FusedAttention(FusedModule):
         # Not a submodule: the fallback path, never part of state_dict or parameters().
         self.__dict__["_original"] = original
 
+    @property
+    def lora_summary(self) -> str | None:
+        """'LoRA r=16' while PEFT adapters are active on its projections (read by the report), else None."""
+        return lora.summary(self, (*self.spec.qkv, self.spec.out))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", with {t}" if (t := self.lora_summary) else "")
+
     # -- fallback -------------------------------------------------------------------------
     def _fallback(self, hidden_states, kwargs):
         """Run the original module on whatever this module now holds (after .to(), re-tying...)."""
@@ -195,7 +203,7 @@ class FusedAttention(FusedModule):
         s = self.spec
         lead, d = x.shape[:-1], s.head_dim
         if s.layout == "separate":
-            q, k, v = project(x, [getattr(self, n) for n in s.qkv])
+            q, k, v = project(x, [getattr(self, n) for n in s.qkv], self)
             if s.q_norm is not None and not s.norm_per_head:
                 q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
             return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from torchfuser import functional as F
+from torchfuser.modules import lora
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
 from torchfuser.modules.projections import joint, residual_linear
 
@@ -37,7 +38,23 @@ class MLPSpec:
     keep: tuple[str, ...] = ()
 
 
-class FusedGatedMLP(FusedModule):
+class _WithLoRA:
+    """``lora_summary`` ('LoRA r=16' while PEFT adapters are active on the projections, read by the
+    report) and the same in ``extra_repr``."""
+
+    _projections: tuple[str, ...] = ()
+
+    @property
+    def lora_summary(self) -> str | None:
+        return lora.summary(self, [getattr(self.spec, n) for n in self._projections])
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", with {t}" if (t := self.lora_summary) else "")
+
+
+class FusedGatedMLP(_WithLoRA, FusedModule):
+    _projections = ("gate", "up", "gate_up", "down")
+
     def __init__(self, original: nn.Module, spec: GatedMLPSpec, backend: str = "auto"):
         super().__init__(spec, backend)
         names = (spec.gate, spec.up, spec.gate_up, spec.down, keep_dropout(self, original, spec.dropout)) + spec.keep
@@ -61,7 +78,7 @@ class FusedGatedMLP(FusedModule):
         if s.gate_up is not None:
             packed, gate_first = getattr(self, s.gate_up)(x), s.gate_first
         else:  # gate and up as one GEMM under autocast; None where that would differ
-            packed, gate_first = joint(x, [getattr(self, s.gate), getattr(self, s.up)]), True
+            packed, gate_first = joint(x, [getattr(self, s.gate), getattr(self, s.up)], self), True
         if packed is None:
             h = self._act(getattr(self, s.gate)(x), getattr(self, s.up)(x), backend=self.backend)
         elif gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
@@ -72,7 +89,9 @@ class FusedGatedMLP(FusedModule):
         return h
 
 
-class FusedMLP(FusedModule):
+class FusedMLP(_WithLoRA, FusedModule):
+    _projections = ("fc_in", "fc_out")
+
     def __init__(self, original: nn.Module, spec: MLPSpec, backend: str = "auto"):
         super().__init__(spec, backend)
         names = (spec.fc_in, spec.fc_out, keep_dropout(self, original, spec.dropout)) + spec.keep

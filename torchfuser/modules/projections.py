@@ -8,9 +8,10 @@ backward turns each bf16 ``dx`` back to fp32 and adds them up. Here the input is
 sums the projections' ``dx`` in fp32 inside cuBLAS before the one rounding: fewer launches, less
 traffic, one saved copy of the input instead of one per projection, and ``dx`` no less accurate.
 
-Only plain ``nn.Linear`` children without hooks qualify (a LoRA or quantised layer, a hook, an
-FSDP-wrapped child must each be called as itself), and only under autocast: without it the
-concatenated weights would be an extra copy to save for the backward.
+Only plain ``nn.Linear`` children without hooks qualify (a quantised layer, a hook, an FSDP-wrapped
+child must each be called as itself; PEFT LoRA layers have a joint node of their own in
+``modules.lora``), and only under autocast: without it the concatenated weights would be an extra
+copy to save for the backward.
 
 In plain eager mode the joint product and its backward are one autograd node (``_AutocastLinear``):
 where cuBLAS can write fp32 from bf16/fp16 operands (CUDA, ``torch.mm(..., out_dtype=)``), the
@@ -40,9 +41,14 @@ def _plain(linears) -> bool:
     return not hooked(*linears) and all(type(m) is nn.Linear and (m.bias is not None) == with_bias for m in linears)
 
 
-def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:
+def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -> Tensor | None:
     """``torch.cat([m(x) for m in linears], -1)`` as one GEMM, under autocast; None where that
-    would not give the same result (see the module docstring): then call each projection."""
+    would not give the same result (see the module docstring): then call each projection.
+    Projections carrying PEFT LoRA adapters go to ``modules.lora`` (with or without autocast),
+    which counts on ``owner`` why a call could not run there."""
+    if len(linears) > 1 and not all(type(m) is nn.Linear for m in linears):
+        from torchfuser.modules import lora  # here, not at the top: lora builds on this module
+        return lora.joint(x, linears, owner) if any(map(lora.is_lora, linears)) else None
     device = x.device.type
     if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not autocast_enabled(device)
             or not _plain(linears)):
@@ -58,9 +64,9 @@ def joint(x: Tensor, linears: list[nn.Module]) -> Tensor | None:
         return nn.functional.linear(x.to(dtype), weight, bias)
 
 
-def project(x: Tensor, linears: list[nn.Module]) -> list[Tensor]:
+def project(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -> list[Tensor]:
     """``[m(x) for m in linears]``, as one GEMM where that gives the same result."""
-    y = joint(x, linears)
+    y = joint(x, linears, owner)
     if y is None:
         return [m(x) for m in linears]
     return list(y.split([m.out_features for m in linears], dim=-1))

@@ -11,6 +11,7 @@ import inspect
 import torch
 from torch import nn
 
+from torchfuser.modules import lora
 from torchfuser.modules.attention import AttentionSpec, FusedAttention, split_concat
 from torchfuser.patterns import _probe
 
@@ -57,10 +58,11 @@ def probe_copy(module: nn.Module, spec: AttentionSpec):
     tensors, which may be on the meta device or a GPU), narrow on the model side."""
     gen = _probe.generator(5)
     probe = _probe.shallow_copy(module)
+    proj = {n: lora.base_of(module._modules[n]) for n in (*spec.qkv, spec.out)}  # a LoRA layer: its base
     for n in spec.qkv:
-        probe._modules[n] = _probe.small_projection(module._modules[n], _MODEL_WIDTH, _probe.projection_dims(module._modules[n])[1], gen)
-    n_out = _probe.projection_dims(module._modules[spec.out])[0]
-    probe._modules[spec.out] = _probe.small_projection(module._modules[spec.out], n_out, _MODEL_WIDTH, gen)
+        probe._modules[n] = _probe.small_projection(proj[n], _MODEL_WIDTH, _probe.projection_dims(proj[n])[1], gen)
+    n_out = _probe.projection_dims(proj[spec.out])[0]
+    probe._modules[spec.out] = _probe.small_projection(proj[spec.out], n_out, _MODEL_WIDTH, gen)
     for n in (spec.q_norm, spec.k_norm):
         if n is not None:
             probe._modules[n] = ProbeNorm(module._modules[n].weight.shape[0], gen)
@@ -92,7 +94,7 @@ def value_rows(module: nn.Module, spec: AttentionSpec) -> tuple[int, ...] | None
     order per query head; None where it does not run or v is no plain selection of rows. A single
     token attends only to itself, so the output is its own v whatever q, k, norms and rotary do:
     with identities for the projections and the row numbers as the input, the output *is* those rows."""
-    n = _probe.projection_dims(module._modules[spec.qkv[0]])[1]
+    n = _probe.projection_dims(lora.base_of(module._modules[spec.qkv[0]]))[1]
     try:
         probe, _, kwargs = probe_copy(module, spec)
         for name, m in probe._modules.items():

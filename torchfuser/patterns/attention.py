@@ -21,6 +21,7 @@ import math
 
 from torch import nn
 
+from torchfuser.modules import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
@@ -203,7 +204,9 @@ class AttentionPattern(Pattern):
     fused = FusedAttention
 
     def match(self, module):
-        projs = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(m))}
+        # A projection under a PEFT adapter counts as the projection it wraps (FusedAttention runs LoRA).
+        projs = {n: d for n, m in module._modules.items()
+                 if m is not None and (d := _probe.projection_dims(lora.base_of(m)))}
         params = forward_params(module)
         names = [p.name for p in params]
         hinted = "attention" in type(module).__name__.lower()
@@ -211,7 +214,8 @@ class AttentionPattern(Pattern):
             return None
         if not hinted and next(_shapes(module, projs), None) is None:
             return None  # takes a mask but has no q/k/v/o projections (e.g. a decoder layer with an inline MLP)
-        result = self._unsupported(module, names)
+        result = self._unsupported(module, names) or next(
+            filter(None, (lora.unsupported(n, module._modules[n]) for n in projs)), None)
         result = Skip(result) if result else self._parts(module, projs)
         if not isinstance(result, Skip):
             positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)

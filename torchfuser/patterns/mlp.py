@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from torchfuser.modules import lora
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP, GatedMLPSpec, MLPSpec
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns.base import Pattern, Skip
@@ -34,6 +35,10 @@ def _unknown(module: nn.Module, names: list[str]) -> str:
             "activation: the fused MLP would not compute them")
 
 
+def _lora_problem(module: nn.Module, parts: "_Parts") -> str | None:
+    return next(filter(None, (lora.unsupported(n, module._modules[n]) for n in parts.proj)), None)
+
+
 @dataclass
 class _Parts:
     proj: dict[str, tuple[int, int]]
@@ -51,7 +56,8 @@ class _Scale(nn.Module):
 
 
 def _parts(module: nn.Module) -> _Parts | None:
-    proj = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(m))}
+    # A projection under a PEFT adapter counts as the projection it wraps (the fused MLPs run LoRA).
+    proj = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(lora.base_of(m)))}
     if len(proj) not in (2, 3) or len(module._parameters):
         return None
     rest = [n for n in module._modules if n not in proj]
@@ -68,7 +74,7 @@ def _parts(module: nn.Module) -> _Parts | None:
 def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int, int]], what: str):
     gen = _probe.generator(4)
     probe = _probe.shallow_copy(module)
-    small = {n: _probe.small_projection(module._modules[n], *widths[n], gen) for n in widths}
+    small = {n: _probe.small_projection(lora.base_of(module._modules[n]), *widths[n], gen) for n in widths}
     probe._modules.update(small)
     if parts.dropout is not None:
         probe._modules[parts.dropout] = _Scale()
@@ -141,6 +147,8 @@ class GatedMLPPattern(Pattern):
             widths = {gate_up: (_H, 2 * _I), down: (_I, _H)}
         if parts.others:
             return Skip(_unknown(module, parts.others))
+        if why := _lora_problem(module, parts):
+            return Skip(why)
         if parts.act_kind not in ("silu", "gelu_tanh"):
             return Skip(f"a gated MLP with {_ACT_WORDS[parts.act_kind]}: that activation has no fused gated kernel "
                         "(SiLU, as in SwiGLU, and tanh-GELU, as in GeGLU, do)")
@@ -177,6 +185,8 @@ class MLPPattern(Pattern):
             return None
         if parts.others:
             return Skip(_unknown(module, parts.others))
+        if why := _lora_problem(module, parts):
+            return Skip(why)
         if parts.act_kind not in ("gelu", "gelu_tanh"):
             return Skip(f"an ungated MLP with {_ACT_WORDS[parts.act_kind]}, fc_out(act(fc_in(x))): only ungated MLPs "
                         "with GELU (erf or tanh) are fused")

@@ -1,0 +1,312 @@
+"""PEFT LoRA adapters on the projections of a fused block, run in its joint projection.
+
+For projections i with frozen base W_i (b_i) and active adapters k (A_k, B_k, scaling s_k, dropout):
+
+    y_i = x·W_iᵀ (+ b_i) + Σ_k s_k · (drop_k(x)·A_kᵀ)·B_kᵀ
+
+as one autograd node: the bases as one GEMM (as ``projections.joint``), the A's of every adapter
+without an active dropout as one GEMM on x ([A_q; A_k; A_v]), each B added into its projection's
+columns of the output. Saved for the backward: x once (no copy of it per projection), the cast or
+concatenated base weights only where a cast made them (else the parameters themselves), the
+small h = x·Aᵀ, the cast A's and B's. No gradient is computed for what does not require one (a
+frozen base).
+
+Dropout: each adapter's own ``nn.Dropout`` is called on the input PEFT would pass it, in PEFT's
+order (projection by projection, adapter by adapter, before any product), so the masks are the
+very ones PEFT draws: exact parity. Such an adapter's A product runs on its own dropped input.
+
+Dtypes as PEFT's forward gives them: under autocast every product is in the autocast dtype;
+without it the base products are in x's dtype, the LoRA ones in the adapter weights' dtype (fp32
+adapters on a bf16 base: PEFT's default), summed in the promoted dtype and rounded to x's dtype.
+
+A LoRA layer this cannot reproduce (a DoRA or other variant, merged weights, a LoRA bias, hooks,
+an in-place dropout) makes the caller run each projection as itself, counted in
+``modules.fallbacks``; a quantised base (bnb) or another PEFT method leaves the block unfused at
+``optimize`` (``unsupported``).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from torchfuser.modules import fallbacks
+from torchfuser.modules.base import hooked
+from torchfuser.modules.projections import _cast_cat, _column_sums, _mm
+from torchfuser.ops._call import autocast_enabled, plain_eager
+
+_AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _lora_linear_type():
+    """peft's lora.Linear, or None when peft was never imported (then no model holds one)."""
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(layer, "Linear", None)
+
+
+def _tuner_layer(m: nn.Module) -> bool:
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return tuners is not None and isinstance(m, tuners.BaseTunerLayer)
+
+
+def is_lora(m: nn.Module) -> bool:
+    """Whether ``m`` is a PEFT adapter layer (LoRA or another method)."""
+    return _tuner_layer(m)
+
+
+def base_of(m: nn.Module) -> nn.Module:
+    """The layer a PEFT adapter wraps (what a pattern reads shapes from), else ``m``."""
+    return m.get_base_layer() if _tuner_layer(m) else m
+
+
+def unsupported(name: str, m: nn.Module) -> str | None:
+    """Why a block whose projection ``name`` is ``m`` cannot be fused, or None. Plain LoRA on an
+    nn.Linear / Conv1D base runs fused or as itself; anything else PEFT puts there is left alone."""
+    if not _tuner_layer(m):
+        return None
+    base = m.get_base_layer()
+    if type(m) is not _lora_linear_type():
+        where = type(m).__module__.removeprefix("peft.tuners.")  # e.g. 'loha.layer', 'lora.bnb'
+        return (f"{name} is PEFT's {where}.{type(m).__name__} over "
+                f"{type(base).__name__} (a quantised base or another PEFT method): the fused block computes "
+                "plain LoRA on an nn.Linear base only")
+    if type(base) is not nn.Linear and type(base).__name__ != "Conv1D":
+        return f"{name}'s LoRA adapter wraps a {type(base).__name__}, not an nn.Linear"
+    variants = getattr(m, "lora_variant", {})
+    if variants:
+        kinds = ", ".join(f"{a!r}: {type(v).__name__}" for a, v in variants.items())
+        return (f"{name} carries LoRA variants ({kinds}; DoRA is one): the fused block computes plain "
+                "x·Wᵀ + s·(x·Aᵀ)·Bᵀ only")
+    return None
+
+
+def summary(module: nn.Module, names) -> str | None:
+    """'LoRA r=16' (the ranks of the active adapters on the projections ``names``), None without any."""
+    ranks, active = set(), set()
+    for n in names:
+        m = module._modules.get(n) if n else None
+        if m is None or type(m) is not _lora_linear_type() or m.disable_adapters:
+            continue
+        for a in m.active_adapters:
+            if a in m.lora_A:
+                ranks.add(m.r[a])
+                active.add(a)
+    if not ranks:
+        return None
+    text = f"LoRA r={'/'.join(str(r) for r in sorted(ranks))}"
+    return text if active == {"default"} else f"{text} (adapters {', '.join(sorted(active))})"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one call computes, beside the tensors. Terms are the active adapters in PEFT's order."""
+
+    rows: tuple[int, ...]  # each projection's out_features
+    n_inputs: int  # dropped inputs, one per adapter with an active dropout
+    has_bias: bool
+    term_proj: tuple[int, ...]  # the projection each term adds to
+    term_input: tuple[int, ...]  # 0: x itself; t ≥ 1: the t-th dropped input
+    scaling: tuple[float, ...]
+    base_dtype: torch.dtype
+    lora_dtype: torch.dtype
+
+    def split(self, items):
+        """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
+        n, k = len(self.rows), len(self.term_proj)
+        it = iter(items)
+        take = lambda count: [next(it) for _ in range(count)]  # noqa: E731
+        return take(self.n_inputs), take(n), take(n if self.has_bias else 0), take(k), take(k)
+
+
+def _terms(m: nn.Module):
+    """(base nn.Linear, [(A, B, scaling, dropout or None)]) of a projection, or why it must run as itself."""
+    if type(m) is nn.Linear:
+        return m, []
+    if type(m) is not _lora_linear_type():
+        return f"{type(m).__name__} is not a LoRA layer on an nn.Linear"
+    base = m.base_layer
+    if type(base) is not nn.Linear:
+        return f"a LoRA layer on a {type(base).__name__}"
+    if m.merged:
+        return "merged LoRA weights (PEFT's merge(); its forward unmerges them when adapters are disabled)"
+    if not getattr(m, "cast_input_dtype_enabled", True):
+        return "PEFT's input dtype casting disabled"
+    if hooked(m, base):
+        return "hooks on a LoRA layer"
+    if m.disable_adapters:
+        return base, []
+    terms = []
+    for a in m.active_adapters:
+        if a not in m.lora_A:
+            continue
+        if a in m.lora_variant:
+            return f"LoRA variant {type(m.lora_variant[a]).__name__} (adapter {a!r})"
+        A, B, drop = m.lora_A[a], m.lora_B[a], m.lora_dropout[a]
+        if type(A) is not nn.Linear or type(B) is not nn.Linear or B.bias is not None or A.bias is not None:
+            return f"adapter {a!r} has a LoRA bias or non-Linear A/B"
+        if type(drop) not in (nn.Identity, nn.Dropout) or getattr(drop, "inplace", False) or hooked(A, B, drop):
+            return f"adapter {a!r} has hooks or a dropout other than nn.Dropout"
+        live = type(drop) is nn.Dropout and drop.training and drop.p > 0
+        terms.append((A.weight, B.weight, float(m.scaling[a]), drop if live else None))
+    return base, terms
+
+
+def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tensor | None:
+    """``torch.cat([m(x) for m in linears], -1)`` for projections some of which are PEFT LoRA
+    layers, as one node (module docstring); None where the caller must call each as itself (why
+    counted on ``owner``)."""
+    parts = [_terms(m) for m in linears]
+    why = next((p for p in parts if isinstance(p, str)), None)
+    if why is None:
+        why = _dtype_problem(x, parts)
+    if why is None and not plain_eager((x, *(t for b, ts in parts for t in (b.weight, *(a for a, *_ in ts))))):
+        why = "not plain eager mode (tracing, a dispatch mode, functorch or a tensor subclass)"
+    if why is not None:
+        if owner is not None:
+            fallbacks.count(owner, f"LoRA projections ran as PEFT's own layers, not as one GEMM: {why}")
+        return None
+    device = x.device.type
+    base_dtype = torch.get_autocast_dtype(device) if autocast_enabled(device) else x.dtype
+    terms = [(i, *t) for i, (_, ts) in enumerate(parts) for t in ts]
+    lora_dtype = base_dtype if autocast_enabled(device) or not terms else terms[0][1].dtype
+    inputs, term_input = [], []
+    for _, A, _, _, drop in terms:  # PEFT's order of dropout draws: projection by projection
+        if drop is None:
+            term_input.append(0)
+        else:
+            inputs.append(drop(x.to(A.dtype)))
+            term_input.append(len(inputs))
+    bases = [b for b, _ in parts]
+    plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
+                 tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype)
+    biases = [b.bias for b in bases] if plan.has_bias else []
+    return _LoRALinear.apply(plan, x, *inputs, *(b.weight for b in bases), *biases,
+                             *(t[1] for t in terms), *(t[2] for t in terms))
+
+
+def _dtype_problem(x: Tensor, parts) -> str | None:
+    """Why this call's dtypes are not ones the node reproduces PEFT's numerics for (then the layers
+    run as themselves, and raise PyTorch's own error where they must)."""
+    bases = [b for b, _ in parts]
+    if len({b.bias is None for b in bases}) > 1:
+        return "some projections have a bias and some do not"
+    params = [t for b in bases for t in (b.weight, b.bias) if t is not None]
+    adapters = [t for _, ts in parts for A, B, *_ in ts for t in (A, B)]
+    if autocast_enabled(x.device.type):
+        if any(t.dtype not in _AUTOCAST_CASTS for t in (x, *params, *adapters)):
+            return "float64 under autocast"
+        return None
+    if any(t.dtype != x.dtype for t in params):
+        return "input and base weights of different dtypes"
+    if len({t.dtype for t in adapters}) > 1:
+        return "adapters of different dtypes"
+    return None
+
+
+class _LoRALinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, x, *tensors):
+        inputs, weights, biases, As, Bs = plan.split(tensors)
+        cb, cl = plan.base_dtype, plan.lora_dtype
+        with torch._C._DisableAutocast():  # every cast below is explicit: autocast's own
+            xb = x.to(cb)
+            x2 = xb.reshape(-1, xb.shape[-1])
+            w = weights[0].to(cb) if len(weights) == 1 else _cast_cat(weights, cb)
+            b = None if not biases else (biases[0].to(cb) if len(biases) == 1 else _cast_cat(biases, cb))
+            y = nn.functional.linear(xb, w, b)
+            y2 = y.view(-1, y.shape[-1])
+            a = [A.to(cl) for A in As]
+            bb = [B.to(cl) for B in Bs]
+            plain = [k for k, t in enumerate(plan.term_input) if t == 0]
+            hs = [None] * len(As)
+            if plain:  # the A's of every adapter without a live dropout: one GEMM on x
+                h0 = torch.mm(x2.to(cl), torch.cat([a[k] for k in plain]).t())
+                for k, h in zip(plain, h0.split([a[k].shape[0] for k in plain], dim=1)):
+                    hs[k] = h
+            for k, t in enumerate(plan.term_input):
+                if t:
+                    xd = inputs[t - 1].reshape(-1, x2.shape[-1]).to(cl)
+                    hs[k] = torch.mm(xd, a[k].t())
+            _add_terms(y2, plan, hs, bb)
+        # The saved base weights: the cast/concatenation where autocast made one (as autocast saves
+        # its cast), else the parameters themselves, concatenated again in the backward (no copy kept).
+        cast = w.dtype != weights[0].dtype
+        # x (as cast) only where a gradient reads it: a base weight's, or an A's on x itself.
+        wants_x = any(plan.split(ctx.needs_input_grad[2:])[1]) or bool(plain)
+        ctx.save_for_backward(xb if wants_x else None, *inputs, *(weights if not cast else [w]), *a, *bb, *hs)
+        ctx.plan, ctx.cast, ctx.x_dtype = plan, cast, x.dtype
+        ctx.dtypes = [t.dtype for t in (*weights, *biases, *As, *Bs)]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan = ctx.plan
+        n, k, cl = len(plan.rows), len(plan.term_proj), plan.lora_dtype
+        saved = list(ctx.saved_tensors)
+        xb, inputs = saved[0], saved[1:1 + plan.n_inputs]
+        rest = saved[1 + plan.n_inputs:]
+        nw = 1 if ctx.cast else n
+        weights, a, bb, hs = rest[:nw], rest[nw:nw + k], rest[nw + k:nw + 2 * k], rest[nw + 2 * k:]
+        need_x = ctx.needs_input_grad[1]
+        need_in, need_w, need_b, need_a, need_bb = plan.split(ctx.needs_input_grad[2:])
+        _, w_dtypes, b_dtypes, a_dtypes, bb_dtypes = plan.split([None] * plan.n_inputs + ctx.dtypes)
+        with torch._C._DisableAutocast():
+            x2 = None if xb is None else xb.reshape(-1, xb.shape[-1])
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            cols = dy2.split(list(plan.rows), dim=1)
+            d_a, d_bb, d_in = [None] * k, [None] * k, [None] * plan.n_inputs
+            dh = [None] * k
+            for j, (i, s) in enumerate(zip(plan.term_proj, plan.scaling)):
+                g = cols[i].to(cl)
+                if need_bb[j]:
+                    d_bb[j] = _mm(g.t(), hs[j], bb_dtypes[j]).mul_(s)
+                dh[j] = torch.mm(g, bb[j]).mul_(s)
+            dx = None
+            if need_x:
+                w = weights[0] if len(weights) == 1 else torch.cat(weights)
+                dx = _mm(dy2, w, ctx.x_dtype)
+            plain = [j for j, t in enumerate(plan.term_input) if t == 0]
+            if plain and (need_x or any(need_a[j] for j in plain)):
+                dh0 = torch.cat([dh[j] for j in plain], dim=1)
+                if any(need_a[j] for j in plain):
+                    da = _mm(dh0.t(), x2.to(cl), a_dtypes[plain[0]]).split([a[j].shape[0] for j in plain])
+                    for j, g in zip(plain, da):
+                        d_a[j] = g if need_a[j] else None
+                if need_x:
+                    dx += _mm(dh0, torch.cat([a[j] for j in plain]), ctx.x_dtype)
+            for j, t in enumerate(plan.term_input):
+                if t:
+                    xd = inputs[t - 1]
+                    if need_a[j]:
+                        d_a[j] = _mm(dh[j].t(), xd.reshape(-1, xd.shape[-1]).to(cl), a_dtypes[j])
+                    if need_in[t - 1]:
+                        d_in[t - 1] = _mm(dh[j], a[j], xd.dtype).view(xd.shape)
+            d_w, d_b = [None] * n, [None] * len(need_b)
+            if any(need_w):
+                for i, g in enumerate(cols):
+                    d_w[i] = _mm(g.t(), x2, w_dtypes[i]) if need_w[i] else None
+            for i, g in enumerate(cols[:len(need_b)]):
+                d_b[i] = _column_sums(g).to(b_dtypes[i]) if need_b[i] else None
+        if dx is not None:
+            dx = dx.view(*dy.shape[:-1], dx.shape[-1])
+        return (None, dx, *d_in, *d_w, *d_b, *d_a, *d_bb)
+
+
+def _add_terms(y2: Tensor, plan: _Plan, hs, bb) -> None:
+    """y_i += s·h·Bᵀ per term, in place on y's columns. Where the LoRA dtype differs from the base's
+    (fp32 adapters, bf16 base, no autocast) PEFT sums in the promoted dtype and rounds once to the
+    base's: the same here, per projection."""
+    starts = [sum(plan.rows[:i]) for i in range(len(plan.rows))]
+    if plan.lora_dtype == plan.base_dtype:
+        for i, s, h, b in zip(plan.term_proj, plan.scaling, hs, bb):
+            y2[:, starts[i]:starts[i] + plan.rows[i]].addmm_(h, b.t(), alpha=s)
+        return
+    wide = torch.promote_types(plan.base_dtype, plan.lora_dtype)
+    for i in sorted(set(plan.term_proj)):
+        cols = y2[:, starts[i]:starts[i] + plan.rows[i]]
+        acc = cols.to(wide)
+        for j in (j for j, p in enumerate(plan.term_proj) if p == i):
+            acc = acc + torch.mm(hs[j], bb[j].t()).mul_(plan.scaling[j]).to(wide)
+        cols.copy_(acc)
