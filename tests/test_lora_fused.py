@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import torchfuser
 from torchfuser.modules import FusedAttention, FusedGatedMLP, fallbacks, lora
-from tests.numerics import assert_within_rule
+from torchfuser.modules.base import FusedModule
+from numerics import assert_within_rule
 
 peft = pytest.importorskip("peft")
 
@@ -319,3 +320,17 @@ def test_lora_on_tied_embeddings(order):
         fused.load_state_dict(ref.state_dict())
     assert torchfuser.report(fused).counts()["lm_head_loss"]["fused"] == 1
     _same(ref, fused)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_the_report_says_which_blocks_carry_adapters_and_restore_sees_through_peft(order):
+    _, fused = _pair(order=order)
+    notes = [n for n in torchfuser.report(fused).notes if n.startswith("adapters: ")]
+    assert sorted(notes) == ["adapters: base_model.model.model.layers.*.mlp (2 modules): fused with LoRA r=8",
+                             "adapters: base_model.model.model.layers.*.self_attn (2 modules): fused with LoRA r=8"] \
+        if order == "before" else sorted(notes) == ["adapters: model.layers.*.mlp (2 modules): fused with LoRA r=8",
+                                                    "adapters: model.layers.*.self_attn (2 modules): fused with LoRA r=8"]
+    with fused.disable_adapter():
+        assert not [n for n in torchfuser.report(fused).notes if n.startswith("adapters: ")]
+    torchfuser.restore(fused)  # the PeftModel: restores the model optimize was given inside it
+    assert not any(isinstance(m, FusedModule) for m in fused.modules())

@@ -57,8 +57,7 @@ def test_fused_runs_count_nothing_and_fallbacks_are_counted_with_the_reason():
     why = "output_attentions=True (SDPA never forms the attention weights)"
     assert rep.fallbacks == {f"model.layers.{i}.self_attn": {why: 2} for i in range(2)}
     notes = _fallback_notes(model)
-    assert notes == [f"fallback: model.layers.*.self_attn (2 modules): 4 calls ran the original forward, "
-                     f"not the fused one: {why}"]
+    assert notes == [f"fallback: model.layers.*.self_attn (2 modules): 4 calls left the fused path: {why}"]
     assert rep.to_dict()["fallbacks"] == rep.fallbacks
     assert str(rep).count("fallback: ") == 1  # refreshed, not appended again
 

@@ -100,6 +100,8 @@ def optimize(
 def restore(model: nn.Module) -> nn.Module:
     """Put every original module back (the same objects); harmless on an unoptimized model."""
     _check_model(model)
+    _, inner = unwrap.optimized(model)  # the model optimize was given, inside a wrapper (PEFT, DDP, compile)
+    model = inner if inner is not None else model
     model.__dict__.pop("_torchfuser_last_report", None)
     _cuda_graphs.remove(model)
     walker.restore(model)
@@ -107,6 +109,24 @@ def restore(model: nn.Module) -> nn.Module:
     if inductor_pass is not None:
         inductor_pass.release(model)
     return model
+
+
+_LORA_HEAD = "adapters: "
+
+
+def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
+    """Which fused blocks carry active LoRA adapters now (they run inside the fused path)."""
+    grouped: dict[tuple[str, str], int] = {}
+    for entry in result.fused:
+        try:
+            module = model.get_submodule(entry.name)
+        except AttributeError:  # replaced since (a wrapper's own module)
+            continue
+        if summary := getattr(module, "lora_summary", None):
+            key = (fallbacks.layer_glob(entry.name), summary)
+            grouped[key] = grouped.get(key, 0) + 1
+    return [f"{_LORA_HEAD}{name}" + (f" ({n} modules)" if n > 1 else "") + f": fused with {summary}"
+            for (name, summary), n in grouped.items()]
 
 
 def report(model: nn.Module) -> FusionReport:
@@ -121,7 +141,8 @@ def report(model: nn.Module) -> FusionReport:
     result = st.report if st is not None else target.__dict__[unwrap.LAST_REPORT]
     result.notes = _cuda_graphs.refresh_notes(target, result.notes)  # replays, captures, eager calls
     result.fallbacks = fallbacks.counts(target)
-    result.notes = [n for n in result.notes if not n.startswith(fallbacks.HEAD)] + fallbacks.notes(target)
+    result.notes = [n for n in result.notes if not n.startswith((fallbacks.HEAD, _LORA_HEAD))]
+    result.notes += fallbacks.notes(target) + _lora_notes(target, result)
     if path:
         return result.with_note(f"optimize was called on {path!r} ({type(target).__name__}) inside this "
                                 f"{type(model).__name__}: module names are relative to it")

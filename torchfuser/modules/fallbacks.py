@@ -38,15 +38,20 @@ def clear(module: nn.Module) -> None:
     module.__dict__.pop(_ATTR, None)
 
 
+def layer_glob(name: str) -> str:
+    """A qualified name with its layer indices as * ("model.layers.*.mlp"): one line for all layers."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name) or "(model)"
+
+
 def notes(model: nn.Module) -> list[str]:
     """One line per (module name with layer indices as *, reason), summed over the layers."""
     grouped: dict[tuple[str, str], list[int]] = {}
     for name, reasons in counts(model).items():
         for why, n in reasons.items():
-            grouped.setdefault((re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name) or "(model)", why), []).append(n)
+            grouped.setdefault((layer_glob(name), why), []).append(n)
     lines = []
     for (name, why), ns in grouped.items():
         where = f"{name} ({len(ns)} modules)" if len(ns) > 1 else name
         calls = "call" if sum(ns) == 1 else "calls"
-        lines.append(f"{HEAD}{where}: {sum(ns)} {calls} ran the original forward, not the fused one: {why}")
+        lines.append(f"{HEAD}{where}: {sum(ns)} {calls} left the fused path: {why}")
     return lines

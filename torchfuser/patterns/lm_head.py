@@ -133,7 +133,9 @@ class LMHeadLossPattern(Pattern):
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         if not isinstance(head, nn.Linear):
-            return Skip(f"output embeddings are {type(head).__name__}, not an nn.Linear")
+            kind = type(head)  # PEFT's LoRA layer is also called Linear: say whose it is
+            return Skip(f"output embeddings are {kind.__module__}.{kind.__qualname__}, not a plain torch.nn.Linear "
+                        "(an adapter or wrapper on the head: its own forward runs, unfused)")
         why = _not_plain_linear(head)
         if why:
             return Skip(f"output embeddings {type(head).__name__} {why}; only a plain nn.Linear head is fused")
