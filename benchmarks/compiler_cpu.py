@@ -1,7 +1,7 @@
 """CPU: the pointwise chain silu(x)·y + 0.5·sin(b), forward + backward, 4096×4096 fp32.
 
 torchfuser.jit (MLIR regions) vs eager vs torch.compile (Inductor), in one process.
-Writes benchmarks/results/compiler-cpu-<date>.json.
+Writes benchmarks/results/archive/compiler-cpu-<date>.json (move it to latest/ when the docs cite it).
 
     python benchmarks/compiler_cpu.py [--n 4096] [--iters 10] [--out PATH]
 """
@@ -51,7 +51,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--out", default=None, help="JSON path (default results/compiler-cpu-<date>.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default results/archive/compiler-cpu-<date>.json)")
     a = ap.parse_args()
     torch.manual_seed(0)
     args = [torch.randn(a.n, a.n, requires_grad=True) for _ in range(3)] + [torch.randn(a.n, a.n)]
@@ -84,7 +84,7 @@ def main():
         "torchfuser_notes": [n for rec in jitted.records for n in rec.notes],
     }
     summary["load_avg"] = os.getloadavg()
-    out = Path(a.out) if a.out else Path(__file__).parent / "results" / f"compiler-cpu-{summary['date']}.json"
+    out = Path(a.out) if a.out else Path(__file__).parent / "results" / "archive" / f"compiler-cpu-{summary['date']}.json"
     out.write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary["speedup_vs_eager"], indent=2))
     print("regions:", regions)

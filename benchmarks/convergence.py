@@ -1,7 +1,7 @@
 """Convergence check: N bf16-autocast training steps of the demo's Llama-style model, eager vs
 torchfuser from the same initial weights and data; the loss curves must stay within a tolerance.
 
-    python benchmarks/convergence.py --steps 50 --tolerance 0.01 --out benchmarks/results/convergence.json
+    python benchmarks/convergence.py --steps 50 --tolerance 0.01 --out benchmarks/results/archive/convergence.json
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """GPU check of the Triton backend at real sizes: every op's forward and every gradient against
-the reference backend run in float64 on the GPU, with the DESIGN.md rule
+the reference backend run in float64 on the GPU, with the docs/numerics.md rule
     max|fused − ref64| ≤ 2 · max|torch_same_dtype − ref64| + atol·max(1, max|ref64|),
 then Triton timings (median ms, GB/s vs the measured copy bandwidth) at memory-bound sizes and
 the extra peak memory of linear_cross_entropy.

@@ -39,16 +39,16 @@ for stage in "$@"; do
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;
     lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;
     lce-ab) timeout 300 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --interleave 12 --profile-dir "$OUT/prof" --out "$OUT/ops-lce-interleaved.jsonl" ;;
-    lce-probe) timeout 240 python3 benchmarks/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
+    lce-probe) timeout 240 python3 benchmarks/probes/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
     ops-small) timeout 200 python3 benchmarks/ops.py --device cuda --ops rms_norm,layer_norm,swiglu,geglu,gelu,rope --out "$OUT/ops.jsonl" ;;
-    gated-probe) timeout 150 python3 benchmarks/gated_probe.py --out "$OUT/gated-probe.jsonl" ;;
-    host-profile) timeout 200 python3 benchmarks/host_profile.py --model qwen05b --variants eager torchfuser --out "$OUT/host-profile.txt" ;;
-    host-probe) timeout 90 python3 benchmarks/host_path_probe.py --profile layer_norm --out "$OUT/host-path.jsonl" ;;
+    gated-probe) timeout 150 python3 benchmarks/probes/gated_probe.py --out "$OUT/gated-probe.jsonl" ;;
+    host-profile) timeout 200 python3 benchmarks/probes/host_profile.py --model qwen05b --variants eager torchfuser --out "$OUT/host-profile.txt" ;;
+    host-probe) timeout 90 python3 benchmarks/probes/host_path_probe.py --profile layer_norm --out "$OUT/host-path.jsonl" ;;
     ops) timeout 200 python3 benchmarks/ops.py --device cuda --out "$OUT/ops.jsonl" ;;
     arch-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_architectures.py -k triton_backend ;;
     proj-tests) timeout 120 python3 -m pytest -p no:cacheprovider tests/test_projections.py ;;
-    sdpa-probe) timeout 120 python3 benchmarks/sdpa_probe.py --out "$OUT/sdpa-probe.jsonl" ;;
-    proj-probe) timeout 120 python3 benchmarks/projection_probe.py --out "$OUT/projection-probe.jsonl" ;;
+    sdpa-probe) timeout 120 python3 benchmarks/probes/sdpa_probe.py --out "$OUT/sdpa-probe.jsonl" ;;
+    proj-probe) timeout 120 python3 benchmarks/probes/projection_probe.py --out "$OUT/projection-probe.jsonl" ;;
     triton-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/backends/test_triton_ops.py tests/backends/test_triton_compile.py ;;
     suite) timeout ${SUITE_S:-420} python3 -m pytest -p no:cacheprovider -n 8 -rfE ;;  # the whole suite, as the README runs it
     lce-label-ab) cp .ab/lce_before.py torchfuser/backends/triton/_lce_before.py \

@@ -9,7 +9,7 @@ of them alike; the median and min of ``--reps`` runs after warm-up are reported,
 average before and after. ``--threads`` sets torch's intra-op threads (the mlir backend uses
 as many). ``--train-step`` adds a whole training step (forward, backward, AdamW) of the tiny
 Llama recipe: eager vs torch.compile vs torchfuser.optimize(backend="mlir").
-Writes benchmarks/results/cpu-ops-<date>.json.
+Writes benchmarks/results/archive/cpu-ops-<date>.json (move it to latest/ when the docs cite it).
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def main():
     ap.add_argument("--train-step", action="store_true", help="also time a tiny-Llama training step")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/cpu-ops-<date>.json)")
+    ap.add_argument("--out", default=None, help="JSON file (default benchmarks/results/archive/cpu-ops-<date>.json)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -166,7 +166,7 @@ def main():
     print(f"\n{'op':<12}{'eager ms':>10}{'inductor ms':>13}{'mlir ms':>10}{'x eager':>9}{'x inductor':>12}")
     for r in results + ([dict(train, op="tiny-llama")] if train else []):
         print(f"{r['op']:<12}{r['eager_ms']:>10}{r['inductor_ms']:>13}{r['mlir_ms']:>10}{r['speedup_vs_eager']:>9}{r['speedup_vs_inductor']:>12}")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"cpu-ops-{datetime.date.today()}.json")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "archive", f"cpu-ops-{datetime.date.today()}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"cpu": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),

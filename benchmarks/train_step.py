@@ -1,6 +1,6 @@
 """Whole training steps (forward, backward, AdamW) of recipe models, variant by variant.
 
-    python benchmarks/train_step.py --models llama1b qwen05b --out benchmarks/results/train-step.jsonl
+    python benchmarks/train_step.py --models llama1b qwen05b --out benchmarks/results/archive/train-step.jsonl
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,

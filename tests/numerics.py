@@ -1,4 +1,4 @@
-"""The DESIGN.md numerics rule, shared by the op tests of every backend."""
+"""The numerics rule (docs/numerics.md), shared by the op tests of every backend."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """q, k, v as one GEMM under autocast (modules/projections.py): same outputs and every gradient
-as the separate projections within the DESIGN.md rule, and the separate path wherever a
+as the separate projections within the docs/numerics.md rule, and the separate path wherever a
 projection must run as itself."""
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def _grads(fn, x, params, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_autograd_node_matches_float64_within_rule(device):
     """q, k, v under autocast in eager mode: one autograd node whose output and gradients (fp32,
-    like the parameters) are within the DESIGN.md rule of the float64 model, against autocast's own
+    like the parameters) are within the docs/numerics.md rule of the float64 model, against autocast's own
     nn.Linear calls. On CUDA the gradients come from cuBLAS in fp32 (torch.mm's out_dtype), not
     bf16 products cast afterwards."""
     linears = _linears(True).to(device)
@@ -134,7 +134,7 @@ def test_a_single_projection_runs_as_itself():
 @pytest.mark.parametrize("device", DEVICES)
 def test_residual_plus_projection_matches_float64_within_rule(device):
     """r + down(x) under autocast as one node (the MLP's last residual add): the sum and every
-    gradient (r's, x's, the fp32 weight's) within the DESIGN.md rule of the float64 computation,
+    gradient (r's, x's, the fp32 weight's) within the docs/numerics.md rule of the float64 computation,
     against autocast's ``r + nn.Linear(x)``. On CUDA the sum comes from cuBLAS's epilogue and the
     weight's gradient in fp32 straight from the product."""
     torch.manual_seed(4)

@@ -322,7 +322,7 @@ def _ulps(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compile_graph_sin_cos_vectorised_polynomial(dtype):
     """sin/cos are compiled to mathlib's polynomial (not libm): within 2 ulps of float64 at every
-    magnitude up to the bound, next to multiples of π/2 too; bf16 held to the DESIGN rule."""
+    magnitude up to the bound, next to multiples of π/2 too; bf16 held to the docs/numerics.md rule."""
     import math
 
     from torch.fx.experimental.proxy_tensor import make_fx

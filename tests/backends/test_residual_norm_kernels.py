@@ -2,7 +2,7 @@
 rms_norm_bwd(..., dres) -> (dx + dres, dw), called directly (no autograd, no custom ops).
 
 s must be torch's own x + r (one add, torch's type promotion) and y, rstd exactly rms_norm_fwd(s);
-s, y, rstd, dx and dw are held to the DESIGN.md rule against float64 built from plain torch ops.
+s, y, rstd, dx and dw are held to the docs/numerics.md rule against float64 built from plain torch ops.
 The Triton kernels run under the interpreter (test_triton_ops's fixture, autouse here too).
 """
 from __future__ import annotations

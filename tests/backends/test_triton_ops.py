@@ -2,7 +2,7 @@
 
 Every op, forward and every gradient, through the public API and the custom ops, in fp32 and
 bf16 (fp16 where cheap), against the reference backend run on float64 inputs, with the
-DESIGN.md rule: max|fused − ref64| ≤ 2·max|torch_same_dtype − ref64| + atol.
+docs/numerics.md rule: max|fused − ref64| ≤ 2·max|torch_same_dtype − ref64| + atol.
 Shapes stay small: the interpreter runs each Triton program as Python.
 """
 from __future__ import annotations

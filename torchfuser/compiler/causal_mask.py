@@ -3,7 +3,7 @@
 transformers builds the causal mask as a tensor whenever its code is traced (it cannot look at a
 padding mask's values then), so under torch.compile every attention call gets a B×1×S×S mask and
 SDPA runs its masked kernels: on the H200 cuDNN's masked forward and backward take 2.4–2.8× the
-time of its causal ones (``benchmarks/results/NOTES-compiler.md``). A mask computed from constants
+time of its causal ones (``docs/performance/NOTES-compiler.md``). A mask computed from constants
 alone (aranges of static lengths, no graph input) is evaluated here, once, at compile time; when
 its value is exactly the lower-triangular causal mask, the call is rewritten to ``is_causal=True``.
 A mask that depends on an input (a padding mask), has symbolic sizes, or is anything but causal is

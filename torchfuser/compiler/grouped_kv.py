@@ -5,7 +5,7 @@ transformers repeats each key/value head once per query head of its group (``rep
 torch.compile it always passes one. Once ``causal_mask`` has turned that mask into
 ``is_causal=True``, the repeat is left for nothing: the compiled forward copies k and v per query
 head and the backward sums their gradients back per group, and cuDNN runs on every repeated head
-(qwen05b on an H200: ≈ 1.9 ms of GPU time a step, ``benchmarks/results/NOTES-train-step.md``).
+(qwen05b on an H200: ≈ 1.9 ms of GPU time a step, ``docs/performance/NOTES-train-step.md``).
 Here a maskless SDPA call whose k and v are exactly ``repeat_kv(x, n)`` takes x with
 ``enable_gqa=True``, which PyTorch defines as the same repeat.
 """

@@ -185,7 +185,7 @@ def device_of(m: Match) -> torch.device:
 POINTWISE_OPS = {"swiglu", "geglu"}
 # Under Inductor these stay Inductor's with rewrite="auto": as opaque custom ops they stop its
 # fusion (casts, residual adds) and each costs a dispatcher call from its wrapper; whole training
-# steps on an H200 ran 2–17% slower with them rewritten (benchmarks/results/NOTES-compiler.md).
+# steps on an H200 ran 2–17% slower with them rewritten (docs/performance/NOTES-compiler.md).
 # What a rewrite still brings there is linear_cross_entropy: the logits never exist.
 INDUCTOR_FUSES = {"rms_norm", "layer_norm", "swiglu", "geglu", "rope"}
 

@@ -18,7 +18,7 @@ where cuBLAS can write fp32 from bf16/fp16 operands (CUDA, ``torch.mm(..., out_d
 backward's products give the fp32 ``dx`` and the fp32 weight gradients directly, with one rounding
 each, instead of bf16 products that cast kernels then widen (autocast's way: a rounding to bf16
 inside every weight gradient, one more kernel and autograd node per cast). On an H200 at qwen05b's
-shapes (benchmarks/projection_probe.py) that takes q/k/v from 0.185 to 0.161 ms and gate/up from
+shapes (benchmarks/probes/projection_probe.py) that takes q/k/v from 0.185 to 0.161 ms and gate/up from
 0.780 to 0.734 ms forward + backward. A single projection stays autocast's nn.Linear: as a Python
 autograd node it gained nothing on the GPU (o_proj 0.0945 vs 0.0947 ms) and cost ≈ 120–150 µs more
 host time a call. Elsewhere (CPU, torch.compile, tracing) the products are autocast's own.

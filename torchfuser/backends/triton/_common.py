@@ -61,7 +61,7 @@ def cdiv(a: int, b: int) -> int:
 
 PROGRAMS_PER_SM = 2
 # Software pipelining of the norm backwards' loop over row tiles: loads of the next tiles are in
-# flight while this one is reduced. Measured on an H200 (benchmarks/norm_bwd_probe.py,
+# flight while this one is reduced. Measured on an H200 (benchmarks/probes/norm_bwd_probe.py,
 # NOTES-triton.md): at 32768×4096 bf16, 3 stages take rms_norm's backward from 78% to 90% of the
 # copy bandwidth and layer_norm's from 61% to 91%; with 2-row tiles it pays at ~16 tiles per
 # program too (bf16 rms_norm at 8192×896: 35 → 28 µs; 8192×2048: 47 → 42 µs). The staged tiles
@@ -81,7 +81,7 @@ def bwd_stages(tiles_per_program: int, rows: int, block: int, itemsize: int, ext
 @lru_cache(maxsize=None)
 def num_programs_cap(device_index: int | None) -> int:
     """Persistent-grid size for the norm backwards: 2 programs per SM. Measured on an H200
-    (benchmarks/results/NOTES-triton.md): 8 per SM sped up rms_norm's backward at 32768×4096
+    (docs/performance/NOTES-triton.md): 8 per SM sped up rms_norm's backward at 32768×4096
     by 12% but slowed layer_norm's by 30% (4× the fp32 partial dw/db rows to write and sum)
     and both at 8192×2048 under CUDA graphs, so 2 stays."""
     if device_index is None:  # CPU under TRITON_INTERPRET: each program runs in Python, keep it few

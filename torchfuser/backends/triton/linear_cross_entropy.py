@@ -32,7 +32,7 @@ from ._math import tanh
 
 # The op's extra memory (one chunk of logits + the dh, dW, db it returns) is held near
 # EXTRA_BYTES; a chunk's logits get at least MIN_CHUNK_BYTES. Measured on an H200
-# (benchmarks/lce_probe.py, NOTES-triton.md): chunks of 1024–2048 tokens run at the same speed,
+# (benchmarks/probes/lce_probe.py, NOTES-triton.md): chunks of 1024–2048 tokens run at the same speed,
 # token counts that are not a multiple of 512 (1408, 1664) up to 10% slower, and fewer than
 # ~1000 tokens per chunk slower again. At 8192×2048×128256 bf16 this gives 1536-token chunks and
 # 0.9 GiB; at 8192×896×151936, 2048-token chunks and 0.86 GiB.

@@ -39,7 +39,7 @@ def norm_config(n: int, backward: bool = False) -> tuple[int, int, bool, int]:
     """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm. The
     backwards' tiles hold at most _BWD_ROWS rows: at 8192×896 (a decoder layer's fp32 residual
     stream) the backward took 54 µs in 4-row tiles, pipelined or not, and 41 µs in pipelined 2-row
-    tiles (H200, benchmarks/norm_bwd_probe.py, NOTES-triton.md)."""
+    tiles (H200, benchmarks/probes/norm_bwd_probe.py, NOTES-triton.md)."""
     if n <= MAX_FUSED:
         block = next_pow2(n)
         rows = max(1, min(_BWD_ROWS if backward else 64, _TILE // block))

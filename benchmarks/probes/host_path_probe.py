@@ -3,7 +3,7 @@ the launches take per call when the GPU is not the bottleneck (tiny tensors, no 
 inside the timed loop). A diagnostic for NOTES-triton.md: which part of an op's launch path to
 make thinner.
 
-    python benchmarks/host_path_probe.py [--calls 300] [--profile layer_norm] [--out probe.jsonl]
+    python benchmarks/probes/host_path_probe.py [--calls 300] [--profile layer_norm] [--out probe.jsonl]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torchfuser.functional as F  # noqa: E402
 from torchfuser.backends.triton import _common, gated, layer_norm, rms_norm  # noqa: E402

@@ -1,8 +1,8 @@
 """Where a fused training step's time goes, beyond the kernel table of ``train_step.py --profile-dir``.
 
-    python benchmarks/step_anatomy.py shapes [--model qwen05b]   # copies, casts, adds, sums by shape
-    python benchmarks/step_anatomy.py gaps [--model qwen05b]     # GPU idle gaps and the host ops in them
-    python benchmarks/step_anatomy.py sync [--model qwen05b]     # what transformers' host read costs a step
+    python benchmarks/probes/step_anatomy.py shapes [--model qwen05b]   # copies, casts, adds, sums by shape
+    python benchmarks/probes/step_anatomy.py gaps [--model qwen05b]     # GPU idle gaps and the host ops in them
+    python benchmarks/probes/step_anatomy.py sync [--model qwen05b]     # what transformers' host read costs a step
 
 ``shapes`` profiles one step of ``optimize(model)`` (no CUDA graphs, so every ATen op is seen with its
 input shapes) and lists the ops that launch copy, cast, add and reduction kernels, by shape, with
@@ -25,8 +25,8 @@ import time
 import torch
 from torch.autograd import DeviceType
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torchfuser  # noqa: E402
 from profiling import idle_gaps, profiled  # noqa: E402

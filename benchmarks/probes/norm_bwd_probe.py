@@ -2,7 +2,7 @@
 persistent programs per SM and rows per tile, and the partial-dw reduction's block shape,
 against the copy bandwidth measured in the same run.
 
-    python benchmarks/norm_bwd_probe.py [--shapes 8192x896 8192x2048] [--out probe.jsonl]
+    python benchmarks/probes/norm_bwd_probe.py [--shapes 8192x896 8192x2048] [--out probe.jsonl]
 
 Ops: the plain backwards of rms_norm and layer_norm (bf16), and the two a fused decoder layer runs
 in training (fp32 residual stream, bf16 norm output): ``opening`` (rms_norm_bwd with the residual's
@@ -20,7 +20,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from torchfuser.backends.triton import _common, layer_norm, rms_norm  # noqa: E402
 

@@ -1,10 +1,10 @@
 """Every architecture-test family through a compile path on the CPU: loss and every gradient against
 the same model uncompiled, and which graph rewrites ran (causal mask, grouped k/v).
 
-    python benchmarks/compile_sweep.py --path optimize-inductor      # torch.compile(optimize(model))
-    python benchmarks/compile_sweep.py --path backend                # torch.compile(model, backend="torchfuser")
-    python benchmarks/compile_sweep.py --path optimize-backend --families llama qwen2
-    python benchmarks/compile_sweep.py --path backend --graph-backend inductor   # as on a GPU
+    python benchmarks/probes/compile_sweep.py --path optimize-inductor      # torch.compile(optimize(model))
+    python benchmarks/probes/compile_sweep.py --path backend                # torch.compile(model, backend="torchfuser")
+    python benchmarks/probes/compile_sweep.py --path optimize-backend --families llama qwen2
+    python benchmarks/probes/compile_sweep.py --path backend --graph-backend inductor   # as on a GPU
 
 A check for NOTES-compiler.md, not a test (tests/test_compiler.py holds five of these families). A
 gradient whose exact value is zero (a key bias: softmax ignores what it adds to a whole row) is
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torchfuser  # noqa: E402

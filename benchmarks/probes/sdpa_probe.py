@@ -2,7 +2,7 @@
 (cuDNN, flash, memory-efficient), with grouped k/v passed as they are (enable_gqa) and expanded to
 the query heads: which kernel FusedAttention should ask for. CUDA-graph replays, bf16.
 
-    python benchmarks/sdpa_probe.py [--out probe.jsonl]
+    python benchmarks/probes/sdpa_probe.py [--out probe.jsonl]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ops import graphed  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Host time of a training step with the kernels taken out: what Python, autograd and ATen's
 dispatch cost per step, the part of a small model's GPU step that the GPU cannot hide.
 
-    python benchmarks/host_overhead.py                  # tiny qwen05b-shaped model, CPU, bf16 autocast
-    python benchmarks/host_overhead.py --profile 30     # and the 30 costliest functions (cProfile)
+    python benchmarks/probes/host_overhead.py                  # tiny qwen05b-shaped model, CPU, bf16 autocast
+    python benchmarks/probes/host_overhead.py --profile 30     # and the 30 costliest functions (cProfile)
 
 Runs on the CPU at tiny sizes (hidden 64, 16 tokens), where every op's own work is negligible.
 "fused" swaps TorchFuser's kernels for ones that only allocate their outputs (their fake
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torchfuser  # noqa: E402
 import torchfuser.backends as backends  # noqa: E402

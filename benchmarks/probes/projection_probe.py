@@ -5,7 +5,7 @@ replays at 8192 tokens, host time per call at 64 tokens (where the GPU waits for
 A diagnostic for NOTES-train-step.md (its run 23 also timed o_proj and down as single nodes, with
 the probe of commit 89bde7f).
 
-    python benchmarks/projection_probe.py [--out probe.jsonl]
+    python benchmarks/probes/projection_probe.py [--out probe.jsonl]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from torchfuser.modules import projections  # noqa: E402
 

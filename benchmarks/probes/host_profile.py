@@ -1,6 +1,6 @@
 """Where the host's time goes in a training step without CUDA graphs.
 
-    python3 benchmarks/host_profile.py --model qwen05b --variants eager torchfuser --out host.txt
+    python3 benchmarks/probes/host_profile.py --model qwen05b --variants eager torchfuser --out host.txt
 
 For each variant: the step's wall time (synchronised), the host time to issue the forward and the
 backward (no synchronisation inside: while the GPU queue has room these are the host's own costs),
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from train_step import build, prepare  # noqa: E402
 

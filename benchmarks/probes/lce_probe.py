@@ -1,7 +1,7 @@
 """Where linear_cross_entropy's time goes on the GPU: the whole op at several chunk sizes, and each
 step of one chunk (logits GEMM, CE kernel, dh GEMM, dW GEMM / accumulation) on its own.
 
-    python benchmarks/lce_probe.py [--tokens 8192 --hidden 2048 --vocab 128256] [--out probe.jsonl]
+    python benchmarks/probes/lce_probe.py [--tokens 8192 --hidden 2048 --vocab 128256] [--out probe.jsonl]
 
 A diagnostic for NOTES-triton.md, not a target check (ops.py and gpu_check_triton.py are).
 """
@@ -15,7 +15,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from torchfuser.backends.triton import linear_cross_entropy as lce  # noqa: E402
 

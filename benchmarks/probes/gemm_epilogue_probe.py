@@ -1,6 +1,6 @@
 """Would SwiGLU inside the MLP's GEMMs beat cuBLAS + TorchFuser's SwiGLU kernels? A scoping probe.
 
-    python benchmarks/gemm_epilogue_probe.py [--tokens 8192 --hidden 896 --inter 4864] [--out probe.jsonl]
+    python benchmarks/probes/gemm_epilogue_probe.py [--tokens 8192 --hidden 896 --inter 4864] [--out probe.jsonl]
 
 At qwen05b's shapes the SwiGLU kernels take ≈ 3.9 ms of a 63 ms training step (forward 63 µs,
 backward 98 µs a layer, at the copy bandwidth), moving bytes that a GEMM epilogue would not: the
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from torchfuser.backends.triton import gated  # noqa: E402
 

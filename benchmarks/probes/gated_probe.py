@@ -2,7 +2,7 @@
 torch.compile's kernel for the same math, each replayed from a CUDA graph (kernel time, no host).
 A diagnostic for NOTES-triton.md: the config rule in backends/triton/gated.py comes from here.
 
-    python benchmarks/gated_probe.py [--out probe.jsonl]
+    python benchmarks/probes/gated_probe.py [--out probe.jsonl]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from torchfuser.backends.reference import gated as ref  # noqa: E402
 from torchfuser.backends.triton import gated  # noqa: E402

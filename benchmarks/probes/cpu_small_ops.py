@@ -2,7 +2,7 @@
 through autograd: the demo's shapes (where the fused step is decided) and rope at three sizes.
 Eager is the Hugging Face formulation of each op. A diagnostic for NOTES-mlir.md.
 
-    python benchmarks/cpu_small_ops.py
+    python benchmarks/probes/cpu_small_ops.py
 """
 from __future__ import annotations
 
