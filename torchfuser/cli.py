@@ -1,4 +1,4 @@
-"""The ``torchfuser`` command: ``demo`` (the main job) and ``inspect``."""
+"""The ``torchfuser`` command: ``demo`` (the main job), ``inspect`` and ``bench``."""
 from __future__ import annotations
 
 import argparse
@@ -61,7 +61,12 @@ def main(argv=None) -> int:
     insp.add_argument("model", help="a transformers model type (llama, qwen2, gpt2, ...) or a config.json path")
     insp.add_argument("--backend", default="auto", choices=VALID_BACKENDS)
     insp.add_argument("--json", action="store_true", help="print the report as JSON")
+    from torchfuser import bench
+
+    bench.add_arguments(sub.add_parser("bench", help="train your model with each variant and compare speed, memory, losses"))
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench.main(args)
     if args.command == "demo":
         from torchfuser import demo as demo_mod
 
