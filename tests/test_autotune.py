@@ -27,18 +27,19 @@ def _model(layers=2):
     return LlamaForCausalLM(cfg)
 
 
-def _fake_clock(monkeypatch, original_faster: set[str]):
-    """Fused blocks take 1 s, originals 2 s, except the kinds in ``original_faster`` (the reverse)."""
+_KIND = {"FusedAttention": "attention", "FusedGatedMLP": "gated_mlp", "FusedRMSNorm": "rms_norm",
+         "LlamaAttention": "attention", "LlamaMLP": "gated_mlp", "LlamaRMSNorm": "rms_norm"}
+
+
+def _fake_clock(monkeypatch, original_faster: set[str], slow=2.0):
+    """The faster of a block and its original takes 1 s, the other ``slow`` s: the fused one is faster
+    but for the kinds in ``original_faster``. Returns the list of timed classes."""
     calls = []
 
     def fake(module, args, kwargs, device):
-        kind = type(module).__name__
-        calls.append(kind)
-        fused = isinstance(module, FusedModule)
-        kind_of = {"FusedAttention": "attention", "FusedGatedMLP": "gated_mlp", "FusedRMSNorm": "rms_norm",
-                   "LlamaAttention": "attention", "LlamaMLP": "gated_mlp", "LlamaRMSNorm": "rms_norm"}[kind]
-        slow = fused == (kind_of in original_faster)
-        return 2.0 if slow else 1.0
+        calls.append(type(module).__name__)
+        fast_one_is_fused = _KIND[type(module).__name__] not in original_faster
+        return 1.0 if isinstance(module, FusedModule) == fast_one_is_fused else slow
 
     monkeypatch.setattr(autotune, "time_call", fake)
     return calls
@@ -136,3 +137,16 @@ def test_reapply_and_copy(monkeypatch):
     twin(input_ids=IDS, labels=IDS).loss.backward()  # its own hooks, the cached decisions
     assert len(calls) == 2 * 5 * 3
     assert type(twin.model.norm).__name__ == "LlamaRMSNorm"
+
+
+def test_within_margin_keeps_fused(monkeypatch):
+    _fake_clock(monkeypatch, {"attention", "gated_mlp", "rms_norm"}, slow=1.02)  # originals 2% faster: noise
+    model = torchfuser.optimize(_model(1))
+    autotune.apply(model)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    assert sum(isinstance(m, FusedModule) for m in model.modules()) == 5  # attention, mlp, three norms
+    autotune.clear()
+    model = torchfuser.optimize(_model(1))
+    autotune.apply(model, margin=0.0)
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
