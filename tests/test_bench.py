@@ -54,11 +54,12 @@ def test_rows_json_plot(config_json, tmp_path, capsys):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == ["eager", "torchfuser", "torchfuser-autotune"]
     for r in rows:
-        assert len(r["losses"]) == 2 and r["ms_per_step"] > 0 and r["tokens_per_s"] > 0
+        assert len(r["losses"]) == 2 and r["ms_per_step"] >= r["ms_per_step_min"] > 0 and r["tokens_per_s"] > 0
+        assert r["speedup_vs_reference"] > 0
         assert r["peak_memory_bytes"] > 0 and r["memory_measure"] == "saved_activation_bytes"
         assert r["loss_max_rel_diff"] < 1e-4  # every variant trains the same model on the same batches
         assert {"device", "torch", "transformers", "date", "batch", "seq"} <= set(r)
-    assert rows[0]["fusion"] is None and "blocks fused" in rows[1]["fusion"]
+    assert rows[0]["speedup_vs_reference"] == 1.0 and rows[0]["fusion"] is None and "blocks fused" in rows[1]["fusion"]
     assert any(n.startswith("autotune: ") for n in rows[2]["notes"])
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "tokens/s" in capsys.readouterr().out
