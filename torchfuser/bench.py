@@ -246,24 +246,26 @@ def _rows(runs, size, steps, lora, target, dev) -> list[dict]:
 
 def print_table(console: Console, rows: list[dict]) -> None:
     ref = rows[0]
-    mem = "peak memory" if ref["memory_measure"].startswith("cuda") else "saved activations"
+    mem = "peak memory" if ref["memory_measure"].startswith("cuda") else "saved act."
     table = Table(title=f"median of steps after the first {ref['warmup_steps']}", title_justify="left")
-    for col in ("variant", "ms/step", "best ms", "speed-up", "tokens/s", mem, f"loss Δ vs {ref['loss_reference']}"):
-        table.add_column(col, justify="left" if col == "variant" else "right")
+    for col in ("variant", "ms/step", "speed-up", "tokens/s", mem, "loss Δ"):
+        table.add_column(col, justify="left" if col == "variant" else "right",
+                         min_width=max(len(r["variant"]) for r in rows) if col == "variant" else None)
     for r in rows:
-        table.add_row(r["variant"], f"{r['ms_per_step']:.1f}", f"{r['ms_per_step_min']:.1f}", f"{r['speedup_vs_reference']:.2f}×",
+        table.add_row(r["variant"], f"{r['ms_per_step']:.1f}", f"{r['speedup_vs_reference']:.2f}×",
                       f"{r['tokens_per_s']:,.0f}", f"{r['peak_memory_bytes'] / 2**20:,.1f} MiB",
                       f"{r['loss_max_rel_diff']:.1e}")
     console.print(table)
     console.print(f"speed-up: the median over steps of {ref['loss_reference']}'s step time / the variant's in the same round; "
-                  "loss Δ: the largest relative difference of a step's loss from the reference's")
+                  f"loss Δ: the largest relative difference of a step's loss from {ref['loss_reference']}'s")
     for r in rows:
         if r["fusion"]:
             console.print(f"{r['variant']}: {r['fusion']}")
         for note in r["notes"]:
             console.print(f"{r['variant']}: {note}")
-    if mem == "saved activations":
-        console.print("memory on the CPU: bytes autograd saved for the backward per step (activations, each storage once)")
+    if mem == "saved act.":
+        console.print("saved act.: bytes autograd saved for the backward in a step (activations, each storage once; "
+                      "under torch.compile what the compiled graph saves)")
 
 
 def add_arguments(parser) -> None:
