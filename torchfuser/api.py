@@ -45,6 +45,7 @@ def optimize(
     strict: bool = False,
     verbose: bool = False,
     cuda_graphs: bool = False,
+    autotune: bool = False,
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
@@ -67,6 +68,8 @@ def optimize(
         the first training step and replay them after: far fewer host launches, for models whose
         step is bound by the host. Costs memory (activations and gradients stay allocated) and
         fixes shapes; see ``torchfuser.cuda_graphs`` and the report's notes.
+    autotune: at each fused block's first training call, time it against its original on that
+        call's inputs and keep the faster, per block kind and shape (``torchfuser.autotune``).
     """
     _check_model(model)
     _check_not_flattened(model)
@@ -90,6 +93,10 @@ def optimize(
         cuda_graphs = True
     if cuda_graphs:
         result.notes += [n for n in _cuda_graphs.install(model) if n not in result.notes]
+    if autotune:
+        from torchfuser import autotune as _autotune
+
+        _autotune.apply(model)
     if verbose:
         from rich.console import Console
 

@@ -1,4 +1,4 @@
-"""The ``torchfuser`` command: ``demo`` (the main job) and ``inspect``.
+"""The ``torchfuser`` command: ``demo`` (the main job), ``inspect`` and ``bench``.
 
 A subcommand is a function ``add(sub)`` that adds its parser to argparse's subparsers ``sub`` and
 sets ``run=`` (a function of the parsed arguments that returns the exit code); it is listed in
@@ -146,7 +146,15 @@ def _run_inspect(args) -> int:
     return 0
 
 
-COMMANDS = [_add_demo, _add_inspect]
+def _add_bench(sub) -> None:
+    from torchfuser import bench
+
+    parser = sub.add_parser("bench", help="train your model with each variant and compare speed, memory, losses")
+    bench.add_arguments(parser)
+    parser.set_defaults(run=bench.main)
+
+
+COMMANDS = [_add_demo, _add_inspect, _add_bench]
 
 
 def _version() -> str:

@@ -1,0 +1,96 @@
+"""``torchfuser bench``: inputs it accepts and refuses, the rows it writes, losses in parity.
+Tiny models, two steps; timings are produced, never checked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from rich.console import Console
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from torchfuser import bench, demo, report
+from torchfuser.cli import main
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128)
+
+
+@pytest.fixture
+def config_json(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    return path
+
+
+def _bench(target, *extra):
+    return ["bench", str(target), "--device", "cpu", "--steps", "2", "--batch", "2", "--seq", "8", *extra]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "no_such_type", "--device", "cpu"], "neither a config.json"),
+    (["bench", "llama", "--device", "cpu", "--variants", "eager,fast"], "unknown variant 'fast'"),
+    (["bench", "llama", "--device", "cpu", "--variants", "torchfuser+graphs"], "needs --device cuda"),
+    (["bench", "llama", "--device", "tpu9"], "device"),
+    (["bench", "missing.json", "--device", "cpu"], "no such config file"),
+    (["bench", "llama", "--device", "cpu", "--steps", "0"], "--steps must be at least 1"),
+])
+def test_bad_input_one_line(argv, message):
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    text = str(err.value)
+    assert text.startswith("torchfuser bench: ") and message in text and "\n" not in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda():
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        main(["bench", "llama", "--device", "cuda"])
+
+
+def test_rows_json_plot(config_json, tmp_path, capsys):
+    out, png = tmp_path / "rows.jsonl", tmp_path / "bench.png"
+    assert main(_bench(config_json, "--variants", "eager,torchfuser,torchfuser-autotune", "--json", str(out), "--plot", str(png))) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["eager", "torchfuser", "torchfuser-autotune"]
+    for r in rows:
+        assert len(r["losses"]) == 2 and r["ms_per_step"] >= r["ms_per_step_min"] > 0 and r["tokens_per_s"] > 0
+        assert r["speedup_vs_reference"] > 0
+        assert r["peak_memory_bytes"] > 0 and r["memory_measure"] == "saved_activation_bytes"
+        assert r["loss_max_rel_diff"] < 1e-4  # every variant trains the same model on the same batches
+        assert {"device", "torch", "transformers", "date", "batch", "seq"} <= set(r)
+    assert rows[0]["speedup_vs_reference"] == 1.0 and rows[0]["fusion"] is None and "blocks fused" in rows[1]["fusion"]
+    assert any(n.startswith("autotune: ") for n in rows[2]["notes"])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "tokens/s" in capsys.readouterr().out
+
+
+def test_checkpoint_dir_weights_are_loaded(tmp_path):
+    cfg = LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"})
+    torch.manual_seed(5)
+    saved = LlamaForCausalLM(cfg)
+    saved.save_pretrained(tmp_path)
+    model, what = bench.load_model(str(tmp_path), "cpu", seed=0)
+    assert "its weights" in what
+    torch.testing.assert_close(model.lm_head.weight, saved.lm_head.weight, rtol=0, atol=0)
+    (tmp_path / "model.safetensors").unlink()  # a directory with a config alone: random weights
+    model, what = bench.load_model(str(tmp_path), "cpu", seed=0)
+    assert "random weights" in what and not torch.equal(model.lm_head.weight, saved.lm_head.weight)
+
+
+def test_lora_every_variant(config_json):
+    rows = bench.run(str(config_json), device="cpu", steps=2, batch=2, seq=8, variants=["eager", "torchfuser"], lora=2,
+                     console=Console(quiet=True))
+    assert rows[1]["loss_max_rel_diff"] < 1e-4 and rows[1]["lora"] == 2
+    base, _ = bench.load_model(str(config_json), "cpu", seed=0)
+    fused = bench.build_variant("torchfuser", base, lora=2, seed=0)
+    trainable = [n for n, p in fused.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert report(fused).counts()["attention"]["fused"] == 1  # adapters added after optimize keep the fusion
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])
+def test_small_default_config(model_type):
+    cfg = bench.small_config(model_type, "cpu")
+    s = demo.SIZES["cpu"]
+    assert cfg.hidden_size == s.hidden and cfg.num_hidden_layers == s.layers and cfg.vocab_size <= 65536

@@ -1,0 +1,292 @@
+"""``torchfuser bench``: train the user's own model with each variant (eager, torchfuser, torch.compile, ...)
+on the same batches, one step of each in turn, and compare step time, tokens/s, memory and losses."""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from torchfuser import demo
+from torchfuser.api import optimize, report
+
+VARIANTS = ("eager", "torchfuser", "torchfuser-autotune", "compile", "torchfuser+compile", "torchfuser+graphs")
+# torch.compile on a 2-core CPU takes minutes per variant: only where a GPU is there by default.
+DEFAULT_VARIANTS = {"cpu": ("eager", "torchfuser"), "cuda": ("eager", "torchfuser", "compile", "torchfuser+compile")}
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _fail(msg: str):
+    raise SystemExit(f"torchfuser bench: {msg}")
+
+
+def small_config(model_type: str, device: str):
+    """The model type's transformers config at the demo's sizes (a few layers, hidden 256 on the CPU):
+    passed to the config's constructor, so fields derived from them (layer_types, head_dim) follow."""
+    from transformers import AutoConfig
+
+    s = demo.SIZES[device]
+    try:
+        default = AutoConfig.for_model(model_type)
+    except ValueError:
+        _fail(f"{model_type!r} is neither a config.json, a checkpoint directory nor a transformers model type (e.g. llama, qwen2, gpt2)")
+    vocab = default.vocab_size if getattr(default, "vocab_size", 0) and default.vocab_size <= 65536 else s.vocab
+    return AutoConfig.for_model(model_type, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                                num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                                head_dim=s.hidden // s.heads, vocab_size=vocab, max_position_embeddings=max(s.seq, 2048))
+
+
+def load_model(target: str, device: str, seed: int):
+    """(model on the CPU, a description): random weights from a model type's small config or a
+    config.json, or a checkpoint directory's own weights when it holds them (read locally, never downloaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(target)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            _fail(f"{target} is a directory without a config.json")
+        if any((path / w).is_file() for w in _WEIGHTS):
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="sdpa",
+                                                             dtype=torch.float32)
+            except Exception as err:  # transformers raises many error types for a bad checkpoint
+                _fail(f"cannot load the checkpoint in {target}: {type(err).__name__}: {err}")
+            return model, f"{target} (its weights)"
+        cfg, what = AutoConfig.from_pretrained(path, local_files_only=True), f"{target} (random weights)"
+    elif path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            _fail(f"no such config file {target!r}")
+        data = json.loads(path.read_text())
+        if "model_type" not in data:
+            _fail(f"{target} has no 'model_type' field; it must be a transformers config.json")
+        try:
+            cfg = AutoConfig.for_model(data.pop("model_type"), **data)
+        except Exception as err:  # transformers' validators raise their own error types
+            _fail(f"{target} is not a valid transformers config: {type(err).__name__}: {err}")
+        what = f"{target} (random weights)"
+    else:
+        cfg, what = small_config(target, device), f"{target} (small default config, random weights)"
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    try:
+        return AutoModelForCausalLM.from_config(cfg), what
+    except Exception as err:
+        _fail(f"transformers cannot build a causal LM from this config: {type(err).__name__}: {err}")
+
+
+def _add_lora(model, r: int, seed: int):
+    import peft
+
+    torch.manual_seed(seed + 2)  # the same adapters in every variant
+    # "all-linear": every projection of the attention and MLP blocks (the output layer excluded).
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
+def build_variant(name: str, base, lora: int | None, seed: int):
+    """The model one variant trains: a copy of ``base``, fused before LoRA is added (adapters added
+    after optimize keep the blocks fused), compiled last."""
+    from torchfuser import autotune
+
+    model = copy.deepcopy(base)
+    if name.startswith("torchfuser"):
+        optimize(model, cuda_graphs=name == "torchfuser+graphs")
+    if lora:
+        model = _add_lora(model, lora, seed)
+    if name == "torchfuser-autotune":
+        autotune.apply(model)
+    if name.endswith("compile"):
+        model = torch.compile(model)
+    return model
+
+
+def _resident_bytes(model, opt) -> int:
+    """Parameters, gradients and optimizer state of one variant (each storage once)."""
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+class _Variant:
+    def __init__(self, name, model, device, progress, steps):
+        self.name, self.model, self.device, self.progress = name, model, device, progress
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=demo.LR)
+        self.losses, self.times, self.memory = [], [], 0
+        self.task = progress.add_task(f"{name:<20}", total=steps)
+
+    def step(self, ids):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), demo._SavedBytes() as saved:
+            loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            # All variants live on the device at once: this one's peak is its own resident state plus
+            # what its step allocated above the step's start, as if it ran alone.
+            peak = torch.cuda.max_memory_allocated(self.device) - before + _resident_bytes(self.model, self.opt)
+        self.times.append(time.perf_counter() - start)
+        self.losses.append(loss.item())
+        self.memory = max(self.memory, peak if cuda else saved.total)
+        self.progress.update(self.task, advance=1, description=f"{self.name:<20} loss {self.losses[-1]:.3f}")
+
+
+def _warmup(steps: int) -> int:
+    """Steps left out of the median: compilation and allocator growth happen there."""
+    return 0 if steps == 1 else 1 if steps < 8 else 3
+
+
+def _versions(device) -> dict:
+    import transformers
+
+    import torchfuser
+
+    return {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "torchfuser": torchfuser.__version__,
+            "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def check_variants(names, device) -> tuple[str, ...]:
+    for n in names:
+        if n not in VARIANTS:
+            _fail(f"unknown variant {n!r}; choose from {', '.join(VARIANTS)}")
+    if "torchfuser+graphs" in names and device.type != "cuda":
+        _fail("the variant torchfuser+graphs needs --device cuda (CUDA graphs)")
+    return tuple(dict.fromkeys(names))
+
+
+def resolve_device(device: str | None) -> torch.device:
+    try:
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        _fail(f"unknown device {device!r}; use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        _fail(f"--device {device} but CUDA is not available (torch {torch.__version__} sees no GPU)")
+    if dev.type not in ("cpu", "cuda"):
+        _fail(f"--device {device}: only cpu and cuda are measured")
+    return dev
+
+
+def run(target: str, device=None, steps: int = 10, batch=None, seq=None, variants=None, lora=None,
+        json_path=None, plot_path=None, seed: int = 0, console: Console | None = None) -> list[dict]:
+    """Train ``target`` with each variant, one step of each in turn on the same batches (so load
+    that comes and goes hits them alike), print a table; returns one row per variant."""
+    console = console or Console()
+    dev = resolve_device(device)
+    kind = "cuda" if dev.type == "cuda" else "cpu"
+    names = check_variants(variants or DEFAULT_VARIANTS[kind], dev)
+    base, what = load_model(target, kind, seed)
+    base.to(dev).train()
+    size = SimpleNamespace(vocab=base.config.vocab_size, batch=batch or demo.SIZES[kind].batch, seq=seq or demo.SIZES[kind].seq)
+    models = {n: build_variant(n, base, lora, seed) for n in names}
+    del base
+    params = sum(p.numel() for p in next(iter(models.values())).parameters())
+    console.print(f"[bold]torchfuser bench[/] {what} on {dev}: {params / 1e6:.1f}M parameters, batch {size.batch}×{size.seq} "
+                  f"tokens, {steps} steps{f', LoRA r={lora}' if lora else ''}; variants {', '.join(names)}")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console) as progress:
+        runs = [_Variant(n, m, dev, progress, steps) for n, m in models.items()]
+        order = list(runs)
+        for ids in demo.batches(size, steps, dev, seed):
+            for r in order:
+                r.step(ids)
+            order.reverse()
+    rows = _rows(runs, size, steps, lora, target, dev)
+    print_table(console, rows)
+    if json_path:
+        Path(json_path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        console.print(f"wrote {len(rows)} rows to {json_path}")
+    if plot_path:
+        from torchfuser.bench_plot import plot
+
+        plot(rows, plot_path)
+        console.print(f"wrote {plot_path}")
+    return rows
+
+
+def _rows(runs, size, steps, lora, target, dev) -> list[dict]:
+    ref = next((r for r in runs if r.name == "eager"), runs[0])
+    tokens, skip, common = size.batch * size.seq, _warmup(steps), _versions(dev)
+    rows = []
+    for r in runs:
+        step_s = statistics.median(r.times[skip:])
+        rep = report(r.model)
+        rows.append({
+            "variant": r.name, "ms_per_step": step_s * 1e3, "tokens_per_s": tokens / step_s,
+            "ms_per_step_min": min(r.times[skip:]) * 1e3,
+            # Paired per step: the variants ran back to back, so a step's ratio cancels the load of that moment.
+            "speedup_vs_reference": statistics.median(a / b for a, b in zip(ref.times[skip:], r.times[skip:])),
+            "peak_memory_bytes": r.memory,
+            "memory_measure": "cuda_max_memory_allocated_as_alone" if dev.type == "cuda" else "saved_activation_bytes",
+            "losses": r.losses, "loss_reference": ref.name,
+            "loss_max_rel_diff": max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, r.losses)),
+            "step_ms": [t * 1e3 for t in r.times], "warmup_steps": skip,
+            "fusion": rep.summary() if r.name.startswith("torchfuser") else None,
+            "notes": [n for n in rep.notes if n.startswith("autotune")] if r.name.startswith("torchfuser") else [],
+            "model": target, "batch": size.batch, "seq": size.seq, "steps": steps, "lora": lora, **common,
+        })
+    return rows
+
+
+def print_table(console: Console, rows: list[dict]) -> None:
+    ref = rows[0]
+    mem = "peak memory" if ref["memory_measure"].startswith("cuda") else "saved act."
+    table = Table(title=f"median of steps after the first {ref['warmup_steps']}", title_justify="left")
+    for col in ("variant", "ms/step", "speed-up", "tokens/s", mem, "loss Δ"):
+        table.add_column(col, justify="left" if col == "variant" else "right",
+                         min_width=max(len(r["variant"]) for r in rows) if col == "variant" else None)
+    for r in rows:
+        table.add_row(r["variant"], f"{r['ms_per_step']:.1f}", f"{r['speedup_vs_reference']:.2f}×",
+                      f"{r['tokens_per_s']:,.0f}", f"{r['peak_memory_bytes'] / 2**20:,.1f} MiB",
+                      f"{r['loss_max_rel_diff']:.1e}")
+    console.print(table)
+    console.print(f"speed-up: the median over steps of {ref['loss_reference']}'s step time / the variant's in the same round; "
+                  f"loss Δ: the largest relative difference of a step's loss from {ref['loss_reference']}'s")
+    for r in rows:
+        if r["fusion"]:
+            console.print(f"{r['variant']}: {r['fusion']}")
+        for note in r["notes"]:
+            console.print(f"{r['variant']}: {note}")
+    if mem == "saved act.":
+        console.print("saved act.: bytes autograd saved for the backward in a step (activations, each storage once; "
+                      "under torch.compile what the compiled graph saves)")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="a transformers model type (llama, qwen2, gpt2, ...), a config.json or a checkpoint directory")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default: 4 on the CPU, 8 on a GPU)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 128 on the CPU, 1024 on a GPU)")
+    parser.add_argument("--variants", default=None, help=f"comma-separated, of: {', '.join(VARIANTS)} "
+                        "(default: eager,torchfuser on the CPU; and compile, torchfuser+compile on a GPU)")
+    parser.add_argument("--lora", type=int, default=None, metavar="R", help="train PEFT LoRA adapters of rank R instead")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write one JSON line per variant")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of step time, memory and losses")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(args) -> int:
+    for flag in ("steps", "batch", "seq", "lora"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            _fail(f"--{flag} must be at least 1")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
+    run(args.model, device=args.device, steps=args.steps, batch=args.batch, seq=args.seq, variants=variants,
+        lora=args.lora, json_path=args.json, plot_path=args.plot, seed=args.seed)
+    return 0
