@@ -124,6 +124,8 @@ def test_packed_row_logits_equal_each_sequence_alone(backend):
     config's default, in training mode too) the packed row is plain causal, fused or not."""
     ref = _model().eval()
     fused = torchfuser.optimize(copy.deepcopy(ref), backend=backend).eval()
+    # optimize probes each block against the original and leaves a mismatch unfused: check it is fused.
+    assert torchfuser.report(fused).counts()["attention"]["fused"] == 2
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(4, 128, (n,), generator=gen) for n in (5, 9, 3)]
     row = torch.cat(seqs)[None]
@@ -134,6 +136,7 @@ def test_packed_row_logits_equal_each_sequence_alone(backend):
         packed_ref = ref(input_ids=row, position_ids=pos, use_cache=False).logits[0]
     torch.testing.assert_close(packed_ref, alone, rtol=1e-4, atol=1e-5)  # transformers' own block-diagonal mask
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+    assert not torchfuser.report(fused).fallbacks  # the fused path ran, not the original's
 
 
 def test_sft_gradient_accumulation(tmp_path, caplog):
