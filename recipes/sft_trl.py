@@ -82,7 +82,8 @@ def train(args, fused: bool) -> dict:
         torch.manual_seed(args.seed + 1)  # the adapters' initial weights, the same for both runs
     callback = torchfuser.TorchFuserCallback(backend=args.backend)
     timer = StepTimer()
-    callbacks = [trainer_timer_callback(timer)] + ([callback] if fused else [])
+    # Fused already (--optimize-first): the callback has nothing left to do.
+    callbacks = [trainer_timer_callback(timer)] + ([callback] if fused and not args.optimize_first else [])
     with tempfile.TemporaryDirectory() as scratch:
         trainer = SFTTrainer(model=model, args=sft_config(args, scratch), train_dataset=data,
                              processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
