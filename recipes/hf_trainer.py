@@ -1,35 +1,58 @@
-"""Train a recipe with the Hugging Face Trainer and TorchFuserCallback (random weights, synthetic data).
+"""Full fine-tuning with the Hugging Face Trainer and TorchFuserCallback.
 
-    python recipes/hf_trainer.py recipes/tiny.json --steps 20 --output /tmp/tf-run
+    python recipes/hf_trainer.py                           # tiny Llama, random tokens, CPU
+    python recipes/hf_trainer.py --config qwen2 --compare  # a tiny Qwen2, fused against unfused
+    python recipes/hf_trainer.py --checkpoint ./my-model --steps 100 --output ./run
+
+The callback fuses the model at the end of ``Trainer.__init__``, before the optimizer is built and
+before any distributed wrapping; parameters stay the same objects under the same names, so the
+checkpoints it saves load into plain ``transformers``. (This recipe needs ``accelerate``.)
 """
 from __future__ import annotations
 
 import argparse
-import json
+import tempfile
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import torchfuser
+from common import (StepTimer, add_model_args, dtype, load_model, print_comparison, print_result, random_tokens,
+                    trainer_losses, trainer_timer_callback)
+
+
+def train(args, fused: bool) -> dict:
+    model = load_model(args)
+    data = [{"input_ids": ids, "labels": ids} for ids in random_tokens(model.config.vocab_size, 64, args.seq)]
+    timer = StepTimer()
+    callbacks = [trainer_timer_callback(timer)]
+    if fused:
+        callbacks.append(torchfuser.TorchFuserCallback(backend=args.backend))
+    with tempfile.TemporaryDirectory() as scratch:
+        training = TrainingArguments(
+            output_dir=args.output or scratch, max_steps=args.steps, per_device_train_batch_size=args.batch,
+            learning_rate=args.lr, logging_steps=1, save_strategy="steps" if args.output else "no",
+            save_steps=args.steps, report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(),
+            bf16=dtype(args) == torch.bfloat16, disable_tqdm=True, log_level="warning")
+        trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
+        if fused:
+            print(torchfuser.report(model).summary())
+        trainer.train()
+    return print_result("fused" if fused else "unfused", trainer_losses(trainer),
+                        timer.tokens_per_s(args.batch * args.seq), timer.ms_per_step())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("recipe")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--output", default="tf-trainer-run")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", nargs="?", help="a config.json (the same as --config)")
+    add_model_args(parser)
+    parser.add_argument("--output", help="where to save the final checkpoint (default: nothing is saved)")
     args = parser.parse_args()
-    fields = json.load(open(args.recipe))
-    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    model = AutoModelForCausalLM.from_config(cfg)
-    gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, cfg.vocab_size, (64, args.seq), generator=gen)]
-    training = TrainingArguments(output_dir=args.output, max_steps=args.steps, per_device_train_batch_size=4,
-                                 logging_steps=5, report_to=[], bf16=torch.cuda.is_available())
-    trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[torchfuser.TorchFuserCallback()])
-    print(torchfuser.report(model).summary())
-    trainer.train()
+    if args.recipe:
+        args.config = args.recipe
+    fused = train(args, fused=True)
+    if args.compare:
+        print_comparison(fused, train(args, fused=False))
 
 
 if __name__ == "__main__":
