@@ -77,6 +77,10 @@ def optimize(
     chosen = _patterns.select(patterns, exclude)
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be a callable (qualified_name, module) -> bool, got {type(filter_fn).__name__}")
+    root = model
+    path, inner = unwrap.optimized(model)
+    if inner is not None and path:  # optimized, then wrapped (PEFT, DDP): go on in the model optimize was given
+        model = inner
     st = walker.state(model)
     rebackend = st is not None and st.backend != backend
     result = walker.fuse(model, chosen, backend, strict, filter_fn)
@@ -101,7 +105,7 @@ def optimize(
         from rich.console import Console
 
         Console().print(result)
-    return model
+    return root
 
 
 def restore(model: nn.Module) -> nn.Module:
