@@ -1,0 +1,143 @@
+"""Every Triton kernel of the backend as its launchers launch it, compiled for a GPU that is not here.
+
+``record_launches()`` calls the real launchers (``rms_norm_fwd``, ``swiglu_bwd``, ...) on *meta*
+tensors for representative shapes and dtypes, with ``Launcher.__call__`` replaced by a recorder:
+nothing runs, and what is recorded (kernel, grid, arguments, constexprs, ``num_warps``,
+``num_stages``) is exactly what the launcher would have launched, config choices included. Under
+``targets.simulate(target)`` the launchers choose for that target (warp size, shared memory, SM
+count). ``compile_launch`` turns one recorded launch into Triton's signature, specialisation
+attributes and options the way ``JITFunction.run`` does (Triton's own binder, built for the
+target's backend), and compiles it with ``triton.compile(..., target=GPUTarget(...))``: PTX and a
+cubin for CUDA, AMDGCN and a code object for ROCm, no GPU needed.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _common
+
+HIDDENS = (64, 123, 896, 4096, 8192, 16384, 32768)  # 123: odd; 32768: past MAX_FUSED, the looped kernels
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOKENS = 8192
+
+
+@dataclass
+class Launch:
+    kernel: object  # the @triton.jit function
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    op: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    def key(self) -> tuple:
+        """What a compile depends on: the kernel, its arguments' types and specialisation, constexprs
+        and options (not the grid, not pointer values)."""
+        return (self.name, tuple(_arg_key(a) for a in self.args), tuple(sorted(self.kwargs.items())))
+
+    def describe(self) -> dict:
+        return {"kernel": self.name, "op": self.op, "grid": list(self.grid),
+                "args": [_arg_key(a) for a in self.args], "kwargs": dict(sorted(self.kwargs.items()))}
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return "*" + str(a.dtype).removeprefix("torch.")
+    if isinstance(a, bool):
+        return a
+    if isinstance(a, int):  # Triton specialises ints on ==1 and %16 and on their width
+        return ("i64" if not -2**31 <= a < 2**31 else "i32", a == 1, a % 16 == 0)
+    if isinstance(a, float):
+        return "fp32"
+    return repr(a)
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: every ``Launcher`` call is recorded into the yielded list instead of launched."""
+    seen: list[Launch] = []
+    original = _common.Launcher.__call__
+
+    def record(self, grid, *args, **kwargs):
+        seen.append(Launch(self.fn, tuple(grid), args, dict(kwargs)))
+
+    _common.Launcher.__call__ = record
+    try:
+        yield seen
+    finally:
+        _common.Launcher.__call__ = original
+
+
+def _scenarios(hiddens, dtypes, tokens):
+    """(op label, thunk) pairs: each thunk calls one launcher on meta tensors."""
+    from . import gated, layer_norm, linear_cross_entropy as lce, rms_norm, rope
+
+    meta = torch.device("meta")
+    for dt in dtypes:
+        e = lambda *s, d=dt: torch.empty(*s, dtype=d, device=meta)  # noqa: E731
+        f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=meta)  # noqa: E731
+        for n in hiddens:
+            x, w, rs = e(tokens, n), e(n), f32(tokens)
+            yield "rms_norm_fwd", lambda x=x, w=w: rms_norm.rms_norm_fwd(x, w, 1e-6, 0.0)
+            yield "add_rms_norm_fwd", lambda x=x, w=w: rms_norm.add_rms_norm_fwd(x, x, w, 1e-6, 0.0)
+            yield "rms_norm_bwd", lambda x=x, w=w, rs=rs: rms_norm.rms_norm_bwd(x, x, w, rs, 1e-6, 0.0)
+            yield "rms_norm_bwd+dres", lambda x=x, w=w, rs=rs: rms_norm.rms_norm_bwd(x, x, w, rs, 1e-6, 0.0, x)
+            yield "add_rms_norm_bwd", lambda x=x, w=w, rs=rs: rms_norm.add_rms_norm_bwd(
+                x, x, w, rs, 1e-6, 0.0, x, torch.bfloat16)
+            yield "layer_norm_fwd", lambda x=x, w=w: layer_norm.layer_norm_fwd(x, w, w, 1e-5)
+            yield "layer_norm_fwd-bias", lambda x=x, w=w: layer_norm.layer_norm_fwd(x, w, None, 1e-5)
+            yield "layer_norm_bwd", lambda x=x, w=w, rs=rs: layer_norm.layer_norm_bwd(x, x, w, w, rs, rs, 1e-5)
+            yield "layer_norm_bwd-bias", lambda x=x, w=w, rs=rs: layer_norm.layer_norm_bwd(x, x, w, None, rs, rs, 1e-5)
+            # The MLP's gate/up: intermediate ≈ 2.7 × hidden; contiguous (one flat row) and row-strided.
+            gu = e(tokens, 2 * n)
+            g, u = gu[:, :n], gu[:, n:]
+            yield "swiglu_fwd", lambda x=x: gated.swiglu_fwd(x, x)
+            yield "swiglu_bwd", lambda x=x: gated.swiglu_bwd(x, x, x)
+            yield "geglu_fwd", lambda x=x: gated.geglu_fwd(x, x)
+            yield "geglu_bwd", lambda x=x: gated.geglu_bwd(x, x, x)
+            yield "swiglu_packed_fwd", lambda gu=gu: gated.swiglu_packed_fwd(gu)
+            yield "swiglu_packed_bwd", lambda x=x, gu=gu: gated.swiglu_packed_bwd(x, gu)
+            yield "geglu_packed_bwd", lambda x=x, gu=gu: gated.geglu_packed_bwd(x, gu)
+            yield "swiglu_fwd-strided", lambda g=g, u=u: gated.swiglu_fwd(g, u)
+            yield "gelu_fwd-tanh", lambda x=x: gated.gelu_fwd(x, "tanh")
+            yield "gelu_fwd", lambda x=x: gated.gelu_fwd(x, "none")
+            yield "gelu_bwd-tanh", lambda x=x: gated.gelu_bwd(x, x, "tanh")
+            yield "gelu_bwd", lambda x=x: gated.gelu_bwd(x, x, "none")
+            yield "gelu_bwd-strided", lambda g=g: gated.gelu_bwd(g, g, "none")
+        for hq, hk, d in ((32, 8, 128), (14, 2, 64), (16, 16, 256)):
+            s = tokens // 4
+            q, k, cs = e(4, hq, s, d), e(4, hk, s, d), e(1, s, d)
+            yield "rope_fwd", lambda q=q, k=k, cs=cs: rope.rope_fwd(q, k, cs, cs)
+            yield "rope_bwd", lambda q=q, k=k, cs=cs: rope.rope_bwd(q, k, cs, cs)
+        for n, v in ((2048, 128256), (896, 151936), (64, 1000)):
+            h, wv, lab = e(tokens, n), e(v, n), torch.empty(tokens, dtype=torch.int64, device=meta)
+            yield "lce", lambda h=h, wv=wv, lab=lab: lce.linear_cross_entropy_fwd(
+                h, wv, None, lab, -100, None, "mean", True)
+            yield "lce+bias+softcap", lambda h=h, wv=wv, lab=lab: lce.linear_cross_entropy_fwd(
+                h, wv, wv[:, 0], lab, -100, 30.0, "sum", True)
+            yield "lce-nograd", lambda h=h, wv=wv, lab=lab: lce.linear_cross_entropy_fwd(
+                h, wv, None, lab, -100, None, "mean", False)
+        yield "lce_scale", lambda: lce.linear_cross_entropy_scale_([e(4096, 2048)], f32(()))
+
+
+def record_launches(hiddens=HIDDENS, dtypes=DTYPES, tokens=TOKENS, unique=True) -> list[Launch]:
+    """The launches the backend's launchers make for the representative shapes (see module doc)."""
+    out, keys = [], set()
+    for op, thunk in _scenarios(hiddens, dtypes, tokens):
+        with recording() as seen:
+            thunk()
+        for launch in seen:
+            launch.op = op
+            if unique:
+                k = launch.key()
+                if k in keys:
+                    continue
+                keys.add(k)
+            out.append(launch)
+    return out
