@@ -141,3 +141,32 @@ def record_launches(hiddens=HIDDENS, dtypes=DTYPES, tokens=TOKENS, unique=True) 
                 keys.add(k)
             out.append(launch)
     return out
+
+
+_BINDERS: dict = {}  # (kernel, backend, arch) -> (backend object, Triton's binder)
+
+
+def _binder(kernel, gpu_target):
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    key = (kernel, gpu_target.backend, gpu_target.arch)
+    if key not in _BINDERS:
+        backend = make_backend(gpu_target)
+        _BINDERS[key] = (backend, create_function_from_signature(kernel.signature, kernel.params, backend))
+    return _BINDERS[key]
+
+
+def compile_launch(launch: Launch, gpu_target):
+    """The ``CompiledKernel`` Triton would build for ``launch`` on ``gpu_target`` (a
+    ``triton.backends.compiler.GPUTarget``): signature, constexprs and ``tt.divisibility``
+    attributes from Triton's own binder for that target's backend, options as ``JITFunction.run``
+    parses them. Meta tensors have a null data pointer: aligned, as a real allocation is."""
+    import triton
+
+    backend, binder = _binder(launch.kernel, gpu_target)
+    bound, specialization, _ = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(
+        backend, dict(launch.kwargs), bound, specialization, None)
+    src = triton.compiler.ASTSource(launch.kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=gpu_target, options=options.__dict__)
