@@ -170,3 +170,71 @@ def compile_launch(launch: Launch, gpu_target):
         backend, dict(launch.kwargs), bound, specialization, None)
     src = triton.compiler.ASTSource(launch.kernel, signature, constexprs, attrs)
     return triton.compile(src, target=gpu_target, options=options.__dict__)
+
+
+def _nvidia_tool(name: str) -> str:
+    import os
+
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _int(pattern: str, text: str, default=None):
+    import re
+
+    m = re.search(pattern, text)
+    return int(m.group(1)) if m else default
+
+
+def resources(compiled, target) -> dict:
+    """Registers, spills, shared memory and an occupancy estimate of one compiled kernel.
+
+    NVIDIA: the cubin Triton built, read by the bundled ``cuobjdump -res-usage`` (REG, LOCAL =
+    spilled bytes a thread), and ``ptxas -v`` on the same PTX for the spill stores it reports.
+    AMD: the AMDGCN text's metadata (``.vgpr_count``, ``.agpr_count``, ``.sgpr_count``,
+    ``.vgpr_spill_count``, ``.sgpr_spill_count``, ``.group_segment_fixed_size``) and LLVM's own
+    ``; Occupancy:`` (waves per SIMD, of 8). Shared memory: Triton's ``metadata.shared``
+    (dynamic shared memory / LDS a program allocates)."""
+    import os
+    import subprocess
+    import tempfile
+
+    md = compiled.metadata
+    warps = md.num_warps
+    out = {"num_warps": warps, "num_stages": md.num_stages, "shared": md.shared,
+           "threads": warps * target.warp_size}
+    if target.backend == "hip":
+        a = compiled.asm["amdgcn"]
+        out.update(
+            vgprs=_int(r"\.vgpr_count:\s+(\d+)", a), agprs=_int(r"\.agpr_count:\s+(\d+)", a, 0),
+            sgprs=_int(r"\.sgpr_count:\s+(\d+)", a),
+            spills=_int(r"\.vgpr_spill_count:\s+(\d+)", a, 0) + _int(r"\.sgpr_spill_count:\s+(\d+)", a, 0),
+            scratch=_int(r"\.private_segment_fixed_size:\s+(\d+)", a, 0),
+            lds=_int(r"\.group_segment_fixed_size:\s+(\d+)", a, 0),
+        )
+        waves = _int(r"; Occupancy:\s+(\d+)", a)
+        out["occupancy"] = None if waves is None else round(waves / 8, 3)
+        return out
+    with tempfile.TemporaryDirectory() as d:
+        cubin, ptx = os.path.join(d, "k.cubin"), os.path.join(d, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        res = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
+                             check=True).stdout
+        arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
+        v = subprocess.run([_nvidia_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(d, "v.cubin")],
+                           capture_output=True, text=True, check=True).stderr
+    regs = _int(r"REG:(\d+)", res)
+    out.update(regs=regs, local=_int(r"LOCAL:(\d+)", res, 0), stack=_int(r"STACK:(\d+)", res, 0),
+               spills=_int(r"(\d+) bytes spill stores", v, 0) + _int(r"(\d+) bytes spill loads", v, 0))
+    # Resident programs an SM: warps, registers (65536 a SM, allocated per warp in units of 256),
+    # shared memory (plus the 1 KiB the driver reserves a block), at most 32 blocks.
+    per_warp = -(-regs * 32 // 256) * 256 if regs else 0
+    by_regs = 65536 // (per_warp * warps) if per_warp else 32
+    by_smem = target.smem_per_sm // (md.shared + 1024)
+    blocks = max(0, min(32, target.max_warps_per_sm // warps, by_regs, by_smem))
+    out["occupancy"] = round(blocks * warps / target.max_warps_per_sm, 3)
+    return out

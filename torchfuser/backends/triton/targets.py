@@ -35,6 +35,9 @@ class Target:
     sms: int  # SMs / CUs of the part (only read when simulating: a live device is asked)
     hopper: bool  # TMA, wgmma, clusters allowed (none is used today)
     direct_launch: bool  # Launcher's C-launch path is checked for this target (see _common.Launcher)
+    # Per SM (NVIDIA) / CU (AMD), for the occupancy estimate of benchmarks/triton_resources.py:
+    smem_per_sm: int = 0  # shared memory / LDS
+    max_warps_per_sm: int = 0  # resident warps (AMD: 8 waves per SIMD × 4 SIMDs)
 
     def gpu_target(self):
         from triton.backends.compiler import GPUTarget
@@ -42,17 +45,21 @@ class Target:
         return GPUTarget(self.backend, self.arch, self.warp_size)
 
 
-_NV = dict(backend="cuda", warp_size=32, staged_bytes=96 * KiB, direct_launch=True)
-_AMD = dict(backend="hip", warp_size=64, shared_bytes=64 * KiB, hopper=False, direct_launch=False)
+_NV = dict(backend="cuda", warp_size=32, staged_bytes=96 * KiB, direct_launch=True, max_warps_per_sm=64)
+_AMD = dict(backend="hip", warp_size=64, shared_bytes=64 * KiB, hopper=False, direct_launch=False,
+            smem_per_sm=64 * KiB, max_warps_per_sm=32)
 # AMD: the 64 KiB LDS also holds the reductions' scratch and the layout conversions; 32 KiB of
 # staged tiles keeps the fp32 backward's 3-stage pipeline at hidden ≤ 2048 (bf16: ≤ 4096).
 TARGETS: dict[str, Target] = {t.name: t for t in (
-    Target("sm_90", "H200", arch=90, shared_bytes=227 * KiB, sms=132, hopper=True, **_NV),
-    Target("sm_80", "A100", arch=80, shared_bytes=163 * KiB, sms=108, hopper=False, **_NV),
-    Target("cuda", "other NVIDIA", arch=80, shared_bytes=99 * KiB, sms=132, hopper=False, **_NV),
+    Target("sm_90", "H200", arch=90, shared_bytes=227 * KiB, sms=132, hopper=True, smem_per_sm=228 * KiB, **_NV),
+    Target("sm_80", "A100", arch=80, shared_bytes=163 * KiB, sms=108, hopper=False, smem_per_sm=164 * KiB, **_NV),
+    Target("cuda", "other NVIDIA", arch=80, shared_bytes=99 * KiB, sms=132, hopper=False, smem_per_sm=100 * KiB, **_NV),
     Target("gfx942", "MI300X", arch="gfx942", staged_bytes=32 * KiB, sms=304, **_AMD),
     Target("gfx90a", "MI250X (one GCD)", arch="gfx90a", staged_bytes=32 * KiB, sms=110, **_AMD),
-    Target("hip", "other AMD", arch="gfx942", staged_bytes=32 * KiB, sms=304, **_AMD),
+    Target("hip", "other AMD CDNA", arch="gfx942", staged_bytes=32 * KiB, sms=304, **_AMD),
+    # RDNA (gfx10+): Triton compiles for 32-wide wavefronts there; never run, only a row to fall into.
+    Target("hip-rdna", "other AMD RDNA", arch="gfx1100", staged_bytes=32 * KiB, sms=96,
+           **{**_AMD, "warp_size": 32, "max_warps_per_sm": 64}),
     # No device (TRITON_INTERPRET=1 on the CPU): the H200's choices at a tiny grid.
     Target("cpu", "interpreter", backend="cuda", arch=90, warp_size=32, shared_bytes=227 * KiB,
            staged_bytes=96 * KiB, sms=2, hopper=False, direct_launch=False),
@@ -66,7 +73,7 @@ def _row_for_device(index: int) -> Target:
     props = torch.cuda.get_device_properties(index)
     if torch.version.hip:
         arch = getattr(props, "gcnArchName", "").split(":")[0]  # "gfx942:sramecc+:xnack-" -> "gfx942"
-        return TARGETS.get(arch, TARGETS["hip"])
+        return TARGETS.get(arch) or TARGETS["hip-rdna" if arch.startswith("gfx1") else "hip"]
     return TARGETS.get(f"sm_{props.major}{props.minor}", TARGETS["cuda"])
 
 
