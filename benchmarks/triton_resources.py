@@ -42,8 +42,10 @@ def run(target_names, quick=False):
                         else cc.record_launches())
         t0 = time.time()
         for launch in launches:
-            row = {"target": name, "gpu": target.gpu, **launch.describe()}
-            row.pop("grid")
+            d = launch.describe()
+            dtype = next(a for a in d["args"] if isinstance(a, str) and a.startswith("*")).lstrip("*")
+            row = {"target": name, "gpu": target.gpu, "kernel": d["kernel"], "op": d["op"], "dtype": dtype,
+                   "kwargs": d["kwargs"]}
             try:
                 compiled = cc.compile_launch(launch, target.gpu_target())
                 row.update(cc.resources(compiled, target))
@@ -93,7 +95,8 @@ def main():
             "kernel_variants": len(rows), "compile_failures": len(failures), "spilling": len(spilling)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "triton_resources.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
+        json.dump({"meta": meta, "rows": rows}, f, default=str)
+        f.write("\n")
     md = [
         "# Triton kernels: resources per target (cross-compiled, no GPU)", "",
         f"{meta['date']}, Triton {meta['triton']}, torch {meta['torch']}; `python benchmarks/triton_resources.py`"
@@ -106,8 +109,14 @@ def main():
         *summary(rows), "",
     ]
     if spilling:
-        md += ["## Spills", "", "| target | kernel | op | constexprs | spills (B / count) |", "|---|---|---|---|---|"]
-        md += [f"| {r['target']} | {r['kernel']} | {r['op']} | {r['kwargs']} | {r['spills']} |" for r in spilling]
+        md += ["## Spills", "",
+               "NVIDIA: bytes of spill stores + loads a thread (ptxas -v), and LOCAL (cubin); AMD: VGPR + SGPR "
+               "spill counts and scratch bytes. sm_90's launch choices are fixed (the H200 timings); "
+               "a spill there is noted, not changed.", "",
+               "| target | kernel | op | dtype | constexprs | spills | local / scratch B |", "|---|---|---|---|---|---|---|"]
+        md += [f"| {r['target']} | {r['kernel']} | {r['op']} | {r['dtype']} | "
+               + ", ".join(f"{k}={v}" for k, v in r["kwargs"].items())
+               + f" | {r['spills']} | {r.get('local', r.get('scratch'))} |" for r in spilling]
     if failures:
         md += ["", "## Compile failures", ""] + [f"- {r['target']} {r['kernel']} {r['kwargs']}: {r['error']}"
                                                   for r in failures]

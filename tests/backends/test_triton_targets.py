@@ -167,6 +167,10 @@ def test_resource_parsers_read_the_artifacts():
 
 # --- the direct launch: gated per target, checked against kernel[grid] on first reuse ---
 
+from triton.compiler.compiler import LazyDict  # noqa: E402
+from triton.knobs import HookChain  # noqa: E402
+
+
 class _FakeCudaLauncher:
     """Triton 3.6's CudaLauncher as far as Launcher relies on it (__call__ adds scratch and flags)."""
 
@@ -197,7 +201,10 @@ class _FakeKernel:
         def run(*args, **kwargs):
             self.ordinary += 1
             g = tuple(grid) + (1,) * (3 - len(grid))
-            self.compiled.run(*g, 123, self.compiled.function, self.compiled.packed_metadata, None, None, None, *args)
+            # As Triton 3.6 passes them with no hooks installed: a launch-metadata dict, empty hook chains.
+            meta = LazyDict({"name": "k", "function": 7, "stream": 123})
+            self.compiled.run(*g, 123, self.compiled.function, self.compiled.packed_metadata, meta, HookChain(),
+                              HookChain(), *args)
             return self.compiled
         return run
 
@@ -222,7 +229,8 @@ def test_direct_launch_after_it_matched_kernel_grid(direct):
     for _ in range(4):
         launcher((5,), x, 3, BLOCK=16)
     assert fn.ordinary == 2  # compile + the checked second launch; the rest are direct
-    assert len(fn.launches) == 4 and all(a == fn.launches[0] for a in fn.launches[1:])
+    assert len(fn.launches) == 4 and all(_common._same_launch(a, fn.launches[0]) for a in fn.launches[1:])
+    assert fn.launches[-1][10:13] == (None, None, None)  # the direct call: no metadata, no hook chains
     assert fn.launches[0][:4] == (5, 1, 1, 123) and fn.launches[0][-2] is x
 
 
@@ -328,3 +336,12 @@ def test_fp32_output_gemm_probe(monkeypatch, behaviour, ok):
     assert _gemm.fp32_out_ok(dev) is ok
     n = len(calls)
     assert _gemm.fp32_out_ok(dev) is ok and len(calls) == n  # cached per device
+
+
+def test_report_label_on_mps():
+    """The report's backend column for a module fused on an Apple GPU: the reference backend, and why."""
+    from torchfuser import walker
+
+    label = walker._backend_label("auto", torch.device("mps"))
+    assert label.startswith("reference (") and "Apple" in label
+    assert walker._backend_label("reference", torch.device("mps")) == "reference"

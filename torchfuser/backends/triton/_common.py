@@ -234,11 +234,14 @@ def _direct_args(launch, head, run, spy, grid, stream, bound):
 
 
 def _same_launch(a: tuple, b: tuple) -> bool:
-    """Equal launch arguments: the same objects (tensors), equal values, and an empty launch-hook
-    chain taken as no hook (what the C launcher does with it)."""
+    """Equal launch arguments: the same objects (tensors), equal values; an empty launch-hook chain
+    is taken as no hook, and the launch-metadata dict as none (the C launcher reads it only to pass
+    it to the hooks; JITFunction.run builds one even when the chains are empty)."""
     def norm(v):
         calls = getattr(v, "calls", None)
-        return None if isinstance(calls, list) and not calls else v
+        if isinstance(calls, list) and not calls or type(v).__name__ == "LazyDict":
+            return None
+        return v
 
     if len(a) != len(b):
         return False
