@@ -88,7 +88,7 @@ def main():
     args = ap.parse_args()
     names = args.targets.split(",")
     rows, failures = run(names, args.quick)
-    spilling = [r for r in rows if "error" not in r and (r["spills"] or r.get("local") or r.get("scratch"))]
+    spilling = [r for r in rows if "error" not in r and (r["spills"] or r.get("local") or r.get("stack") or r.get("scratch"))]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "triton": triton.__version__, "torch": torch.__version__, "host": platform.machine(),
             "targets": {n: targets.TARGETS[n].gpu for n in names}, "quick": args.quick,
@@ -110,13 +110,13 @@ def main():
     ]
     if spilling:
         md += ["## Spills", "",
-               "NVIDIA: bytes of spill stores + loads a thread (ptxas -v), and LOCAL (cubin); AMD: VGPR + SGPR "
+               "NVIDIA: bytes of spill stores + loads a thread (ptxas -v), and the stack frame they live in (cubin, STACK); AMD: VGPR + SGPR "
                "spill counts and scratch bytes. sm_90's launch choices are fixed (the H200 timings); "
                "a spill there is noted, not changed.", "",
-               "| target | kernel | op | dtype | constexprs | spills | local / scratch B |", "|---|---|---|---|---|---|---|"]
+               "| target | kernel | op | dtype | constexprs | spills | stack / scratch B |", "|---|---|---|---|---|---|---|"]
         md += [f"| {r['target']} | {r['kernel']} | {r['op']} | {r['dtype']} | "
                + ", ".join(f"{k}={v}" for k, v in r["kwargs"].items())
-               + f" | {r['spills']} | {r.get('local', r.get('scratch'))} |" for r in spilling]
+               + f" | {r['spills']} | {r.get('stack', r.get('scratch'))} |" for r in spilling]
     if failures:
         md += ["", "## Compile failures", ""] + [f"- {r['target']} {r['kernel']} {r['kwargs']}: {r['error']}"
                                                   for r in failures]

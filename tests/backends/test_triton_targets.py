@@ -3,10 +3,12 @@ gfx90a) and NVIDIA (H200 sm_90, A100 sm_80) with the launch choices its launcher
 target, the per-target table (targets.py), the H200's choices held to a recording, the direct
 launch's gating and first-use check, and ROCm / MPS detection, all simulated on the CPU.
 
-Compiles: the representative subset (bf16 at hidden 123 and 32768: every kernel and every
-constexpr variant of the launchers at least once, ~130 compiles) runs by default; the whole
-matrix (fp32/bf16/fp16 × hidden 64…32768, ~1300 compiles, several minutes on 2 cores) is the
-slow-marked test. Compiled kernels are cached for the session.
+Compiles: the representative subset (bf16 at hidden 123 and 32768, plus the rope and LCE shapes:
+every kernel and every constexpr variant of the launchers at least once, 54 variants a target,
+216 compiles, ~30 s on 2 cores with an empty Triton cache) runs by default; the whole matrix
+(fp32/bf16/fp16 × hidden 64, 123, 896, 4096, 8192, 16384, 32768: 321 variants a target, 1284
+compiles) is the slow-marked test. Compiled kernels are cached for the session (and by Triton's
+own on-disk cache across sessions).
 """
 from __future__ import annotations
 
