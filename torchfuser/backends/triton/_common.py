@@ -99,6 +99,11 @@ def _live_sms(index: int) -> int:
     return sms_of_index(index)
 
 
+# PROGRAMS_PER_SM is read on every call (benchmarks/norm_bwd_probe.py sweeps it); what is cached is
+# the device's SM count. Kept for callers that cleared the old lru_cache.
+num_programs_cap.cache_clear = _live_sms.cache_clear
+
+
 def device_key(t: torch.Tensor) -> int | None:
     return t.device.index if t.device.type == "cuda" else None
 
