@@ -56,8 +56,14 @@ def add_model_args(parser: argparse.ArgumentParser, steps: int = 20, batch: int 
     parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, fp32 on the CPU)")
 
 
+def on_gpus() -> bool:
+    """CUDA, with a GPU for every local rank (torchrun's ranks on one GPU machine run on the CPU)."""
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return torch.cuda.is_available() and ranks <= torch.cuda.device_count()
+
+
 def device() -> torch.device:
-    if torch.cuda.is_available():
+    if on_gpus():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -65,7 +71,7 @@ def device() -> torch.device:
 def dtype(args) -> torch.dtype:
     if args.dtype:
         return getattr(torch, args.dtype)
-    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return torch.bfloat16 if on_gpus() else torch.float32
 
 
 def load_config(arg: str):

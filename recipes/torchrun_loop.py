@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import torchfuser
-from common import StepTimer, add_model_args, device, dtype, load_model, print_comparison, print_result, random_tokens
+from common import (StepTimer, add_model_args, device, dtype, load_model, on_gpus, print_comparison, print_result,
+                    random_tokens)
 
 
 def wrap(model, parallel: str, dev: torch.device, low_dtype: torch.dtype):
@@ -88,9 +89,9 @@ def main() -> None:
     if args.parallel != "none" and not distributed:
         parser.error(f"--parallel {args.parallel} runs under torchrun (torchrun --nproc_per_node=N ...)")
     if distributed:
-        if torch.cuda.is_available():
+        if on_gpus():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if on_gpus() else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     base = load_model(args)  # the same weights on every rank (same seed, or the checkpoint)
     try:
@@ -103,7 +104,7 @@ def main() -> None:
         if distributed:
             dist.barrier()
             dist.destroy_process_group()
-    if distributed and not torch.cuda.is_available():
+    if distributed and not on_gpus():
         # gloo's threads now and then abort the interpreter's teardown ("terminate called without an
         # active exception", SIGABRT) after everything has finished: skip the teardown.
         sys.stdout.flush()

@@ -128,7 +128,7 @@ def test_add_rms_norm_looped_path(dts, request, monkeypatch):
     """The chunked path of rows longer than MAX_FUSED, forced on 123-wide rows with 32-wide chunks
     (four per row, the last one partial): the forward recomputes s in its second pass."""
     B = _backend("triton", request)
-    looped = lambda n, backward=False: (32, 1, False, 1)  # noqa: E731
+    looped = lambda n, backward=False, target=None: (32, 1, False, 1)  # noqa: E731
     monkeypatch.setattr(importlib.import_module(B.__name__ + ".rms_norm"), "norm_config", looped)
     _check(B, (37, 123), ("x", "dres"), dts, DEVICE)
 

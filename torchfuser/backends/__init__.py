@@ -88,7 +88,13 @@ def auto_fallback_reason(device: torch.device | str) -> str | None:
     """Why ``auto`` on ``device`` does not get its preferred backend (None if it does)."""
     device_type = torch.device(device).type
     preferred = _PREFERRED.get(device_type)
-    return None if preferred is None else unavailable_reason(preferred, device_type)
+    return _NO_KERNELS.get(device_type) if preferred is None else unavailable_reason(preferred, device_type)
+
+
+# Devices with no kernels of ours, where ``auto`` runs the reference backend on purpose.
+_NO_KERNELS = {
+    "mps": "no TorchFuser kernels for Apple GPUs ('mps'): the reference backend's plain PyTorch runs (docs/hardware.md)",
+}
 
 
 def kernels(name: str) -> ModuleType:

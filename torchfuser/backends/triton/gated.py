@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, cdiv, check_dtypes, next_pow2, rows_of, warps_for
+from ._common import CPU, Launcher, Target, cdiv, check_dtypes, next_pow2, rows_of, target_of, warps_for
 from ._math import tanh
 
 _TILE = 4096
@@ -112,11 +112,11 @@ def _gelu_bwd_kernel(DY, X, DX, M, N, sdy, sx, TANH: tl.constexpr, ROWS: tl.cons
 
 
 @lru_cache(maxsize=None)
-def _config(flat: bool, n: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_N, num_warps); flat: one long row of n elements."""
+def _config(flat: bool, n: int, target: Target = CPU) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_N, num_warps); flat: one long row of n elements. Warps per the target's warp size."""
     block = min(_TILE, next_pow2(n))
     rows = 1 if flat else max(1, min(64, _TILE // block))
-    return rows, block, warps_for(rows * block, hi=8)
+    return rows, block, warps_for(rows * block, hi=8, warp_size=target.warp_size)
 
 
 def _layout(n: int, *ts: torch.Tensor):
@@ -129,7 +129,7 @@ def _layout(n: int, *ts: torch.Tensor):
         views = [rows_of(t, n) for t in ts]
         m, flat = views[0][1], False
         views = [(t, stride) for t, _, stride in views]
-    rows, block, warps = _config(flat, n)
+    rows, block, warps = _config(flat, n, target_of(ts[0]))
     grid = cdiv(m, rows) * cdiv(n, block)
     return views, m, n, (grid,), rows, block, warps
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launcher, bwd_stages, cdiv, check_dtypes, device_key, num_programs_cap, rows_of
+from ._common import Launcher, bwd_stages, cdiv, check_dtypes, device_key, num_programs_cap, rows_of, target_of
 from .rms_norm import norm_config, sum_partials
 
 
@@ -154,7 +154,7 @@ def layer_norm_fwd(x, weight, bias, eps):
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if m == 0:
         return y, mean, rstd
-    block, rows, one_pass, warps = norm_config(n)
+    block, rows, one_pass, warps = norm_config(n, False, target_of(x))
     _fwd(
         (cdiv(m, rows),), x2, weight, weight if bias is None else bias, y, mean, rstd, m, n, sx, float(eps),
         HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
@@ -166,7 +166,8 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
     check_dtypes("layer_norm", dy=dy, x=x, weight=weight, bias=bias)
     n = x.shape[-1]
     (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
-    block, rows, one_pass, warps = norm_config(n, backward=True)
+    target = target_of(x)
+    block, rows, one_pass, warps = norm_config(n, True, target)
     grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     alloc = torch.empty if one_pass and m > 0 else torch.zeros
@@ -174,7 +175,7 @@ def layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps):
     dbp = alloc((grid, n), dtype=torch.float32, device=x.device) if bias is not None else dwp
     if m > 0:
         tiles = cdiv(cdiv(m, rows), grid)
-        stages = bwd_stages(tiles, rows, block, x.element_size()) if one_pass else 1
+        stages = bwd_stages(tiles, rows, block, x.element_size(), 0, target) if one_pass else 1
         _bwd(
             (grid,), dy2, x2, weight, _dense(mean), _dense(rstd), dx, dwp, dbp, m, n, sdy, sx,
             tiles, HAS_BIAS=bias is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, STAGES=stages,

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .._gemm import fp32_out_ok
-from ._common import Launcher, cdiv, check_dtypes, next_pow2
+from ._common import Launcher, cdiv, check_dtypes, next_pow2, target_of, warps_as_threads
 from ._math import tanh
 
 # The op's extra memory (one chunk of logits + the dh, dW, db it returns) is held near
@@ -159,7 +159,7 @@ def ce_rows(z, bias, labels, losses, row_scale, nvalid, ignore_index, softcap, n
         (rows,), z, z.stride(0), z if bias is None else bias, labels, losses, row_scale, ref, ref.stride(0), nvalid,
         v, int(ignore_index), 1.0 if softcap is None else float(softcap),
         HAS_BIAS=bias is not None, SOFTCAP=softcap is not None, NEED_GRAD=bool(need_grad), MEAN=mean,
-        BLOCK_V=block, RANGE=_RANGE, ONE_PASS=one_pass, num_warps=_WARPS,
+        BLOCK_V=block, RANGE=_RANGE, ONE_PASS=one_pass, num_warps=warps_as_threads(_WARPS, target_of(z)),
     )
 
 
@@ -216,7 +216,7 @@ def _chunk_grads(q, h, weight, a, dh, dw, db, first):
     g = _times_w(q, weight)
     block = min(4096, next_pow2(hdim))
     _row_scale((rows, cdiv(hdim, block)), g, g.stride(0), h, h.stride(0), a, dh, dh.stride(0), hs, hdim,
-               BLOCK_H=block, num_warps=4)
+               BLOCK_H=block, num_warps=warps_as_threads(4, target_of(h)))
     del g
     if first:
         torch.mm(q.t(), hs, out=dw)
@@ -239,7 +239,8 @@ def linear_cross_entropy_scale_(grads, scale):
         if not g.is_contiguous():
             g.mul_(scale)
             continue
-        _scale((cdiv(g.numel(), _SCALE_BLOCK),), g, scale, g.numel(), BLOCK=_SCALE_BLOCK, num_warps=8)
+        _scale((cdiv(g.numel(), _SCALE_BLOCK),), g, scale, g.numel(), BLOCK=_SCALE_BLOCK,
+               num_warps=warps_as_threads(8, target_of(g)))
 
 
 def chunks(n: int, most: int) -> list[tuple[int, int]]:

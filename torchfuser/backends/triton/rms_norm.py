@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    Launcher, bwd_stages, cdiv, check_dtypes, check_same_shape, device_key, next_pow2, num_programs_cap, rows_of,
-    warps_for,
+    CPU, Launcher, Target, bwd_stages, cdiv, check_dtypes, check_same_shape, device_key, next_pow2, num_programs_cap,
+    rows_of, target_of, warps_as_threads, warps_for,
 )
 
 # Rows up to this many elements are held in registers whole (one read of x); longer rows are
@@ -35,7 +35,7 @@ _BWD_ROWS = 2
 
 
 @lru_cache(maxsize=None)
-def norm_config(n: int, backward: bool = False) -> tuple[int, int, bool, int]:
+def norm_config(n: int, backward: bool = False, target: Target = CPU) -> tuple[int, int, bool, int]:
     """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm. The
     backwards' tiles hold at most _BWD_ROWS rows: at 8192×896 (a decoder layer's fp32 residual
     stream) the backward took 54 µs in 4-row tiles, pipelined or not, and 41 µs in pipelined 2-row
@@ -43,8 +43,8 @@ def norm_config(n: int, backward: bool = False) -> tuple[int, int, bool, int]:
     if n <= MAX_FUSED:
         block = next_pow2(n)
         rows = max(1, min(_BWD_ROWS if backward else 64, _TILE // block))
-        return block, rows, True, warps_for(rows * block)
-    return _CHUNK, 1, False, warps_for(_CHUNK)
+        return block, rows, True, warps_for(rows * block, warp_size=target.warp_size)
+    return _CHUNK, 1, False, warps_for(_CHUNK, warp_size=target.warp_size)
 
 
 @triton.jit
@@ -211,7 +211,8 @@ def sum_partials(p, dtype, q=None, q_dtype=None):
     out_q = torch.empty(n, dtype=q_dtype, device=p.device) if q is not None else out
     if n > 0:
         _sum_partials((cdiv(n, _SUM_BLOCK_N),), p, out, p if q is None else q, out_q, g, n,
-                      TWO=q is not None, BLOCK_G=_SUM_BLOCK_G, BLOCK_N=_SUM_BLOCK_N, num_warps=4)
+                      TWO=q is not None, BLOCK_G=_SUM_BLOCK_G, BLOCK_N=_SUM_BLOCK_N,
+                      num_warps=warps_as_threads(4, target_of(p)))
     return out if q is None else (out, out_q)
 
 
@@ -225,7 +226,7 @@ def _norm_fwd(x, r, s, weight, eps, offset, out_dtype):
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     if m == 0:
         return y, rstd
-    block, rows, one_pass, warps = norm_config(n)
+    block, rows, one_pass, warps = norm_config(n, False, target_of(x))
     _fwd(
         (cdiv(m, rows),), x2, r2, weight, y, y if s is None else s, rstd, m, n, sx, sr, float(eps), float(offset),
         HAS_RES=r is not None, ROWS=rows, BLOCK_N=block, ONE_PASS=one_pass, num_warps=warps,
@@ -264,7 +265,8 @@ def _norm_bwd(dy, x, weight, rstd, offset, dres, dx2_dtype):
     n = x.shape[-1]
     (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
     dres2, _, sdres = rows_of(dres, n) if dres is not None else (x2, m, sx)
-    block, rows, one_pass, warps = norm_config(n, backward=True)
+    target = target_of(x)
+    block, rows, one_pass, warps = norm_config(n, True, target)
     grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dx2 = None if dx2_dtype is None else torch.empty(x.shape, dtype=dx2_dtype, device=x.device)
@@ -274,7 +276,7 @@ def _norm_bwd(dy, x, weight, rstd, offset, dres, dx2_dtype):
     if m > 0:
         tiles = cdiv(cdiv(m, rows), grid)
         extra = dres.element_size() if dres is not None else 0  # a third staged tile
-        stages = bwd_stages(tiles, rows, block, x.element_size(), extra) if one_pass else 1
+        stages = bwd_stages(tiles, rows, block, x.element_size(), extra, target) if one_pass else 1
         _bwd(
             (grid,), dy2, x2, weight, rstd if rstd.is_contiguous() else rstd.contiguous(), dres2, dx,
             dx if dx2 is None else dx2, dwp, m, n, sdy, sx, sdres, tiles, float(offset),

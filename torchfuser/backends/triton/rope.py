@@ -21,7 +21,7 @@ import triton.language as tl
 
 from torchfuser.backends.reference.rope import empty_heads_inner
 
-from ._common import Launcher, check_dtypes, next_pow2, warps_for
+from ._common import CPU, Launcher, Target, check_dtypes, next_pow2, target_of, warps_for
 
 
 @triton.jit
@@ -68,10 +68,10 @@ def _rope_fwd_kernel(
 
 
 @lru_cache(maxsize=None)
-def _config(h: int, half: int) -> tuple[int, int, int]:
+def _config(h: int, half: int, target: Target = CPU) -> tuple[int, int, int]:
     block_d = next_pow2(half)
     block_h = max(1, min(next_pow2(h), 2048 // block_d))
-    return block_h, block_d, warps_for(2 * block_h * block_d, hi=8)
+    return block_h, block_d, warps_for(2 * block_h * block_d, hi=8, warp_size=target.warp_size)
 
 
 _rope = Launcher(_rope_fwd_kernel)
@@ -89,7 +89,7 @@ def _launch(q, k, cos, sin, backward: bool):
     qo, ko = empty_heads_inner(q), empty_heads_inner(k)
     if q.numel() == 0 and k.numel() == 0:
         return qo, ko
-    block_h, block_d, warps = _config(max(hq, hk), d // 2)
+    block_h, block_d, warps = _config(max(hq, hk), d // 2, target_of(q))
     # A broadcast batch dim of cos/sin (size 1) is read with stride 0.
     scb = cos.stride(0) if cos.shape[0] > 1 else 0
     ssb = sin.stride(0) if sin.shape[0] > 1 else 0

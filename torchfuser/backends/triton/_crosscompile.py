@@ -1,0 +1,240 @@
+"""Every Triton kernel of the backend as its launchers launch it, compiled for a GPU that is not here.
+
+``record_launches()`` calls the real launchers (``rms_norm_fwd``, ``swiglu_bwd``, ...) on *meta*
+tensors for representative shapes and dtypes, with ``Launcher.__call__`` replaced by a recorder:
+nothing runs, and what is recorded (kernel, grid, arguments, constexprs, ``num_warps``,
+``num_stages``) is exactly what the launcher would have launched, config choices included. Under
+``targets.simulate(target)`` the launchers choose for that target (warp size, shared memory, SM
+count). ``compile_launch`` turns one recorded launch into Triton's signature, specialisation
+attributes and options the way ``JITFunction.run`` does (Triton's own binder, built for the
+target's backend), and compiles it with ``triton.compile(..., target=GPUTarget(...))``: PTX and a
+cubin for CUDA, AMDGCN and a code object for ROCm, no GPU needed.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _common
+
+HIDDENS = (64, 123, 896, 4096, 8192, 16384, 32768)  # 123: odd; 32768: past MAX_FUSED, the looped kernels
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TOKENS = 8192
+
+
+@dataclass
+class Launch:
+    kernel: object  # the @triton.jit function
+    grid: tuple
+    args: tuple
+    kwargs: dict
+    op: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    def key(self) -> tuple:
+        """What a compile depends on: the kernel, its arguments' types and specialisation, constexprs
+        and options (not the grid, not pointer values)."""
+        return (self.name, tuple(_arg_key(a) for a in self.args), tuple(sorted(self.kwargs.items())))
+
+    def describe(self) -> dict:
+        return {"kernel": self.name, "op": self.op, "grid": list(self.grid),
+                "args": [_arg_key(a) for a in self.args], "kwargs": dict(sorted(self.kwargs.items()))}
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return "*" + str(a.dtype).removeprefix("torch.")
+    if isinstance(a, bool):
+        return a
+    if isinstance(a, int):  # Triton specialises ints on ==1 and %16 and on their width
+        return ("i64" if not -2**31 <= a < 2**31 else "i32", a == 1, a % 16 == 0)
+    if isinstance(a, float):
+        return "fp32"
+    return repr(a)
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: every ``Launcher`` call is recorded into the yielded list instead of launched."""
+    seen: list[Launch] = []
+    original = _common.Launcher.__call__
+
+    def record(self, grid, *args, **kwargs):
+        seen.append(Launch(self.fn, tuple(grid), args, dict(kwargs)))
+
+    _common.Launcher.__call__ = record
+    try:
+        yield seen
+    finally:
+        _common.Launcher.__call__ = original
+
+
+def _scenarios(hiddens, dtypes, tokens):
+    """(op label, thunk) pairs: each thunk calls one launcher on meta tensors."""
+    from . import gated, layer_norm, linear_cross_entropy as lce, rms_norm, rope
+
+    meta = torch.device("meta")
+    for dt in dtypes:
+        e = lambda *s, d=dt: torch.empty(*s, dtype=d, device=meta)  # noqa: E731
+        f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=meta)  # noqa: E731
+        for n in hiddens:
+            x, w, rs = e(tokens, n), e(n), f32(tokens)
+            yield "rms_norm_fwd", lambda x=x, w=w: rms_norm.rms_norm_fwd(x, w, 1e-6, 0.0)
+            yield "add_rms_norm_fwd", lambda x=x, w=w: rms_norm.add_rms_norm_fwd(x, x, w, 1e-6, 0.0)
+            yield "rms_norm_bwd", lambda x=x, w=w, rs=rs: rms_norm.rms_norm_bwd(x, x, w, rs, 1e-6, 0.0)
+            yield "rms_norm_bwd+dres", lambda x=x, w=w, rs=rs: rms_norm.rms_norm_bwd(x, x, w, rs, 1e-6, 0.0, x)
+            yield "add_rms_norm_bwd", lambda x=x, w=w, rs=rs: rms_norm.add_rms_norm_bwd(
+                x, x, w, rs, 1e-6, 0.0, x, torch.bfloat16)
+            yield "layer_norm_fwd", lambda x=x, w=w: layer_norm.layer_norm_fwd(x, w, w, 1e-5)
+            yield "layer_norm_fwd-bias", lambda x=x, w=w: layer_norm.layer_norm_fwd(x, w, None, 1e-5)
+            yield "layer_norm_bwd", lambda x=x, w=w, rs=rs: layer_norm.layer_norm_bwd(x, x, w, w, rs, rs, 1e-5)
+            yield "layer_norm_bwd-bias", lambda x=x, w=w, rs=rs: layer_norm.layer_norm_bwd(x, x, w, None, rs, rs, 1e-5)
+            # The MLP's gate/up: intermediate ≈ 2.7 × hidden; contiguous (one flat row) and row-strided.
+            gu = e(tokens, 2 * n)
+            g, u = gu[:, :n], gu[:, n:]
+            yield "swiglu_fwd", lambda x=x: gated.swiglu_fwd(x, x)
+            yield "swiglu_bwd", lambda x=x: gated.swiglu_bwd(x, x, x)
+            yield "geglu_fwd", lambda x=x: gated.geglu_fwd(x, x)
+            yield "geglu_bwd", lambda x=x: gated.geglu_bwd(x, x, x)
+            yield "swiglu_packed_fwd", lambda gu=gu: gated.swiglu_packed_fwd(gu)
+            yield "swiglu_packed_bwd", lambda x=x, gu=gu: gated.swiglu_packed_bwd(x, gu)
+            yield "geglu_packed_bwd", lambda x=x, gu=gu: gated.geglu_packed_bwd(x, gu)
+            yield "swiglu_fwd-strided", lambda g=g, u=u: gated.swiglu_fwd(g, u)
+            yield "gelu_fwd-tanh", lambda x=x: gated.gelu_fwd(x, "tanh")
+            yield "gelu_fwd", lambda x=x: gated.gelu_fwd(x, "none")
+            yield "gelu_bwd-tanh", lambda x=x: gated.gelu_bwd(x, x, "tanh")
+            yield "gelu_bwd", lambda x=x: gated.gelu_bwd(x, x, "none")
+            yield "gelu_bwd-strided", lambda g=g: gated.gelu_bwd(g, g, "none")
+        for hq, hk, d in ((32, 8, 128), (14, 2, 64), (16, 16, 256)):
+            s = tokens // 4
+            q, k, cs = e(4, hq, s, d), e(4, hk, s, d), e(1, s, d)
+            yield "rope_fwd", lambda q=q, k=k, cs=cs: rope.rope_fwd(q, k, cs, cs)
+            yield "rope_bwd", lambda q=q, k=k, cs=cs: rope.rope_bwd(q, k, cs, cs)
+        for n, v in ((2048, 128256), (896, 151936), (64, 1000)):
+            h, wv, lab = e(tokens, n), e(v, n), torch.empty(tokens, dtype=torch.int64, device=meta)
+            yield "lce", lambda h=h, wv=wv, lab=lab: lce.linear_cross_entropy_fwd(
+                h, wv, None, lab, -100, None, "mean", True)
+            yield "lce+bias+softcap", lambda h=h, wv=wv, lab=lab: lce.linear_cross_entropy_fwd(
+                h, wv, wv[:, 0], lab, -100, 30.0, "sum", True)
+            yield "lce-nograd", lambda h=h, wv=wv, lab=lab: lce.linear_cross_entropy_fwd(
+                h, wv, None, lab, -100, None, "mean", False)
+        yield "lce_scale", lambda: lce.linear_cross_entropy_scale_([e(4096, 2048)], f32(()))
+
+
+def record_launches(hiddens=HIDDENS, dtypes=DTYPES, tokens=TOKENS, unique=True) -> list[Launch]:
+    """The launches the backend's launchers make for the representative shapes (see module doc)."""
+    out, keys = [], set()
+    for op, thunk in _scenarios(hiddens, dtypes, tokens):
+        with recording() as seen:
+            thunk()
+        for launch in seen:
+            launch.op = op
+            if unique:
+                k = launch.key()
+                if k in keys:
+                    continue
+                keys.add(k)
+            out.append(launch)
+    return out
+
+
+_BINDERS: dict = {}  # (kernel, backend, arch) -> (backend object, Triton's binder)
+
+
+def _binder(kernel, gpu_target):
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    key = (kernel, gpu_target.backend, gpu_target.arch)
+    if key not in _BINDERS:
+        backend = make_backend(gpu_target)
+        _BINDERS[key] = (backend, create_function_from_signature(kernel.signature, kernel.params, backend))
+    return _BINDERS[key]
+
+
+def compile_launch(launch: Launch, gpu_target):
+    """The ``CompiledKernel`` Triton would build for ``launch`` on ``gpu_target`` (a
+    ``triton.backends.compiler.GPUTarget``): signature, constexprs and ``tt.divisibility``
+    attributes from Triton's own binder for that target's backend, options as ``JITFunction.run``
+    parses them. Meta tensors have a null data pointer: aligned, as a real allocation is."""
+    import triton
+
+    backend, binder = _binder(launch.kernel, gpu_target)
+    bound, specialization, _ = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = launch.kernel._pack_args(
+        backend, dict(launch.kwargs), bound, specialization, None)
+    src = triton.compiler.ASTSource(launch.kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=gpu_target, options=options.__dict__)
+
+
+def _nvidia_tool(name: str) -> str:
+    import os
+
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _int(pattern: str, text: str, default=None):
+    import re
+
+    m = re.search(pattern, text)
+    return int(m.group(1)) if m else default
+
+
+def resources(compiled, target) -> dict:
+    """Registers, spills, shared memory and an occupancy estimate of one compiled kernel.
+
+    NVIDIA: the cubin Triton built, read by the bundled ``cuobjdump -res-usage`` (REG, LOCAL =
+    spilled bytes a thread), and ``ptxas -v`` on the same PTX for the spill stores it reports.
+    AMD: the AMDGCN text's metadata (``.vgpr_count``, ``.agpr_count``, ``.sgpr_count``,
+    ``.vgpr_spill_count``, ``.sgpr_spill_count``, ``.group_segment_fixed_size``) and LLVM's own
+    ``; Occupancy:`` (waves per SIMD, of 8). Shared memory: Triton's ``metadata.shared``
+    (dynamic shared memory / LDS a program allocates)."""
+    import os
+    import subprocess
+    import tempfile
+
+    md = compiled.metadata
+    warps = md.num_warps
+    out = {"num_warps": warps, "num_stages": md.num_stages, "shared": md.shared,
+           "threads": warps * target.warp_size}
+    if target.backend == "hip":
+        a = compiled.asm["amdgcn"]
+        out.update(
+            vgprs=_int(r"\.vgpr_count:\s+(\d+)", a), agprs=_int(r"\.agpr_count:\s+(\d+)", a, 0),
+            sgprs=_int(r"\.sgpr_count:\s+(\d+)", a),
+            spills=_int(r"\.vgpr_spill_count:\s+(\d+)", a, 0) + _int(r"\.sgpr_spill_count:\s+(\d+)", a, 0),
+            scratch=_int(r"\.private_segment_fixed_size:\s+(\d+)", a, 0),
+            lds=_int(r"\.group_segment_fixed_size:\s+(\d+)", a, 0),
+        )
+        waves = _int(r"; Occupancy:\s+(\d+)", a)
+        out["occupancy"] = None if waves is None else round(waves / 8, 3)
+        return out
+    with tempfile.TemporaryDirectory() as d:
+        cubin, ptx = os.path.join(d, "k.cubin"), os.path.join(d, "k.ptx")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        res = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True,
+                             check=True).stdout
+        arch = f"sm_{target.arch}a" if target.arch == 90 else f"sm_{target.arch}"
+        v = subprocess.run([_nvidia_tool("ptxas"), "-v", f"--gpu-name={arch}", ptx, "-o", os.path.join(d, "v.cubin")],
+                           capture_output=True, text=True, check=True).stderr
+    regs = _int(r"REG:(\d+)", res)
+    out.update(regs=regs, local=_int(r"LOCAL:(\d+)", res, 0), stack=_int(r"STACK:(\d+)", res, 0),
+               spills=_int(r"(\d+) bytes spill stores", v, 0) + _int(r"(\d+) bytes spill loads", v, 0))
+    # Resident programs an SM: warps, registers (65536 a SM, allocated per warp in units of 256),
+    # shared memory (plus the 1 KiB the driver reserves a block), at most 32 blocks.
+    per_warp = -(-regs * 32 // 256) * 256 if regs else 0
+    by_regs = 65536 // (per_warp * warps) if per_warp else 32
+    by_smem = target.smem_per_sm // (md.shared + 1024)
+    blocks = max(0, min(32, target.max_warps_per_sm // warps, by_regs, by_smem))
+    out["occupancy"] = round(blocks * warps / target.max_warps_per_sm, 3)
+    return out
