@@ -11,10 +11,10 @@ strategy implies it) are one row of concatenated sequences whose ``position_ids`
 sequence; with SDPA, transformers turns them into a block-diagonal causal mask, which the fused
 attention applies as SDPA does.
 
-With ``--lora`` SFTTrainer wraps the model in PEFT *before* the callback runs, so the blocks that
-hold adapters are left unfused (the report lists them with the reason). To keep them fused, call
-``torchfuser.optimize(model)`` yourself before handing the model to SFTTrainer; ``--optimize-first``
-does that. (This recipe needs ``trl``; ``--lora`` needs ``peft``.)
+With ``--lora`` SFTTrainer wraps the model in PEFT before the callback runs; the blocks that hold
+adapters stay fused, with the adapters running inside them (the report's notes say so).
+``--optimize-first`` fuses the model yourself before SFTTrainer, which gives the same.
+(This recipe needs ``trl``; ``--lora`` needs ``peft``.)
 """
 from __future__ import annotations
 
