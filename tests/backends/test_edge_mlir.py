@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torch_mlir")
+from edge_checks import cases, check_empty, check_inplace
+from numerics import needs_mlir
+from torchfuser.backends import kernel
 
-from edge_checks import cases, check_empty, check_inplace  # noqa: E402
-from torchfuser.backends import kernel  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("mlir_tmp_cache")
+pytestmark = [needs_mlir, pytest.mark.usefixtures("mlir_tmp_cache")]
 
 
 @pytest.mark.parametrize("name,shape", cases(empty=False))
