@@ -68,6 +68,18 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def training_arguments(args, scratch: str):
+    """The Trainer's arguments the recipes share: a step budget, a log line a step, a checkpoint at
+    the end only where ``--output`` asks for one, bf16 on GPUs."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=args.output or scratch, max_steps=args.steps, per_device_train_batch_size=args.batch,
+        learning_rate=args.lr, logging_steps=1, save_strategy="steps" if args.output else "no",
+        save_steps=args.steps, report_to=[], seed=args.seed, use_cpu=not on_gpus(),
+        bf16=dtype(args) == torch.bfloat16, disable_tqdm=True, log_level="warning")
+
+
 def dtype(args) -> torch.dtype:
     if args.dtype:
         return getattr(torch, args.dtype)

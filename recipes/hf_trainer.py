@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 import torchfuser
-from common import (StepTimer, add_model_args, dtype, load_model, print_comparison, print_result, random_tokens,
-                    trainer_losses, trainer_timer_callback)
+from common import (StepTimer, add_model_args, load_model, print_comparison, print_result, random_tokens,
+                    trainer_losses, trainer_timer_callback, training_arguments)
 
 
 def train(args, fused: bool) -> dict:
@@ -29,11 +28,7 @@ def train(args, fused: bool) -> dict:
     if fused:
         callbacks.append(torchfuser.TorchFuserCallback(backend=args.backend))
     with tempfile.TemporaryDirectory() as scratch:
-        training = TrainingArguments(
-            output_dir=args.output or scratch, max_steps=args.steps, per_device_train_batch_size=args.batch,
-            learning_rate=args.lr, logging_steps=1, save_strategy="steps" if args.output else "no",
-            save_steps=args.steps, report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(),
-            bf16=dtype(args) == torch.bfloat16, disable_tqdm=True, log_level="warning")
+        training = training_arguments(args, scratch)
         trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
         if fused:
             print(torchfuser.report(model).summary())

@@ -16,11 +16,11 @@ import tempfile
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 import torchfuser
-from common import (StepTimer, add_model_args, dtype, load_model, print_comparison, print_result, random_tokens,
-                    trainer_losses, trainer_timer_callback)
+from common import (StepTimer, add_model_args, load_model, print_comparison, print_result, random_tokens,
+                    trainer_losses, trainer_timer_callback, training_arguments)
 
 
 def train(args, fused: bool) -> dict:
@@ -38,11 +38,7 @@ def train(args, fused: bool) -> dict:
     data = [{"input_ids": ids, "labels": ids} for ids in random_tokens(model.config.vocab_size, 64, args.seq)]
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as scratch:
-        training = TrainingArguments(
-            output_dir=args.output or scratch, max_steps=args.steps, per_device_train_batch_size=args.batch,
-            learning_rate=args.lr, logging_steps=1, save_strategy="steps" if args.output else "no",
-            save_steps=args.steps, report_to=[], seed=args.seed, use_cpu=not torch.cuda.is_available(),
-            bf16=dtype(args) == torch.bfloat16, disable_tqdm=True, log_level="warning")
+        training = training_arguments(args, scratch)
         trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[trainer_timer_callback(timer)])
         trainer.train()
     return print_result("fused" if fused else "unfused", trainer_losses(trainer),
