@@ -236,13 +236,15 @@ def test_direct_launch_after_it_matched_kernel_grid(direct):
     assert fn.launches[0][:4] == (5, 1, 1, 123) and fn.launches[0][-2] is x
 
 
-def test_direct_launch_refused_when_the_layout_differs(direct):
+def test_direct_launch_refused_when_the_layout_differs(direct, caplog, monkeypatch):
     direct("sm_90")
+    monkeypatch.setattr(_common, "_refused", [])
     fn = _FakeKernel(layout_changed=True)
     launcher = _common.Launcher(fn)
     for _ in range(5):
         launcher((5,), torch.zeros(1), 3)
     assert fn.ordinary == 5 and len(fn.launches) == 5
+    assert [r.message.count("did not pass the arguments") for r in caplog.records] == [1]  # said once
 
 
 @pytest.mark.parametrize("row", ["gfx942", "gfx90a", "hip"])

@@ -2,6 +2,7 @@
 the direct launcher."""
 from __future__ import annotations
 
+import logging
 from functools import lru_cache
 
 import torch
@@ -120,6 +121,9 @@ def warps_as_threads(cuda_warps: int, target: Target) -> int:
     return max(1, cuda_warps * 32 // target.warp_size)
 
 
+_refused: list = []  # the first specialization whose direct launch failed its check (warned once)
+
+
 class Launcher:
     """``kernel[grid](*args, **constexprs)`` for one ``@triton.jit`` kernel, with less host work.
 
@@ -188,6 +192,12 @@ class Launcher:
         ok = len(calls) == 1 and would is not None and _same_launch(calls[0], would)
         if ok:
             self.cache[key] = (launch, head)
+        elif not _refused:  # correct either way, but every launch of it now pays Triton's host path
+            _refused.append(key)
+            logging.getLogger("torchfuser").warning(
+                "torchfuser: the direct Triton launch of %s did not pass the arguments kernel[grid] passes; it runs "
+                "through kernel[grid] (slower on the host; please report this with your Triton version)",
+                getattr(self.fn, "__name__", self.fn))
         self.pending[key] = None  # checked: direct from now on (ok), or kernel[grid] for good
 
     def _slow(self, grid, args, kwargs):
