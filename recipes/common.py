@@ -68,6 +68,13 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def train_and_compare(train, args) -> None:
+    """``train(args, fused=True)``, then with ``--compare`` the unfused run and their comparison."""
+    fused = train(args, fused=True)
+    if args.compare:
+        print_comparison(fused, train(args, fused=False))
+
+
 def training_arguments(args, scratch: str):
     """The Trainer's arguments the recipes share: a step budget, a log line a step, a checkpoint at
     the end only where ``--output`` asks for one, bf16 on GPUs."""

@@ -16,8 +16,8 @@ import tempfile
 from transformers import Trainer
 
 import torchfuser
-from common import (StepTimer, add_model_args, load_model, print_comparison, print_result, random_tokens,
-                    trainer_losses, trainer_timer_callback, training_arguments)
+from common import (StepTimer, add_model_args, load_model, print_result, random_tokens,
+                    train_and_compare, trainer_losses, trainer_timer_callback, training_arguments)
 
 
 def train(args, fused: bool) -> dict:
@@ -45,9 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.recipe:
         args.config = args.recipe
-    fused = train(args, fused=True)
-    if args.compare:
-        print_comparison(fused, train(args, fused=False))
+    train_and_compare(train, args)
 
 
 if __name__ == "__main__":

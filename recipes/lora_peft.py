@@ -19,8 +19,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import Trainer
 
 import torchfuser
-from common import (StepTimer, add_model_args, load_model, print_comparison, print_result, random_tokens,
-                    trainer_losses, trainer_timer_callback, training_arguments)
+from common import (StepTimer, add_model_args, load_model, print_result, random_tokens,
+                    train_and_compare, trainer_losses, trainer_timer_callback, training_arguments)
 
 
 def train(args, fused: bool) -> dict:
@@ -54,9 +54,7 @@ def main() -> None:
     parser.add_argument("--init-zero", action="store_true", help="PEFT's default init (B = 0)")
     parser.add_argument("--output", help="where to save the adapter checkpoint (default: nothing is saved)")
     args = parser.parse_args()
-    fused = train(args, fused=True)
-    if args.compare:
-        print_comparison(fused, train(args, fused=False))
+    train_and_compare(train, args)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from transformers import PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
 import torchfuser
-from common import (TINY_TEXT, StepTimer, add_model_args, dtype, load_model, print_comparison, print_result,
-                    trainer_losses, trainer_timer_callback)
+from common import (TINY_TEXT, StepTimer, add_model_args, dtype, load_model, print_result,
+                    train_and_compare, trainer_losses, trainer_timer_callback)
 
 
 def char_tokenizer(text: str) -> PreTrainedTokenizerFast:
@@ -118,9 +118,7 @@ def main() -> None:
                         help="SFTConfig's default is on; off here for speed on the CPU")
     parser.add_argument("--repeat", type=int, default=8, help="copies of the built-in text in the data set")
     args = parser.parse_args()
-    fused = train(args, fused=True)
-    if args.compare:
-        print_comparison(fused, train(args, fused=False))
+    train_and_compare(train, args)
 
 
 if __name__ == "__main__":
