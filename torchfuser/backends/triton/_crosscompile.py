@@ -130,7 +130,7 @@ def record_launches(hiddens=HIDDENS, dtypes=DTYPES, tokens=TOKENS, unique=True) 
     """The launches the backend's launchers make for the representative shapes (see module doc)."""
     out, keys = [], set()
     for op, thunk in _scenarios(hiddens, dtypes, tokens):
-        with recording() as seen:
+        with recording() as seen, _gpu_gemm_answers():
             thunk()
         for launch in seen:
             launch.op = op
@@ -141,6 +141,25 @@ def record_launches(hiddens=HIDDENS, dtypes=DTYPES, tokens=TOKENS, unique=True) 
                 keys.add(k)
             out.append(launch)
     return out
+
+
+@contextlib.contextmanager
+def _gpu_gemm_answers():
+    """Within: the fp32-output GEMM probe answers for meta tensors as a GPU with this PyTorch does (the
+    overload runs on CUDA and ROCm), not as this PyTorch's meta kernels do (2.11 has none for it), so
+    the recorded LCE backward is the one a GPU launches whatever PyTorch records it."""
+    from .. import _gemm
+
+    meta = torch.device("meta")
+    had, old = meta in _gemm._OUT_DTYPE, _gemm._OUT_DTYPE.get(meta)
+    _gemm._OUT_DTYPE[meta] = True
+    try:
+        yield
+    finally:
+        if had:
+            _gemm._OUT_DTYPE[meta] = old
+        else:
+            del _gemm._OUT_DTYPE[meta]
 
 
 _BINDERS: dict = {}  # (kernel, backend, arch) -> (backend object, Triton's binder)
