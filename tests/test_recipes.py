@@ -93,6 +93,6 @@ def test_torchrun_loop_fused_trains_as_unfused(parallel):
 
 def test_torchrun_loop_refuses_ddp_without_torchrun():
     proc = subprocess.run([sys.executable, str(RECIPES / "torchrun_loop.py"), "--parallel", "ddp"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60,
+                          capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode != 0 and "torchrun" in proc.stderr
