@@ -57,8 +57,9 @@ for stage in "$@"; do
             && timeout 150 python3 benchmarks/probes/lce_label_check_ab.py --rounds 12 | tee "$OUT/lce-label-ab.jsonl"
           rm -f torchfuser/backends/triton/_lce_before.py ;;
     bench) timeout ${BENCH_S:-300} python3 -m torchfuser.cli bench ${BENCH_MODEL:-llama} --device cuda --steps ${BENCH_STEPS:-12} \
-            --variants ${BENCH_VARIANTS:-eager,torchfuser,torchfuser-autotune,torchfuser+graphs,compile} \
+            --variants ${BENCH_VARIANTS:-eager,torchfuser,torchfuser-autotune,torchfuser+graphs,compile} ${BENCH_ARGS:-} \
             --json "$OUT/bench.jsonl" --plot "$OUT/bench.png" ;;
+    norm-wide) timeout 150 python3 benchmarks/probes/norm_bwd_wide_probe.py --out "$OUT/norm-bwd-wide.jsonl" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
