@@ -111,8 +111,8 @@ def main():
     if spilling:
         md += ["## Spills", "",
                "NVIDIA: bytes of spill stores + loads a thread (ptxas -v), and the stack frame they live in (cubin, STACK); AMD: VGPR + SGPR "
-               "spill counts and scratch bytes. sm_90's launch choices are fixed (the H200 timings); "
-               "a spill there is noted, not changed.", "",
+               "spill counts and scratch bytes. Each spill left was timed on the H200 against the kernel's "
+               "other forms and is still the fastest (docs/performance/NOTES-triton.md, \"Wide rows\").", "",
                "| target | kernel | op | dtype | constexprs | spills | stack / scratch B |", "|---|---|---|---|---|---|---|"]
         md += [f"| {r['target']} | {r['kernel']} | {r['op']} | {r['dtype']} | "
                + ", ".join(f"{k}={v}" for k, v in r["kwargs"].items())

@@ -32,19 +32,28 @@ MAX_FUSED = 16384
 _CHUNK = 4096
 _TILE = 4096  # elements per program in the one-pass case: short rows are packed several per program
 _BWD_ROWS = 2
+# A backward that also adds the residual stream's gradient (``dres``) holds a fifth row in registers
+# (w, dw, x, dy, dres): past 8192 elements it spills thousands of bytes a thread on NVIDIA, and the
+# looped kernel in 8192-element chunks at 16 warps is 3.9-4.6x faster (H200, 4096 rows of 12288 and
+# 16384, fp32 residual; without dres the one-pass kernel stays the fastest at 16384).
+# benchmarks/probes/norm_bwd_wide_probe.py, benchmarks/results/latest/*norm-bwd-wide*, NOTES-triton.md.
+_MAX_FUSED_BWD_DRES = 8192
+_BWD_CHUNK = 8192  # looped backwards: 8192-element chunks beat 4096 at 12288-16384 in every op measured
 
 
 @lru_cache(maxsize=None)
-def norm_config(n: int, backward: bool = False, target: Target = CPU) -> tuple[int, int, bool, int]:
-    """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm. The
-    backwards' tiles hold at most _BWD_ROWS rows: at 8192×896 (a decoder layer's fp32 residual
-    stream) the backward took 54 µs in 4-row tiles, pipelined or not, and 41 µs in pipelined 2-row
-    tiles (H200, benchmarks/probes/norm_bwd_probe.py, NOTES-triton.md)."""
-    if n <= MAX_FUSED:
+def norm_config(n: int, backward: bool = False, target: Target = CPU, dres: bool = False) -> tuple[int, int, bool, int]:
+    """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm (``dres``:
+    a backward that also adds the residual's gradient). The backwards' tiles hold at most _BWD_ROWS
+    rows: at 8192×896 (a decoder layer's fp32 residual stream) the backward took 54 µs in 4-row
+    tiles, pipelined or not, and 41 µs in pipelined 2-row tiles (H200,
+    benchmarks/probes/norm_bwd_probe.py, NOTES-triton.md)."""
+    if n <= (_MAX_FUSED_BWD_DRES if backward and dres else MAX_FUSED):
         block = next_pow2(n)
         rows = max(1, min(_BWD_ROWS if backward else 64, _TILE // block))
         return block, rows, True, warps_for(rows * block, warp_size=target.warp_size)
-    return _CHUNK, 1, False, warps_for(_CHUNK, warp_size=target.warp_size)
+    chunk = _BWD_CHUNK if backward else _CHUNK
+    return chunk, 1, False, warps_for(chunk, warp_size=target.warp_size)
 
 
 @triton.jit
@@ -266,7 +275,7 @@ def _norm_bwd(dy, x, weight, rstd, offset, dres, dx2_dtype):
     (x2, m, sx), (dy2, _, sdy) = rows_of(x, n), rows_of(dy, n)
     dres2, _, sdres = rows_of(dres, n) if dres is not None else (x2, m, sx)
     target = target_of(x)
-    block, rows, one_pass, warps = norm_config(n, True, target)
+    block, rows, one_pass, warps = norm_config(n, True, target, dres is not None)
     grid = max(1, min(num_programs_cap(device_key(x)), cdiv(m, rows)))
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dx2 = None if dx2_dtype is None else torch.empty(x.shape, dtype=dx2_dtype, device=x.device)
