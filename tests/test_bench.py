@@ -94,3 +94,18 @@ def test_small_default_config(model_type):
     cfg = bench.small_config(model_type, "cpu")
     s = demo.SIZES["cpu"]
     assert cfg.hidden_size == s.hidden and cfg.num_hidden_layers == s.layers and cfg.vocab_size <= 65536
+
+
+def test_dropout_masks_are_the_same_in_every_variant(tmp_path):
+    """Variants run in alternation: each step of each variant starts from the same generator state,
+    so a model with dropout gets the same masks fused and unfused, and the loss parity is exact; the
+    caller's generator is left as it was."""
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(dict(model_type="gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=32,
+                                    resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3, bos_token_id=0, eos_token_id=0)))
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    rows = bench.run(str(path), device="cpu", steps=2, batch=2, seq=8, variants=["eager", "torchfuser"],
+                     console=Console(quiet=True))
+    assert torch.equal(torch.get_rng_state(), before)
+    assert rows[1]["loss_max_rel_diff"] < 1e-5, rows[1]["losses"]

@@ -186,7 +186,14 @@ def resolve_device(device: str | None) -> torch.device:
 def run(target: str, device=None, steps: int = 10, batch=None, seq=None, variants=None, lora=None,
         json_path=None, plot_path=None, seed: int = 0, console: Console | None = None) -> list[dict]:
     """Train ``target`` with each variant, one step of each in turn on the same batches (so load
-    that comes and goes hits them alike), print a table; returns one row per variant."""
+    that comes and goes hits them alike), print a table; returns one row per variant. The caller's
+    random generators are left as they were."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        return _run(target, device, steps, batch, seq, variants, lora, json_path, plot_path, seed, console)
+
+
+def _run(target, device, steps, batch, seq, variants, lora, json_path, plot_path, seed, console) -> list[dict]:
     console = console or Console()
     dev = resolve_device(device)
     kind = "cuda" if dev.type == "cuda" else "cpu"
@@ -203,10 +210,14 @@ def run(target: str, device=None, steps: int = 10, batch=None, seq=None, variant
     with Progress(*columns, console=console) as progress:
         runs = [_Variant(n, m, dev, progress, steps) for n, m in models.items()]
         order = list(runs)
-        for ids in demo.batches(size, steps, dev, seed):
-            for r in order:
-                r.step(ids)
-            order.reverse()
+        # Every variant's step i draws the same dropout masks (the same generator state), so the loss
+        # parity below compares like with like; the caller's generators are left as they were.
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            for i, ids in enumerate(demo.batches(size, steps, dev, seed)):
+                for r in order:
+                    torch.manual_seed(seed + 1000 + i)
+                    r.step(ids)
+                order.reverse()
     rows = _rows(runs, size, steps, lora, target, dev)
     print_table(console, rows)
     if json_path:
