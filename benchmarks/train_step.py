@@ -14,6 +14,15 @@ afresh from the same seed, trains on the same random tokens under bf16 autocast 
 parameters (``--precision bf16``: bf16 parameters and no autocast, as ``model.to(torch.bfloat16)``
 training runs), and reports ms/step (median of the timed steps), tokens/s, peak memory and the
 first/last loss: one JSON line per variant, then a table with ratios against eager and compile.
+
+Workloads (``--workload``, benchmarks/workloads.py): fixed-shape batches (default), padded batches
+whose length changes every step (``varying``), padding-free packed rows (``packed``) and the same
+samples padded (``padded-samples``); tokens/s counts real tokens. ``--lora R`` trains PEFT LoRA
+adapters of rank R on every attention and MLP projection instead of the whole model (with
+``--precision bf16``: frozen bf16 weights, as LoRA fine-tuning runs).
+
+    python benchmarks/train_step.py --models llama8b --precision bf16 --lora 16 --variants eager torchfuser
+    python benchmarks/train_step.py --models qwen05b --workload varying --variants eager torchfuser torchfuser-graphs
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
+import workloads  # noqa: E402
 from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 
 VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "torchfuser+compile-ew",
@@ -104,39 +114,46 @@ def run_variant(recipe, variant, args, device):
 
     bf16_params = args.precision == "bf16"
     model = build(recipe, device, args.seed, torch.bfloat16 if bf16_params else torch.float32)
+    if args.lora:
+        model = workloads.add_lora(model, args.lora, args.seed)
     passes_before = len(inductor_pass.RECENT)
     step_fn = prepare(variant, model, args.backend, args.compiled_elementwise, args.exclude)
     if args.exclude and "torchfuser" in variant:
         variant = f"{variant}-no-{'-'.join(args.exclude)}"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    vocab = model.config.vocab_size
-    batches = [torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device) for _ in range(4)]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4, fused=device.type == "cuda")
+    # A new length every step for `varying`; the others cycle through a few batches.
+    n = args.warmup + args.steps if args.workload == "varying" else 4
+    batches = workloads.batches(args.workload, n, model.config.vocab_size, args.batch, args.seq, args.seed, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not bf16_params)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    losses, times = [], []
+    losses, times, tokens = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup + args.steps):
-        ids = batches[step % len(batches)]
+        inputs = dict(batches[step % len(batches)])
+        real = inputs.pop("tokens")
         sync()
         start = time.perf_counter()
         with autocast:
-            loss = step_fn(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = step_fn(**inputs, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            tokens.append(real)
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     if args.profile_dir:
-        profile(step_fn, opt, batches[0], autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant.replace('+', '_')}.txt")
+        inputs = {k: v for k, v in batches[0].items() if k != "tokens"}
+        profile(step_fn, opt, inputs, autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant.replace('+', '_')}.txt")
     ms = statistics.median(times) * 1e3
     row = {
-        "model": recipe, "variant": variant, "precision": args.precision, "ms_per_step": round(ms, 2),
-        "tokens_per_s": round(args.batch * args.seq / ms * 1e3), "peak_gib": None if peak is None else round(peak, 2),
+        "model": recipe, "variant": variant, "precision": args.precision, "workload": args.workload, "lora": args.lora,
+        "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
+        "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
         "fused_blocks": len(torchfuser.report(model).fused),
     }
@@ -150,11 +167,11 @@ def run_variant(recipe, variant, args, device):
     return row
 
 
-def profile(step_fn, opt, ids, autocast, device, path):
+def profile(step_fn, opt, inputs, autocast, device, path):
     """Two steps under the profiler: the kernels and ops that take the time, for the notes."""
     def step():
         with autocast:
-            loss = step_fn(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = step_fn(**inputs, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -216,7 +233,9 @@ def main():
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=2048, help="tokens a row (varying: the longest; packed: the longest sample)")
+    parser.add_argument("--workload", choices=workloads.WORKLOADS, default="fixed")
+    parser.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R only")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
