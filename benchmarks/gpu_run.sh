@@ -59,7 +59,17 @@ for stage in "$@"; do
     bench) timeout ${BENCH_S:-300} python3 -m torchfuser.cli bench ${BENCH_MODEL:-llama} --device cuda --steps ${BENCH_STEPS:-12} \
             --variants ${BENCH_VARIANTS:-eager,torchfuser,torchfuser-autotune,torchfuser+graphs,compile} ${BENCH_ARGS:-} \
             --json "$OUT/bench.jsonl" --plot "$OUT/bench.png" ;;
-    norm-wide) timeout 150 python3 benchmarks/probes/norm_bwd_wide_probe.py --out "$OUT/norm-bwd-wide.jsonl" ;;
+    norm-wide) timeout 150 python3 benchmarks/probes/norm_bwd_wide_probe.py ${NORM_SHAPES:+--shapes $NORM_SHAPES} --out "$OUT/norm-bwd-wide.jsonl" ;;
+    varlen-probe) timeout 120 python3 benchmarks/probes/varlen_probe.py --out "$OUT/varlen-probe.jsonl" ;;
+    ft-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" -n 4 tests/backends/test_residual_norm_kernels.py \
+              tests/test_workloads.py tests/backends/test_direct_launch_cuda.py tests/test_bench.py ;;
+    # Fine-tuning workloads (issue 21): varying lengths, packed rows and the same samples padded, LoRA on llama8b.
+    ft-varying) for m in qwen05b llama1b; do timeout 200 python3 $ts --models $m --workload varying \
+              --variants ${VARIANTS:-eager torchfuser torchfuser-graphs} --out "$OUT/train-step-varying.jsonl"; done ;;
+    ft-packed) for w in packed padded-samples; do timeout 150 python3 $ts --models ${MODELS:-qwen05b} --workload $w --batch 2 \
+              --variants ${VARIANTS:-eager torchfuser} --out "$OUT/train-step-packed.jsonl"; done ;;
+    ft-lora) timeout 300 python3 $ts --models llama8b --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
+              --variants ${VARIANTS:-eager torchfuser} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-lora.jsonl" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40

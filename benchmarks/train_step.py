@@ -156,6 +156,7 @@ def run_variant(recipe, variant, args, device):
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
         "fused_blocks": len(torchfuser.report(model).fused),
+        "report_notes": torchfuser.report(model).notes,  # graph captures and replays, call-time fallbacks, adapters
     }
     # What optimize's Inductor pass did to the compiled graphs (torch.compile(optimize(model))).
     passes = [line for r in inductor_pass.RECENT[passes_before:] for line in r.rewrites + r.skipped]
