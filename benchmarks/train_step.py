@@ -155,6 +155,7 @@ def run_variant(recipe, variant, args, device):
         "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
+        "step_ms": [round(t * 1e3, 2) for t in times], "step_tokens": tokens,
         "fused_blocks": len(torchfuser.report(model).fused),
         "report_notes": torchfuser.report(model).notes,  # graph captures and replays, call-time fallbacks, adapters
     }

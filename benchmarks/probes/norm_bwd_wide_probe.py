@@ -28,8 +28,8 @@ SHIPPED = rms_norm.norm_config
 
 def forced(kind: str):
     """norm_config with the backward's choice replaced for rows wider than 4096."""
-    def config(n, backward=False, target=rms_norm.CPU):
-        block, rows, one_pass, warps = SHIPPED(n, backward, target)
+    def config(n, backward=False, target=rms_norm.CPU, dres=False):
+        block, rows, one_pass, warps = SHIPPED(n, backward, target, dres)
         if not backward or n <= 4096 or kind == "shipped":
             return block, rows, one_pass, warps
         if kind == "one-pass-32w":

@@ -26,6 +26,11 @@ def _launchers():
     return [o for o in gc.get_objects() if isinstance(o, _common.Launcher)]
 
 
+def _keys():
+    """{launcher: the specializations it has built so far, checked or not} (other tests' launches included)."""
+    return {lc: set(lc.pending) | set(lc.cache) for lc in _launchers()}
+
+
 def _step(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
@@ -42,6 +47,7 @@ def test_every_specialization_of_a_fused_step_passes_its_direct_launch_check(mon
     model = transformers.AutoModelForCausalLM.from_config(cfg).cuda()
     torchfuser.optimize(model, backend="triton")
     ids = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
+    before = _keys()
     # Step 1 compiles (kernel[grid]), step 2 checks each specialization (kernel[grid], spied on),
     # step 3 onwards launches directly.
     first = _step(model, ids)
@@ -50,11 +56,13 @@ def test_every_specialization_of_a_fused_step_passes_its_direct_launch_check(mon
     torch.cuda.synchronize()
 
     assert _common._refused == [], f"direct launch refused for {_common._refused}"
-    used = [lc for lc in _launchers() if lc.cache or lc.pending]
-    assert used, "no Triton kernel of the fused step went through a Launcher"
-    unchecked = [lc.fn.__name__ for lc in used for v in lc.pending.values() if v is not None]
+    new = {lc: keys - before.get(lc, set()) for lc, keys in _keys().items()}
+    new = {lc: keys for lc, keys in new.items() if keys}
+    assert new, "no Triton kernel of the fused step went through a Launcher"
+    unchecked = [lc.fn.__name__ for lc, keys in new.items() for k in keys if lc.pending.get(k) is not None]
     assert not unchecked, f"specializations still waiting for their check after three steps: {unchecked}"
-    assert sum(len(lc.cache) for lc in used) >= 4  # norms, rope, gated MLP, LM head at least
+    direct = sum(k in lc.cache for lc, keys in new.items() for k in keys)
+    assert direct >= 4, new  # norms, rope, gated MLP, LM head at least
     torch.testing.assert_close(direct[0], first[0], rtol=1e-6, atol=1e-6)
     for name, g in first[1].items():
         torch.testing.assert_close(direct[1][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
