@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
                                      keep_dropout)
-from torchfuser.modules import fallbacks, lora
+from torchfuser.modules import fallbacks, lora, packed
 from torchfuser.modules.projections import project
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
@@ -267,9 +267,15 @@ class FusedAttention(FusedModule):
         exact = eager and mask is not None and mask.is_floating_point() and (
             not host_reads_allowed() or _has_empty_rows(mask)
         )
-        with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
-            out, _ = sdpa_attention_forward(
-                self, q, k, v, mask, dropout=dropout_p(self, s.dropout), scaling=s.scaling, is_causal=False if eager else None
-            )
+        p = dropout_p(self, s.dropout)
+        # Packed rows (position_ids restarting, transformers' block-causal mask): variable-length attention.
+        varlen = packed.kernel_for(q) if s.is_causal and cache is None and not p and host_reads_allowed() else None
+        samples = packed.segments(mask, kwargs.get("position_ids")) if varlen is not None else None
+        if samples is not None:
+            out = packed.attention(varlen, q, k, v, *samples, s.scaling)
+        else:
+            with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
+                out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling,
+                                                is_causal=False if eager else None)
         out = getattr(self, s.out)(out.reshape(*lead, -1).contiguous())
         return apply_dropout(self, s.out_dropout, out), None
