@@ -61,8 +61,8 @@ for stage in "$@"; do
             --json "$OUT/bench.jsonl" --plot "$OUT/bench.png" ;;
     norm-wide) timeout 150 python3 benchmarks/probes/norm_bwd_wide_probe.py ${NORM_SHAPES:+--shapes $NORM_SHAPES} --out "$OUT/norm-bwd-wide.jsonl" ;;
     varlen-probe) timeout 120 python3 benchmarks/probes/varlen_probe.py --out "$OUT/varlen-probe.jsonl" ;;
-    ft-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" -n 4 tests/backends/test_residual_norm_kernels.py \
-              tests/test_workloads.py tests/backends/test_direct_launch_cuda.py tests/test_bench.py ;;
+    ft-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" -n 4 ${FT_TESTS:-tests/backends/test_residual_norm_kernels.py} \
+              tests/test_workloads.py tests/test_packed_attention.py tests/backends/test_direct_launch_cuda.py tests/test_bench.py ;;
     # Fine-tuning workloads (issue 21): varying lengths, packed rows and the same samples padded, LoRA on llama8b.
     ft-varying) for m in qwen05b llama1b; do timeout 200 python3 $ts --models $m --workload varying \
               --variants ${VARIANTS:-eager torchfuser torchfuser-graphs} --out "$OUT/train-step-varying.jsonl"; done ;;
