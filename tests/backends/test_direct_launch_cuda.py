@@ -61,8 +61,7 @@ def test_every_specialization_of_a_fused_step_passes_its_direct_launch_check(mon
     assert new, "no Triton kernel of the fused step went through a Launcher"
     unchecked = [lc.fn.__name__ for lc, keys in new.items() for k in keys if lc.pending.get(k) is not None]
     assert not unchecked, f"specializations still waiting for their check after three steps: {unchecked}"
-    direct = sum(k in lc.cache for lc, keys in new.items() for k in keys)
-    assert direct >= 4, new  # norms, rope, gated MLP, LM head at least
+    assert sum(k in lc.cache for lc, keys in new.items() for k in keys) >= 4, new  # norms, rope, gated MLP, LM head
     torch.testing.assert_close(direct[0], first[0], rtol=1e-6, atol=1e-6)
     for name, g in first[1].items():
         torch.testing.assert_close(direct[1][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
