@@ -64,7 +64,7 @@ for stage in "$@"; do
     ft-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" -n 4 ${FT_TESTS:-tests/backends/test_residual_norm_kernels.py} \
               tests/test_workloads.py tests/test_packed_attention.py tests/backends/test_direct_launch_cuda.py tests/test_bench.py ;;
     # Fine-tuning workloads (issue 21): varying lengths, packed rows and the same samples padded, LoRA on llama8b.
-    ft-varying) for m in qwen05b llama1b; do timeout 200 python3 $ts --models $m --workload varying \
+    ft-varying) for m in ${MODELS:-qwen05b llama1b}; do timeout 200 python3 $ts --models $m --workload varying \
               --variants ${VARIANTS:-eager torchfuser torchfuser-graphs} --out "$OUT/train-step-varying.jsonl"; done ;;
     ft-packed) for w in packed padded-samples; do timeout 150 python3 $ts --models ${MODELS:-qwen05b} --workload $w --batch 2 \
               --variants ${VARIANTS:-eager torchfuser} --out "$OUT/train-step-packed.jsonl"; done ;;
