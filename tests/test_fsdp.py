@@ -62,7 +62,8 @@ def _full_params(model) -> dict:
     if isinstance(model, fsdp.FullyShardedDataParallel):
         with fsdp.FullyShardedDataParallel.summon_full_params(model):
             return {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    model = getattr(model, "module", model)  # DDP
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def _train(model, rank: int, steps: int = 2):
