@@ -60,6 +60,7 @@ for stage in "$@"; do
             --variants ${BENCH_VARIANTS:-eager,torchfuser,torchfuser-autotune,torchfuser+graphs,compile} ${BENCH_ARGS:-} \
             --json "$OUT/bench.jsonl" --plot "$OUT/bench.png" ;;
     norm-wide) timeout 150 python3 benchmarks/probes/norm_bwd_wide_probe.py ${NORM_SHAPES:+--shapes $NORM_SHAPES} --out "$OUT/norm-bwd-wide.jsonl" ;;
+    lora-probe) timeout 150 python3 benchmarks/probes/lora_kernels_probe.py --out "$OUT/lora-kernels-probe.jsonl" ;;
     varlen-probe) timeout 120 python3 benchmarks/probes/varlen_probe.py --out "$OUT/varlen-probe.jsonl" ;;
     ft-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" -n 4 ${FT_TESTS:-tests/backends/test_residual_norm_kernels.py} \
               tests/test_workloads.py tests/test_packed_attention.py tests/backends/test_direct_launch_cuda.py tests/test_bench.py ;;
