@@ -24,7 +24,7 @@ from torchfuser import functional as F
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
                                      keep_dropout)
 from torchfuser.modules import fallbacks, lora, packed
-from torchfuser.modules.projections import project
+from torchfuser.modules.projections import project, single
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
 # families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
@@ -277,5 +277,5 @@ class FusedAttention(FusedModule):
             with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
                 out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling,
                                                 is_causal=False if eager else None)
-        out = getattr(self, s.out)(out.reshape(*lead, -1).contiguous())
+        out = single(out.reshape(*lead, -1).contiguous(), getattr(self, s.out), self)
         return apply_dropout(self, s.out_dropout, out), None

@@ -165,7 +165,7 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
         why = "not plain eager mode (tracing, a dispatch mode, functorch or a tensor subclass)"
     if why is not None:
         if owner is not None:
-            fallbacks.count(owner, f"LoRA projections ran as PEFT's own layers, not as one GEMM: {why}")
+            fallbacks.count(owner, f"LoRA projections ran as PEFT's own layers, not in the fused LoRA node: {why}")
         return None
     device = x.device.type
     base_dtype = torch.get_autocast_dtype(device) if autocast_enabled(device) else x.dtype

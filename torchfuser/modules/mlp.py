@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torchfuser import functional as F
 from torchfuser.modules import lora
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
-from torchfuser.modules.projections import joint, residual_linear
+from torchfuser.modules.projections import joint, residual_linear, single
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        return apply_dropout(self, s.dropout, getattr(self, s.down)(self._gated(x)))
+        return apply_dropout(self, s.dropout, single(self._gated(x), getattr(self, s.down), self))
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
         """``residual + self(x)``, the sum inside the down projection's GEMM where it can be
@@ -71,7 +71,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         s = self.spec
         h = self._gated(x)
         out = None if dropout_p(self, s.dropout) > 0 else residual_linear(residual, h, getattr(self, s.down))
-        return out if out is not None else residual + apply_dropout(self, s.dropout, getattr(self, s.down)(h))
+        return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
 
     def _gated(self, x: Tensor) -> Tensor:
         s = self.spec
@@ -99,5 +99,5 @@ class FusedMLP(_WithLoRA, FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        h = F.gelu(getattr(self, s.fc_in)(x), s.approximate, backend=self.backend)
-        return apply_dropout(self, s.dropout, getattr(self, s.fc_out)(h))
+        h = F.gelu(single(x, getattr(self, s.fc_in), self), s.approximate, backend=self.backend)
+        return apply_dropout(self, s.dropout, single(h, getattr(self, s.fc_out), self))

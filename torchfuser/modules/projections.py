@@ -64,6 +64,20 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
         return nn.functional.linear(x.to(dtype), weight, bias)
 
 
+def single(x: Tensor, linear: nn.Module, owner: nn.Module | None = None) -> Tensor:
+    """``linear(x)``; a PEFT LoRA layer runs as the fused LoRA node (``modules.lora``), which keeps x
+    once in its own dtype for the backward where PEFT's adapter keeps an fp32 copy of it (on a bf16
+    base: twice the bytes of every adapted output and down projection's input)."""
+    if type(linear) is not nn.Linear:  # plain projections (and traced code) take the call as it is
+        from torchfuser.modules import lora  # here, not at the top: lora builds on this module
+
+        if lora.is_lora(linear):
+            y = lora.joint(x, [linear], owner)
+            if y is not None:
+                return y
+    return linear(x)
+
+
 def project(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -> list[Tensor]:
     """``[m(x) for m in linears]``, as one GEMM where that gives the same result."""
     y = joint(x, linears, owner)
