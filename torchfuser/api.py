@@ -6,7 +6,7 @@ import sys
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, unwrap, walker
-from torchfuser.modules import fallbacks
+from torchfuser.modules import fallbacks, fp8 as _fp8
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.report import FusionReport
 
@@ -46,6 +46,7 @@ def optimize(
     verbose: bool = False,
     cuda_graphs: bool = False,
     autotune: bool = False,
+    fp8: str | None = None,
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
@@ -70,10 +71,16 @@ def optimize(
         fixes shapes; see ``torchfuser.cuda_graphs`` and the report's notes.
     autotune: at each fused block's first training call, time it against its original on that
         call's inputs and keep the faster, per block kind and shape (``torchfuser.autotune``).
+    fp8: ``"rowwise"`` or ``"tensorwise"``: the fused attention and MLP blocks' projections run FP8
+        (e4m3) GEMMs forward and backward, with current scaling per row or per tensor; the LM head
+        stays bf16. Needs bf16 (autocast or bf16 weights) and a GPU of compute capability ≥ 8.9 (or the
+        CPU, for tests); ``None`` (the default, and on a second call) turns it off. See
+        ``torchfuser.modules.fp8``.
     """
     _check_model(model)
     _check_not_flattened(model)
     backend = backends.check_name(backend)
+    fp8 = _fp8.check(fp8, next((p.device for p in model.parameters()), None))
     chosen = _patterns.select(patterns, exclude)
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be a callable (qualified_name, module) -> bool, got {type(filter_fn).__name__}")
@@ -95,6 +102,7 @@ def optimize(
     if rebackend and _cuda_graphs.describe(model) is not None:
         _cuda_graphs.remove(model)  # the captured graphs replay the old backend's kernels: capture anew
         cuda_graphs = True
+    _set_fp8(model, fp8, result)
     if cuda_graphs:
         result.notes += [n for n in _cuda_graphs.install(model) if n not in result.notes]
     if autotune:
@@ -106,6 +114,29 @@ def optimize(
 
         Console().print(result)
     return root
+
+
+_FP8_HEAD = "fp8: "
+_FP8_KINDS = ("attention", "gated_mlp", "mlp")
+
+
+def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport) -> None:
+    """FP8 GEMMs on (or off) in the fused attention and MLP blocks, said in the report's notes."""
+    count = 0
+    for entry in result.fused:
+        if entry.pattern not in _FP8_KINDS:
+            continue
+        module = model.get_submodule(entry.name) if entry.name else model
+        if recipe is None:
+            module.__dict__.pop("_fp8", None)
+        else:
+            module.__dict__["_fp8"] = recipe
+            count += 1
+        module.__dict__.pop("_fp8_weights", None)
+    result.notes = [n for n in result.notes if not n.startswith(_FP8_HEAD)]
+    if recipe is not None:
+        result.notes.append(f"{_FP8_HEAD}{recipe} e4m3 GEMMs (forward and backward) in the projections of {count} fused "
+                            "attention and MLP blocks, where they run in bf16 and are plain nn.Linear; the LM head stays bf16")
 
 
 def restore(model: nn.Module) -> nn.Module:

@@ -207,7 +207,7 @@ class FusedAttention(FusedModule):
             if s.q_norm is not None and not s.norm_per_head:
                 q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
             return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
-        qkv = getattr(self, s.qkv[0])(x)
+        qkv = single(x, getattr(self, s.qkv[0]), self)
         if s.layout == "per_head":
             return qkv.view(*lead, -1, 3 * d).chunk(3, dim=-1)
         q, k, v = split_concat(s, qkv)

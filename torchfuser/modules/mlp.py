@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from torchfuser import functional as F
-from torchfuser.modules import lora
+from torchfuser.modules import fp8, lora
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
 from torchfuser.modules.projections import joint, residual_linear, single
 
@@ -70,13 +70,14 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on)."""
         s = self.spec
         h = self._gated(x)
-        out = None if dropout_p(self, s.dropout) > 0 else residual_linear(residual, h, getattr(self, s.down))
+        epilogue = dropout_p(self, s.dropout) == 0 and fp8.recipe_of(self) is None
+        out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
         return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
 
     def _gated(self, x: Tensor) -> Tensor:
         s = self.spec
         if s.gate_up is not None:
-            packed, gate_first = getattr(self, s.gate_up)(x), s.gate_first
+            packed, gate_first = single(x, getattr(self, s.gate_up), self), s.gate_first
         else:  # gate and up as one GEMM under autocast; None where that would differ
             packed, gate_first = joint(x, [getattr(self, s.gate), getattr(self, s.up)], self), True
         if packed is None:

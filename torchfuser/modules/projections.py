@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser.backends._gemm import fp32_out_ok as _out_dtype_ok
+from torchfuser.modules import fp8
 from torchfuser.modules.base import hooked
 from torchfuser.ops._call import autocast_enabled, plain_eager
 
@@ -45,7 +46,10 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
     """``torch.cat([m(x) for m in linears], -1)`` as one GEMM, under autocast; None where that
     would not give the same result (see the module docstring): then call each projection.
     Projections carrying PEFT LoRA adapters go to ``modules.lora`` (with or without autocast),
-    which counts on ``owner`` why a call could not run there."""
+    which counts on ``owner`` why a call could not run there. With FP8 on (``owner._fp8``), FP8 GEMMs
+    (``modules.fp8``)."""
+    if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, linears, owner)) is not None:
+        return y
     if len(linears) > 1 and not all(type(m) is nn.Linear for m in linears):
         from torchfuser.modules import lora  # here, not at the top: lora builds on this module
         return lora.joint(x, linears, owner) if any(map(lora.is_lora, linears)) else None
@@ -67,7 +71,9 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
 def single(x: Tensor, linear: nn.Module, owner: nn.Module | None = None) -> Tensor:
     """``linear(x)``; a PEFT LoRA layer runs as the fused LoRA node (``modules.lora``), which keeps x
     once in its own dtype for the backward where PEFT's adapter keeps an fp32 copy of it (on a bf16
-    base: twice the bytes of every adapted output and down projection's input)."""
+    base: twice the bytes of every adapted output and down projection's input). With FP8 on, FP8 GEMMs."""
+    if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, [linear], owner)) is not None:
+        return y
     if type(linear) is not nn.Linear:  # plain projections (and traced code) take the call as it is
         from torchfuser.modules import lora  # here, not at the top: lora builds on this module
 

@@ -1,0 +1,162 @@
+"""FP8 GEMMs for the fused blocks' projections: ``optimize(model, fp8="rowwise" | "tensorwise")``.
+
+Each projection y = x·Wᵀ (+ b) of a fused block (the joint q/k/v, the output projection, the joint
+gate/up, the down projection; the LM head stays in bf16) runs three FP8 GEMMs through
+``torch._scaled_mm``, every operand in e4m3 with current (dynamic) scaling, no state that could go stale:
+
+    forward   y  = q(x)·q(W)ᵀ          scales along K: per token of x, per output channel of W
+    backward  dx = q(dy)·q(Wᵀ)ᵀ        along N: per token of dy, per input channel of W
+              dW = q(dyᵀ)·q(xᵀ)ᵀ       along M: per output channel of dy, per input channel of x
+
+(``tensorwise``: one scale per tensor instead). Scales are amax / 448 (e4m3's largest finite value),
+in fp32. The weights' two quantised copies are made once per weight version: an optimizer step
+bumps the parameter's version counter (read on the host, no sync), so they are refreshed after each
+step and never per micro-batch; a frozen weight is quantised once.
+
+This first form quantises in separate passes (as torchao's Float8Linear does); quantising inside the
+kernels that produce each GEMM input (the norms, SwiGLU) is the next step (issue 23). It runs where
+``torch._scaled_mm`` does: CUDA GPUs of compute capability 8.9 or newer, and the CPU (slow, for tests).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from torchfuser.modules import fallbacks
+from torchfuser.modules.base import hooked
+
+RECIPES = ("rowwise", "tensorwise")
+E4M3 = torch.float8_e4m3fn
+_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_TINY = 1e-12
+
+
+def check(recipe, device: torch.device | None) -> str | None:
+    """``recipe`` validated for ``device`` (None: no FP8); a clear error where it cannot run."""
+    if recipe is None:
+        return None
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 must be None, 'rowwise' or 'tensorwise', got {recipe!r}")
+    if device is not None and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"fp8={recipe!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(device)} is {major}.{minor}. Leave fp8=None on this GPU.")
+    elif device is not None and device.type != "cpu":
+        raise ValueError(f"fp8={recipe!r} runs on CUDA GPUs (and the CPU, for tests), not on {device.type}")
+    return recipe
+
+
+def quantize(t: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
+    """(e4m3 values, fp32 scale) of a 2-D ``t``: one scale per row (rowwise, shape rows × 1) or one in all."""
+    t32 = t.float()
+    amax = t32.abs().amax(dim=-1, keepdim=True) if recipe == "rowwise" else t32.abs().amax()
+    scale = amax.clamp_min(_TINY) / _MAX
+    return (t32 / scale).clamp_(-_MAX, _MAX).to(E4M3), scale
+
+
+_WIDE_OUT: dict = {}  # (device type, scale shape) -> whether _scaled_mm writes fp32 there
+
+
+def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
+    """a·bᵀ from two quantised row-major operands (M × K and N × K), scaled back, in ``out_dtype``
+    (fp32 straight from the accumulator where this build's kernel writes it, else bf16 then cast)."""
+    (qa, sa), (qb, sb) = a, b
+    sb = sb.t() if sb.dim() else sb
+    key = (qa.device.type, sa.dim())
+    if out_dtype != torch.bfloat16 and _WIDE_OUT.get(key, True):
+        try:
+            out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+            _WIDE_OUT[key] = True
+            return out
+        except RuntimeError:  # some builds take bf16 outputs only with rowwise scales
+            _WIDE_OUT[key] = False
+    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
+
+
+class _Weights:
+    """A weight's (or concatenated weights') two quantised copies, remade when a weight changes."""
+
+    __slots__ = ("key", "fwd", "bwd")
+
+    def __init__(self):
+        self.key = None
+
+    def get(self, weights: list[Tensor], recipe: str):
+        key = (recipe, *((id(w), w._version, w.data_ptr()) for w in weights))
+        if key != self.key:
+            w = weights[0] if len(weights) == 1 else torch.cat(weights)
+            with torch.no_grad():
+                self.fwd = quantize(w, recipe)  # N × K, scales per output channel
+                self.bwd = quantize(w.t().contiguous(), recipe)  # K × N, per input channel
+            self.key = key
+        return self.fwd, self.bwd
+
+
+def _cache(owner: nn.Module, linears: list[nn.Module]) -> _Weights:
+    """The quantised-weight cache of one projection group of a fused module."""
+    store = owner.__dict__.setdefault("_fp8_weights", {})
+    return store.setdefault(tuple(map(id, linears)), _Weights())
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, recipe, weights_cache, out_dtype, n, *params):
+        weights, biases = list(params[:n]), list(params[n:])
+        fwd, bwd = weights_cache.get(weights, recipe)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = _mm(quantize(x2, recipe), fwd, out_dtype)
+        if biases:
+            b = biases[0] if len(biases) == 1 else torch.cat(biases)
+            y = y + b.to(out_dtype)
+        ctx.save_for_backward(x2)
+        ctx.recipe, ctx.bwd, ctx.shape, ctx.x_dtype = recipe, bwd, x.shape, x.dtype
+        ctx.rows = [w.shape[0] for w in weights]
+        ctx.dtypes = [p.dtype for p in params]
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x2,) = ctx.saved_tensors
+        recipe, n = ctx.recipe, len(ctx.rows)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
+        dx = _mm(quantize(dy2, recipe), ctx.bwd, ctx.x_dtype).view(ctx.shape) if need_x else None
+        grads = [None] * len(need)
+        if any(need[:n]):
+            dw = _mm(quantize(dy2.t().contiguous(), recipe), quantize(x2.t().contiguous(), recipe), torch.float32)
+            for i, g in enumerate(dw.split(ctx.rows)):
+                grads[i] = g.to(ctx.dtypes[i]) if need[i] else None
+        if any(need[n:]):
+            db = dy2.sum(0, dtype=torch.float32).split(ctx.rows)
+            for i, g in enumerate(db):
+                grads[n + i] = g.to(ctx.dtypes[n + i]) if need[n + i] else None
+        return (dx, None, None, None, None, *grads)
+
+
+def recipe_of(owner: nn.Module | None) -> str | None:
+    return None if owner is None else owner.__dict__.get("_fp8")
+
+
+def linear(x: Tensor, linears: list[nn.Module], owner: nn.Module) -> Tensor | None:
+    """``torch.cat([m(x) for m in linears], -1)`` with FP8 GEMMs (``owner._fp8`` set by optimize), or
+    None where the projections are not plain nn.Linear or the call is not in bf16 (then as usual)."""
+    recipe = recipe_of(owner)
+    if recipe is None or not all(type(m) is nn.Linear for m in linears) or hooked(*linears):
+        return None
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    if dtype != torch.bfloat16:
+        fallbacks.count(owner, f"fp8: projections ran in {str(dtype).removeprefix('torch.')}, not FP8 (FP8 GEMMs need bf16 "
+                               "autocast or bf16 weights)")
+        return None
+    rows, k, n = x.numel() // max(x.shape[-1], 1), x.shape[-1], sum(m.out_features for m in linears)
+    if rows % 16 or k % 16 or n % 16:  # FP8 GEMM kernels take multiples of 16 (tokens: dW's inner dimension)
+        fallbacks.count(owner, f"fp8: projections ran in bf16, not FP8: {rows} tokens × {k} → {n} is not in "
+                               "multiples of 16 (pad the batch's tokens to a multiple of 16)")
+        return None
+    if len({m.bias is None for m in linears}) > 1:
+        return None
+    params = [m.weight for m in linears] + [m.bias for m in linears if m.bias is not None]
+    with torch.autocast(device, enabled=False):
+        return _FP8Linear.apply(x, recipe, _cache(owner, linears), dtype, len(linears), *params)
