@@ -135,3 +135,20 @@ def test_tokens_not_in_multiples_of_16_run_bf16_and_are_counted(monkeypatch):
     assert count.calls == 0
     reasons = [why for per_module in torchfuser.report(model).fallbacks.values() for why in per_module]
     assert reasons and all("multiples of 16" in why for why in reasons)
+
+
+def test_compiled_or_captured_calls_quantise_the_weights_every_call(monkeypatch):
+    """A graph that recorded a cached FP8 copy would replay it after the optimizer changed the weight."""
+    model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
+    made = []
+    real = fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda t, recipe: made.append(t.shape) or real(t, recipe))
+    monkeypatch.setattr(fp8, "_recording", lambda t: True)
+    ids = torch.randint(0, 128, (2, 16))
+    counts = []
+    for _ in range(2):
+        before = len(made)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            model(input_ids=ids)
+        counts.append(len(made) - before)
+    assert counts == [4 * 2 * 3] * 2  # x and both weight copies, every call

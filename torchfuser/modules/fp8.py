@@ -11,7 +11,8 @@ gate/up, the down projection; the LM head stays in bf16) runs three FP8 GEMMs th
 (``tensorwise``: one scale per tensor instead). Scales are amax / 448 (e4m3's largest finite value),
 in fp32. The weights' two quantised copies are made once per weight version: an optimizer step
 bumps the parameter's version counter (read on the host, no sync), so they are refreshed after each
-step and never per micro-batch; a frozen weight is quantised once.
+step and never per micro-batch; a frozen weight is quantised once. Inside torch.compile and CUDA-graph
+captures they are quantised in the graph, every call (a recorded copy would go stale).
 
 This first form quantises in separate passes (as torchao's Float8Linear does); quantising inside the
 kernels that produce each GEMM input (the norms, SwiGLU) is the next step (issue 23). It runs where
@@ -83,14 +84,27 @@ class _Weights:
         self.key = None
 
     def get(self, weights: list[Tensor], recipe: str):
+        if _recording(weights[0]):
+            # A compiled graph or a CUDA graph replays what it recorded: a cached copy would go stale
+            # at the next optimizer step, so there the weights are quantised inside it, every call.
+            return _both(weights, recipe)
         key = (recipe, *((id(w), w._version, w.data_ptr()) for w in weights))
         if key != self.key:
-            w = weights[0] if len(weights) == 1 else torch.cat(weights)
-            with torch.no_grad():
-                self.fwd = quantize(w, recipe)  # N × K, scales per output channel
-                self.bwd = quantize(w.t().contiguous(), recipe)  # K × N, per input channel
+            self.fwd, self.bwd = _both(weights, recipe)
             self.key = key
         return self.fwd, self.bwd
+
+
+def _recording(t: Tensor) -> bool:
+    """Whether this call is being recorded into a graph (torch.compile's trace, a CUDA-graph capture)."""
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _both(weights: list[Tensor], recipe: str):
+    """(the weights' N × K copy scaled per output channel, their K × N copy per input channel)."""
+    w = weights[0] if len(weights) == 1 else torch.cat(weights)
+    with torch.no_grad():
+        return quantize(w, recipe), quantize(w.t().contiguous(), recipe)
 
 
 def _cache(owner: nn.Module, linears: list[nn.Module]) -> _Weights:
