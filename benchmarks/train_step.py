@@ -4,7 +4,7 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser+compile, torchfuser+compile-ew (the same, traced with
+cuda_graphs=True)), torchfuser-fp8 and torchfuser-fp8+compile (optimize(model, fp8="rowwise")), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
 compile-torchfuser (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both),
 compile-cudagraphs and torchfuser+compile-cudagraphs (torch.compile(..., mode="reduce-overhead"):
@@ -49,7 +49,8 @@ import torchfuser  # noqa: E402
 import workloads  # noqa: E402
 from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser+compile", "torchfuser+compile-ew",
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser-fp8", "torchfuser-fp8+compile",
+            "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
             "liger")
 
@@ -77,6 +78,10 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return optimize(model, backend=backend)
     if variant == "torchfuser-graphs":
         return optimize(model, backend=backend, cuda_graphs=True)
+    if variant == "torchfuser-fp8":
+        return optimize(model, backend=backend, fp8="rowwise")
+    if variant == "torchfuser-fp8+compile":
+        return torch.compile(optimize(model, backend=backend, fp8="rowwise"))
     if variant == "torchfuser+compile":
         return torch.compile(optimize(model, backend=backend))
     if variant == "torchfuser+compile-ew":

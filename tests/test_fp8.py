@@ -152,3 +152,13 @@ def test_compiled_or_captured_calls_quantise_the_weights_every_call(monkeypatch)
             model(input_ids=ids)
         counts.append(len(made) - before)
     assert counts == [4 * 2 * 3] * 2  # x and both weight copies, every call
+
+
+def test_torch_compile_traces_the_fp8_projections():
+    model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
+    ids = torch.randint(0, 128, (2, 16))
+    want, _ = _step(model, ids)
+    got, grads = _step(torch.compile(model), ids)
+    torch._dynamo.reset()
+    assert abs(got - want) < 1e-2 * abs(want)
+    assert grads and all(torch.isfinite(g).all() for g in grads.values())
