@@ -4,18 +4,14 @@ FSDP2 model's sharded checkpoint (torch.distributed.checkpoint) loads whole into
 from __future__ import annotations
 
 import copy
-import datetime
-import faulthandler
 import os
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torchfuser
-from test_fsdp import VOCAB, _full_params, _model, _train
+from test_fsdp import VOCAB, _full_params, _model, _train, two_ranks
 
 peft = pytest.importorskip("peft")
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -77,48 +73,19 @@ def _checkpoint(rank: int, path: str):
     return _full_params(model)
 
 
-def _ranks(rank: int, store: str, ckpt: str, failures):
-    faulthandler.enable()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
-    error = None
-    try:
-        _compare_lora(rank, _fsdp2)
-        _compare_lora(rank, _ddp)
-        full = _checkpoint(rank, ckpt)
-        if rank == 0:
-            torch.save(full, os.path.join(ckpt, "gathered.pt"))
-        dist.barrier()
-    except BaseException as err:  # reported to the parent, which fails the test
-        error = f"rank {rank}: {type(err).__name__}: {err}"
-    dist.destroy_process_group()
-    if error:
-        failures.put(error)
-    failures.close()
-    failures.join_thread()
-    os._exit(0)  # no interpreter teardown (gloo's threads; see test_fsdp.py)
+def _lora_and_checkpoint(rank: int, ckpt: str):
+    _compare_lora(rank, _fsdp2)
+    _compare_lora(rank, _ddp)
+    full = _checkpoint(rank, ckpt)
+    if rank == 0:
+        torch.save(full, os.path.join(ckpt, "gathered.pt"))
 
 
 def test_two_ranks_lora_under_fsdp2_and_ddp_and_a_sharded_checkpoint(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    ctx = mp.get_context("spawn")
-    failures = ctx.Queue()
     ckpt = str(tmp_path / "ckpt")
-    env = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            mp.start_processes(_ranks, args=(str(tmp_path / "store"), ckpt, failures), nprocs=2, start_method="spawn")
-    finally:
-        if env is None:
-            os.environ.pop("OMP_NUM_THREADS")
-        else:
-            os.environ["OMP_NUM_THREADS"] = env
-    errors = []
-    while not failures.empty():
-        errors.append(failures.get())
+    errors = two_ranks(tmp_path, _lora_and_checkpoint, ckpt)
     assert not errors, errors
     # The sharded checkpoint, read whole without a process group, into a plain transformers model.
     plain = _model()

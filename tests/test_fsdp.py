@@ -128,15 +128,15 @@ def test_optimize_inside_fsdp1_says_to_optimize_first(one_rank):
         torchfuser.optimize(wrapped)
 
 
-def _two_ranks(rank: int, store: str, failures):
+def _rank(rank: int, store: str, failures, body, args):
+    """One spawned rank: a gloo group of two, then ``body(rank, *args)``; a failure goes to the parent."""
     faulthandler.enable()  # a rank that dies of a signal prints where
     # A rank that fails leaves the other in a collective: the timeout ends it instead of the test's.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     error = None
     try:
-        for wrap in WRAPS:
-            _compare(rank, "reference", wrap)
+        body(rank, *args)
         dist.barrier()
     except BaseException as err:  # reported to the parent, which fails the test
         error = f"rank {rank}: {type(err).__name__}: {err}"
@@ -150,7 +150,8 @@ def _two_ranks(rank: int, store: str, failures):
     os._exit(0)
 
 
-def test_two_ranks_fsdp2_and_fsdp1_train_like_unfused(tmp_path):
+def two_ranks(tmp_path, body, *args) -> list[str]:
+    """Run ``body(rank, *args)`` (a module-level function) on two spawned CPU ranks; their errors."""
     ctx = mp.get_context("spawn")
     failures = ctx.Queue()
     env = os.environ.get("OMP_NUM_THREADS")
@@ -158,7 +159,8 @@ def test_two_ranks_fsdp2_and_fsdp1_train_like_unfused(tmp_path):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mp.start_processes(_two_ranks, args=(str(tmp_path / "store"), failures), nprocs=2, start_method="spawn")
+            mp.start_processes(_rank, args=(str(tmp_path / "store"), failures, body, args), nprocs=2,
+                               start_method="spawn")
     finally:
         if env is None:
             os.environ.pop("OMP_NUM_THREADS")
@@ -167,4 +169,14 @@ def test_two_ranks_fsdp2_and_fsdp1_train_like_unfused(tmp_path):
     errors = []
     while not failures.empty():
         errors.append(failures.get())
+    return errors
+
+
+def _every_wrap(rank: int):
+    for wrap in WRAPS:
+        _compare(rank, "reference", wrap)
+
+
+def test_two_ranks_fsdp2_and_fsdp1_train_like_unfused(tmp_path):
+    errors = two_ranks(tmp_path, _every_wrap)
     assert not errors, errors
