@@ -162,3 +162,37 @@ def test_torch_compile_traces_the_fp8_projections():
     torch._dynamo.reset()
     assert abs(got - want) < 1e-2 * abs(want)
     assert grads and all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_lora_bases_run_fp8_and_are_quantised_once(monkeypatch):
+    """PEFT LoRA on a bf16 model: the frozen bases' products are FP8 GEMMs inside the fused LoRA node
+    (forward and dx), quantised once; the adapters stay in their own dtype and train as with bf16."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model(recipe):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**CFG)).to(torch.bfloat16)
+        torchfuser.optimize(model, backend="reference", fp8=recipe)
+        torch.manual_seed(1)
+        cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+        return peft.get_peft_model(model, cfg)
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    want, want_g = _step(lora_model(None), ids, autocast=False)
+    model = lora_model("rowwise")
+    count = _Count(monkeypatch)
+    made = []
+    real = fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda t, recipe: made.append(t.shape) or real(t, recipe))
+    got, got_g = _step(model, ids, autocast=False)
+    # Each group's base: forward and dx (frozen: no dW), but for the first layer's q/k/v, whose input
+    # (the frozen embeddings, normed) needs no gradient.
+    assert count.calls == 4 * 2 * 2 - 1
+    first = len(made)
+    _step(model, ids, autocast=False)
+    assert len(made) - first == first - 4 * 2 * 2  # the second step made no weight copies
+    assert abs(got - want) < 1e-2 * abs(want)
+    assert list(got_g) == list(want_g) and all("lora_" in n for n in got_g)
+    for name, g in want_g.items():
+        cos = torch.nn.functional.cosine_similarity(got_g[name].flatten().float(), g.flatten().float(), dim=0)
+        assert cos > 0.99, (name, cos.item())

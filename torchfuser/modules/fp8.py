@@ -1,7 +1,8 @@
 """FP8 GEMMs for the fused blocks' projections: ``optimize(model, fp8="rowwise" | "tensorwise")``.
 
 Each projection y = x·Wᵀ (+ b) of a fused block (the joint q/k/v, the output projection, the joint
-gate/up, the down projection; the LM head stays in bf16) runs three FP8 GEMMs through
+gate/up, the down projection; the LM head stays in bf16; with LoRA adapters, the bases' products in
+the fused LoRA node, ``modules.lora``) runs three FP8 GEMMs through
 ``torch._scaled_mm``, every operand in e4m3 with current (dynamic) scaling, no state that could go stale:
 
     forward   y  = q(x)·q(W)ᵀ          scales along K: per token of x, per output channel of W
@@ -59,7 +60,7 @@ def quantize(t: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
 _WIDE_OUT: dict = {}  # (device type, scale shape) -> whether _scaled_mm writes fp32 there
 
 
-def _mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
+def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
     """a·bᵀ from two quantised row-major operands (M × K and N × K), scaled back, in ``out_dtype``
     (fp32 straight from the accumulator where this build's kernel writes it, else bf16 then cast)."""
     (qa, sa), (qb, sb) = a, b
@@ -107,7 +108,7 @@ def _both(weights: list[Tensor], recipe: str):
         return quantize(w, recipe), quantize(w.t().contiguous(), recipe)
 
 
-def _cache(owner: nn.Module, linears: list[nn.Module]) -> _Weights:
+def weights_cache(owner: nn.Module, linears: list[nn.Module]) -> _Weights:
     """The quantised-weight cache of one projection group of a fused module."""
     store = owner.__dict__.setdefault("_fp8_weights", {})
     return store.setdefault(tuple(map(id, linears)), _Weights())
@@ -119,7 +120,7 @@ class _FP8Linear(torch.autograd.Function):
         weights, biases = list(params[:n]), list(params[n:])
         fwd, bwd = weights_cache.get(weights, recipe)
         x2 = x.reshape(-1, x.shape[-1])
-        y = _mm(quantize(x2, recipe), fwd, out_dtype)
+        y = mm(quantize(x2, recipe), fwd, out_dtype)
         if biases:
             b = biases[0] if len(biases) == 1 else torch.cat(biases)
             y = y + b.to(out_dtype)
@@ -135,10 +136,10 @@ class _FP8Linear(torch.autograd.Function):
         recipe, n = ctx.recipe, len(ctx.rows)
         dy2 = dy.reshape(-1, dy.shape[-1])
         need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
-        dx = _mm(quantize(dy2, recipe), ctx.bwd, ctx.x_dtype).view(ctx.shape) if need_x else None
+        dx = mm(quantize(dy2, recipe), ctx.bwd, ctx.x_dtype).view(ctx.shape) if need_x else None
         grads = [None] * len(need)
         if any(need[:n]):
-            dw = _mm(quantize(dy2.t().contiguous(), recipe), quantize(x2.t().contiguous(), recipe), torch.float32)
+            dw = mm(quantize(dy2.t().contiguous(), recipe), quantize(x2.t().contiguous(), recipe), torch.float32)
             for i, g in enumerate(dw.split(ctx.rows)):
                 grads[i] = g.to(ctx.dtypes[i]) if need[i] else None
         if any(need[n:]):
@@ -152,11 +153,11 @@ def recipe_of(owner: nn.Module | None) -> str | None:
     return None if owner is None else owner.__dict__.get("_fp8")
 
 
-def linear(x: Tensor, linears: list[nn.Module], owner: nn.Module) -> Tensor | None:
-    """``torch.cat([m(x) for m in linears], -1)`` with FP8 GEMMs (``owner._fp8`` set by optimize), or
-    None where the projections are not plain nn.Linear or the call is not in bf16 (then as usual)."""
+def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module) -> str | None:
+    """The recipe where this call of ``linears`` (bases of a LoRA layer included) can run FP8 GEMMs,
+    else None; a call FP8 is on for but cannot take is counted, with the reason, on ``owner``."""
     recipe = recipe_of(owner)
-    if recipe is None or not all(type(m) is nn.Linear for m in linears) or hooked(*linears):
+    if recipe is None:
         return None
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
@@ -169,8 +170,18 @@ def linear(x: Tensor, linears: list[nn.Module], owner: nn.Module) -> Tensor | No
         fallbacks.count(owner, f"fp8: projections ran in bf16, not FP8: {rows} tokens × {k} → {n} is not in "
                                "multiples of 16 (pad the batch's tokens to a multiple of 16)")
         return None
-    if len({m.bias is None for m in linears}) > 1:
+    return recipe
+
+
+def linear(x: Tensor, linears: list[nn.Module], owner: nn.Module) -> Tensor | None:
+    """``torch.cat([m(x) for m in linears], -1)`` with FP8 GEMMs (``owner._fp8`` set by optimize), or
+    None where the projections are not plain nn.Linear or the call cannot take FP8 (then as usual)."""
+    if not all(type(m) is nn.Linear for m in linears) or hooked(*linears) or len({m.bias is None for m in linears}) > 1:
         return None
+    recipe = usable(x, linears, owner)
+    if recipe is None:
+        return None
+    device = x.device.type
     params = [m.weight for m in linears] + [m.bias for m in linears if m.bias is not None]
     with torch.autocast(device, enabled=False):
-        return _FP8Linear.apply(x, recipe, _cache(owner, linears), dtype, len(linears), *params)
+        return _FP8Linear.apply(x, recipe, weights_cache(owner, linears), torch.bfloat16, len(linears), *params)

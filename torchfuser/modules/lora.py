@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from torchfuser.modules import fallbacks
+from torchfuser.modules import fallbacks, fp8
 from torchfuser.modules.base import hooked
 from torchfuser.modules.projections import _cast_cat, _column_sums, _mm
 from torchfuser.ops._call import autocast_enabled, plain_eager
@@ -111,6 +111,7 @@ class _Plan:
     scaling: tuple[float, ...]
     base_dtype: torch.dtype
     lora_dtype: torch.dtype
+    fp8: tuple | None = None  # (recipe, the bases' quantised-weight cache): the base products as FP8 GEMMs
 
     def split(self, items):
         """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
@@ -179,8 +180,10 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
             inputs.append(drop(x.to(A.dtype)))
             term_input.append(len(inputs))
     bases = [b for b, _ in parts]
+    recipe = fp8.usable(x, bases, owner) if owner is not None and fp8.recipe_of(owner) else None
+    eight = None if recipe is None else (recipe, fp8.weights_cache(owner, bases))
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
-                 tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype)
+                 tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype, eight)
     biases = [b.bias for b in bases] if plan.has_bias else []
     return _LoRALinear.apply(plan, x, *inputs, *(b.weight for b in bases), *biases,
                              *(t[1] for t in terms), *(t[2] for t in terms))
@@ -213,10 +216,19 @@ class _LoRALinear(torch.autograd.Function):
         with torch._C._DisableAutocast():  # every cast below is explicit: autocast's own
             xb = x.to(cb)
             x2 = xb.reshape(-1, xb.shape[-1])
-            w = weights[0].to(cb) if len(weights) == 1 else _cast_cat(weights, cb)
             b = None if not biases else (biases[0].to(cb) if len(biases) == 1 else _cast_cat(biases, cb))
-            y = nn.functional.linear(xb, w, b)
-            y2 = y.view(-1, y.shape[-1])
+            ctx.fp8_bwd = None
+            if plan.fp8 is not None:  # the frozen (or not) bases as an FP8 GEMM, their copies cached per version
+                recipe, cache = plan.fp8
+                fwd8, ctx.fp8_bwd = cache.get(list(weights), recipe)
+                y2 = fp8.mm(fp8.quantize(x2, recipe), fwd8, cb)
+                if b is not None:
+                    y2 = y2 + b
+                y, w = y2.view(*xb.shape[:-1], y2.shape[-1]), weights[0]
+            else:
+                w = weights[0].to(cb) if len(weights) == 1 else _cast_cat(weights, cb)
+                y = nn.functional.linear(xb, w, b)
+                y2 = y.view(-1, y.shape[-1])
             a = [A.to(cl) for A in As]
             bb = [B.to(cl) for B in Bs]
             plain = [k for k, t in enumerate(plan.term_input) if t == 0]
@@ -264,7 +276,9 @@ class _LoRALinear(torch.autograd.Function):
                     d_bb[j] = _mm(g.t(), hs[j], bb_dtypes[j]).mul_(s)
                 dh[j] = torch.mm(g, bb[j]).mul_(s)
             dx = None
-            if need_x:
+            if need_x and ctx.fp8_bwd is not None:
+                dx = fp8.mm(fp8.quantize(dy2, plan.fp8[0]), ctx.fp8_bwd, ctx.x_dtype)
+            elif need_x:
                 w = weights[0] if len(weights) == 1 else torch.cat(weights)
                 dx = _mm(dy2, w, ctx.x_dtype)
             plain = [j for j, t in enumerate(plan.term_input) if t == 0]
