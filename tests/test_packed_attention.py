@@ -108,6 +108,8 @@ def test_packed_row_runs_varlen_and_equals_the_unfused_model(monkeypatch, attn):
         torch.testing.assert_close(got_g[name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     fused(input_ids=ids, use_cache=False)  # no position_ids given: one causal sample a row, SDPA
     assert kernel.calls == cfg.num_hidden_layers
+    note = next(n for n in torchfuser.report(fused).notes if n.startswith("packed rows: "))
+    assert note.startswith(f"packed rows: {cfg.num_hidden_layers} attention calls in {cfg.num_hidden_layers} modules")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="PyTorch's varlen attention runs on CUDA")

@@ -6,7 +6,7 @@ import sys
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, unwrap, walker
-from torchfuser.modules import fallbacks, fp8 as _fp8
+from torchfuser.modules import fallbacks, fp8 as _fp8, packed as _packed
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.report import FusionReport
 
@@ -183,8 +183,8 @@ def report(model: nn.Module) -> FusionReport:
     result = st.report if st is not None else target.__dict__[unwrap.LAST_REPORT]
     result.notes = _cuda_graphs.refresh_notes(target, result.notes)  # replays, captures, eager calls
     result.fallbacks = fallbacks.counts(target)
-    result.notes = [n for n in result.notes if not n.startswith((fallbacks.HEAD, _LORA_HEAD))]
-    result.notes += fallbacks.notes(target) + _lora_notes(target, result)
+    result.notes = [n for n in result.notes if not n.startswith((fallbacks.HEAD, _LORA_HEAD, _packed.HEAD))]
+    result.notes += fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target)
     if path:
         return result.with_note(f"optimize was called on {path!r} ({type(target).__name__}) inside this "
                                 f"{type(model).__name__}: module names are relative to it")

@@ -272,6 +272,7 @@ class FusedAttention(FusedModule):
         varlen = packed.kernel_for(q) if s.is_causal and cache is None and not p and host_reads_allowed() else None
         samples = packed.segments(mask, kwargs.get("position_ids")) if varlen is not None else None
         if samples is not None:
+            packed.counted(self)
             out = packed.attention(varlen, q, k, v, *samples, s.scaling)
         else:
             with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():

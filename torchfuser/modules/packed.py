@@ -25,6 +25,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 # mask → (its version, the position_ids it was checked with, (cu_seqlens, longest) or None)
 _SEGMENTS = WeakTensorKeyDictionary()
+_CALLS = "_torchfuser_varlen_calls"
+HEAD = "packed rows: "  # the report's note, replaced when the report is refreshed
 
 
 def kernel_for(q: Tensor):
@@ -70,6 +72,21 @@ def _segments(mask: Tensor, pos: Tensor):
     offsets = starts.reshape(-1).nonzero().flatten()
     cu = torch.cat([offsets, offsets.new_tensor([b * s])]).to(torch.int32)
     return cu, int(torch.diff(cu).max())
+
+
+def counted(module) -> None:
+    """One more call of ``module`` (a fused attention) that ran variable-length attention."""
+    if not torch.compiler.is_compiling():
+        module.__dict__[_CALLS] = module.__dict__.get(_CALLS, 0) + 1
+
+
+def notes(model) -> list[str]:
+    """The report's line: how many attention calls ran variable-length attention on packed rows."""
+    calls = [m.__dict__[_CALLS] for m in model.modules() if _CALLS in m.__dict__]
+    if not calls:
+        return []
+    return [f"{HEAD}{sum(calls)} attention calls in {len(calls)} modules ran variable-length attention "
+            "(torch.nn.attention.varlen) over the samples, not SDPA over the block mask"]
 
 
 def attention(kernel, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int, scale: float | None) -> Tensor:
