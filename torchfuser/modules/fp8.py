@@ -153,7 +153,7 @@ def recipe_of(owner: nn.Module | None) -> str | None:
     return None if owner is None else owner.__dict__.get("_fp8")
 
 
-def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module) -> str | None:
+def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> str | None:
     """The recipe where this call of ``linears`` (bases of a LoRA layer included) can run FP8 GEMMs,
     else None; a call FP8 is on for but cannot take is counted, with the reason, on ``owner``."""
     recipe = recipe_of(owner)

@@ -180,7 +180,7 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
             inputs.append(drop(x.to(A.dtype)))
             term_input.append(len(inputs))
     bases = [b for b, _ in parts]
-    recipe = fp8.usable(x, bases, owner) if owner is not None and fp8.recipe_of(owner) else None
+    recipe = fp8.usable(x, bases, owner)
     eight = None if recipe is None else (recipe, fp8.weights_cache(owner, bases))
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
                  tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype, eight)

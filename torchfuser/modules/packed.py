@@ -18,6 +18,7 @@ capturing a CUDA graph (then SDPA runs).
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -106,12 +107,7 @@ def attention(kernel, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest: int,
     return out.view(b, s, h, d)
 
 
+@lru_cache(maxsize=None)
 def _parameters(kernel) -> frozenset:
-    got = getattr(kernel, "_torchfuser_params", None)
-    if got is None:
-        got = frozenset(inspect.signature(kernel).parameters)
-        try:
-            kernel._torchfuser_params = got
-        except AttributeError:  # a builtin: read it each time
-            pass
-    return got
+    """The keyword parameters of this PyTorch's varlen kernel (they differ between releases)."""
+    return frozenset(inspect.signature(kernel).parameters)
