@@ -204,19 +204,87 @@ def test_second_backward_through_a_replay_raises():
 @cuda
 def test_new_shape_recaptures_and_leaf_input_grads_accumulate():
     plain, graphed = _pair()
-    for seq in (16, 24, 16):
+    for seq in (16, 24, 16):  # lengths that are buckets of their own
         ids = torch.randint(0, VOCAB, (2, seq)).cuda()
         ga, gb = (_step(m, ids)[1] for m in (plain, graphed))
         _close(ga, gb, f"seq {seq}")
         for m in (plain, graphed):
             m.zero_grad(set_to_none=True)
-    assert _stack(graphed).captures == 3
+    assert _stack(graphed).captures == 2  # 16's graphs are kept for its second step
     # Gradients reaching a leaf input are the caller's to keep: two backwards add up.
     embeds = [m.model.embed_tokens(ids).detach().requires_grad_() for m in (plain, graphed)]
     for m, e in zip((plain, graphed), embeds):
         for _ in range(2):
             m(inputs_embeds=e, labels=ids, use_cache=False).loss.backward()
     torch.testing.assert_close(embeds[0].grad, embeds[1].grad, rtol=2e-5, atol=2e-6)
+
+
+def _batch(seq, gen, padded_rows):
+    """2 × ``seq`` tokens; with ``padded_rows`` the second row's last quarter is padding (labels −100)."""
+    ids = torch.randint(0, VOCAB, (2, seq), generator=gen)
+    mask = torch.ones(2, seq, dtype=torch.long)
+    if padded_rows:
+        mask[1, seq - seq // 4:] = 0
+    return {"input_ids": ids.cuda(), "attention_mask": mask.cuda(), "labels": ids.masked_fill(mask == 0, -100).cuda()}
+
+
+def _masked_step(model, batch, opt=None):
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    if opt is not None:
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+@cuda
+@pytest.mark.parametrize("padded_rows", [False, True], ids=["causal", "padded-rows"])
+def test_varying_lengths_replay_length_buckets(padded_rows):
+    """Lengths 9–31 fall in the buckets 16 and 32: two captures serve every step, each call padded inside
+    the graph path; losses and every gradient follow the unpadded eager model through AdamW steps."""
+    plain, graphed = _pair()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, graphed)]
+    gen = torch.Generator().manual_seed(4)
+    for step, seq in enumerate((13, 16, 9, 30, 14, 31, 25, 16)):
+        batch = _batch(seq, gen, padded_rows)
+        (la, ga), (lb, gb) = (_masked_step(m, batch, o) for m, o in zip((plain, graphed), opts))
+        torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+        _close_to(ga, gb, f"step {step} (length {seq})", rtol=1e-4, atol=1e-5)
+    stack = _stack(graphed)
+    assert stack.captures == 2 and stack.checked and not stack.eager and stack.served == {16: 5, 32: 3}
+    note = next(n for n in torchfuser.report(graphed).notes if n.startswith("cuda graphs: model.layers"))
+    assert "length buckets (16: 5 steps, 80% hits, 32: 3 steps, 67% hits); 2 set(s) kept (max 8)" in note
+
+
+@cuda
+@pytest.mark.parametrize("options", [cuda_graphs.GraphOptions(max_buckets=1), cuda_graphs.GraphOptions(pool_gib=1e-6)],
+                         ids=["max_buckets", "pool_gib"])
+def test_lengths_beyond_the_bounds_drop_sets_then_stay_eager(options):
+    plain = torchfuser.optimize(tiny_llama("cuda"))
+    graphed = torchfuser.optimize(tiny_llama("cuda"), cuda_graphs=options)
+    gen = torch.Generator().manual_seed(5)
+    for seq in (16, 32, 16, 32, 16):
+        batch = _batch(seq, gen, False)
+        (la, ga), (lb, gb) = _masked_step(plain, batch), _masked_step(graphed, batch)
+        torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+        _close_to(ga, gb, f"length {seq}", rtol=1e-4, atol=1e-5)
+    stack = _stack(graphed)
+    assert stack.captures == 3 and stack.dropped == 2 and len(stack.sets) == 1
+    assert stack.disabled.startswith("lengths kept leaving the") and stack.eager[stack.disabled] == 2 * 3
+
+
+@cuda
+def test_packed_rows_run_eagerly_with_the_reason():
+    plain, graphed = _pair()
+    ids = torch.randint(0, VOCAB, (1, 24)).cuda()
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None].cuda()  # two samples in one row
+    for _ in range(2):
+        la, lb = (m(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss for m in (plain, graphed))
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6)
+        lb.backward()
+    stack = _stack(graphed)
+    assert stack.replays == 0 and [w for w in stack.eager if w.startswith("packed rows")] and stack.eager.total() == 6
 
 
 @cuda
@@ -306,7 +374,8 @@ def test_layers_share_the_hidden_state_buffers_and_gradients_stay_in_the_pool():
     for step in range(3):
         (la, ga), (lb, gb) = (_step(m, ids, o) for m, o in zip((plain, graphed), opts))
         _close(ga, gb, f"step {step}")
-    graphs = _stack(graphed).graphs
+    (bucket,) = _stack(graphed).sets.values()
+    graphs = bucket.graphs
     # Each layer reads its predecessor's output buffer, and that predecessor's backward reads the
     # gradient this layer's backward writes: no copy of the hidden state either way.
     assert [g.chained for g in graphs] == [False, True, True]
@@ -330,7 +399,7 @@ def test_something_between_the_layers_breaks_the_chain_and_recaptures():
         torch.testing.assert_close(la, lb, rtol=2e-5, atol=2e-6)
         _close(ga, gb, f"step {step}")
     stack = _stack(graphed)
-    assert not stack.chain and stack.captures == 2 and not any(g.chained for g in stack.graphs)
+    assert not stack.chain and stack.captures == 2 and not any(g.chained for b in stack.sets.values() for g in b.graphs)
     assert stack.eager["the layer was passed something other than the previous layer's output (recaptured unchained)"] == 1
     assert stack.replays == 1 + 3 + 3  # step 0: layer 0 only; then every layer
 

@@ -4,6 +4,7 @@
 """
 from torchfuser import functional
 from torchfuser.api import optimize, report, restore
+from torchfuser.cuda_graphs.buckets import GraphOptions
 from torchfuser.compiler import register as _register_dynamo_backend
 from torchfuser.patterns import PATTERNS, Pattern, Skip, register_pattern, unregister_pattern
 from torchfuser.report import FusionReport
@@ -11,7 +12,7 @@ from torchfuser.report import FusionReport
 __version__ = "0.1.0"
 _register_dynamo_backend()  # torch.compile(backend="torchfuser"); free when the entry point is installed
 __all__ = ["optimize", "restore", "report", "functional", "FusionReport", "PATTERNS", "Pattern", "Skip", "register_pattern",
-           "unregister_pattern", "TorchFuserCallback", "jit", "__version__"]
+           "unregister_pattern", "TorchFuserCallback", "jit", "GraphOptions", "__version__"]
 
 
 def __getattr__(name):

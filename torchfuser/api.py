@@ -44,7 +44,7 @@ def optimize(
     filter_fn=None,
     strict: bool = False,
     verbose: bool = False,
-    cuda_graphs: bool = False,
+    cuda_graphs: "bool | _cuda_graphs.GraphOptions" = False,
     autotune: bool = False,
     fp8: str | None = None,
 ) -> nn.Module:
@@ -68,7 +68,9 @@ def optimize(
     cuda_graphs: also capture each stack of fused layers (the decoder layers) into CUDA graphs at
         the first training step and replay them after: far fewer host launches, for models whose
         step is bound by the host. Costs memory (activations and gradients stay allocated) and
-        fixes shapes; see ``torchfuser.cuda_graphs`` and the report's notes.
+        pads each call's sequence length up to a length bucket with graphs of its own (bounded in
+        number and memory: pass ``torchfuser.GraphOptions(...)`` instead of True to set the bounds);
+        see ``torchfuser.cuda_graphs`` and the report's notes.
     autotune: at each fused block's first training call, time it against its original on that
         call's inputs and keep the faster, per block kind and shape (``torchfuser.autotune``).
     fp8: ``"rowwise"`` or ``"tensorwise"``: the fused attention and MLP blocks' projections run FP8
@@ -79,6 +81,8 @@ def optimize(
     """
     _check_model(model)
     _check_not_flattened(model)
+    if not isinstance(cuda_graphs, (bool, _cuda_graphs.GraphOptions)):
+        raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions, got {type(cuda_graphs).__name__}")
     backend = backends.check_name(backend)
     fp8 = _fp8.check(fp8, next((p.device for p in model.parameters()), None))
     chosen = _patterns.select(patterns, exclude)
@@ -100,11 +104,13 @@ def optimize(
         if _COMPILE_NOTE not in result.notes:
             result.notes.append(_COMPILE_NOTE)
     if rebackend and _cuda_graphs.describe(model) is not None:
+        kept = _cuda_graphs.options(model)
         _cuda_graphs.remove(model)  # the captured graphs replay the old backend's kernels: capture anew
-        cuda_graphs = True
+        cuda_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else kept
     _set_fp8(model, fp8, result)
     if cuda_graphs:
-        result.notes += [n for n in _cuda_graphs.install(model) if n not in result.notes]
+        chosen_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else None
+        result.notes += [n for n in _cuda_graphs.install(model, chosen_graphs) if n not in result.notes]
     if autotune:
         from torchfuser import autotune as _autotune
 

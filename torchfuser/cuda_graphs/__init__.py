@@ -6,13 +6,17 @@ layer's forward and backward are captured once into two CUDA graphs and then rep
 host launches two graphs per layer instead of every kernel in it.
 
 A graph fixes what it saw at capture, so that is what a call must match to replay: the shapes,
-strides, dtypes and ``requires_grad`` of its tensor arguments, the values of the others, the
-autocast state, train/eval mode and the parameters' storage. One signature per stack is kept;
-a new one is captured in its place (at most ``MAX_RECAPTURES`` times, then the stack stays
-eager). A call a graph cannot serve runs the layer's own forward, and the reason is counted in
+dtypes and ``requires_grad`` of its tensor arguments, the values of the others, the autocast
+state, train/eval mode and the parameters' storage. Sequence lengths are rounded up to length
+buckets (``buckets.py``: the call is padded inside the graph path, the padding masked out, so the
+result is the unpadded call's); each bucket gets its own set of graphs, all of a stack's sets are
+captured into one memory pool, and their number and memory are bounded (``GraphOptions``: pass
+``cuda_graphs=GraphOptions(...)``; the least recently used set is dropped for a new one). A stack
+whose lengths keep leaving the kept sets (``CHURN`` drops per kept set) stops capturing and stays
+eager. The report gives each bucket's steps and hit rate. A call a graph cannot serve runs the layer's own forward, and the reason is counted in
 ``torchfuser.report(model)``: under torch.compile, without grad, with a KV-cache object
 (``use_cache=True`` in training), with gradient checkpointing, with hooks on modules inside the
-layer, or while an earlier replay of the same layer still waits for its backward (several
+layer, on packed rows (variable-length attention, eager, is faster there), or while an earlier replay of the same layer still waits for its backward (several
 forwards before one backward). A layer that reads tensor values on the host is found during the
 warm-up before capture and left eager.
 
@@ -29,8 +33,9 @@ The price of replay:
 - Activations and gradients stay allocated between steps, in the graphs' memory pools.
 - One backward per forward: a second backward through the same replay raises.
 
-Files: ``signature.py`` (what a call must match), ``capture.py`` (warm-up and capture),
-``replay.py`` (the autograd Function that replays a layer, and the per-stack decisions).
+Files: ``signature.py`` (what a call must match), ``buckets.py`` (length buckets and padding),
+``capture.py`` (warm-up and capture), ``replay.py`` (the autograd Function that replays a layer,
+and the per-stack decisions).
 """
 from __future__ import annotations
 
@@ -39,12 +44,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from torchfuser.cuda_graphs.replay import MAX_RECAPTURES, Stack
+from torchfuser.cuda_graphs.buckets import GraphOptions
+from torchfuser.cuda_graphs.replay import CHURN, Stack
 from torchfuser.cuda_graphs.signature import join_call, split_call
 from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_replicas
 from torchfuser.modules.residual_norm import ResidualNormForward  # ours on the instance: graphed, put back
 
-__all__ = ["install", "remove", "refresh_notes", "describe", "find_stacks", "split_call", "join_call", "MAX_RECAPTURES"]
+__all__ = ["install", "remove", "refresh_notes", "describe", "find_stacks", "split_call", "join_call", "GraphOptions", "CHURN", "options"]
 _ATTR = "_torchfuser_cuda_graphs"
 
 
@@ -75,8 +81,9 @@ def _unsupported(model: nn.Module, layers) -> str | None:
     return None
 
 
-def install(model: nn.Module) -> list[str]:
+def install(model: nn.Module, options: GraphOptions | None = None) -> list[str]:
     """Route every stack's layers through their graphs; report notes, one per stack."""
+    options = GraphOptions() if options is None else options
     if model.__dict__.get(_ATTR):
         return [s.describe() for s in model.__dict__[_ATTR]]
     stacks, notes = [], []
@@ -88,7 +95,7 @@ def install(model: nn.Module) -> list[str]:
         if why:
             notes.append(f"cuda graphs: not used for {name} — {why}")
             continue
-        stack = Stack(name, list(layers), [layer.forward for layer in layers])
+        stack = Stack(name, list(layers), [layer.forward for layer in layers], options)
         for i, layer in enumerate(layers):
             layer.forward = partial(stack.call, i)
             follow_replicas(layer, stack.release_replica)
@@ -109,7 +116,7 @@ def remove(model: nn.Module) -> None:
             if isinstance(forward, ResidualNormForward):
                 layer.__dict__["forward"] = forward
             unfollow_replicas(layer)
-        stack.graphs = None
+        stack.sets.clear()
 
 
 def refresh_notes(model: nn.Module, notes: list[str]) -> list[str]:
@@ -119,6 +126,12 @@ def refresh_notes(model: nn.Module, notes: list[str]) -> list[str]:
         return notes
     heads = tuple(s.head() for s in stacks)
     return [n for n in notes if not n.startswith(heads)] + [s.describe() for s in stacks]
+
+
+def options(model: nn.Module) -> GraphOptions:
+    """The options the model's stacks were installed with (the defaults where none is)."""
+    stacks = model.__dict__.get(_ATTR)
+    return stacks[0].options if stacks else GraphOptions()
 
 
 def describe(model: nn.Module) -> list[str] | None:

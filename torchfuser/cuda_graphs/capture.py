@@ -108,7 +108,7 @@ def _chains(prev: LayerGraphs | None, tensors) -> bool:
     return (o.shape, o.stride(), o.dtype, o.requires_grad) == (t.shape, t.stride(), t.dtype, t.requires_grad)
 
 
-def capture(layers, forwards, params, layout, tensors, chain: bool = True) -> list[LayerGraphs]:
+def capture(layers, forwards, params, layout, tensors, chain: bool = True, pool=None) -> list[LayerGraphs]:
     """Capture every layer's forward (in order), then every backward (in reverse): the order they
     replay in, which is what lets all the captures share one memory pool (a backward's scratch
     reuses what later layers' activations held).
@@ -117,8 +117,9 @@ def capture(layers, forwards, params, layout, tensors, chain: bool = True) -> li
     (the hidden state a decoder passes on) reads that output's buffer directly, and the previous
     layer's backward reads this layer's gradient buffer for it: a replay then copies neither the
     hidden state in nor its gradient back (``Stack.call`` checks that the call passes that very
-    buffer, and recaptures without chaining when something runs between the layers)."""
-    pool = torch.cuda.graph_pool_handle()
+    buffer, and recaptures without chaining when something runs between the layers). ``pool``: the
+    memory pool to capture into (a new one by default); a stack's length buckets share one."""
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     enabled, dtype = autocast_key()
 
     def call(i, ts):

@@ -1,5 +1,5 @@
 """Replaying captured layers: the autograd Function per layer and the stack that decides, call by
-call, whether a graph can serve it."""
+call, whether a graph can serve it and which bucket's."""
 from __future__ import annotations
 
 import logging
@@ -12,13 +12,16 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from torchfuser.cuda_graphs import buckets
+from torchfuser.cuda_graphs.buckets import GraphOptions, Padding
 from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_failed_capture
-from torchfuser.cuda_graphs.signature import autocast_key, param_key, split_call, tensor_key
+from torchfuser.cuda_graphs.signature import autocast_key, join_call, param_key, split_call
+from torchfuser.modules import packed
 from torchfuser.modules.base import hooked, loaded_fsdp
 from torchfuser.modules.residual_norm import ResidualNormForward
 
 log = logging.getLogger("torchfuser")
-MAX_RECAPTURES = 3
+CHURN = 2  # sets of graphs dropped per kept set before a stack stops capturing: lengths spread too wide
 
 
 def _fsdp2(mod: nn.Module) -> bool:
@@ -35,26 +38,26 @@ class _Token:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, stack: "Stack", g: LayerGraphs, *tensors):
-        for static, t in zip(g.inputs, tensors):
+    def forward(ctx, stack: "Stack", g: LayerGraphs, pad: Padding, *tensors):
+        for static, t, rule in zip(g.inputs, tensors, pad.rules):
             if static.data_ptr() != t.data_ptr():
-                static.copy_(t)
+                buckets.fill(static, t, rule, pad.s)
         g.fwd.replay()
-        ctx.stack, ctx.graphs, ctx.token = stack, g, _Token()
+        ctx.stack, ctx.graphs, ctx.pad, ctx.token = stack, g, pad, _Token()
         # Gradients for leaves (an input the user holds) are copied: stolen by autograd they would
         # alias a buffer the next replay overwrites.
         ctx.leaf = [t.is_leaf and t.requires_grad for t in tensors[: len(g.inputs)]]
         # A chained input is the previous layer's output buffer itself, which the backward reads.
         ctx.chained = (tensors[0], tensors[0]._version) if g.chained else None
         g.waiting = weakref.ref(ctx.token)
-        outs = tuple(o.detach() for o in g.outputs)
+        outs = tuple(pad.unpad(o.detach()) for o in g.outputs)
         ctx.mark_non_differentiable(*(o for o, s in zip(outs, g.outputs) if not s.requires_grad))
         return outs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        g = ctx.graphs
+        g, pad = ctx.graphs, ctx.pad
         if g.waiting is None or g.waiting() is not ctx.token:
             raise RuntimeError(
                 "torchfuser: a CUDA-graphed layer was asked for a second backward of one forward "
@@ -70,12 +73,27 @@ class _Replay(torch.autograd.Function):
             )
         for static, d in zip(g.grad_outputs, grads):
             if static is not None and d is not None and static.data_ptr() != d.data_ptr():
-                static.copy_(d)
+                # A padded output's gradient is zero at the padding (buckets.fill zeros float tails).
+                buckets.fill(static, d, buckets.SEQ1 if static.shape != d.shape else buckets.KEEP, pad.s)
         g.bwd.replay()
         ctx.stack.grads_in_pool = True
         n = len(g.inputs)
-        ins = tuple(None if s is None else s.clone() if leaf else s.detach() for s, leaf in zip(g.grad_inputs, ctx.leaf))
-        return (None, None, *ins, *(None if s is None else s.detach() for s in g.grad_inputs[n:]))
+        ins = [None if s is None else pad.real(s.detach(), rule) for s, rule in zip(g.grad_inputs, pad.rules)]
+        ins = tuple(None if s is None else s.clone() if leaf else s for s, leaf in zip(ins, ctx.leaf))
+        return (None, None, None, *ins, *(None if s is None else s.detach() for s in g.grad_inputs[n:]))
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One set of graphs, every layer's, for one call signature: one length bucket (or one exact length)."""
+
+    graphs: list[LayerGraphs]
+    length: int  # the sequence length the graphs were captured for
+    bytes: int  # device memory the capture left allocated (static buffers, saved activations)
+    used: int = 0  # the stack's step count at its last use: the least recently used set is dropped first
+
+    def pending(self) -> bool:
+        return any(g.pending() for g in self.graphs)
 
 
 @dataclass(eq=False)
@@ -83,11 +101,19 @@ class Stack:
     name: str
     layers: list[nn.Module]
     forwards: list  # each layer's own bound forward
-    key: tuple | None = None
-    graphs: list[LayerGraphs] | None = None
+    options: GraphOptions = field(default_factory=GraphOptions)
+    sets: dict = field(default_factory=dict)  # signature key → Bucket, least recently captured first
+    retired: list = field(default_factory=list)  # stale sets a replay may still wait on (dropped at the next capture)
+    pool: tuple | None = None  # the memory pool every bucket's graphs are captured into
     captures: int = 0
     capture_s: float = 0.0
     replays: int = 0
+    steps: int = 0  # layer-0 replays
+    dropped: int = 0  # sets dropped to make room
+    served: Counter = field(default_factory=Counter)  # bucket length → steps its graphs served
+    captured: Counter = field(default_factory=Counter)  # bucket length → captures
+    exact: str | None = None  # why calls get graphs per exact length rather than per length bucket
+    checked: bool = False  # the padding check (buckets.check) has passed
     disabled: str | None = None
     eager: Counter = field(default_factory=Counter)
     chain: bool = True  # capture with chained hidden states (capture.capture); off once a call breaks the chain
@@ -104,41 +130,87 @@ class Stack:
             if layout is None:
                 why = (f"a {tensors} object is passed (in training: pass use_cache=False)" if "Cache" in tensors
                        else f"an argument of type {tensors} cannot be captured")
+        if why is None and packed.segments(kwargs.get("attention_mask"), kwargs.get("position_ids")) is not None:
+            why = ("packed rows: variable-length attention reads the samples' offsets on the host, so the layer "
+                   "runs eagerly (faster than a graph of attention over the dense block mask)")
+        bucket = pad = None
         if why is None:
-            why = self._ready(index, layout, tensors, params)
+            pad = self._padding(index, layout, tensors)
+            why, bucket = self._ready(index, layout, tensors, params, pad)
         if why is not None:
             self._note(why)
             return forward(*args, **kwargs)
-        g = self.graphs[index]
+        g = bucket.graphs[index]
         if self.grads_in_pool:
             self._keep_grads()
         self.replays += 1
-        outs = _Replay.apply(self, g, *tensors, *g.params)
+        if index == 0:
+            self.steps += 1
+            bucket.used = self.steps
+            self.served[bucket.length] += 1
+        outs = _Replay.apply(self, g, pad, *tensors, *g.params)
         return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
 
-    def _ready(self, index, layout, tensors, params) -> str | None:
-        """None when layer ``index`` can replay this call (capturing first if needed), else why not."""
-        key = (layout, tensor_key(tensors), autocast_key(), self.layers[index].training, self.chain)
-        if key != self.key or self.graphs[index].param_key != param_key(params):
-            why = self._recapture(key, layout, tensors)
+    def _padding(self, index, layout, tensors) -> Padding:
+        """How this call maps to a bucket's buffers: padded to its length bucket, or as it is."""
+        if self.exact is None:
+            pad = buckets.padding(layout, tensors, self.options)
+            if isinstance(pad, str):
+                self.exact = pad
+            elif not pad.pads or self.checked:
+                return pad
+            elif index == 0:  # the first call that pads: is padding exact for this layer?
+                self.exact = self._check(layout, tensors, pad)
+                self.checked = self.exact is None
+                if self.checked:
+                    return pad
+            else:
+                return Padding.exact(tensors)
+        return Padding.exact(tensors)
+
+    def _check(self, layout, tensors, pad) -> str | None:
+        layer = self.layers[0]
+        modes = [(m, m.training) for m in layer.modules()]
+        layer.eval()
+        try:
+            why = buckets.check(self.forwards[0], layout, tensors, pad, join_call)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        if why is not None:
+            log.info("torchfuser: %s gets CUDA graphs per exact length: %s", self.name, why)
+        return why
+
+    def _ready(self, index, layout, tensors, params, pad: Padding):
+        """(None, the bucket) when layer ``index`` can replay this call (capturing first if needed),
+        else (why not, None)."""
+        meta = tuple((pad.shape(t, r), t.dtype, t.device, t.requires_grad) for t, r in zip(tensors, pad.rules))
+        key = (layout, meta, autocast_key(), self.layers[index].training, self.chain)
+        bucket = self.sets.get(key)
+        if bucket is not None and bucket.graphs[index].param_key != param_key(params):
+            self._retire()  # the parameters' storage changed (moved, reloaded): every set is stale
+            bucket = None
+        if bucket is None:
+            why, bucket = self._capture(key, layout, tensors, pad)
             if why is not None:
-                return why
-        g = self.graphs[index]
+                return why, None
+        g = bucket.graphs[index]
         if g.pending():
-            return "an earlier forward of this layer still waits for its backward"
+            return "an earlier forward of this layer still waits for its backward", None
         if g.chained and tensors[0].data_ptr() != g.inputs[0].data_ptr():
             # Copying into the previous layer's output would change a tensor the caller may still
             # use; the next capture gives every layer input buffers of its own.
             self.chain = False
-            return "the layer was passed something other than the previous layer's output (recaptured unchained)"
-        return None
+            self._retire()
+            return "the layer was passed something other than the previous layer's output (recaptured unchained)", None
+        return None, bucket
 
     def _keep_grads(self) -> None:
         """Parameter gradients still held in the pool (accumulation, ``zero_grad(set_to_none=False)``)
         get storage of their own before a forward replay can overwrite them."""
         self.grads_in_pool = False
-        for g in self.graphs:
-            for p in g.params:
+        for layer in self.layers:
+            for p in layer.parameters():
                 if p.grad is not None and p.grad.data_ptr() in self.pooled_grads:
                     p.grad = p.grad.clone()
 
@@ -177,32 +249,66 @@ class Stack:
             log.info("torchfuser: %s runs eagerly: %s", self.name, why)
         self.eager[why] += 1
 
-    def _recapture(self, key, layout, tensors) -> str | None:
-        if self.graphs and any(g.pending() for g in self.graphs):
-            return "a new input signature arrived while a replay waits for its backward"
-        if self.captures > MAX_RECAPTURES:
-            self.disabled = f"input signatures kept changing ({self.captures} captures): pad batches to one shape"
-            return self.disabled
-        self.key = self.graphs = None
-        start = time.perf_counter()
+    def _make_room(self, length: int) -> str | None:
+        """Drop least recently used sets until a new one of ``length`` fits (max_buckets, pool_gib)."""
+        cap = None if self.options.pool_gib is None else self.options.pool_gib * 2**30
+        while self.sets:
+            need = max((b.bytes * length / max(b.length, 1) for b in self.sets.values()), default=0)
+            held = sum(b.bytes for b in self.sets.values())
+            if len(self.sets) < self.options.max_buckets and (cap is None or held + need <= cap):
+                return None
+            idle = [(b.used, k) for k, b in self.sets.items() if not b.pending()]
+            if not idle:
+                return "every kept set of graphs waits for its backward, and a new length arrived"
+            self.sets.pop(min(idle)[1]).graphs = None
+            self.dropped += 1
+        return None
+
+    def _retire(self) -> None:
+        self.retired += self.sets.values()
+        self.sets.clear()
+
+    def _capture(self, key, layout, tensors, pad: Padding):
+        if any(b.pending() for b in (*self.sets.values(), *self.retired)):
+            return "a new input signature arrived while a replay waits for its backward", None
+        for b in self.retired:
+            b.graphs = None
+        self.retired.clear()
+        if self.dropped >= CHURN * self.options.max_buckets:
+            self.disabled = (f"lengths kept leaving the {self.options.max_buckets} kept sets of graphs ({self.captures} "
+                             "captures): raise GraphOptions(max_buckets=...) or pad batches to fewer lengths")
+            return self.disabled, None
+        length = pad.l or (tensors[0].shape[1] if tensors and tensors[0].dim() >= 2 else 0)
+        why = self._make_room(length)
+        if why is not None:
+            return why, None
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        sample = pad.sample(tensors) if pad.l else tensors
+        start, held = time.perf_counter(), torch.cuda.memory_allocated()
+        graphs = None
         try:
-            self.graphs = capture(self.layers, self.forwards, [self._scan(layer)[1] for layer in self.layers], layout,
-                                  tensors, chain=self.chain)
+            graphs = capture(self.layers, self.forwards, [self._scan(layer)[1] for layer in self.layers], layout,
+                             sample, chain=self.chain, pool=self.pool)
         except Exception as err:  # a layer that reads values on the host, or otherwise cannot be captured
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             self.disabled = (f"the layer reads tensor values on the host, which a graph cannot capture ({first})"
                              if "synchronizing" in first else f"capture failed: {type(err).__name__}: {first}")
         if self.disabled:
             log.warning("torchfuser: CUDA graphs for %s turned off: %s", self.name, self.disabled)
+            self._retire()
             recover_from_failed_capture(torch.device("cuda", torch.cuda.current_device()))
-            return self.disabled
+            return self.disabled, None
         took = time.perf_counter() - start
-        self.key = key
-        self.pooled_grads = frozenset(s.data_ptr() for g in self.graphs for s in g.grad_inputs[len(g.inputs):] if s is not None)
+        bucket = self.sets[key] = Bucket(graphs, length, max(torch.cuda.memory_allocated() - held, 0))
+        self.pooled_grads = frozenset(s.data_ptr() for b in self.sets.values() for g in b.graphs
+                                      for s in g.grad_inputs[len(g.inputs):] if s is not None)
         self.captures += 1
+        self.captured[length] += 1
         self.capture_s += took
-        log.info("torchfuser: captured CUDA graphs for %s (%d layers) in %.1f s", self.name, len(self.layers), took)
-        return None
+        log.info("torchfuser: captured CUDA graphs for %s (%d layers, length %d) in %.1f s", self.name,
+                 len(self.layers), length, took)
+        return None, bucket
 
     def head(self) -> str:
         return f"cuda graphs: {self.name} ({len(self.layers)} × {type(self.layers[0]).__name__})"
@@ -212,6 +318,21 @@ class Stack:
         if self.captures == 0 and not self.eager:
             return f"{head}: captured at the first training step"
         text = f"{head}: {self.replays} layer calls replayed, {self.captures} capture(s) in {self.capture_s:.1f} s"
+        if self.served:
+            kind = "exact lengths" if self.exact else "length buckets"
+            rates = ", ".join(f"{n}: {self.served[n]} steps, {_rate(self.served[n], self.captured[n])} hits"
+                              for n in sorted(self.served))
+            held = sum(b.bytes for b in self.sets.values()) / 2**30
+            text += (f"; {kind} ({rates}); {len(self.sets)} set(s) kept (max {self.options.max_buckets}), "
+                     f"{held:.1f} GiB")
+            if self.dropped:
+                text += f", {self.dropped} dropped to make room"
+        if self.exact and self.served:
+            text += f"; graphs per exact length: {self.exact}"
         if self.eager:
             text += "; eager calls: " + "; ".join(f"{n}× {why}" for why, n in self.eager.most_common())
         return text
+
+
+def _rate(steps: int, captures: int) -> str:
+    return f"{100 * (steps - captures) / steps:.0f}%" if steps else "—"

@@ -1,0 +1,133 @@
+"""CUDA-graph length buckets (torchfuser/cuda_graphs/buckets.py): which bucket a length falls in, how
+a layer call's tensors are padded, and that the padded call computes exactly the unpadded one —
+forward and every gradient, with no gradient from the padding. Checked here on the CPU on the very
+layer calls a decoder makes; the graphs themselves are tested in test_cuda_graphs.py on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import torchfuser
+from torchfuser import backends
+from torchfuser import cuda_graphs
+from torchfuser.cuda_graphs import buckets
+from torchfuser.cuda_graphs.buckets import GraphOptions, bucket_length, padding
+
+
+def _model(family="llama"):
+    cfg = AutoConfig.for_model(family, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return torchfuser.optimize(AutoModelForCausalLM.from_config(cfg).double(), backend="reference")
+
+
+def _layer_call(model, seq, padded_row=False):
+    """(layout, tensors) of layer 0's call as the model makes it, for a batch of 2 × ``seq``."""
+    seen = {}
+    hook = model.model.layers[0].register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+    ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+    mask = torch.ones(2, seq, dtype=torch.long)
+    if padded_row:
+        mask[1, seq - 3:] = 0  # right padding in the second row: transformers passes a 4-D mask
+    model(input_ids=ids, attention_mask=mask, use_cache=False)
+    hook.remove()
+    return cuda_graphs.split_call(seen["a"], seen["k"])
+
+
+def test_bucket_lengths():
+    assert [bucket_length(s) for s in (1, 3, 8, 9, 16, 17, 100, 1024, 1025, 1800, 2048, 2049)] == \
+        [8, 8, 8, 16, 16, 24, 112, 1024, 1280, 2048, 2048, 2560]
+    assert [bucket_length(s, per_octave=1) for s in (1025, 2048)] == [2048, 2048]
+    assert all(0 <= bucket_length(s) - s < max(8, s / 4) for s in range(1, 5000))
+
+
+@pytest.mark.parametrize("padded_row", [False, True], ids=["causal", "mask"])
+def test_padding_rules_of_a_decoder_layer_call(padded_row):
+    layout, tensors = _layer_call(_model(), 13, padded_row)
+    pad = padding(layout, tensors, GraphOptions())
+    assert (pad.s, pad.l) == (13, 16)
+    names = [e[0] for e in layout if e[1] != "v" for _ in range(e[2] if e[1] == "seq" else 1)]
+    rules = dict(zip(names, pad.rules))
+    assert rules[0] == buckets.SEQ1 and rules["position_embeddings"] == buckets.SEQ1
+    assert rules.get("attention_mask") == (buckets.MASK if padded_row else None)
+    sample = pad.sample(tensors)
+    assert [t.shape[1] for t in sample if t.dim() >= 2 and t.dim() < 4] == [16] * (len(sample) - padded_row)
+    if "position_ids" in rules:  # positions go on past the real ones: nothing looks like a new sample
+        pos = sample[names.index("position_ids")]
+        assert pos[0, 12:].tolist() == [12, 13, 14, 15]
+    if padded_row:
+        m = sample[names.index("attention_mask")]
+        assert m[..., :13, :13].equal(tensors[names.index("attention_mask")])
+        assert not m[..., :13, 13:].any() and m[..., 13:, :].equal(torch.ones(16, 16, dtype=torch.bool).tril()[13:].expand(2, 1, 3, 16))
+    assert padding(layout, tensors, GraphOptions(pad_lengths=False)) == "lengths are not padded (GraphOptions(pad_lengths=False))"
+
+
+@pytest.mark.parametrize("padded_row", [False, True], ids=["causal", "mask"])
+def test_padded_layer_call_is_the_unpadded_one_forward_and_backward(padded_row):
+    """The math the bucketed graphs rely on, in float64: the real positions' outputs, the input's
+    gradient and every parameter's gradient equal the unpadded call's, and the padding's gradient is 0."""
+    model = _model()
+    layer = model.model.layers[0]
+    layout, tensors = _layer_call(model, 13, padded_row)
+    pad = padding(layout, tensors, GraphOptions())
+    assert buckets.check(layer.forward, layout, tensors, pad, cuda_graphs.join_call) is None
+    weight = torch.randn(2, 13, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def run(ts, unpad):
+        hidden = ts[0].detach().requires_grad_()
+        args, kwargs = cuda_graphs.join_call(layout, [hidden, *ts[1:]])
+        out = layer(*args, **kwargs)
+        (unpad(out) * weight).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+        return unpad(out).detach(), hidden.grad, grads
+
+    out, d_hidden, grads = run(list(tensors), lambda o: o)
+    out_p, d_hidden_p, grads_p = run(pad.sample(tensors, noise=True), pad.unpad)
+    torch.testing.assert_close(out_p, out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(d_hidden_p[:, :13], d_hidden, rtol=1e-12, atol=1e-12)
+    assert d_hidden_p[:, 13:].abs().max() == 0
+    for n in grads:
+        torch.testing.assert_close(grads_p[n], grads[n], rtol=1e-10, atol=1e-12, msg=lambda m: f"{n}: {m}")
+
+
+class _Mixer(nn.Module):
+    """A layer whose positions interact (a bidirectional mix): padding would change it."""
+
+    def forward(self, hidden_states):
+        return hidden_states + hidden_states.mean(1, keepdim=True)
+
+
+def test_check_refuses_a_layer_whose_positions_interact():
+    x = torch.randn(2, 13, 8)
+    layout, tensors = cuda_graphs.split_call((x,), {})
+    pad = padding(layout, tensors, GraphOptions())
+    why = buckets.check(_Mixer().forward, layout, tensors, pad, cuda_graphs.join_call)
+    assert why is not None and why.startswith("the padding changed the real positions' outputs")
+
+
+def test_arguments_that_cannot_be_padded_say_why():
+    x = torch.randn(2, 13, 8)
+    odd = cuda_graphs.split_call((x,), {"extra": torch.randn(13, 4, 2)})  # the length in dim 0 of a 3-D tensor
+    assert "'extra' of shape (13, 4, 2)" in padding(*odd, GraphOptions())
+    flat_mask = cuda_graphs.split_call((x,), {"attention_mask": torch.ones(2, 13, dtype=torch.bool)})
+    assert padding(*flat_mask, GraphOptions()).startswith("an attention mask of shape (2, 13)")
+    assert "not a (batch, sequence, hidden)" in padding(*cuda_graphs.split_call((x[0],), {}), GraphOptions())
+
+
+def test_graph_options_are_checked_and_reach_the_stacks(monkeypatch):
+    for bad in (dict(per_octave=0), dict(max_buckets=0), dict(pool_gib=0), dict(max_buckets=2.5)):
+        with pytest.raises(ValueError, match="GraphOptions"):
+            GraphOptions(**bad)
+    model = _model()
+    with pytest.raises(TypeError, match="cuda_graphs must be True, False or a torchfuser.GraphOptions"):
+        torchfuser.optimize(model, cuda_graphs="yes")
+    monkeypatch.setattr(cuda_graphs, "_unsupported", lambda model, layers: None)
+    torchfuser.optimize(model, backend="reference", cuda_graphs=torchfuser.GraphOptions(max_buckets=2, pool_gib=4))
+    assert cuda_graphs.options(model) == GraphOptions(max_buckets=2, pool_gib=4)
+    if backends.unavailable_reason("mlir", "cpu") is None:  # a backend change captures anew, with the same options
+        torchfuser.optimize(model, backend="mlir", cuda_graphs=True)
+        assert cuda_graphs.options(model) == GraphOptions(max_buckets=2, pool_gib=4)
+    torchfuser.restore(model)
