@@ -110,6 +110,7 @@ class Stack:
     replays: int = 0
     steps: int = 0  # layer-0 replays
     dropped: int = 0  # sets dropped to make room
+    most: int = 0  # the most sets held at once: what the bounds let fit
     served: Counter = field(default_factory=Counter)  # bucket length → steps its graphs served
     captured: Counter = field(default_factory=Counter)  # bucket length → captures
     exact: str | None = None  # why calls get graphs per exact length rather than per length bucket
@@ -274,9 +275,10 @@ class Stack:
         for b in self.retired:
             b.graphs = None
         self.retired.clear()
-        if self.dropped >= CHURN * self.options.max_buckets:
-            self.disabled = (f"lengths kept leaving the {self.options.max_buckets} kept sets of graphs ({self.captures} "
-                             "captures): raise GraphOptions(max_buckets=...) or pad batches to fewer lengths")
+        if self.dropped >= CHURN * max(self.most, 1):
+            self.disabled = (f"lengths kept leaving the {self.most} set(s) of graphs that fit ({self.captures} captures, "
+                             f"{self.dropped} dropped): raise GraphOptions(max_buckets=..., pool_gib=...) or pad "
+                             "batches to fewer lengths")
             return self.disabled, None
         length = pad.l or (tensors[0].shape[1] if tensors and tensors[0].dim() >= 2 else 0)
         why = self._make_room(length)
@@ -304,6 +306,7 @@ class Stack:
         self.pooled_grads = frozenset(s.data_ptr() for b in self.sets.values() for g in b.graphs
                                       for s in g.grad_inputs[len(g.inputs):] if s is not None)
         self.captures += 1
+        self.most = max(self.most, len(self.sets))
         self.captured[length] += 1
         self.capture_s += took
         log.info("torchfuser: captured CUDA graphs for %s (%d layers, length %d) in %.1f s", self.name,
