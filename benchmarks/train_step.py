@@ -121,6 +121,8 @@ def run_variant(recipe, variant, args, device):
     model = build(recipe, device, args.seed, torch.bfloat16 if bf16_params else torch.float32)
     if args.lora:
         model = workloads.add_lora(model, args.lora, args.seed)
+    if args.grad_checkpointing:  # HF's, non-reentrant, on every decoder layer (before optimize, as users do)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     passes_before = len(inductor_pass.RECENT)
     step_fn = prepare(variant, model, args.backend, args.compiled_elementwise, args.exclude)
     if args.exclude and "torchfuser" in variant:
@@ -157,6 +159,7 @@ def run_variant(recipe, variant, args, device):
     ms = statistics.median(times) * 1e3
     row = {
         "model": recipe, "variant": variant, "precision": args.precision, "workload": args.workload, "lora": args.lora,
+        "grad_checkpointing": args.grad_checkpointing,
         "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
@@ -243,6 +246,7 @@ def main():
     parser.add_argument("--seq", type=int, default=2048, help="tokens a row (varying: the longest; packed: the longest sample)")
     parser.add_argument("--workload", choices=workloads.WORKLOADS, default="fixed")
     parser.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R only")
+    parser.add_argument("--grad-checkpointing", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
