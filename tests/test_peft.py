@@ -70,3 +70,25 @@ def test_lora_before_optimize_keeps_the_fusion():
     layer = fused.base_model.model.model.layers[0]
     assert layer.self_attn.lora_summary == layer.mlp.lora_summary == "LoRA r=4"
     _same_training(ref, fused)
+
+
+def test_lora_after_optimize_on_a_bf16_base_within_the_rule():
+    """Frozen bf16 base, PEFT's fp32 adapters, no autocast (the fused node's hi/lo bf16 GEMMs): loss and
+    every adapter gradient within DESIGN.md's rule against the same PEFT model in float64."""
+    from numerics import assert_within_rule
+    ref = _lora(_base().to(torch.bfloat16))
+    fused = _lora(torchfuser.optimize(_base().to(torch.bfloat16), backend="reference"))
+    fused.load_state_dict(ref.state_dict())
+    assert fused.base_model.model.model.layers[0].self_attn.q_proj.lora_A.default.weight.dtype == torch.float32
+    ref64 = copy.deepcopy(ref).double()
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for model in (fused, ref, ref64):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (lf, gf), (ls, gs), (l64, g64) = runs
+    assert_within_rule(lf, ls, l64, 1e-3, "loss")
+    assert list(gf) == list(g64) and len(g64) == 2 * 2 * len(TARGETS)
+    for n, g in g64.items():
+        assert_within_rule(gf[n], gs[n], g, 2 ** -7 * g.abs().max().item(), n)

@@ -8,16 +8,34 @@ as one autograd node: the bases as one GEMM (as ``projections.joint``), the A's 
 without an active dropout as one GEMM on x ([A_q; A_k; A_v]), each B added into its projection's
 columns of the output. Saved for the backward: x once (no copy of it per projection), the cast or
 concatenated base weights only where a cast made them (else the parameters themselves), the
-small h = x·Aᵀ, the cast A's and B's. No gradient is computed for what does not require one (a
+small h = x·Aᵀ (as its bf16 hi/lo parts on the split path below), the cast A's and B's. No gradient is computed for what does not require one (a
 frozen base).
 
 Dropout: each adapter's own ``nn.Dropout`` is called on the input PEFT would pass it, in PEFT's
 order (projection by projection, adapter by adapter, before any product), so the masks are the
 very ones PEFT draws: exact parity. Such an adapter's A product runs on its own dropped input.
 
-Dtypes as PEFT's forward gives them: under autocast every product is in the autocast dtype;
-without it the base products are in x's dtype, the LoRA ones in the adapter weights' dtype (fp32
-adapters on a bf16 base: PEFT's default), summed in the promoted dtype and rounded to x's dtype.
+Dtypes: under autocast every product is in the autocast dtype, as in PEFT; in fp32 (or fp16 base
+weights with fp32 adapters) the products are in PEFT's dtypes too. Frozen bf16 base weights with
+fp32 adapters and no autocast (PEFT's default way to train LoRA) run the adapter products on bf16
+tensor cores at fp32-level accuracy instead of PEFT's fp32 casts and fp32 SIMT GEMMs: each fp32
+operand t is split into two bf16 parts, hi = bf16(t), lo = bf16(t − hi) (t = hi + lo to ≈ 2⁻¹⁶
+relative), x and dy are exactly bf16 already, and each product is one bf16 GEMM with fp32
+accumulation over the parts concatenated along K or N (R: the adapters' summed rank):
+
+    h   = x·[A_hi; A_lo]ᵀ                 (T × 2R fp32, halves summed)
+    y  += [h_hi | h_lo | h_hi]·[B_hi | B_hi | B_lo]ᵀ    (in place on y's bf16 columns, K = 3r; s in h)
+    dB  = gᵀ·[h_hi | h_lo],  dh = s·g·[B_hi | B_lo]   (g: y's bf16 gradient columns; halves summed)
+    dA  = [dh_hi | dh_lo]ᵀ·x,  dx += [dh_hi | dh_lo | dh_hi]·[A_hi; A_hi; A_lo]   (after the base dx)
+
+so no [tokens × out_features] fp32 tensor is made (PEFT's dtypes moved ≈ 5.6× the bytes on
+llama8b's shapes: docs/performance/NOTES-lora.md). The split and the dropped lo·lo terms are
+≈ 2⁻¹⁶ relative per product (measured on exact bf16 inputs: adapter gradients within ≈ 2⁻¹⁸ of their
+largest value, PEFT's fp32 ones ≈ 2⁻²²), far below the bf16 roundings of y, dy and x that make PEFT's
+own error in a bf16 model: there the repository's rule (max|fused − ref64| ≤ 2·max|peft − ref64| +
+atol) holds for the loss, the output and every gradient; the rounding is no longer PEFT's bit for bit.
+``_SPLIT_BF16 = False`` runs PEFT's dtypes literally instead (fp32 copies of y's columns, of dy, of
+x). fp16 keeps PEFT's dtypes: fp16's range would underflow the lo parts of small gradients.
 
 A LoRA layer this cannot reproduce (a DoRA or other variant, merged weights, a LoRA bias, hooks,
 an in-place dropout) makes the caller run each projection as itself, counted in
@@ -34,10 +52,13 @@ from torch import Tensor, nn
 
 from torchfuser.modules import fallbacks, fp8
 from torchfuser.modules.base import hooked
-from torchfuser.modules.projections import _cast_cat, _column_sums, _mm
+from torchfuser.modules.projections import _cast_cat, _column_sums, _mm, _out_dtype_ok
 from torchfuser.ops._call import autocast_enabled, plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)
+# bf16 base, fp32 adapters, no autocast: the adapter products as bf16 hi/lo GEMMs (module docstring);
+# False: PEFT's fp32 products literally (benchmarks/probes/lora_node_probe.py times both).
+_SPLIT_BF16 = True
 
 
 def _lora_linear_type():
@@ -112,6 +133,7 @@ class _Plan:
     base_dtype: torch.dtype
     lora_dtype: torch.dtype
     fp8: tuple | None = None  # (recipe, the bases' quantised-weight cache): the base products as FP8 GEMMs
+    hilo: bool = False  # bf16 base, fp32 adapters: the adapter products as bf16 hi/lo GEMMs (module docstring)
 
     def split(self, items):
         """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
@@ -182,8 +204,10 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
     bases = [b for b, _ in parts]
     recipe = fp8.usable(x, bases, owner)
     eight = None if recipe is None else (recipe, fp8.weights_cache(owner, bases))
+    hilo = _SPLIT_BF16 and bool(terms) and base_dtype == torch.bfloat16 and lora_dtype == torch.float32
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
-                 tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype, eight)
+                 tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype,
+                 eight, hilo)
     biases = [b.bias for b in bases] if plan.has_bias else []
     return _LoRALinear.apply(plan, x, *inputs, *(b.weight for b in bases), *biases,
                              *(t[1] for t in terms), *(t[2] for t in terms))
@@ -234,19 +258,28 @@ class _LoRALinear(torch.autograd.Function):
             plain = [k for k, t in enumerate(plan.term_input) if t == 0]
             hs = [None] * len(As)
             if plain:  # the A's of every adapter without a live dropout: one GEMM on x
-                h0 = torch.mm(x2.to(cl), torch.cat([a[k] for k in plain]).t())
+                a0 = torch.cat([a[k] for k in plain])
+                if plan.hilo:  # x·A_hiᵀ + x·A_loᵀ as one bf16 GEMM, fp32 out
+                    h0 = _halves(_mm_fp32(x2, _hilo(a0, "hl", 0, cb).t()), 1)
+                else:
+                    h0 = torch.mm(x2.to(cl), a0.t())
                 for k, h in zip(plain, h0.split([a[k].shape[0] for k in plain], dim=1)):
                     hs[k] = h
             for k, t in enumerate(plan.term_input):
-                if t:
+                if t:  # PEFT's fp32 dropped input: an fp32 GEMM ([T × d], not [T × out])
                     xd = inputs[t - 1].reshape(-1, x2.shape[-1]).to(cl)
                     hs[k] = torch.mm(xd, a[k].t())
-            _add_terms(y2, plan, hs, bb)
+            if plan.hilo:
+                hs = _add_split_terms(y2, plan, hs, bb)  # saved: s·h as [hi | lo | hi] (bf16), not h
+            else:
+                _add_terms(y2, plan, hs, bb)
         # The saved base weights: the cast/concatenation where autocast made one (as autocast saves
         # its cast), else the parameters themselves, concatenated again in the backward (no copy kept).
         cast = w.dtype != weights[0].dtype
         # x (as cast) only where a gradient reads it: a base weight's, or an A's on x itself.
         wants_x = any(plan.split(ctx.needs_input_grad[2:])[1]) or bool(plain)
+        # a, bb: the parameters themselves where no cast was made (fp32 adapters); the split path makes
+        # its bf16 parts of A and B again in the backward (small GEMM operands, not kept between).
         ctx.save_for_backward(xb if wants_x else None, *inputs, *(weights if not cast else [w]), *a, *bb, *hs)
         ctx.plan, ctx.cast, ctx.x_dtype = plan, cast, x.dtype
         ctx.dtypes = [t.dtype for t in (*weights, *biases, *As, *Bs)]
@@ -255,7 +288,7 @@ class _LoRALinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         plan = ctx.plan
-        n, k, cl = len(plan.rows), len(plan.term_proj), plan.lora_dtype
+        n, k, cb, cl = len(plan.rows), len(plan.term_proj), plan.base_dtype, plan.lora_dtype
         saved = list(ctx.saved_tensors)
         xb, inputs = saved[0], saved[1:1 + plan.n_inputs]
         rest = saved[1 + plan.n_inputs:]
@@ -264,32 +297,52 @@ class _LoRALinear(torch.autograd.Function):
         need_x = ctx.needs_input_grad[1]
         need_in, need_w, need_b, need_a, need_bb = plan.split(ctx.needs_input_grad[2:])
         _, w_dtypes, b_dtypes, a_dtypes, bb_dtypes = plan.split([None] * plan.n_inputs + ctx.dtypes)
+        plain = [j for j, t in enumerate(plan.term_input) if t == 0]
+        plain_dh = need_x or any(need_a[j] for j in plain)
         with torch._C._DisableAutocast():
             x2 = None if xb is None else xb.reshape(-1, xb.shape[-1])
             dy2 = dy.reshape(-1, dy.shape[-1])
             cols = dy2.split(list(plan.rows), dim=1)
             d_a, d_bb, d_in = [None] * k, [None] * k, [None] * plan.n_inputs
             dh = [None] * k
-            for j, (i, s) in enumerate(zip(plan.term_proj, plan.scaling)):
+            for j, (i, s, t) in enumerate(zip(plan.term_proj, plan.scaling, plan.term_input)):
+                want_dh = plain_dh if t == 0 else need_a[j] or need_in[t - 1]
+                if plan.hilo:  # g stays bf16: gᵀ·[h_hi | h_lo] and g·[B_hi | B_lo], fp32 out (s is in h)
+                    g, r = cols[i], bb[j].shape[1]
+                    if need_bb[j]:
+                        d_bb[j] = _halves(_mm_fp32(g.t(), hs[j][:, :2 * r]), 1).to(bb_dtypes[j])
+                    if want_dh:
+                        dh[j] = _halves(_mm_fp32(g, _hilo(bb[j], "hl", 1, cb)), 1).mul_(s)
+                    continue
                 g = cols[i].to(cl)
                 if need_bb[j]:
                     d_bb[j] = _mm(g.t(), hs[j], bb_dtypes[j]).mul_(s)
-                dh[j] = torch.mm(g, bb[j]).mul_(s)
+                if want_dh:
+                    dh[j] = torch.mm(g, bb[j]).mul_(s)
             dx = None
             if need_x and ctx.fp8_bwd is not None:
                 dx = fp8.mm(fp8.quantize(dy2, plan.fp8[0]), ctx.fp8_bwd, ctx.x_dtype)
             elif need_x:
                 w = weights[0] if len(weights) == 1 else torch.cat(weights)
                 dx = _mm(dy2, w, ctx.x_dtype)
-            plain = [j for j, t in enumerate(plan.term_input) if t == 0]
-            if plain and (need_x or any(need_a[j] for j in plain)):
+            if plain and plain_dh:
                 dh0 = torch.cat([dh[j] for j in plain], dim=1)
-                if any(need_a[j] for j in plain):
-                    da = _mm(dh0.t(), x2.to(cl), a_dtypes[plain[0]]).split([a[j].shape[0] for j in plain])
-                    for j, g in zip(plain, da):
-                        d_a[j] = g if need_a[j] else None
-                if need_x:
-                    dx += _mm(dh0, torch.cat([a[j] for j in plain]), ctx.x_dtype)
+                rows = [a[j].shape[0] for j in plain]
+                if plan.hilo:  # dh = dh_hi + dh_lo: dA from one bf16 GEMM on x, dx += in one addmm (K = 3R)
+                    d3 = _hilo(dh0, "hlh", 1, cb)
+                    if any(need_a[j] for j in plain):
+                        da = _halves(_mm_fp32(d3[:, :2 * dh0.shape[1]].t(), x2), 0).split(rows)
+                        for j, g in zip(plain, da):
+                            d_a[j] = g.to(a_dtypes[j]) if need_a[j] else None
+                    if need_x:
+                        _addmm_bf16_(dx, d3, _hilo(torch.cat([a[j] for j in plain]), "hhl", 0, cb))
+                else:
+                    if any(need_a[j] for j in plain):
+                        da = _mm(dh0.t(), x2.to(cl), a_dtypes[plain[0]]).split(rows)
+                        for j, g in zip(plain, da):
+                            d_a[j] = g if need_a[j] else None
+                    if need_x:
+                        dx += _mm(dh0, torch.cat([a[j] for j in plain]), ctx.x_dtype)
             for j, t in enumerate(plan.term_input):
                 if t:
                     xd = inputs[t - 1]
@@ -310,8 +363,8 @@ class _LoRALinear(torch.autograd.Function):
 
 def _add_terms(y2: Tensor, plan: _Plan, hs, bb) -> None:
     """y_i += s·h·Bᵀ per term, in place on y's columns. Where the LoRA dtype differs from the base's
-    (fp32 adapters, bf16 base, no autocast) PEFT sums in the promoted dtype and rounds once to the
-    base's: the same here, per projection."""
+    (fp32 adapters on a fp16 base, or ``_SPLIT_BF16`` off) PEFT sums in the promoted dtype and rounds
+    once to the base's: the same here, per projection."""
     starts = [sum(plan.rows[:i]) for i in range(len(plan.rows))]
     if plan.lora_dtype == plan.base_dtype:
         for i, s, h, b in zip(plan.term_proj, plan.scaling, hs, bb):
@@ -324,3 +377,65 @@ def _add_terms(y2: Tensor, plan: _Plan, hs, bb) -> None:
         for j in (j for j, p in enumerate(plan.term_proj) if p == i):
             acc = acc + torch.mm(hs[j], bb[j].t()).mul_(plan.scaling[j]).to(wide)
         cols.copy_(acc)
+
+
+def _add_split_terms(y2: Tensor, plan: _Plan, hs, bb) -> list[Tensor]:
+    """y_i += Σ s·h·Bᵀ in place on y's bf16 columns, one addmm per projection over every term's
+    [h_hi | h_lo | h_hi]·[B_hi | B_hi | B_lo]ᵀ (s·h split, so one alpha serves terms of different
+    scalings): y read and written once, the product's fp32 accumulator added before the one rounding
+    (PEFT's: the fp32 sum rounded once). Returns each term's split s·h, what dB reads."""
+    cb = plan.base_dtype
+    h3 = [_hilo(h if s == 1 else h * s, "hlh", 1, cb) for h, s in zip(hs, plan.scaling)]
+    start = 0
+    for i, rows in enumerate(plan.rows):
+        js = [j for j, p in enumerate(plan.term_proj) if p == i]
+        if js:
+            left = torch.cat([h3[j] for j in js], 1) if len(js) > 1 else h3[js[0]]
+            right = [_hilo(bb[j], "hhl", 1, cb) for j in js]
+            right = torch.cat(right, 1) if len(js) > 1 else right[0]
+            _addmm_bf16_(y2[:, start:start + rows], left, right.t())
+        start += rows
+    return h3
+
+
+def _hilo(t: Tensor, parts: str, dim: int, dtype: torch.dtype) -> Tensor:
+    """fp32 ``t`` as two bf16 parts, hi = bf16(t) and lo = bf16(t − hi), concatenated along ``dim`` in
+    the order ``parts`` names them ("hl", "hlh", "hhl"), each written in place into the result (no
+    temporaries). t − hi is exact in fp32 (hi is t rounded), so |t − hi − lo| ≤ 2⁻¹⁶·|t|; bf16 has
+    fp32's exponent range, so neither part overflows or underflows where t does not (fp16's would: why
+    fp16 bases keep PEFT's fp32 products)."""
+    shape = list(t.shape)
+    shape[dim] *= len(parts)
+    out = t.new_empty(shape, dtype=dtype)
+    chunks = out.chunk(len(parts), dim)
+    hi = chunks[parts.index("h")]
+    hi.copy_(t)
+    torch.sub(t, hi, out=chunks[parts.index("l")])  # in fp32, rounded once to bf16 on the write
+    for p, c in zip(parts, chunks):
+        if p == "h" and c is not hi:
+            c.copy_(hi)
+    return out
+
+
+def _halves(t: Tensor, dim: int) -> Tensor:
+    """The sum of t's two halves along ``dim`` (a product of the hi part plus that of the lo part), fp32."""
+    first, second = t.chunk(2, dim)
+    return first + second
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a·b of bf16 operands with fp32 accumulation, written in fp32: cuBLAS's ``out_dtype`` GEMM where
+    there is one (CUDA); elsewhere (the CPU has no such overload) the same math as fp32 operands: the
+    products of bf16 values are exact in fp32 either way, so the CPU tests check the GPU's algorithm."""
+    if _out_dtype_ok(a.device):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _addmm_bf16_(y: Tensor, a: Tensor, b: Tensor) -> None:
+    """y += a·b in place, all bf16: cuBLAS adds y to the fp32 accumulator and rounds once; elsewhere
+    the same math spelled in fp32 (a CPU bf16 addmm may round the product before adding)."""
+    if _out_dtype_ok(a.device):
+        y.addmm_(a, b)
+    else:
+        y.copy_(torch.addmm(y.float(), a.float(), b.float()))
