@@ -9,7 +9,8 @@ from torchfuser import ops
 from torchfuser.backends import resolve
 from torchfuser.ops._call import autocast_enabled
 
-__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy"]
+__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy", "moe_route",
+           "moe_experts"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -202,3 +203,81 @@ def linear_cross_entropy(
     y = labels.reshape(-1).long()
     softcap = None if softcap is None else float(softcap)
     return ops.linear_cross_entropy(h, weight, bias, y, int(ignore_index), softcap, reduction, resolve(backend, device))
+
+
+_SCORINGS = ("softmax", "sigmoid", "softmax_topk")
+_MOE_ACTS = ("silu", "gelu_tanh", "clamped_swiglu")
+_HALVES = ("gate_up", "up_gate", "interleaved")
+
+
+def moe_route(
+    logits: Tensor, top_k: int, *, scoring: str = "softmax", renorm: bool = False, scale: float = 1.0,
+    correction: Tensor | None = None, n_group: int = 1, topk_group: int = 1, group_top: int = 2,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A router's top-k: logits (T, E) → (weights (T, k) fp32, indices (T, k) int64). ``scoring``:
+    softmax or sigmoid scores, of which the k best are chosen (after adding ``correction`` and
+    keeping the ``topk_group`` best of ``n_group`` groups, as DeepSeek-V3), or ``softmax_topk``,
+    the softmax of the k largest logits (GPT-OSS). Then renormalised to sum 1 and scaled. Only the
+    weights are differentiable (w.r.t. logits). Formulas: backends/reference/moe.py."""
+    op = "moe_route"
+    _check_float("logits", logits, op)
+    if logits.dim() != 2:
+        raise ValueError(f"{op}: logits must be 2-D (tokens, experts), got shape {tuple(logits.shape)}")
+    e = logits.shape[1]
+    if scoring not in _SCORINGS:
+        raise ValueError(f"{op}: scoring must be one of {_SCORINGS}, got {scoring!r}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"{op}: top_k must be in 1..{e} (the number of experts), got {top_k}")
+    if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group or (n_group > 1 and not 1 <= group_top <= e // n_group):
+        raise ValueError(f"{op}: {e} experts do not split into n_group={n_group} groups with topk_group={topk_group}, "
+                         f"group_top={group_top}")
+    _check_vector(op, "correction", correction, e)
+    device = _check_same_device(op, logits=logits, correction=correction)
+    return ops.moe_route(logits, correction, int(top_k), scoring, bool(renorm), int(n_group), int(topk_group),
+                         int(group_top), float(scale), backend_for(backend, device))
+
+
+def moe_experts(
+    x: Tensor, weights: Tensor, indices: Tensor, gate_up: Tensor, down: Tensor, *, gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None, transposed: bool = False, halves: str = "gate_up", activation: str = "silu",
+    alpha: float = 1.0, limit: float = 0.0, out_dtype: torch.dtype | None = None, backend: str | None = None,
+) -> Tensor:
+    """Routed gated experts: y[t] = Σ_j weights[t, j] · expert_{indices[t, j]}(x[t]) with expert_e(x) =
+    (act(x·gate_up[e]ᵀ + b) · down[e]ᵀ + d). x (T, H); gate_up (E, 2I, H) and down (E, H, I), or
+    (E, H, 2I) and (E, I, H) with ``transposed``; biases (E, 2I) and (E, H). ``halves`` orders gate
+    and up in gate_up's output; ``activation`` silu, gelu_tanh or clamped_swiglu (GPT-OSS, with
+    ``alpha`` and ``limit``). The products run in x's dtype (the weights must have it); y has
+    ``out_dtype`` (default x's), summed over the k experts in fp32."""
+    op = "moe_experts"
+    for name, t in (("x", x), ("weights", weights), ("gate_up", gate_up), ("down", down)):
+        _check_float(name, t, op)
+    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"{op}: x must be 2-D and gate_up, down 3-D, got {tuple(x.shape)}, {tuple(gate_up.shape)}, "
+                         f"{tuple(down.shape)}")
+    e, h = gate_up.shape[0], x.shape[1]
+    two_i = gate_up.shape[2] if transposed else gate_up.shape[1]
+    want_gu = (e, h, two_i) if transposed else (e, two_i, h)
+    want_dn = (e, two_i // 2, h) if transposed else (e, h, two_i // 2)
+    if tuple(gate_up.shape) != want_gu or tuple(down.shape) != want_dn or two_i % 2:
+        raise ValueError(f"{op}: for x of width {h}, gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not "
+                         f"fit (transposed={transposed})")
+    if indices.dtype != torch.int64 or indices.dim() != 2 or indices.shape[0] != x.shape[0] or weights.shape != indices.shape:
+        raise ValueError(f"{op}: indices must be int64 (tokens, k) and weights the same shape, got {indices.dtype} "
+                         f"{tuple(indices.shape)} and {tuple(weights.shape)} for {x.shape[0]} tokens")
+    for name, b, n in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, h)):
+        if b is not None and tuple(b.shape) != (e, n):
+            raise ValueError(f"{op}: {name} must have shape ({e}, {n}), got {tuple(b.shape)}")
+    if len({t.dtype for t in (x, gate_up, down, gate_up_bias, down_bias) if t is not None}) > 1:
+        raise TypeError(f"{op}: x, gate_up, down and the biases must share one dtype")
+    if halves not in _HALVES or activation not in _MOE_ACTS:
+        raise ValueError(f"{op}: halves must be one of {_HALVES} and activation one of {_MOE_ACTS}")
+    device = _check_same_device(op, x=x, weights=weights, indices=indices, gate_up=gate_up, down=down,
+                                gate_up_bias=gate_up_bias, down_bias=down_bias)
+    return ops.moe_experts(x, weights, indices, gate_up, gate_up_bias, down, down_bias, bool(transposed), halves,
+                           activation, alpha, limit, out_dtype, backend_for(backend, device))
+
+
+def moe_grouped_gemms(x: Tensor, *weights: Tensor) -> bool:
+    """Whether ``moe_experts`` runs its products as grouped GEMMs for these operands (else a loop over experts)."""
+    return ops.moe.grouped_gemms(x, *weights)

@@ -50,6 +50,17 @@ def _backend_label(backend: str, device: torch.device) -> str:
     return chosen
 
 
+def _fused_label(fused: nn.Module, label: str) -> str:
+    """The report's backend column for ``fused``: the backend, with the reference backend named where the
+    block's ops have no kernels in the one chosen (``kernels_in``), and what the block computes (``describe``)."""
+    kernels_in = getattr(type(fused), "kernels_in", None)
+    chosen = label.split(" ", 1)[0]
+    if kernels_in is not None and chosen not in kernels_in and chosen in backends.BACKENDS:
+        label = f"reference (no {type(fused).__name__} kernels in {chosen} yet)"
+    describe = getattr(type(fused), "describe", None)
+    return describe(fused, label) if callable(describe) else label
+
+
 def _not_plain(params) -> str | None:
     """Why fused kernels cannot take these parameters, or None when they are plain tensors."""
     for name, p in params:
@@ -144,7 +155,7 @@ def _swap(model: nn.Module, found, backend: str) -> dict:
                 continue
             applied = pattern.apply(model, name, module, result, backend)
             done.append(applied)
-            label = _backend_label(backend, _device(module))
+            label = _fused_label(model.get_submodule(name), _backend_label(backend, _device(module)))
             entries[name] = Entry(name, pattern.name, original, fused=applied.fused_type, backend=label), applied
     except BaseException:
         for applied in reversed(done):
@@ -162,7 +173,8 @@ def _set_backend(model: nn.Module, st: _State, backend: str) -> None:
             f.backend = None if backend == "auto" else backend
     for e in st.report.fused:
         if e.backend is not None:
-            st.report.add(dataclasses.replace(e, backend=_backend_label(backend, _device(model.get_submodule(e.name)))))
+            block = model.get_submodule(e.name)
+            st.report.add(dataclasses.replace(e, backend=_fused_label(block, _backend_label(backend, _device(block)))))
     st.backend = backend
 
 

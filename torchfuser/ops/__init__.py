@@ -7,10 +7,11 @@ contiguous outputs with exactly the shapes and dtypes the fake implementations g
 from .gated import gelu, geglu, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
+from .moe import moe_experts, moe_route
 from .rms_norm import add_rms_norm, rms_norm, rms_norm_opening_residual
 from .rope import rope
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed",
-    "geglu_packed", "gelu", "rope", "linear_cross_entropy",
+    "geglu_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",
 ]
