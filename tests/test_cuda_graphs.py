@@ -288,6 +288,27 @@ def test_packed_rows_run_eagerly_with_the_reason():
 
 
 @cuda
+def test_frozen_embeddings_as_under_lora():
+    """LoRA trains a few weights and freezes the embeddings: layer 0's hidden state needs no grad while
+    every later layer's does, so each layer's graphs are captured with its own."""
+    plain, graphed = _pair()
+    for m in (plain, graphed):
+        for n, p in m.named_parameters():
+            p.requires_grad_("q_proj" in n or "down_proj" in n)
+    gen = torch.Generator().manual_seed(6)
+    for step in range(3):
+        batch = _batch(24, gen, padded_rows=False)
+        (la, ga), (lb, gb) = _masked_step(plain, batch), _masked_step(graphed, batch)
+        torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-5)
+        _close_to(ga, gb, f"step {step}", rtol=1e-4, atol=1e-5)
+        assert len(ga) == 2 * 3
+    stack = _stack(graphed)
+    assert stack.replays == 3 * 3 and not stack.eager
+    (bucket,) = stack.sets.values()
+    assert [g.inputs[0].requires_grad for g in bucket.graphs] == [False, True, True]
+
+
+@cuda
 def test_calls_a_graph_cannot_serve_run_eagerly_with_reasons():
     plain, graphed = _pair()
     ids = torch.randint(0, VOCAB, (2, 16)).cuda()

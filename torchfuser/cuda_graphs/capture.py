@@ -105,7 +105,22 @@ def _chains(prev: LayerGraphs | None, tensors) -> bool:
     if prev is None or not tensors:
         return False
     o, t = prev.outputs[0], tensors[0]
-    return (o.shape, o.stride(), o.dtype, o.requires_grad) == (t.shape, t.stride(), t.dtype, t.requires_grad)
+    return (o.shape, o.stride(), o.dtype) == (t.shape, t.stride(), t.dtype)
+
+
+def _hidden_sample(tensors, wants_grad: bool) -> list[Tensor]:
+    """Static copies of a call's tensors, the hidden state requiring grad as this layer's will: layer 0's
+    as the caller's (frozen embeddings under LoRA give one that does not), a later layer's as the
+    previous layer's output does."""
+    sample = [_static_copy(t) for t in tensors]
+    if sample:
+        sample[0].requires_grad_(wants_grad)
+    return sample
+
+
+def _first_out(out) -> Tensor | None:
+    leaves = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor)]
+    return leaves[0] if leaves else None
 
 
 def capture(layers, forwards, params, layout, tensors, chain: bool = True, pool=None) -> list[LayerGraphs]:
@@ -141,11 +156,15 @@ def _warm_up(layers, params, tensors, call) -> None:
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    wants_grad = bool(tensors) and tensors[0].requires_grad
     with torch.cuda.stream(side), _syncs_raise():
         for i in range(len(layers)):
-            sample = [_static_copy(t) for t in tensors]
+            sample = _hidden_sample(tensors, wants_grad)
             with _stand_ins(layers[i], params[i]) as stand:
-                outs = [o for o in pytree.tree_leaves(call(i, sample)) if isinstance(o, Tensor) and o.requires_grad]
+                out = call(i, sample)
+                first = _first_out(out)
+                wants_grad = first is not None and first.requires_grad
+                outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
             wrt = [t for t in (*sample, *stand) if t.requires_grad]
             if outs and wrt:
                 torch.autograd.grad(outs, wrt, [torch.randn_like(o) for o in outs], allow_unused=True)
@@ -160,9 +179,10 @@ def _capture_forwards(layers, params, tensors, call, pool, chain: bool) -> list[
         # copy must never overwrite a tensor still in use.
         prev = graphs[-1] if graphs else None
         chained = chain and _chains(prev, tensors)
-        inputs = [_static_copy(t) for t in tensors]
+        wants_grad = prev.outputs[0].requires_grad if prev is not None else bool(tensors) and tensors[0].requires_grad
+        inputs = _hidden_sample(tensors, wants_grad)
         if chained:  # a new leaf over the buffer, so that each capture's autograd graph ends at its inputs
-            inputs[0] = prev.outputs[0].detach().requires_grad_(inputs[0].requires_grad)
+            inputs[0] = prev.outputs[0].detach().requires_grad_(wants_grad)
         fwd = torch.cuda.CUDAGraph()
         with _stand_ins(layers[i], params[i]) as stand, torch.cuda.graph(fwd, pool=pool):
             out = call(i, inputs)

@@ -185,17 +185,24 @@ class Stack:
     def _ready(self, index, layout, tensors, params, pad: Padding):
         """(None, the bucket) when layer ``index`` can replay this call (capturing first if needed),
         else (why not, None)."""
-        meta = tuple((pad.shape(t, r), t.dtype, t.device, t.requires_grad) for t, r in zip(tensors, pad.rules))
+        # The hidden state's requires_grad is no part of the key: layer 0's may differ from the others'
+        # (frozen embeddings), and each layer's graphs were captured with its own (checked below).
+        meta = tuple((pad.shape(t, r), t.dtype, t.device, t.requires_grad and i > 0)
+                     for i, (t, r) in enumerate(zip(tensors, pad.rules)))
         key = (layout, meta, autocast_key(), self.layers[index].training, self.chain)
         bucket = self.sets.get(key)
-        if bucket is not None and bucket.graphs[index].param_key != param_key(params):
-            self._retire()  # the parameters' storage changed (moved, reloaded): every set is stale
+        stale = bucket is not None and (bucket.graphs[index].param_key != param_key(params)
+                                        or index == 0 and bucket.graphs[0].inputs[0].requires_grad != tensors[0].requires_grad)
+        if stale:
+            self._retire()  # the parameters' storage changed (moved, reloaded), or the embeddings' training
             bucket = None
         if bucket is None:
             why, bucket = self._capture(key, layout, tensors, pad)
             if why is not None:
                 return why, None
         g = bucket.graphs[index]
+        if g.inputs[0].requires_grad != tensors[0].requires_grad:
+            return "the hidden state requires grad where the capture's did not, or the other way round", None
         if g.pending():
             return "an earlier forward of this layer still waits for its backward", None
         if g.chained and tensors[0].data_ptr() != g.inputs[0].data_ptr():
