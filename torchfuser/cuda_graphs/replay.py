@@ -291,7 +291,9 @@ class Stack:
         why = self._make_room(length)
         if why is not None:
             return why, None
-        if self.pool is None:
+        if not self.sets or self.pool is None:
+            # A pool lives while a graph captured into it does: once every set is gone, capture into a new one
+            # (capturing into a pool whose graphs were all destroyed trips the caching allocator's asserts).
             self.pool = torch.cuda.graph_pool_handle()
         sample = pad.sample(tensors) if pad.l else tensors
         start, held = time.perf_counter(), torch.cuda.memory_allocated()
