@@ -35,6 +35,7 @@ CASES = {
     "gpt_oss": ("gpt_oss", {}),  # router bias, softmax of the top-k logits, clamped SwiGLU, biases, transposed
     "granitemoe": ("granitemoe", {}),  # softmax of the top-k logits; its block reshapes by input_size
     "ernie4_5_moe": ("ernie4_5_moe", {"moe_layer_start_index": 0}),  # correction in a child of the router
+    "minimax_m2": ("minimax_m2", {}),  # the block's own correction, passed to its router
 }
 
 
@@ -262,6 +263,40 @@ def test_moe_experts_op_against_float64(dtype, h, transposed, bias):
     same = run(lambda *a: _naive(a[0], a[1], idx, *a[2:], *args), dtype)
     for name, f, s, r in zip(["y", "dx", "dw", "dgate_up", "dgate_up_bias", "ddown", "ddown_bias"], fused, same, ref64):
         assert_within_rule(f, s, r, ATOL[dtype] * (r.abs().max().item() + 1), name)
+
+
+@pytest.mark.parametrize("order", ["optimize_first", "peft_first"])
+def test_peft_adapters_on_the_experts_run_as_the_models_own_code(order):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=[], init_lora_weights=False,
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    base = _model("qwen3_moe")
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+    if order == "optimize_first":
+        model = peft.get_peft_model(torchfuser.optimize(copy.deepcopy(base), backend="reference"), copy.deepcopy(config))
+    else:
+        model = torchfuser.optimize(peft.get_peft_model(copy.deepcopy(base), copy.deepcopy(config)), backend="reference")
+    model.load_state_dict(ref.state_dict())
+    ids = _ids()
+    _close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss, "loss")
+    rep = torchfuser.report(model)
+    moe = [e for e in rep.entries if e.pattern == "moe"]
+    if order == "optimize_first":  # fused, and every call handed to the original forward (counted)
+        assert all(e.is_fused for e in moe) and all("replaced after fusing" in next(iter(rep.fallbacks[e.name]))
+                                                    for e in moe)
+    else:
+        assert moe and all(not e.is_fused and "PEFT adapters on its experts' weights" in e.reason for e in moe)
+
+
+def test_meta_device_shapes_propagate():
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_config("qwen2_moe"))
+    torchfuser.optimize(model)
+    ids = _ids().to("meta")
+    out = model(input_ids=ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    assert out.loss.device.type == "meta" and model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
 
 
 def test_report_names_the_backend_that_runs():

@@ -44,6 +44,8 @@ class MoESpec:
     group_top: int = 2  # a group's score: the sum of its group_top best expert scores
     router_fp32: bool = False  # logits from fp32 copies of the input and weight (autocast off)
     logits_at: int | None = 0  # where the router module's output holds the logits (None: it is them)
+    router_args: tuple[str, ...] = ()  # tensors of the block's own it passes the router after the hidden states
+    router_flat: bool = True  # the router is called on (tokens, hidden), else on the block's input as it came
     gate_up_bias: str | None = None
     down_bias: str | None = None
     transposed: bool = False
@@ -52,6 +54,7 @@ class MoESpec:
     limit: float = 0.0
     shared: str | None = None  # child added to the routed output (a shared expert)
     shared_gate: str | None = None  # an H → 1 Linear: the shared expert is scaled by its sigmoid
+    shared_flat: bool = True  # the shared expert is called on (tokens, hidden), else on the block's input
     returns: tuple[str, ...] = ("hidden",)  # the output, or a tuple of it and "weights" / "logits"
     jitter: str | None = None  # a float attribute: router input jitter in training (then unfused)
     keep: tuple[str, ...] = ()  # every other child and tensor of the block, held for state and repr
@@ -99,11 +102,11 @@ class FusedMoE(FusedModule):
             return "router jitter noise on in training (the fused path has none)"
         return None
 
-    def _logits(self, x: Tensor) -> Tensor:
+    def _logits(self, x: Tensor, hidden_states: Tensor) -> Tensor:
         s = self.spec
         router = getattr(self, s.router)
         if hooked(*router.modules()) or any("forward" in m.__dict__ for m in router.modules()):
-            out = router(x)
+            out = router(x if s.router_flat else hidden_states, *(getattr(self, n) for n in s.router_args))
             return out if s.logits_at is None else out[s.logits_at]
         weight, bias = _path(self, s.router_weight), _path(self, s.router_bias)
         if s.router_fp32:
@@ -120,7 +123,7 @@ class FusedMoE(FusedModule):
             return type(self._original).forward(self, hidden_states, *args, **kwargs)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        logits = self._logits(x)
+        logits = self._logits(x, hidden_states)
         correction = _path(self, s.correction)
         weights, indices = F.moe_route(logits, s.top_k, scoring=s.scoring, renorm=s.renorm, scale=s.scale,
                                        correction=None if correction is None else correction.reshape(-1),
@@ -128,7 +131,7 @@ class FusedMoE(FusedModule):
                                        topk_group=s.topk_group, group_top=s.group_top, backend=self.backend)
         y = self._experts(x, weights, indices)
         if s.shared is not None:
-            shared = getattr(self, s.shared)(x)
+            shared = getattr(self, s.shared)(x if s.shared_flat else hidden_states).reshape(x.shape)
             if s.shared_gate is not None:
                 shared = torch.sigmoid(getattr(self, s.shared_gate)(x)) * shared
             y = y + shared
@@ -146,10 +149,12 @@ class FusedMoE(FusedModule):
         device = x.device.type
         # As F.linear under autocast: products in the autocast dtype. Otherwise, as transformers'
         # grouped experts do, the input in the weights' dtype. The output has the input's dtype.
-        dtype = torch.get_autocast_dtype(device) if autocast_enabled(device) else tensors[0].dtype
+        cast = autocast_enabled(device) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)  # not fp64
+        dtype = torch.get_autocast_dtype(device) if cast else tensors[0].dtype
         gate_up, gate_up_bias, down, down_bias = (t if t is None else t.to(dtype) for t in tensors)
         xc = x.to(dtype)
-        if not torch.compiler.is_compiling() and not F.moe_grouped_gemms(xc, gate_up, down):  # a count, not a branch
+        counted = not torch.compiler.is_compiling() and device != "meta"  # a count, not a branch
+        if counted and not F.moe_grouped_gemms(xc, gate_up, down):
             fallbacks.count(self, f"experts' products ran as a loop over the experts, not grouped GEMMs "
                                   f"({str(dtype).removeprefix('torch.')} on {device}, or widths not 16-byte aligned)")
         return F.moe_experts(xc, weights, indices, gate_up, down, gate_up_bias=gate_up_bias, down_bias=down_bias,

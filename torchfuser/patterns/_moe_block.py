@@ -27,11 +27,14 @@ def _all_close(a, b) -> bool:
 class BlockProbe:
     """``run()`` gives the MoESpec of the block, or a Skip saying which part differs."""
 
-    def __init__(self, block, ex_name, router_name, router_copy, rel, bias_name, corr_name, e, hidden, layouts, acts,
-                 gen):
+    def __init__(self, block, ex_name, router_name, router_copy, rel, bias_name, corr_name, own_corr, e, hidden,
+                 layouts, acts, gen):
         self.block, self.ex_name, self.router_name, self.rcopy = block, ex_name, router_name, router_copy
         self.weight_name, self.bias_name, self.corr_name = rel + "weight", bias_name, corr_name
+        self.own_corr = own_corr  # the block's own score correction, passed to its router (MiniMax-M2, AFMoE)
         self.e, self.hidden, self.layouts, self.acts, self.gen = e, hidden, layouts, acts, gen
+        if own_corr is not None:
+            self.own_value = _probe.randn(*getattr(block, own_corr).shape, gen=gen) * 0.5
 
     def _others(self):
         """(shared expert, its sigmoid gate) among the block's other children with tensors, or a Skip."""
@@ -45,14 +48,17 @@ class BlockProbe:
                         "are not one shared expert and its gate")
         return (shared[0] if shared else None), (gates[0] if gates else None)
 
-    def _copy(self, experts, dtype):
-        """The block's probe copy in ``dtype``: our router copy, ``experts``, stand-ins for the shared expert and gate."""
+    def _copy(self, experts, dtype, record_router=False):
+        """The block's probe copy in ``dtype``: our router copy (recording its calls), ``experts``, stand-ins for the
+        shared expert and gate."""
         probe = _probe.shallow_copy(self.block)
         rcopy = mp.tree_copy(self.rcopy)
         for _, owner, leaf, t in list(mp.named_tensors(rcopy)):
             if t.is_floating_point():
                 mp.set_tensor(owner, leaf, t.to(dtype))
-        probe._modules[self.router_name] = rcopy
+        probe._modules[self.router_name] = mp.Recorder(None, rcopy) if record_router else rcopy
+        if self.own_corr is not None:
+            mp.set_tensor(probe, self.own_corr, self.own_value.to(dtype))
         probe._modules[self.ex_name] = experts
         if self.shared is not None:
             probe._modules[self.shared] = mp.StandIn(self.mix_shared)
@@ -76,7 +82,7 @@ class BlockProbe:
         if self.gate is not None:
             self.small_gate = _probe.small_projection(self.block._modules[self.gate], mp.H_P, 1, gen)
         recorder = mp.Recorder(_probe.randn(mp.H_P, mp.H_P, gen=gen))
-        probe = self._copy(recorder, torch.float64)
+        probe = self._copy(recorder, torch.float64, record_router=True)
         x = _probe.randn(*mp._SHAPE, mp.H_P, gen=gen)
         try:
             with torch.no_grad():
@@ -93,7 +99,7 @@ class BlockProbe:
         steps = [lambda: self._router(probe, x2, idx, w),
                  lambda: mp.probe_experts(self.block._modules[self.ex_name], self.layouts, self.acts, self.e,
                                           idx.shape[1], order, self.hidden),
-                 lambda: self._composition(out, recorder, x2, w),
+                 lambda: self._composition(probe, out, recorder, x2, w),
                  lambda: self._training(probe, x, out)]
         found = []
         for step in steps:
@@ -101,29 +107,38 @@ class BlockProbe:
             if isinstance(got, Skip) or isinstance(got, tuple) and isinstance(got[0], Skip):
                 return got if isinstance(got, Skip) else got[0]
             found.append(got)
-        (route, logits_at, fp32), (experts_fields, experts_probe), (shared_gate, returns), jitter = found
+        (route, router), (experts_fields, experts_probe), shared, jitter = found
         names = experts_fields.pop("names")
+        shared_gate = shared["shared_gate"]
         prefix = self.router_name + "."
         keep = [n for n, m in self.block._modules.items() if m is not None
                 and n not in (self.ex_name, self.router_name, self.shared, shared_gate)]
+        keep += [self.own_corr] if self.own_corr is not None else []
         spec = MoESpec(num_experts=self.e, top_k=idx.shape[1], router=self.router_name,
                        router_weight=prefix + self.weight_name, experts=self.ex_name, gate_up=names["gate_up"],
                        down=names["down"], gate_up_bias=names.get("gate_up_bias"), down_bias=names.get("down_bias"),
-                       router_bias=prefix + self.bias_name if self.bias_name else None, router_fp32=fp32,
-                       logits_at=logits_at, shared=self.shared, shared_gate=shared_gate, returns=returns, jitter=jitter,
-                       keep=tuple(keep), **experts_fields, **route)
+                       router_bias=prefix + self.bias_name if self.bias_name else None, shared=self.shared,
+                       jitter=jitter, keep=tuple(keep), **router, **shared, **experts_fields, **route)
         return self._whole(spec, experts_probe, x)
 
     def _router(self, probe, x2, idx, w):
-        """(route fields incl. correction, logits_at, router_fp32) matching what the experts received."""
-        rcopy = probe._modules[self.router_name]
+        """(route fields incl. correction, how to call the router and read its logits) matching what the experts
+        received; the router is called again as the block called it."""
+        wrapper = probe._modules[self.router_name]
+        rcopy = wrapper.inner
+        calls = wrapper.calls
+        if len(calls) != 1 or calls[0][1] or not isinstance(calls[0][0][0], torch.Tensor):
+            return Skip("its forward does not call its router once, on the hidden states and tensors of its own")
+        first, *extra = calls[0][0]
+        own = {id(t): n for n, t in (*probe._parameters.items(), *probe._buffers.items()) if t is not None}
+        if any(id(a) not in own for a in extra) or first.reshape(-1, mp.H_P).shape != x2.shape or not torch.equal(
+                first.reshape(x2.shape), x2):
+            return Skip("its router is called on more than the block's input and tensors of its own")
+        call = (tuple(own[id(a)] for a in extra), first.dim() == 2)
         weight, bias = mp.tensor_at(rcopy, self.weight_name), mp.tensor_at(rcopy, self.bias_name)
         ref = nn.functional.linear(x2, weight, bias)
-        try:
-            with torch.no_grad():
-                raw = rcopy(x2)
-        except Exception as err:
-            return Skip(f"its router does not run on (tokens, hidden) alone ({type(err).__name__})")
+        with torch.no_grad():
+            raw = rcopy(first, *extra)
         outs = _outs(raw)
         at = next((i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.is_floating_point()
                    and _probe.close(o, ref)), None)
@@ -132,10 +147,10 @@ class BlockProbe:
         fp32 = outs[at].dtype == torch.float32
         logits = (nn.functional.linear(x2.float(), weight.float(), None if bias is None else bias.float())
                   if fp32 else ref)
-        corr = mp.tensor_at(rcopy, self.corr_name)
+        corr = mp.tensor_at(rcopy, self.corr_name) if self.own_corr is None else getattr(probe, self.own_corr)
         n_group = next((v for n, v in _ints(self.block, rcopy) if "group" in n and "topk" not in n and v > 1), 1)
         topk_group = next((v for n, v in _ints(self.block, rcopy) if "group" in n and "topk" in n), 1)
-        _, scale = mp.find_attr([rcopy, self.block], "scaling_factor", float)
+        _, scale = mp.find_attr([rcopy, self.block], "scal", float)  # routed_scaling_factor, route_scale
         for fields, use_corr in mp.route_candidates(n_group, topk_group, scale or 1.0, corr is not None):
             try:
                 ours = F.moe_route(logits, idx.shape[1], correction=corr.reshape(-1) if use_corr else None,
@@ -143,18 +158,26 @@ class BlockProbe:
             except ValueError:
                 continue
             if mp.same_routing(ours[1], ours[0], idx, w.to(ours[0].dtype)):
-                correction = self.router_name + "." + self.corr_name if use_corr else None
-                return {**fields, "correction": correction}, (at if isinstance(raw, tuple) else None), fp32
+                correction = (self.own_corr or f"{self.router_name}.{self.corr_name}") if use_corr else None
+                return {**fields, "correction": correction}, dict(
+                    logits_at=at if isinstance(raw, tuple) else None, router_fp32=fp32, router_args=call[0],
+                    router_flat=call[1])
         return Skip("its router's top-k is none of softmax, sigmoid (with the score correction and expert groups it "
                     "holds, renormalised or not, scaled or not) or a softmax of the top-k logits")
 
-    def _composition(self, out, recorder, x2, w):
-        """(shared gate or None, returns) with which the block's output is the experts' plus the shared expert's."""
+    def _composition(self, probe, out, recorder, x2, w):
+        """The shared gate (or None), what the block returns and how it calls the shared expert, with which its
+        output is the experts' plus the shared expert's."""
         outs = _outs(out)
         routed = x2 @ recorder.mix
+        flat = True
         if self.shared is None:
             candidates = [(None, routed)]
         else:
+            calls = probe._modules[self.shared].calls
+            if len(calls) != 1 or calls[0].numel() != x2.numel() or not torch.equal(calls[0].reshape(x2.shape), x2):
+                return Skip(f"its shared expert {self.shared!r} is not called once on the block's input")
+            flat = calls[0].dim() == 2
             s = mp.StandIn(self.mix_shared)(x2)
             candidates = [(None, routed + s)]
             if self.gate is not None:
@@ -172,7 +195,7 @@ class BlockProbe:
                 returns.append("weights")
             else:
                 return Skip("it returns more than the hidden states and the routing weights")
-        return match, tuple(returns)
+        return dict(shared_gate=match, returns=tuple(returns), shared_flat=flat)
 
     def _training(self, probe, x, out):
         """The float attribute that jitters the router's input in training (None), or a Skip if training differs."""

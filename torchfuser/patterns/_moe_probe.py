@@ -27,25 +27,30 @@ _SHAPE = (2, 8)  # probe tokens: batch × sequence
 
 
 class Recorder(nn.Module):
-    """Stands in for the experts: keeps its arguments, returns a fixed random function of the hidden states."""
+    """Keeps its arguments. Stands in for the experts (returns a fixed random function of the hidden
+    states), or wraps the router's probe copy ``inner`` (returns what it returns)."""
+
+    def __init__(self, mix: torch.Tensor | None, inner: nn.Module | None = None):
+        super().__init__()
+        self.mix, self.calls = mix, []
+        self.__dict__["inner"] = inner  # not a child: its tensors are not the recorder's
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return args[0] @ self.mix.to(args[0].dtype)
+
+
+class StandIn(nn.Module):
+    """Stands in for the shared expert: a fixed random per-token function of what it is given (kept in ``calls``)."""
 
     def __init__(self, mix: torch.Tensor):
         super().__init__()
         self.mix, self.calls = mix, []
 
-    def forward(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        return args[0] @ self.mix.to(args[0].dtype)
-
-
-class StandIn(nn.Module):
-    """Stands in for the shared expert: a fixed random per-token function of what it is given."""
-
-    def __init__(self, mix: torch.Tensor):
-        super().__init__()
-        self.mix = mix
-
     def forward(self, x):
+        self.calls.append(x)
         return torch.tanh(x @ self.mix.to(x.dtype))
 
 

@@ -119,12 +119,35 @@ def _acts(experts: nn.Module) -> list[dict]:
     return [{**a, "halves": h} for a in found for h in ("gate_up", "up_gate", "interleaved")]
 
 
+def _adapter(module: nn.Module) -> bool:
+    """A PEFT LoRA layer (a ``base_layer`` and adapters): PEFT's ParamWrapper wraps stacked experts."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "lora_A")
+
+
+def _wrapped_experts(module: nn.Module):
+    """(child name, E, widths) of a child that is PEFT adapters around stacked expert weights, else None."""
+    for name, child in module._modules.items():
+        inner = child
+        while inner is not None and _adapter(inner):
+            inner = inner.base_layer
+        shapes = _stacked(inner) if inner is not child else []
+        if len(shapes) >= 2:
+            return name, shapes[0][0], {d for sh in shapes for d in sh[1:]}
+    return None
+
+
 class MoEPattern(Pattern):
     name = "moe"
     description = "mixture-of-experts block (router top-k + stacked gated experts + shared expert) → fused MoE"
     fused = FusedMoE
 
     def match(self, module: nn.Module):
+        if _adapter(module):  # an adapter's base layer is no router, its lora_A no expert
+            return None
+        if (wrapped := _wrapped_experts(module)) and (router := _router(module, [wrapped[0]], *wrapped[1:])):
+            return Skip(f"mixture-of-experts block ({wrapped[1]} experts stacked in {wrapped[0]!r}, router {router!r}): "
+                        "PEFT adapters on its experts' weights (target_parameters); the fused MoE runs no adapters, so "
+                        "its experts run as the model's own code")
         found = _experts(module)
         if found is None or found[1] < 2:
             return None
@@ -153,8 +176,11 @@ def _stacked_block(module: nn.Module, holders: list[str], e: int, router_path: s
         return Skip(f"its router scores {weight.shape[0]} experts for {e} held (computation-free extra experts)")
     if more := further_inputs(module):
         return Skip(f"its forward takes more than the hidden states ({_reasons.quoted(more)})")
-    if any(t is not None for t in (*module._parameters.values(), *module._buffers.values())):
-        return Skip("tensors of its own besides its children's: the fused MoE would not compute with them")
+    own = {n: t for n, t in (*module._parameters.items(), *module._buffers.items()) if t is not None}
+    own_corr = [n for n, t in own.items() if t.is_floating_point() and t.numel() == e and t.dim() <= 2]
+    if len(own) > len(own_corr) or len(own_corr) > 1:  # one (E,) tensor may be a score correction (MiniMax-M2)
+        return Skip(f"tensors of its own besides its children's ({_reasons.quoted(own)}): the fused MoE would not "
+                    "compute with them")
     three = {n: p for n, p in experts._parameters.items() if p is not None and p.dim() == 3}
     two = {n: p for n, p in experts._parameters.items() if p is not None and p.dim() == 2}
     rest = [n for n, *_ in mp.named_tensors(experts) if n not in three and n not in two]
@@ -168,10 +194,10 @@ def _stacked_block(module: nn.Module, holders: list[str], e: int, router_path: s
             layouts.append(dict(names={**lay["names"], **biases}, transposed=lay["transposed"]))
     if not layouts:
         return Skip("its experts' weights are not gated (E, 2I, H) / (E, H, I) stacks, nor their transposes")
-    return _probe_block(module, ex_name, router_name, router_path, e, hidden, layouts)
+    return _probe_block(module, ex_name, router_name, router_path, e, hidden, layouts, own_corr[0] if own_corr else None)
 
 
-def _probe_block(module, ex_name, router_name, router_path, e, hidden, layouts):
+def _probe_block(module, ex_name, router_name, router_path, e, hidden, layouts, own_corr):
     gen = _probe.generator(7)
     router = module._modules[router_name]
     rel = router_path.split(".", 1)[1] + "." if "." in router_path else ""
@@ -180,7 +206,7 @@ def _probe_block(module, ex_name, router_name, router_path, e, hidden, layouts):
     corr = [n for n, t in tensors.items() if n not in (rel + "weight", bias_name) and t.is_floating_point()
             and t.numel() == e and t.dim() <= 2]
     odd = [n for n, t in tensors.items() if n not in (rel + "weight", bias_name, *corr) and t.is_floating_point()]
-    if odd or len(corr) > 1 or (bias_name and tensors[bias_name].shape != (e,)):
+    if odd or len(corr) + (own_corr is not None) > 1 or (bias_name and tensors[bias_name].shape != (e,)):
         return Skip(f"its router holds {_reasons.quoted(odd or corr)} besides its weight and bias: not a form the fused "
                     "router computes")
     rcopy = mp.tree_copy(router)
@@ -192,5 +218,5 @@ def _probe_block(module, ex_name, router_name, router_path, e, hidden, layouts):
             store = owner._parameters if leaf in owner._parameters else owner._buffers
             store[leaf] = nn.Parameter(fresh[name], requires_grad=False) if store is owner._parameters else fresh[name]
     mp.shrink_hidden(rcopy.modules(), hidden)
-    return BlockProbe(module, ex_name, router_name, rcopy, rel, bias_name, corr[0] if corr else None, e, hidden,
-                      layouts, _acts(module._modules[ex_name]), gen).run()
+    return BlockProbe(module, ex_name, router_name, rcopy, rel, bias_name, corr[0] if corr else None, own_corr, e,
+                      hidden, layouts, _acts(module._modules[ex_name]), gen).run()
