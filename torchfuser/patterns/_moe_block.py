@@ -147,6 +147,7 @@ class BlockProbe:
         fp32 = outs[at].dtype == torch.float32
         logits = (nn.functional.linear(x2.float(), weight.float(), None if bias is None else bias.float())
                   if fp32 else ref)
+        self.logits = outs[at]  # as the router gives them (a block may return them)
         corr = mp.tensor_at(rcopy, self.corr_name) if self.own_corr is None else getattr(probe, self.own_corr)
         n_group = next((v for n, v in _ints(self.block, rcopy) if "group" in n and "topk" not in n and v > 1), 1)
         topk_group = next((v for n, v in _ints(self.block, rcopy) if "group" in n and "topk" in n), 1)
@@ -193,8 +194,10 @@ class BlockProbe:
         for extra in outs[1:]:
             if isinstance(extra, torch.Tensor) and extra.shape == w.shape and _probe.close(extra, w):
                 returns.append("weights")
+            elif isinstance(extra, torch.Tensor) and _probe.close(extra, self.logits):
+                returns.append("logits")
             else:
-                return Skip("it returns more than the hidden states and the routing weights")
+                return Skip("it returns more than the hidden states, the routing weights and the router's logits")
         return dict(shared_gate=match, returns=tuple(returns), shared_flat=flat)
 
     def _training(self, probe, x, out):
