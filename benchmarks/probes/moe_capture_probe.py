@@ -1,6 +1,15 @@
-import torch, sys
+"""Which piece of the MoE reference backend can be captured in a CUDA graph: each backend function on its
+own, bf16, at a small shape (run on the GPU; "ok" or the first line of the error per piece).
+
+    python3 benchmarks/probes/moe_capture_probe.py
+"""
+import sys
+
+import torch
+
 sys.path.insert(0, ".")
 from torchfuser.backends.reference import moe as R, grouped_mm as G
+from torchfuser.backends.reference._autodiff import value_and_vjp
 dev="cuda"; T,H,I,E,k=512,256,128,8,2
 x=torch.randn(T,H,device=dev,dtype=torch.bfloat16); l=torch.randn(T,E,device=dev)
 gu=torch.randn(E,2*I,H,device=dev,dtype=torch.bfloat16); dn=torch.randn(E,H,I,device=dev,dtype=torch.bfloat16)
@@ -27,6 +36,6 @@ cap("gmm_k", lambda: torch._grouped_mm(dh.t(), xs, offs=offs))
 cap("experts_fwd", lambda: R.moe_experts_fwd(x,w,idx,gu,None,dn,None,False,"gate_up","silu",1.0,0.0,torch.float32))
 y,h,o2,of2=R.moe_experts_fwd(x,w,idx,gu,None,dn,None,False,"gate_up","silu",1.0,0.0,torch.float32)
 dy=torch.randn(T,H,device=dev)
-cap("act_vjp", lambda: R._autodiff.value_and_vjp(R.activation,(h,),h[:, :I].contiguous(),"gate_up","silu",1.0,0.0) if hasattr(R,'_autodiff') else None)
+cap("act_vjp", lambda: value_and_vjp(R.activation, (h,), h[:, :I].contiguous(), "gate_up", "silu", 1.0, 0.0))
 cap("experts_bwd", lambda: R.moe_experts_bwd(dy,x,w,idx,gu,None,dn,None,h,o2,of2,False,"gate_up","silu",1.0,0.0))
 cap("route_bwd", lambda: R.moe_route_bwd(torch.ones_like(w),l,idx,"softmax",True,1.0))
