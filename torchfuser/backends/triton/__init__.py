@@ -8,6 +8,7 @@ from . import _interpret
 
 _interpret.apply()
 
+from .fp8_quant import fp8_quantize
 from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
@@ -21,5 +22,5 @@ __all__ = [
     "rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
-    "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_",
+    "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_", "fp8_quantize",
 ]

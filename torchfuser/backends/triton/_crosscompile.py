@@ -76,7 +76,7 @@ def recording():
 
 def _scenarios(hiddens, dtypes, tokens):
     """(op label, thunk) pairs: each thunk calls one launcher on meta tensors."""
-    from . import gated, layer_norm, linear_cross_entropy as lce, rms_norm, rope
+    from . import fp8_quant, gated, layer_norm, linear_cross_entropy as lce, rms_norm, rope
 
     meta = torch.device("meta")
     for dt in dtypes:
@@ -124,6 +124,15 @@ def _scenarios(hiddens, dtypes, tokens):
             yield "lce-nograd", lambda h=h, wv=wv, lab=lab: lce.linear_cross_entropy_fwd(
                 h, wv, None, lab, -100, None, "mean", False)
         yield "lce_scale", lambda: lce.linear_cross_entropy_scale_([e(4096, 2048)], f32(()))
+    # FP8 GEMM operands (after the rest, so the earlier launches keep their recorded order): x and dy
+    # rowwise, dW's dyᵀ and xᵀ written transposed, and tensorwise both ways.
+    for dt in dtypes:
+        for n in hiddens:
+            x = torch.empty(tokens, n, dtype=dt, device=meta)
+            for tensorwise in (False, True):
+                for transpose in (False, True):
+                    label = f"fp8_quantize-{'tensorwise' if tensorwise else 'rowwise'}{'-t' if transpose else ''}"
+                    yield label, lambda x=x, tw=tensorwise, tr=transpose: fp8_quant.fp8_quantize(x, tw, tr)
 
 
 def record_launches(hiddens=HIDDENS, dtypes=DTYPES, tokens=TOKENS, unique=True) -> list[Launch]:

@@ -10,6 +10,12 @@
    store of an interpreted kernel was then up to one ulp off the GPU's, and a kernel's x + r in
    bf16 could not be compared bit for bit with torch's. Patched only when the interpreter's cast
    truncates, and only for that one pair of dtypes.
+3. fp32 → e4m3 (``tl.float8e4nv``) casts: the interpreter rounds half up and lets a rounded-up
+   mantissa spill into the exponent by OR, not by carry (127.7 became 64, not 128), where the GPU's
+   ``cvt.rn.satfinite.e4m3x2.f32`` rounds to nearest even and saturates to ±448, as PyTorch's
+   ``.to(torch.float8_e4m3fn)`` rounds (PyTorch gives NaN past 464 where the GPU saturates: the FP8
+   kernels clamp to ±448 first, so they never differ there). Patched only for that pair of dtypes,
+   only when the interpreter's cast gets 127.7 wrong.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ def apply() -> None:
         return
     _fix_scalar_index()
     _fix_bf16_rounding()
+    _fix_e4m3_rounding()
 
 
 def _fix_scalar_index() -> None:
@@ -76,3 +83,52 @@ def _fix_bf16_rounding() -> None:
 
     cast_impl._torchfuser_fixed = True
     builder.cast_impl = cast_impl
+
+
+def fp32_to_e4m3_bits(data):
+    """e4m3fn bit patterns (uint8) of fp32 ``data`` as ``cvt.rn.satfinite.e4m3x2.f32`` gives them:
+    round to nearest even (subnormals included), ±448 past the largest finite value, NaN as 0x7F
+    (with the sign bit)."""
+    import numpy as np
+
+    x = np.ascontiguousarray(data, dtype=np.float32)
+    bits = x.view(np.uint32)
+    sign = ((bits >> 24) & np.uint32(0x80)).astype(np.uint8)
+    a = np.abs(x).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        # Below 2^-6 (e4m3's smallest normal) the code is |x| / 2^-9 rounded to an integer (0..8; 8 is
+        # 2^-6's code); above it, exponent and 3 mantissa bits, the rounding's carry going into the
+        # exponent as an integer add does.
+        sub = np.rint(a * 512.0)
+        m = bits & np.uint32(0x7FFFFF)
+        e = ((bits >> 23) & np.uint32(0xFF)).astype(np.int64) - 127
+        r = (m >> 20).astype(np.int64)
+        rem = m & np.uint32(0xFFFFF)
+        up = (rem > 0x80000) | ((rem == 0x80000) & (r & 1 == 1))
+        normal = ((e + 7) << 3) + r + up
+        code = np.where(a < 2.0**-6, sub, normal)
+        code = np.minimum(code, 0x7E)  # 448: satfinite
+    code = np.where(np.isnan(x), 0x7F, code).astype(np.uint8)
+    return (code | sign).reshape(np.shape(data))
+
+
+def _fix_e4m3_rounding() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_torchfuser_fixed", False):
+        return
+    probe = interpreter.TensorHandle(np.array([127.7], dtype=np.float32), tl.float32)
+    if original(None, probe, tl.float8e4nv, None).data.view(np.uint8)[0] == fp32_to_e4m3_bits(np.float32(127.7)):
+        return  # this interpreter rounds 127.7 to 128 already: nothing to fix
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return interpreter.TensorHandle(fp32_to_e4m3_bits(src.data), dst_type.scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._torchfuser_fixed = True
+    builder.create_fp_to_fp = create_fp_to_fp

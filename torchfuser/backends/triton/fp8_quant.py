@@ -1,0 +1,247 @@
+"""FP8 (e4m3) quantisation with current scaling, in Triton: the operands of modules/fp8.py's GEMMs.
+
+For a 2-D s (bf16 / fp16 / fp32), every step in fp32:
+    amax  = max |s| over each row of s (rowwise) or over all of s (tensorwise)
+    scale = max(amax, 1e-12) / 448                 (448: e4m3's largest finite value; a true division)
+    q     = e4m3(clamp(s / scale, −448, 448))      (a true division; round to nearest even)
+and ``fp8_quantize(t, tensorwise, transpose)`` returns (q row-major, scale: rows × 1 fp32, or ()),
+for s = t or, with ``transpose``, s = tᵀ: the dW GEMM's operands dyᵀ and xᵀ, scaled per column of
+dy and x, written transposed straight from t, no ``t.t().contiguous()`` copy. Nothing is saved for
+a backward: quantisation is not differentiated (the FP8 GEMMs' autograd is modules/fp8.py's).
+
+Bit for bit the PyTorch code it replaces (``t.float()``, abs, amax, clamp_min, two divisions, clamp,
+``.to(torch.float8_e4m3fn)`` on the CPU): the divisions are ``div_rn`` (IEEE, as PyTorch's
+tensor / tensor; Triton's ``/`` is an approximate division on NVIDIA), the cast is
+``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest even; saturation never acts after the clamp).
+amax propagates NaN as ``torch.amax`` does (a NaN row gives NaN scales and values, not 448s): it is
+an integer max of |s|'s bit patterns.
+One caveat on CUDA: PyTorch's ``amax / 448.0`` there multiplies by fp32(1/448) (its division by a
+CPU scalar does), so the old CUDA path's scales could differ from these by one fp32 ulp.
+
+Kernels (one launch rowwise, two otherwise; no host sync, so CUDA graphs capture them):
+- ``_fp8_quant_rows_kernel``: rowwise, q in s's layout. ROWS rows a program held in registers up to
+  MAX_FUSED elements a row (s read once), longer rows walked twice in chunks (the second read from L2).
+- ``_fp8_amax_kernel`` + ``_fp8_quant_tiles_kernel``: a grid of (row chunk, BLOCK_B-column block)
+  programs over u (the one of s, sᵀ whose last dim is dense). The first writes per-program partial
+  amaxes: per column of u (the scales of a transposed rowwise quantisation) or one (tensorwise).
+  The second reduces the partials its columns need (L2-resident; 1/16 of what a program reads at
+  8192 × 2048 bf16),
+  scales and casts its chunk, and writes q tiles transposed (TRANSPOSE: q = uᵀ row-major) or not.
+  u is read twice, q written once; the transposition goes through shared memory as fp8 (1 byte).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from . import targets as _targets
+from ._common import CPU, Launcher, Target, _live_sms, cdiv, check_dtypes, next_pow2, sms_of_index, target_of, warps_for
+
+E4M3 = torch.float8_e4m3fn
+MAX_FUSED = 16384  # rows up to this many elements are held whole (as the norms' forward, rms_norm.py)
+_CHUNK = 4096
+_TILE = 4096  # elements a program in the one-pass rowwise case: short rows are packed several a program
+# The tiled kernels: BLOCK_A rows × BLOCK_B columns of u a step. BLOCK_B = 64 columns are 128 bytes of a
+# bf16 row (one full line read); BLOCK_A = 128 rows are 128 bytes of a q row when q is written transposed.
+_BLOCK_A = 128
+_BLOCK_B = 64
+_PROGRAMS_PER_SM = 4
+_BLOCK_P = 16  # partial rows reduced a step (per-column scales)
+_BLOCK_PT = 1024  # partials reduced a step (tensorwise)
+
+
+# |x| as its fp32 bit pattern (sign bit cleared), an int32. For non-negative floats the integer order
+# is the float order, with +inf above every finite value and NaN above +inf, so an integer max is
+# amax with NaN propagating as torch.amax does, at the cost of an integer max (Triton's float max
+# drops NaN on NVIDIA; a custom NaN-aware combine runs element by element under the interpreter).
+@triton.jit
+def _abs_bits(x):
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _as_float(bits):
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_of(amax):
+    return tl.math.div_rn(tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL), 448.0)
+
+
+@triton.jit
+def _e4m3(x, scale, Q):
+    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return q.to(Q.dtype.element_ty)
+
+
+@triton.jit
+def _fp8_quant_rows_kernel(
+    X, Q, S, M, K, stride_x,
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
+):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_K)
+    x_rows = X + rows[:, None] * stride_x
+    q_rows = Q + rows[:, None] * K
+    if ONE_PASS:
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = _scale_of(_as_float(tl.max(_abs_bits(x), axis=1)))
+        tl.store(q_rows + cols[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
+    else:
+        # Per-lane maxima, reduced once at the end: fewer cross-warp reductions.
+        acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+        for start in range(0, K, BLOCK_K):
+            c = start + cols
+            mask = row_ok[:, None] & (c < K)[None, :]
+            acc = tl.maximum(acc, _abs_bits(tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)))
+        scale = _scale_of(_as_float(tl.max(acc, axis=1)))
+        for start in range(0, K, BLOCK_K):
+            c = start + cols
+            mask = row_ok[:, None] & (c < K)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_rows + c[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
+    tl.store(S + rows, scale, mask=row_ok)
+
+
+@triton.jit
+def _fp8_amax_kernel(
+    X, P, A, B, stride_x, ROWS_PER_PROG,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PER_COLUMN: tl.constexpr,
+):
+    # P: PER_COLUMN, partial column maxima (programs along A) × B; else one partial a program.
+    pa, pb = tl.program_id(0), tl.program_id(1)
+    cols = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < B
+    first = pa.to(tl.int64) * ROWS_PER_PROG
+    acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.int32)
+    for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
+        rows = first + r0 + tl.arange(0, BLOCK_A)
+        mask = (rows < A)[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _abs_bits(x))
+    col_max = tl.max(acc, axis=0)
+    if PER_COLUMN:
+        tl.store(P + pa.to(tl.int64) * B + cols, _as_float(col_max), mask=col_ok)
+    else:
+        tl.store(P + pa * tl.num_programs(1) + pb, _as_float(tl.max(col_max, axis=0)))
+
+
+@triton.jit
+def _fp8_quant_tiles_kernel(
+    X, P, Q, S, A, B, stride_x, ROWS_PER_PROG, NP,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, PER_COLUMN: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+):
+    pa, pb = tl.program_id(0), tl.program_id(1)
+    cols = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < B
+    if PER_COLUMN:  # NP partial rows of B column maxima
+        acc = tl.zeros([BLOCK_P, BLOCK_B], dtype=tl.int32)
+        for p0 in range(0, NP, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            m = (p < NP)[:, None] & col_ok[None, :]
+            acc = tl.maximum(acc, _abs_bits(tl.load(P + p[:, None].to(tl.int64) * B + cols[None, :], mask=m, other=0.0)))
+        scale = _scale_of(_as_float(tl.max(acc, axis=0)))  # [BLOCK_B]
+        if pa == 0:
+            tl.store(S + cols, scale, mask=col_ok)
+        scale_tile = scale[None, :]
+    else:  # NP partials of the whole tensor
+        acc = tl.zeros([BLOCK_P], dtype=tl.int32)
+        for p0 in range(0, NP, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            acc = tl.maximum(acc, _abs_bits(tl.load(P + p, mask=p < NP, other=0.0)))
+        scale = _scale_of(_as_float(tl.max(acc, axis=0)))
+        if (pa == 0) & (pb == 0):
+            tl.store(S, scale)
+        scale_tile = scale
+    first = pa.to(tl.int64) * ROWS_PER_PROG
+    for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
+        rows = first + r0 + tl.arange(0, BLOCK_A)
+        row_ok = rows < A
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q = _e4m3(x, scale_tile, Q)
+        if TRANSPOSE:  # q = uᵀ: B rows of A; transposed as fp8, so rows of 128 bytes leave coalesced
+            tl.store(Q + cols[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+        else:
+            tl.store(Q + rows[:, None] * B + cols[None, :], q, mask=mask)
+
+
+@lru_cache(maxsize=None)
+def rows_config(k: int, target: Target = CPU) -> tuple[int, int, bool, int]:
+    """(BLOCK_K, ROWS, ONE_PASS, num_warps) of the rowwise kernel for rows of k elements."""
+    if k <= MAX_FUSED:
+        block = next_pow2(k)
+        rows = max(1, min(64, _TILE // block))
+        return block, rows, True, warps_for(rows * block, warp_size=target.warp_size)
+    return _CHUNK, 1, False, warps_for(_CHUNK, warp_size=target.warp_size)
+
+
+@lru_cache(maxsize=None)
+def tiles_config(a: int, b: int, sms: int, target: Target = CPU) -> tuple[int, int, int]:
+    """(rows a program, programs along A, num_warps) of the tiled kernels over u (a × b): about
+    _PROGRAMS_PER_SM programs a SM, each a whole number of BLOCK_A-row steps."""
+    blocks_b = cdiv(b, _BLOCK_B)
+    want_a = max(1, min(cdiv(a, _BLOCK_A), cdiv(_PROGRAMS_PER_SM * sms, blocks_b)))
+    per_prog = cdiv(cdiv(a, want_a), _BLOCK_A) * _BLOCK_A
+    return per_prog, cdiv(a, per_prog), warps_for(_BLOCK_A * _BLOCK_B, warp_size=target.warp_size)
+
+
+_rows = Launcher(_fp8_quant_rows_kernel)
+_amax = Launcher(_fp8_amax_kernel)
+_tiles = Launcher(_fp8_quant_tiles_kernel)
+
+
+def _sms(t: torch.Tensor) -> int:
+    """SMs (CUs) of t's device, asked once per device; the table's when simulating or on the CPU."""
+    index = t.device.index if t.is_cuda else None
+    return _live_sms(index) if index is not None and _targets._simulated is None else sms_of_index(index)
+
+
+def _dense_last(t: torch.Tensor) -> bool:
+    return t.stride(1) == 1 or t.shape[1] == 1
+
+
+def fp8_quantize(t: torch.Tensor, tensorwise: bool, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) of s = tᵀ if ``transpose`` else t (2-D, any strides): q is s in e4m3, row-major;
+    scale is s's rows' (M × 1, fp32) or, ``tensorwise``, one (a 0-dim fp32 tensor)."""
+    check_dtypes("fp8_quantize", t=t)
+    if t.dim() != 2:
+        raise ValueError(f"fp8_quantize: t must be 2-D, got shape {tuple(t.shape)}")
+    s = t.t() if transpose else t
+    m, k = s.shape
+    q = torch.empty((m, k), dtype=E4M3, device=t.device)
+    scale = torch.empty((), dtype=torch.float32, device=t.device) if tensorwise else \
+        torch.empty((m, 1), dtype=torch.float32, device=t.device)
+    if q.numel() == 0:  # nothing to scale (the ops layer gives empty tensors to the reference backend)
+        return q, scale.fill_(1.0)
+    # u: the view of s or sᵀ whose last dim is dense, so the tiles are read along lines; sᵀ → flip.
+    if _dense_last(s):
+        u, flip = s, False
+    elif _dense_last(s.t()):
+        u, flip = s.t(), True
+    else:
+        u, flip = s.contiguous(), False
+    target = target_of(t)
+    if not tensorwise and not flip:
+        block, rows, one_pass, warps = rows_config(k, target)
+        _rows((cdiv(m, rows),), u, q, scale, m, k, u.stride(0),
+              ROWS=rows, BLOCK_K=block, ONE_PASS=one_pass, num_warps=warps)
+        return q, scale
+    a, b = u.shape
+    per_prog, progs_a, warps = tiles_config(a, b, _sms(t), target)
+    grid = (progs_a, cdiv(b, _BLOCK_B))
+    per_column = not tensorwise
+    partials = torch.empty(progs_a * (b if per_column else grid[1]), dtype=torch.float32, device=t.device)
+    _amax(grid, u, partials, a, b, u.stride(0), per_prog,
+          BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, PER_COLUMN=per_column, num_warps=warps)
+    _tiles(grid, u, partials, q, scale, a, b, u.stride(0), per_prog, progs_a if per_column else partials.numel(),
+           BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P if per_column else _BLOCK_PT,
+           PER_COLUMN=per_column, TRANSPOSE=flip, num_warps=warps)
+    return q, scale
