@@ -67,7 +67,7 @@ def test_weights_are_quantised_once_per_version(monkeypatch):
     model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
     made = []
     real = fp8.quantize
-    monkeypatch.setattr(fp8, "quantize", lambda t, recipe: made.append(t.shape) or real(t, recipe))
+    monkeypatch.setattr(fp8, "quantize", lambda t, recipe, **kw: made.append(t.shape) or real(t, recipe, **kw))
     ids = torch.randint(0, 128, (2, 16))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counts = []
@@ -91,7 +91,7 @@ def test_frozen_weights_are_quantised_once(monkeypatch):
     model.model.embed_tokens.weight.requires_grad_(True)  # something to train: the gradient reaches every layer
     made = []
     real = fp8.quantize
-    monkeypatch.setattr(fp8, "quantize", lambda t, recipe: made.append(t.shape) or real(t, recipe))
+    monkeypatch.setattr(fp8, "quantize", lambda t, recipe, **kw: made.append(t.shape) or real(t, recipe, **kw))
     ids = torch.randint(0, 128, (2, 16))
     for _ in range(2):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -142,7 +142,7 @@ def test_compiled_or_captured_calls_quantise_the_weights_every_call(monkeypatch)
     model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
     made = []
     real = fp8.quantize
-    monkeypatch.setattr(fp8, "quantize", lambda t, recipe: made.append(t.shape) or real(t, recipe))
+    monkeypatch.setattr(fp8, "quantize", lambda t, recipe, **kw: made.append(t.shape) or real(t, recipe, **kw))
     monkeypatch.setattr(fp8, "_recording", lambda t: True)
     ids = torch.randint(0, 128, (2, 16))
     counts = []
@@ -183,7 +183,7 @@ def test_lora_bases_run_fp8_and_are_quantised_once(monkeypatch):
     count = _Count(monkeypatch)
     made = []
     real = fp8.quantize
-    monkeypatch.setattr(fp8, "quantize", lambda t, recipe: made.append(t.shape) or real(t, recipe))
+    monkeypatch.setattr(fp8, "quantize", lambda t, recipe, **kw: made.append(t.shape) or real(t, recipe, **kw))
     got, got_g = _step(model, ids, autocast=False)
     # Each group's base: forward and dx (frozen: no dW), but for the first layer's q/k/v, whose input
     # (the frozen embeddings, normed) needs no gradient.
@@ -196,3 +196,70 @@ def test_lora_bases_run_fp8_and_are_quantised_once(monkeypatch):
     for name, g in want_g.items():
         cos = torch.nn.functional.cosine_similarity(got_g[name].flatten().float(), g.flatten().float(), dim=0)
         assert cos > 0.99, (name, cos.item())
+
+
+def test_transposed_quantisation_is_that_of_the_transposed_copy():
+    """dW's operands: ``quantize(t, recipe, transpose=True)`` gives exactly what quantising
+    ``t.t().contiguous()`` gave, from t itself (the Triton kernels write it transposed on CUDA)."""
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(48, 80, generator=g) * torch.exp(torch.randn(1, 80, generator=g))).bfloat16()
+    for recipe in fp8.RECIPES:
+        (q, s), (qr, sr) = fp8.quantize(t, recipe, transpose=True), fp8.quantize(t.t().contiguous(), recipe)
+        assert q.shape == (80, 48) and q.is_contiguous() and s.shape == sr.shape
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+
+
+def test_backward_quantises_dw_operands_transposed(monkeypatch):
+    """Per projection group and step: x and dy as they are (forward, dx), dy and x transposed (dW),
+    and never a transposed copy of either."""
+    model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=torch.randint(0, 128, (2, 16)))  # the weights' copies made before counting
+    seen = []
+    real = fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda t, recipe, transpose=False: seen.append(
+        (transpose, t.is_contiguous())) or real(t, recipe, transpose))
+    _step(model, torch.randint(0, 128, (2, 16)))
+    groups = 4 * 2
+    assert sorted(seen) == sorted([(False, True)] * 2 * groups + [(True, True)] * 2 * groups)
+
+
+def test_projection_biases_in_the_gemm_epilogue(monkeypatch):
+    """Qwen2's q/k/v biases are added by the FP8 GEMM itself (``_scaled_mm(bias=...)``), not by a pass of
+    their own; the loss and every gradient (the biases' too) stay close to the bf16 fused model's."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(Qwen2Config(**CFG))
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=0.02)  # Qwen2 starts them at 0: non-zero, at the weights' init scale
+    bf16 = torchfuser.optimize(copy.deepcopy(base), backend="reference")
+    model = torchfuser.optimize(copy.deepcopy(base), backend="reference", fp8="rowwise")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    want, want_g = _step(bf16, ids)
+    with_bias = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: with_bias.append(k.get("bias") is not None) or real(*a, **k))
+    got, got_g = _step(model, ids)
+    assert sum(with_bias) == 2  # each layer's q/k/v forward GEMM
+    assert abs(got - want) < 1e-2 * abs(want)
+    assert list(got_g) == list(want_g) and any(n.endswith("q_proj.bias") for n in got_g)
+    for name, g in want_g.items():
+        cos = torch.nn.functional.cosine_similarity(got_g[name].flatten(), g.flatten(), dim=0)
+        assert cos > 0.99, (name, cos.item())
+
+
+def test_quantisation_under_torch_compile_follows_the_policy(monkeypatch):
+    """On CUDA a compiled graph traces the quantisation as PyTorch code by default (Inductor fuses it with
+    the operand's producer); TORCHFUSER_COMPILED_ELEMENTWISE=kernels keeps the Triton custom op."""
+    from torchfuser.ops import fp8_quant
+
+    monkeypatch.delenv("TORCHFUSER_COMPILED_ELEMENTWISE", raising=False)
+    assert fp8_quant._compiled_as_definition()
+    for policy, definition in (("kernels", False), ("inductor", True), ("inductor:fp8_quantize", True),
+                               ("inductor:rms_norm", False)):
+        monkeypatch.setenv("TORCHFUSER_COMPILED_ELEMENTWISE", policy)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert fp8_quant._compiled_as_definition() is definition, policy

@@ -15,9 +15,17 @@ bumps the parameter's version counter (read on the host, no sync), so they are r
 step and never per micro-batch; a frozen weight is quantised once. Inside torch.compile and CUDA-graph
 captures they are quantised in the graph, every call (a recorded copy would go stale).
 
-This first form quantises in separate passes (as torchao's Float8Linear does); quantising inside the
-kernels that produce each GEMM input (the norms, SwiGLU) is the next step (issue 23). It runs where
-``torch._scaled_mm`` does: CUDA GPUs of compute capability 8.9 or newer, and the CPU (slow, for tests).
+On CUDA each quantisation is a Triton kernel that reads its operand at most twice and writes the
+e4m3 values once (``ops.fp8_quant``, backends/triton/fp8_quant.py; bit for bit the PyTorch formula
+the CPU runs): rowwise reads the tensor once; dW's operands dyᵀ and xᵀ are quantised per column of
+dy and x and written transposed straight from dy and x (an amax pass, then the scale-and-cast
+pass; no transposed bf16 copy); tensorwise likewise, with no host sync. The bias is added in the
+GEMM's epilogue, and dW is asked of its GEMM in the weights' dtype (no cast where the GEMM writes
+it). Under torch.compile the quantisation is traced as PyTorch code, for Inductor to fuse with the
+kernel producing the operand (``TORCHFUSER_COMPILED_ELEMENTWISE=kernels``: the Triton kernels).
+Quantising inside our own kernels that produce each GEMM input (the norms, SwiGLU), so the operand
+never exists in bf16 at all, is the next step (issue 23). It runs where ``torch._scaled_mm`` does:
+CUDA GPUs of compute capability 8.9 or newer, and the CPU (slow, for tests).
 """
 from __future__ import annotations
 
@@ -26,11 +34,10 @@ from torch import Tensor, nn
 
 from torchfuser.modules import fallbacks
 from torchfuser.modules.base import hooked
+from torchfuser.ops import fp8_quant as _quant
 
 RECIPES = ("rowwise", "tensorwise")
 E4M3 = torch.float8_e4m3fn
-_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-_TINY = 1e-12
 
 
 def check(recipe, device: torch.device | None) -> str | None:
@@ -49,20 +56,20 @@ def check(recipe, device: torch.device | None) -> str | None:
     return recipe
 
 
-def quantize(t: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
-    """(e4m3 values, fp32 scale) of a 2-D ``t``: one scale per row (rowwise, shape rows × 1) or one in all."""
-    t32 = t.float()
-    amax = t32.abs().amax(dim=-1, keepdim=True) if recipe == "rowwise" else t32.abs().amax()
-    scale = amax.clamp_min(_TINY) / _MAX
-    return (t32 / scale).clamp_(-_MAX, _MAX).to(E4M3), scale
+def quantize(t: Tensor, recipe: str, transpose: bool = False) -> tuple[Tensor, Tensor]:
+    """(e4m3 values, fp32 scale) of a 2-D ``t``, or with ``transpose`` of ``tᵀ`` (written transposed, no
+    copy of ``t``): one scale per row (rowwise, shape rows × 1) or one in all. One pass on CUDA."""
+    return _quant.quantize(t, recipe == "tensorwise", transpose)
 
 
 _WIDE_OUT: dict = {}  # (device type, scale shape) -> whether _scaled_mm writes fp32 there
+_BIAS: dict = {}  # (device type, scale shape) -> whether _scaled_mm adds a bf16 bias in its epilogue
 
 
-def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> Tensor:
-    """a·bᵀ from two quantised row-major operands (M × K and N × K), scaled back, in ``out_dtype``
-    (fp32 straight from the accumulator where this build's kernel writes it, else bf16 then cast)."""
+def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype, bias: Tensor | None = None) -> Tensor:
+    """a·bᵀ (+ bias) from two quantised row-major operands (M × K and N × K), scaled back, in ``out_dtype``
+    (fp32 straight from the accumulator where this build's kernel writes it, else bf16 then cast; a
+    bias in the epilogue of a bf16 output where the kernel takes one, else added after)."""
     (qa, sa), (qb, sb) = a, b
     sb = sb.t() if sb.dim() else sb
     key = (qa.device.type, sa.dim())
@@ -70,10 +77,21 @@ def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtyp
         try:
             out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
             _WIDE_OUT[key] = True
-            return out
+            return out if bias is None else out + bias.to(out_dtype)
         except RuntimeError:  # some builds take bf16 outputs only with rowwise scales
             _WIDE_OUT[key] = False
-    return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).to(out_dtype)
+    if bias is not None and _BIAS.get(key, True):
+        try:
+            out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, bias=bias.to(torch.bfloat16),
+                                   out_dtype=torch.bfloat16)
+            _BIAS[key] = True
+            return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+        except RuntimeError:  # no bias epilogue for these scales in this build
+            _BIAS[key] = False
+    out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    if out_dtype != torch.bfloat16:
+        out = out.to(out_dtype)
+    return out if bias is None else out + bias.to(out_dtype)
 
 
 class _Weights:
@@ -105,7 +123,7 @@ def _both(weights: list[Tensor], recipe: str):
     """(the weights' N × K copy scaled per output channel, their K × N copy per input channel)."""
     w = weights[0] if len(weights) == 1 else torch.cat(weights)
     with torch.no_grad():
-        return quantize(w, recipe), quantize(w.t().contiguous(), recipe)
+        return quantize(w, recipe), quantize(w, recipe, transpose=True)
 
 
 def weights_cache(owner: nn.Module, linears: list[nn.Module]) -> _Weights:
@@ -120,10 +138,8 @@ class _FP8Linear(torch.autograd.Function):
         weights, biases = list(params[:n]), list(params[n:])
         fwd, bwd = weights_cache.get(weights, recipe)
         x2 = x.reshape(-1, x.shape[-1])
-        y = mm(quantize(x2, recipe), fwd, out_dtype)
-        if biases:
-            b = biases[0] if len(biases) == 1 else torch.cat(biases)
-            y = y + b.to(out_dtype)
+        b = None if not biases else biases[0] if len(biases) == 1 else torch.cat(biases)
+        y = mm(quantize(x2, recipe), fwd, out_dtype, bias=b)
         ctx.save_for_backward(x2)
         ctx.recipe, ctx.bwd, ctx.shape, ctx.x_dtype = recipe, bwd, x.shape, x.dtype
         ctx.rows = [w.shape[0] for w in weights]
@@ -139,7 +155,11 @@ class _FP8Linear(torch.autograd.Function):
         dx = mm(quantize(dy2, recipe), ctx.bwd, ctx.x_dtype).view(ctx.shape) if need_x else None
         grads = [None] * len(need)
         if any(need[:n]):
-            dw = mm(quantize(dy2.t().contiguous(), recipe), quantize(x2.t().contiguous(), recipe), torch.float32)
+            # dW = dyᵀ·x: both operands quantised per column of dy and x, written transposed by the
+            # quantisation itself. In the weights' dtype straight from the GEMM where they share one.
+            w_dtypes = set(ctx.dtypes[:n])
+            dw_dtype = w_dtypes.pop() if len(w_dtypes) == 1 else torch.float32
+            dw = mm(quantize(dy2, recipe, transpose=True), quantize(x2, recipe, transpose=True), dw_dtype)
             for i, g in enumerate(dw.split(ctx.rows)):
                 grads[i] = g.to(ctx.dtypes[i]) if need[i] else None
         if any(need[n:]):

@@ -1,0 +1,230 @@
+"""FP8 quantisation of the GEMM operands: the Triton kernels (backends/triton/fp8_quant.py) against the
+PyTorch passes modules/fp8.py ran before them (t.float(), abs, amax, clamp_min, two divisions, clamp_,
+.to(e4m3); plus ``t.t().contiguous()`` for dW's operands), at llama1b-like training shapes (4 × 2048
+tokens, hidden 2048, intermediate 8192, GQA 32/8 heads of 64), and the four FP8 projections' forward +
+backward with the old and the new quantisation.
+
+    python benchmarks/probes/fp8_quant_probe.py --out fp8-quant.jsonl            # GPU: ≈ 30-45 s on an H200
+    python benchmarks/probes/fp8_quant_probe.py --inductor --out ...              # + torch.compile'd PyTorch code
+    TRITON_INTERPRET=1 python benchmarks/probes/fp8_quant_probe.py --check        # CPU: numbers only, small shapes
+
+One JSON line per measurement:
+- ``what: "quant"``: op (rowwise, rowwise-t = dW's transposed operand, tensorwise, tensorwise-t), shape,
+  old_ms, new_ms (and inductor_ms), speedup, new_gbps = (bytes read once + fp8 written) / time, against
+  ``copy_gbps`` (a bf16 tensor copied: read + write);
+- ``what: "check"``: the kernels' bits against the formula computed exactly (true divisions: on CUDA the
+  old path's ``amax / 448.0`` multiplies by fp32(1/448), so its scales may differ by one ulp; counted
+  as old_scale_diffs / old_q_diffs), e4m3 rounding ties, NaN/inf rows; ``ok`` must be true;
+- ``what: "projection"``: one FP8 projection (the fused module's autograd Function) forward + backward,
+  old quantisation vs new, ms.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+E4M3 = torch.float8_e4m3fn
+MODES = {"rowwise": (False, False), "rowwise-t": (False, True), "tensorwise": (True, False), "tensorwise-t": (True, True)}
+# llama1b-like at 4 × 2048 tokens: (tokens, features) of each GEMM operand that is quantised per call.
+TOKENS = 8192
+OPERANDS = {"x (qkv, o, gate/up in)": (TOKENS, 2048), "dy qkv": (TOKENS, 3072), "x down": (TOKENS, 8192),
+            "dy gate/up": (TOKENS, 16384)}
+PROJECTIONS = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048)}  # K → N
+SMALL = {"a": (64, 128), "b": (123, 123), "c": (48, 8192), "d": (1, 64)}
+
+
+def old_quantize(t, tensorwise: bool, transpose: bool):
+    """modules/fp8.py's quantisation before the kernels, verbatim (its dW operands: transposed copies)."""
+    if transpose:
+        t = t.t().contiguous()
+    t32 = t.float()
+    amax = t32.abs().amax() if tensorwise else t32.abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp_min(1e-12) / 448.0
+    return (t32 / scale).clamp_(-448.0, 448.0).to(E4M3), scale
+
+
+def exact_quantize(t, tensorwise: bool, transpose: bool):
+    """The formula with true divisions on any device (a tensor divisor: CUDA's division by a Python
+    scalar multiplies by its reciprocal)."""
+    s = t.t() if transpose else t
+    t32 = s.float()
+    amax = t32.abs().amax() if tensorwise else t32.abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp_min(1e-12) / torch.full_like(amax, 448.0)
+    return (t32 / scale).clamp_(-448.0, 448.0).to(E4M3).contiguous(), scale
+
+
+def _diffs(a, b):
+    """(differing e4m3 values, differing scales), NaN equal to NaN."""
+    (q, s), (qr, sr) = a, b
+    qn, qrn = q.float().isnan(), qr.float().isnan()
+    dq = int(((q.view(torch.uint8) != qr.view(torch.uint8)) & ~(qn & qrn)).sum())
+    ds = int(((s != sr) & ~(s.isnan() & sr.isnan())).sum())
+    return dq, ds
+
+
+def _operand(m, k, device, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows = torch.exp(2 * torch.randn(m, 1, generator=g, device=device))
+    cols = torch.exp(torch.randn(1, k, generator=g, device=device))
+    return (torch.randn(m, k, generator=g, device=device) * rows * cols).to(dtype)
+
+
+def _special(device):
+    """Rows holding 448 (scale exactly 1) and every e4m3 midpoint ± 1 fp32 ulp; NaN, inf and zero rows."""
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+    v = v[torch.isfinite(v)].unique()
+    mids = (v[1:] + v[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    vals = torch.cat([mids, mids.nextafter(inf), mids.nextafter(-inf), v])
+    vals = torch.cat([vals, -vals])
+    n = 127
+    rows = -(-vals.numel() // (n - 1))
+    t = torch.zeros(rows * (n - 1))
+    t[: vals.numel()] = vals
+    ties = torch.cat([torch.full((rows, 1), 448.0), t.view(rows, n - 1)], dim=1)
+    odd = torch.randn(8, 96)
+    odd[0, 3], odd[1, 1], odd[2, 2], odd[3] = float("nan"), float("inf"), -float("inf"), 0.0
+    return {"ties": ties.to(device), "nan-inf-zero": odd.to(device)}
+
+
+def check(emit, device, shapes):
+    from torchfuser.backends.triton import fp8_quant as K
+
+    ok_all = True
+    cases = {name: _operand(m, k, device) for name, (m, k) in shapes.items()}
+    cases.update({f"{name}-fp32": _operand(m, k, device, dtype=torch.float32) for name, (m, k) in SMALL.items()})
+    base = _operand(64, 300, device)
+    cases.update({"row-strided": base[:, 7:200], "transposed-view": base[:, :96].t()})
+    cases.update(_special(device))
+    for name, t in cases.items():
+        for op, (tw, tr) in MODES.items():
+            if name == "ties" and op != "rowwise":
+                continue
+            new = K.fp8_quantize(t, tw, tr)
+            exact = exact_quantize(t, tw, tr)
+            dq, ds = _diffs(new, exact)
+            oq, os_ = _diffs(new, old_quantize(t, tw, tr))
+            ok = dq == 0 and ds == 0 and new[0].shape == exact[0].shape and new[0].is_contiguous()
+            ok_all &= ok
+            emit(what="check", case=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."), op=op,
+                 ok=ok, q_diffs=dq, scale_diffs=ds, old_q_diffs=oq, old_scale_diffs=os_)
+    return ok_all
+
+
+def _bench(fn, device):
+    if device == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def time_quant(emit, device, inductor: bool):
+    from torchfuser.backends.triton import fp8_quant as K
+
+    big = torch.empty(TOKENS * 16384, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(big)
+    copy_ms = _bench(lambda: dst.copy_(big), device)
+    copy_gbps = 2 * big.numel() * 2 / copy_ms / 1e6
+    del big, dst
+    emit(what="copy", gbps=round(copy_gbps, 1))
+    compiled = {}
+    for name, (m, k) in OPERANDS.items():
+        t = _operand(m, k, device)
+        for op, (tw, tr) in MODES.items():
+            old_ms = _bench(lambda: old_quantize(t, tw, tr), device)
+            new_ms = _bench(lambda: K.fp8_quantize(t, tw, tr), device)
+            row = dict(what="quant", operand=name, shape=[m, k], op=op, old_ms=round(old_ms, 4), new_ms=round(new_ms, 4),
+                       speedup=round(old_ms / new_ms, 2), new_gbps=round(m * k * 3 / new_ms / 1e6, 1),
+                       copy_gbps=round(copy_gbps, 1))
+            if inductor and op in ("rowwise", "rowwise-t") and name in ("x down", "dy gate/up"):
+                fn = compiled.setdefault(op, torch.compile(lambda t, tw=tw, tr=tr: old_quantize(t, tw, tr), dynamic=False))
+                fn(t)
+                row["inductor_ms"] = round(_bench(lambda: fn(t), device), 4)
+            emit(**row)
+        del t
+
+
+def time_projections(emit, device):
+    from torchfuser.modules import fp8
+
+    new_quantize = fp8.quantize
+
+    def old(t, recipe, transpose=False):
+        return old_quantize(t, recipe == "tensorwise", transpose)
+
+    for name, (k, n) in PROJECTIONS.items():
+        x = _operand(TOKENS, k, device).requires_grad_()
+        w = (torch.randn(n, k, device=device) * k ** -0.5).requires_grad_()  # fp32 master weight
+        dy = _operand(TOKENS, n, device, seed=1)
+        for recipe in fp8.RECIPES:
+            cache = fp8._Weights()
+            cache.get([w], recipe)  # weights quantised once (per optimizer step): not timed
+
+            def step():
+                y = fp8._FP8Linear.apply(x, recipe, cache, torch.bfloat16, 1, w)
+                y.backward(dy)
+                x.grad = w.grad = None
+
+            times = {}
+            for label, q in (("old", old), ("new", new_quantize)):
+                fp8.quantize = q
+                try:
+                    step()
+                    times[label] = _bench(step, device)
+                finally:
+                    fp8.quantize = new_quantize
+            emit(what="projection", proj=name, tokens=TOKENS, k=k, n=n, recipe=recipe,
+                 old_ms=round(times["old"], 3), new_ms=round(times["new"], 3),
+                 speedup=round(times["old"] / times["new"], 2))
+        del x, w, dy
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="JSON lines here (and on stdout)")
+    parser.add_argument("--check", action="store_true", help="numbers only, small shapes (the CPU, under TRITON_INTERPRET=1)")
+    parser.add_argument("--inductor", action="store_true", help="also time torch.compile of the PyTorch code")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        sys.exit("no GPU: run with TRITON_INTERPRET=1 and --check")
+    out = open(args.out, "a") if args.out else None
+    env = dict(device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+               torch=torch.__version__, python=platform.python_version())
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def emit(**row):
+        line = json.dumps({**row, **env})
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    t0 = time.time()
+    ok = check(emit, device, SMALL if args.check or device == "cpu" else {**SMALL, **OPERANDS})
+    if not args.check and device == "cuda":
+        time_quant(emit, device, args.inductor)
+        time_projections(emit, device)
+    emit(what="done", ok=ok, seconds=round(time.time() - t0, 1))
+    if out:
+        out.close()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
