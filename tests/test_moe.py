@@ -172,6 +172,27 @@ def test_bf16_within_the_numerics_rule(case):
         assert_within_rule(gf[n], gt[n], g, atol * (g.abs().max().item() + 1), n)
 
 
+def test_under_autocast_no_weight_copy_nor_gathered_input_is_saved():
+    block, _ = _block("qwen3_moe", moe_intermediate_size=24)  # 2I ≠ H: the saved h is not the input's shape
+    fused = _fused_block(block)
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(11), requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", torch.bfloat16):
+            y = fused(x)
+    slots = x.shape[0] * x.shape[1] * block.gate.top_k
+    experts = fused.experts
+    assert not [t for t in saved if t.dtype == torch.bfloat16 and t.dim() == 3]  # no bf16 copy of the expert weights
+    assert not [t for t in saved if t.shape == (slots, 64)]  # no gathered (per-slot) copy of the input
+    assert any(t is experts.gate_up_proj for t in saved) and any(t.shape == (slots, 48) for t in saved)  # h
+    assert y.dtype == x.dtype
+    y.backward(torch.ones_like(y))
+    assert experts.gate_up_proj.grad.dtype == torch.float32
+    got = {n: p.grad for n, p in fused.named_parameters()}
+    for n, g in _fwd_bwd(block, x, torch.ones_like(y))[2].items():  # bf16 products against fp32 ones
+        torch.testing.assert_close(got[n], g, rtol=0, atol=5e-2 * g.abs().max().item())
+
+
 def test_fused_block_under_torch_compile_fullgraph():
     block, _ = _block("gpt_oss")  # the most of the spec: biases, interleaved halves, clamp, a tuple returned
     fused = _fused_block(block)

@@ -247,8 +247,9 @@ def moe_experts(
     (act(x·gate_up[e]ᵀ + b) · down[e]ᵀ + d). x (T, H); gate_up (E, 2I, H) and down (E, H, I), or
     (E, H, 2I) and (E, I, H) with ``transposed``; biases (E, 2I) and (E, H). ``halves`` orders gate
     and up in gate_up's output; ``activation`` silu, gelu_tanh or clamped_swiglu (GPT-OSS, with
-    ``alpha`` and ``limit``). The products run in x's dtype (the weights must have it); y has
-    ``out_dtype`` (default x's), summed over the k experts in fp32."""
+    ``alpha`` and ``limit``). The products run in x's dtype (the weights are cast to it inside the op,
+    and their gradients come back in their own dtype); y has ``out_dtype`` (default x's), summed over
+    the k experts in fp32."""
     op = "moe_experts"
     for name, t in (("x", x), ("weights", weights), ("gate_up", gate_up), ("down", down)):
         _check_float(name, t, op)
@@ -268,8 +269,9 @@ def moe_experts(
     for name, b, n in (("gate_up_bias", gate_up_bias, two_i), ("down_bias", down_bias, h)):
         if b is not None and tuple(b.shape) != (e, n):
             raise ValueError(f"{op}: {name} must have shape ({e}, {n}), got {tuple(b.shape)}")
-    if len({t.dtype for t in (x, gate_up, down, gate_up_bias, down_bias) if t is not None}) > 1:
-        raise TypeError(f"{op}: x, gate_up, down and the biases must share one dtype")
+    for name, b in (("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
+        if b is not None:
+            _check_float(name, b, op)
     if halves not in _HALVES or activation not in _MOE_ACTS:
         raise ValueError(f"{op}: halves must be one of {_HALVES} and activation one of {_MOE_ACTS}")
     device = _check_same_device(op, x=x, weights=weights, indices=indices, gate_up=gate_up, down=down,

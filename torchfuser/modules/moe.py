@@ -148,10 +148,11 @@ class FusedMoE(FusedModule):
                                                                              s.down_bias)]
         device = x.device.type
         # As F.linear under autocast: products in the autocast dtype. Otherwise, as transformers'
-        # grouped experts do, the input in the weights' dtype. The output has the input's dtype.
+        # grouped experts do, the input in the weights' dtype. The output has the input's dtype. The
+        # op casts the weights itself (inside each pass: fp32 parameters leave no bf16 copy saved).
         cast = autocast_enabled(device) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)  # not fp64
         dtype = torch.get_autocast_dtype(device) if cast else tensors[0].dtype
-        gate_up, gate_up_bias, down, down_bias = (t if t is None else t.to(dtype) for t in tensors)
+        gate_up, gate_up_bias, down, down_bias = tensors
         xc = x.to(dtype)
         counted = not torch.compiler.is_compiling() and device != "meta"  # a count, not a branch
         if counted and not F.moe_grouped_gemms(xc, gate_up, down):

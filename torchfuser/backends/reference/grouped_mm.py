@@ -20,15 +20,17 @@ _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """What _grouped_mm asks of an operand: a 16-byte aligned start, and a 16-byte multiple as the
-    stride of every dimension that is not the contiguous one."""
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
+def _aligned(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """What _grouped_mm asks of an operand in ``dtype``: a 16-byte aligned start, and a 16-byte multiple as
+    the stride of every dimension that is not the contiguous one. An operand of another dtype is checked as
+    its cast copy will be (same strides, a fresh, aligned allocation)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    start = t.dtype != dtype or t.data_ptr() % 16 == 0
+    return start and all(s == 1 or (s * size) % 16 == 0 for s in t.stride())
 
 
 def usable(dtype: torch.dtype, device: torch.device, *tensors: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes operands of this dtype on this device, as laid out here."""
+    """Whether ``torch._grouped_mm`` takes these operands in ``dtype`` on this device, as laid out here."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if device.type == "cpu":
@@ -37,7 +39,7 @@ def usable(dtype: torch.dtype, device: torch.device, *tensors: torch.Tensor) -> 
         ok = dtype in _CUDA_DTYPES and torch.cuda.get_device_capability(device) >= (9, 0)
     else:
         ok = False
-    return ok and all(_aligned(t) for t in tensors)
+    return ok and all(_aligned(t, dtype) for t in tensors)
 
 
 def rows(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,9 @@ Route (logits (T, E) → weights (T, k) in fp32 (fp64 for fp64 logits), indices 
     backward recomputes w from the saved logits and indices.
 
 Experts (x (T, H), w, indices; stacked gate_up (E, 2I, H) and down (E, H, I), or (E, H, 2I) and
-(E, I, H) when ``transposed``; optional biases (E, 2I) and (E, H)):
+(E, I, H) when ``transposed``; optional biases (E, 2I) and (E, H); products in x's dtype, the weights
+cast to it inside each pass, so that fp32 parameters under autocast leave no bf16 copy saved for the
+backward; gradients in the weights' own dtypes):
     y[t] = Σ_j w[t, j] · (act(x[t] · GUᵀ + b) · Dᵀ + d)   for the expert e = indices[t, j]
 act splits h = [gate | up] (``halves``: "gate_up", "up_gate" or "interleaved" as GPT-OSS's
 gate = h[::2], up = h[1::2]) and gives silu(g)·u, gelu_tanh(g)·u, or GPT-OSS's clamped SwiGLU
@@ -118,7 +120,7 @@ def moe_experts_fwd(x, weights, indices, gate_up, gate_up_bias, down, down_bias,
     t, k = indices.shape
     order, offs = gmm.sort_by_expert(indices, gate_up.shape[0])
     token, ids = order // k, indices.reshape(-1)[order]
-    gu, dn = _forward_layouts(gate_up, down, transposed)
+    gu, dn = _forward_layouts(gate_up.to(x.dtype), down.to(x.dtype), transposed)  # cast here, never saved
     h = gmm.rows(x[token], gu, offs)
     if gate_up_bias is not None:
         h = h + _gathered_bias(gate_up_bias, ids, h.dtype)
@@ -143,7 +145,7 @@ def moe_experts_bwd(dy, x, weights, indices, gate_up, gate_up_bias, down, down_b
     f = compute_dtype(h, weights)
     ws = weights.reshape(-1)[order].to(f).unsqueeze(-1)
     g = dy[token].to(ct)
-    gu, dn = _forward_layouts(gate_up, down, transposed)
+    gu, dn = _forward_layouts(gate_up.to(ct), down.to(ct), transposed)
     u = gmm.rows(g, dn.transpose(1, 2), offs)  # (S, I): g · D
     a, (dh,) = value_and_vjp(activation, (h,), (u.to(f) * ws).to(ct), halves, act, alpha, limit)
     dws = (u.to(f) * a.to(f)).sum(-1)
