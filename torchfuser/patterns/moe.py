@@ -15,12 +15,10 @@ interleaved halves, with or without biases, either weight layout; a shared exper
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-from torchfuser.modules.moe import FusedMoE, MoESpec
+from torchfuser.modules.moe import FusedMoE
 from torchfuser.patterns import _moe_probe as mp, _probe, _reasons
 from torchfuser.patterns._moe_block import BlockProbe
 from torchfuser.patterns.base import Pattern, Skip, further_inputs
