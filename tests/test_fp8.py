@@ -26,6 +26,7 @@ def _model():
 
 class _Count:
     def __init__(self, monkeypatch):
+        fp8._cpu_rowwise()  # its one probe call of _scaled_mm, made before counting
         self.calls = 0
         real = torch._scaled_mm
 
@@ -263,3 +264,17 @@ def test_quantisation_under_torch_compile_follows_the_policy(monkeypatch):
         monkeypatch.setenv("TORCHFUSER_COMPILED_ELEMENTWISE", policy)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert fp8_quant._compiled_as_definition() is definition, policy
+
+
+def test_cpu_rowwise_emulation_is_scaled_mm_math(monkeypatch):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only (the GPU machine's CPU): rowwise products
+    there are computed as its math in fp32, which must equal what a build that has them computes."""
+    a, b, bias = torch.randn(32, 64), torch.randn(48, 64), torch.randn(48)
+    qa, qb = fp8.quantize(a, "rowwise"), fp8.quantize(b, "rowwise")
+    monkeypatch.setattr(fp8, "_cpu_rowwise", lambda: False)
+    emulated = fp8.mm(qa, qb, torch.float32, bias)
+    want = (qa[0].double() * qa[1].double()) @ (qb[0].double() * qb[1].double()).t() + bias.double()
+    torch.testing.assert_close(emulated.double(), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    if fp8._cpu_rowwise():
+        torch.testing.assert_close(fp8.mm(qa, qb, torch.float32, bias), emulated, rtol=1e-5, atol=1e-5)

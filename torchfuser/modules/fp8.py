@@ -29,6 +29,8 @@ CUDA GPUs of compute capability 8.9 or newer, and the CPU (slow, for tests).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
@@ -72,6 +74,10 @@ def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtyp
     bias in the epilogue of a bf16 output where the kernel takes one, else added after)."""
     (qa, sa), (qb, sb) = a, b
     sb = sb.t() if sb.dim() else sb
+    if qa.device.type == "cpu" and sa.numel() > 1 and not _cpu_rowwise():
+        # torch 2.11's CPU _scaled_mm takes per-tensor scales only: its math, in fp32 (e4m3 values are exact there)
+        out = torch.mm(qa.float(), qb.float().t()).mul_(sa).mul_(sb)
+        return (out if bias is None else out.add_(bias.float())).to(out_dtype)
     key = (qa.device.type, sa.dim())
     if out_dtype != torch.bfloat16 and _WIDE_OUT.get(key, True):
         try:
@@ -92,6 +98,17 @@ def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtyp
     if out_dtype != torch.bfloat16:
         out = out.to(out_dtype)
     return out if bias is None else out + bias.to(out_dtype)
+
+
+@functools.cache
+def _cpu_rowwise() -> bool:
+    """Whether this build's CPU ``_scaled_mm`` takes per-row scales (torch 2.13 does, 2.11 does not)."""
+    q = torch.zeros(16, 16).to(E4M3)
+    try:
+        torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError:
+        return False
 
 
 class _Weights:
