@@ -64,25 +64,38 @@ def test_fp8_trains_close_to_bf16(recipe, monkeypatch):
         assert cos > 0.99, (name, cos.item())
 
 
-def test_weights_are_quantised_once_per_version(monkeypatch):
+def test_trainable_weights_are_quantised_at_every_call(monkeypatch):
     model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
     made = []
     real = fp8.quantize
     monkeypatch.setattr(fp8, "quantize", lambda t, recipe, **kw: made.append(t.shape) or real(t, recipe, **kw))
     ids = torch.randint(0, 128, (2, 16))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     counts = []
-    for _ in range(3):  # two micro-batches of one step, then a step, then one more micro-batch
+    for _ in range(2):  # two micro-batches
         before = len(made)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=ids, labels=ids).loss.backward()
         counts.append(len(made) - before)
-        if len(counts) == 2:
-            opt.step()
-    groups = 4 * 2
-    # Each call quantises x, dy (twice) and x again for dW: 4 activations a group; the weights' two
-    # copies only where a weight is new or changed.
-    assert counts == [groups * 6, groups * 4, groups * 6]
+    # Each call quantises x, dy (twice) and x again for dW: 4 activations a group, and the weights' two copies.
+    assert counts == [4 * 2 * 6] * 2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_forward_follows_the_optimizer_step(fused):
+    """A fused AdamW updates the weights in place without bumping their version counters: the next
+    forward must still see the new weights (a cache keyed on versions trained on the first step's)."""
+    model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    fresh = torchfuser.optimize(torchfuser.restore(copy.deepcopy(model)), backend="reference", fp8="rowwise")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, fresh(input_ids=ids, labels=ids).loss,
+                                   rtol=0, atol=0)
 
 
 def test_frozen_weights_are_quantised_once(monkeypatch):
@@ -211,18 +224,16 @@ def test_transposed_quantisation_is_that_of_the_transposed_copy():
 
 
 def test_backward_quantises_dw_operands_transposed(monkeypatch):
-    """Per projection group and step: x and dy as they are (forward, dx), dy and x transposed (dW),
-    and never a transposed copy of either."""
+    """Per projection group and step: x, dy and the weight as they are (forward, dx), dy, x and the
+    weight transposed (dW, and the weight's copy for dx), and never a transposed copy of any."""
     model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(input_ids=torch.randint(0, 128, (2, 16)))  # the weights' copies made before counting
     seen = []
     real = fp8.quantize
     monkeypatch.setattr(fp8, "quantize", lambda t, recipe, transpose=False: seen.append(
         (transpose, t.is_contiguous())) or real(t, recipe, transpose))
     _step(model, torch.randint(0, 128, (2, 16)))
     groups = 4 * 2
-    assert sorted(seen) == sorted([(False, True)] * 2 * groups + [(True, True)] * 2 * groups)
+    assert sorted(seen) == sorted([(False, True)] * 3 * groups + [(True, True)] * 3 * groups)
 
 
 def test_projection_biases_in_the_gemm_epilogue(monkeypatch):

@@ -10,10 +10,12 @@ the fused LoRA node, ``modules.lora``) runs three FP8 GEMMs through
               dW = q(dyᵀ)·q(xᵀ)ᵀ       along M: per output channel of dy, per input channel of x
 
 (``tensorwise``: one scale per tensor instead). Scales are amax / 448 (e4m3's largest finite value),
-in fp32. The weights' two quantised copies are made once per weight version: an optimizer step
-bumps the parameter's version counter (read on the host, no sync), so they are refreshed after each
-step and never per micro-batch; a frozen weight is quantised once. Inside torch.compile and CUDA-graph
-captures they are quantised in the graph, every call (a recorded copy would go stale).
+in fp32. A trainable weight's two quantised copies are made at every call: fused optimizers
+(``AdamW(fused=True)``) update parameters in place without bumping their version counter, so no
+cache key read on the host could tell a stale copy (one such cache trained llama1b on step 0's
+weights). A frozen weight (LoRA's bases) is quantised once per version (``load_state_dict`` and other
+in-place copies bump it). Inside torch.compile and CUDA-graph captures every weight is quantised in
+the graph, every call (a recorded copy would go stale).
 
 On CUDA each quantisation is a Triton kernel that reads its operand at most twice and writes the
 e4m3 values once (``ops.fp8_quant``, backends/triton/fp8_quant.py; bit for bit the PyTorch formula
@@ -112,7 +114,8 @@ def _cpu_rowwise() -> bool:
 
 
 class _Weights:
-    """A weight's (or concatenated weights') two quantised copies, remade when a weight changes."""
+    """A weight's (or concatenated weights') two quantised copies: kept for frozen weights, remade at
+    every call for trainable ones (module docstring)."""
 
     __slots__ = ("key", "fwd", "bwd")
 
@@ -120,9 +123,9 @@ class _Weights:
         self.key = None
 
     def get(self, weights: list[Tensor], recipe: str):
-        if _recording(weights[0]):
-            # A compiled graph or a CUDA graph replays what it recorded: a cached copy would go stale
-            # at the next optimizer step, so there the weights are quantised inside it, every call.
+        if _recording(weights[0]) or any(w.requires_grad for w in weights):
+            # A compiled graph or a CUDA graph replays what it recorded, and a fused optimizer's step
+            # leaves the version counter as it was: either way a kept copy could go stale.
             return _both(weights, recipe)
         key = (recipe, *((id(w), w._version, w.data_ptr()) for w in weights))
         if key != self.key:
