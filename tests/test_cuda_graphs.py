@@ -89,8 +89,12 @@ def test_unfused_model_has_no_stack():
 
 
 def _step(model, ids, opt=None, autocast=False):
+    return _batch_step(model, {"input_ids": ids, "labels": ids}, opt, autocast)
+
+
+def _batch_step(model, batch, opt=None, autocast=False):
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = model(**batch, use_cache=False).loss
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     if opt is not None:
@@ -229,13 +233,9 @@ def _batch(seq, gen, padded_rows):
 
 
 def _masked_step(model, batch, opt=None):
-    loss = model(**batch, use_cache=False).loss
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    if opt is not None:
-        opt.step()
+    out = _batch_step(model, batch, opt)
     model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
+    return out
 
 
 @cuda
