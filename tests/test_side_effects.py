@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 import torchfuser
 from arch_sweep import tiny_config
 from test_optimize import tiny_llama
-from torchfuser import patterns, walker
+from torchfuser import backends, patterns, walker
+from torchfuser.backends.mlir import cache as mlir_cache
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import FusedModule
 from torchfuser.patterns.norms import RMSNormPattern
@@ -200,3 +201,18 @@ def test_a_second_optimize_with_a_backend_that_cannot_run_changes_nothing():
     with pytest.raises(RuntimeError, match="triton"):
         torchfuser.optimize(model, backend="triton")
     assert _backends(model) == {"reference"} and walker.state(model).backend == "reference"
+
+
+@pytest.mark.skipif(backends.unavailable_reason("mlir", "cpu") is not None, reason="needs torch-mlir")
+def test_compiling_kernels_at_the_first_call_draws_from_no_global_generator(tmp_path, monkeypatch):
+    """The MLIR backend traces each kernel on example inputs when a fused model first runs it; those
+    examples come from a generator of their own, so a dropout mask drawn after the call is the one the
+    unfused model draws."""
+    monkeypatch.setenv("TORCHFUSER_CACHE_DIR", str(tmp_path))  # nothing cached on disk: every kernel compiles
+    mlir_cache.clear_memory()
+    model = torchfuser.optimize(with_dropouts("gpt2").eval(), backend="mlir")
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    before = torch.get_rng_state()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert torch.equal(torch.get_rng_state(), before)

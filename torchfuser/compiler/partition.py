@@ -98,6 +98,7 @@ def _real_examples(node: Node):
     from torchfuser.compiler._compat import size_hint
 
     out = []
+    gen = torch.Generator().manual_seed(0)  # its own: compiling must not move the caller's generator
     with unset_fake_temporarily():
         for a in node.args:
             v = a.meta.get("val") if isinstance(a, Node) else a
@@ -105,9 +106,9 @@ def _real_examples(node: Node):
                 return None
             shape = [int(size_hint(s)) for s in v.shape]
             if v.is_floating_point():
-                t = torch.randn(shape).to(v.dtype)
+                t = torch.randn(shape, generator=gen).to(v.dtype)
             else:  # never all zeros: zeros hide a wrong row contract or a wrong cast (positions → float)
-                t = torch.randint(1, 8, shape).to(v.dtype)
+                t = torch.randint(1, 8, shape, generator=gen).to(v.dtype)
             out.append(t)
     return out
 

@@ -167,7 +167,10 @@ def _warm_up(layers, params, tensors, call) -> None:
                 outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
             wrt = [t for t in (*sample, *stand) if t.requires_grad]
             if outs and wrt:
-                torch.autograd.grad(outs, wrt, [torch.randn_like(o) for o in outs], allow_unused=True)
+                # Gradients from a generator of its own: warming up must not move the caller's CUDA generator.
+                gen = torch.Generator(device=outs[0].device).manual_seed(0)
+                grads = [torch.empty_like(o).normal_(generator=gen) for o in outs]
+                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 

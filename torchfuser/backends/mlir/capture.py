@@ -73,7 +73,10 @@ def decompositions():
 def example(spec: ArgSpec, rows: int) -> torch.Tensor:
     shape = (rows, *spec.shape) if spec.role == ROW else spec.shape
     if spec.dtype.is_floating_point:
-        return torch.randn(shape, dtype=torch.float32).to(spec.dtype)
+        # A generator of its own: a kernel compiled at a model's first call must not move the global one
+        # (a dropout mask drawn after it would change).
+        gen = torch.Generator().manual_seed(0)
+        return torch.randn(shape, dtype=torch.float32, generator=gen).to(spec.dtype)
     return torch.zeros(shape, dtype=spec.dtype)
 
 
