@@ -157,6 +157,8 @@ def _warm_up(layers, params, tensors, call) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     wants_grad = bool(tensors) and tensors[0].requires_grad
+    # Gradients from a generator of its own (made before syncs raise): warming up must not move the caller's.
+    gen = torch.Generator(device=tensors[0].device).manual_seed(0)
     with torch.cuda.stream(side), _syncs_raise():
         for i in range(len(layers)):
             sample = _hidden_sample(tensors, wants_grad)
@@ -167,8 +169,6 @@ def _warm_up(layers, params, tensors, call) -> None:
                 outs = [o for o in pytree.tree_leaves(out) if isinstance(o, Tensor) and o.requires_grad]
             wrt = [t for t in (*sample, *stand) if t.requires_grad]
             if outs and wrt:
-                # Gradients from a generator of its own: warming up must not move the caller's CUDA generator.
-                gen = torch.Generator(device=outs[0].device).manual_seed(0)
                 grads = [torch.empty_like(o).normal_(generator=gen) for o in outs]
                 torch.autograd.grad(outs, wrt, grads, allow_unused=True)
     torch.cuda.current_stream().wait_stream(side)
