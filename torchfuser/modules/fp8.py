@@ -31,7 +31,6 @@ CUDA GPUs of compute capability 8.9 or newer, and the CPU (slow, for tests).
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +56,8 @@ def check(recipe, device: torch.device | None) -> str | None:
                              f"{torch.cuda.get_device_name(device)} is {major}.{minor}. Leave fp8=None on this GPU.")
     elif device is not None and device.type != "cpu":
         raise ValueError(f"fp8={recipe!r} runs on CUDA GPUs (and the CPU, for tests), not on {device.type}")
+    elif device is not None:
+        _cpu_rowwise()  # probed now, before any torch.compile could trace the probe
     return recipe
 
 
@@ -102,15 +103,22 @@ def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtyp
     return out if bias is None else out + bias.to(out_dtype)
 
 
-@functools.cache
+_CPU_ROWWISE: dict = {}
+
+
 def _cpu_rowwise() -> bool:
-    """Whether this build's CPU ``_scaled_mm`` takes per-row scales (torch 2.13 does, 2.11 does not)."""
-    q = torch.zeros(16, 16).to(E4M3)
-    try:
-        torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-        return True
-    except RuntimeError:
-        return False
+    """Whether this build's CPU ``_scaled_mm`` takes per-row scales (torch 2.13 does, 2.11 does not):
+    probed once, outside any trace (under torch.compile before the probe, the emulation, right everywhere)."""
+    if "ok" not in _CPU_ROWWISE:
+        if torch.compiler.is_compiling():
+            return False
+        q = torch.zeros(16, 16).to(E4M3)
+        try:
+            torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+            _CPU_ROWWISE["ok"] = True
+        except RuntimeError:
+            _CPU_ROWWISE["ok"] = False
+    return _CPU_ROWWISE["ok"]
 
 
 class _Weights:
