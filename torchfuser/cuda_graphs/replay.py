@@ -158,15 +158,13 @@ class Stack:
             pad = buckets.padding(layout, tensors, self.options)
             if isinstance(pad, str):
                 self.exact = pad
-            elif not pad.pads or self.checked:
-                return pad
-            elif index == 0:  # the first call that pads: is padding exact for this layer?
+            elif pad.pads and not self.checked:  # the first call that pads: is padding exact for this layer?
+                if index != 0:  # checked on layer 0's call
+                    return Padding.exact(tensors)
                 self.exact = self._check(layout, tensors, pad)
                 self.checked = self.exact is None
-                if self.checked:
-                    return pad
-            else:
-                return Padding.exact(tensors)
+            if self.exact is None:
+                return pad
         return Padding.exact(tensors)
 
     def _check(self, layout, tensors, pad) -> str | None:
