@@ -131,3 +131,71 @@ def test_graph_options_are_checked_and_reach_the_stacks(monkeypatch):
         torchfuser.optimize(model, backend="mlir", cuda_graphs=True)
         assert cuda_graphs.options(model) == GraphOptions(max_buckets=2, pool_gib=4)
     torchfuser.restore(model)
+
+
+class _Stand:
+    """A stack's captures and replays stood in for on the CPU (no CUDA graph), to test its decisions:
+    which bucket a call takes, when a set is captured or dropped, what the report says."""
+
+    def __init__(self, monkeypatch, options):
+        from types import SimpleNamespace
+
+        from torchfuser.cuda_graphs import replay, signature
+
+        self.model = _model()
+        self.captured = []
+
+        def capture(layers, forwards, params, layout, tensors, chain=True, pool=None):
+            self.captured.append(tensors[0].shape[1])
+            return [SimpleNamespace(param_key=signature.param_key(p), inputs=[t.detach().requires_grad_(t.requires_grad)
+                                    for t in tensors], chained=False, grad_inputs=(), out_spec=None, params=(),
+                                    pending=lambda: False) for p in params]
+
+        monkeypatch.setattr(replay, "capture", capture)
+        monkeypatch.setattr(replay._Replay, "apply", lambda stack, g, pad, *ts: (ts[0],))
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, len(self.captured)))
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2**30 * len(self.captured))  # 1 GiB a set
+        layers = self.model.model.layers
+        self.stack = replay.Stack("model.layers", list(layers), [layer.forward for layer in layers], options)
+
+    def step(self, seq):
+        seen = {}
+        hook = self.model.model.layers[0].register_forward_pre_hook(lambda m, a, k: seen.update(a=a, k=k), with_kwargs=True)
+        ids = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(seq))
+        with torch.no_grad():
+            self.model(input_ids=ids, use_cache=False)
+        hook.remove()
+        for i in range(len(self.stack.layers)):
+            self.stack.call(i, *seen["a"], **seen["k"])
+
+
+def test_stack_takes_buckets_and_reports_hit_rates(monkeypatch):
+    stand = _Stand(monkeypatch, GraphOptions())
+    for seq in (13, 16, 9, 30, 31, 13):
+        stand.step(seq)
+    s = stand.stack
+    assert stand.captured == [16, 32] and s.checked and not s.eager and s.served == {16: 4, 32: 2}
+    assert s.replays == 6 * 2
+    assert "length buckets (16: 4 steps, 75% hits, 32: 2 steps, 50% hits); 2 set(s) kept (max 8), 2.0 GiB" in s.describe()
+
+
+@pytest.mark.parametrize("options", [GraphOptions(max_buckets=1), GraphOptions(pool_gib=1.2)], ids=["max_buckets", "pool_gib"])
+def test_stack_drops_sets_to_stay_in_bounds_then_stops(monkeypatch, options):
+    stand = _Stand(monkeypatch, options)
+    for seq in (16, 32, 16, 32, 16):
+        stand.step(seq)
+    s = stand.stack
+    assert stand.captured == [16, 32, 16] and s.dropped == 2 and len(s.sets) == 1
+    assert s.disabled.startswith("lengths kept leaving the 1 set(s) of graphs that fit (3 captures, 2 dropped)")
+    assert s.eager[s.disabled] == 2 * 2 and s.replays == 3 * 2
+
+
+def test_stack_with_unpadded_lengths_keeps_a_set_per_length(monkeypatch):
+    stand = _Stand(monkeypatch, GraphOptions(pad_lengths=False))
+    for seq in (13, 16, 13):
+        stand.step(seq)
+    s = stand.stack
+    assert stand.captured == [13, 16] and s.served == {13: 2, 16: 1} and not s.checked
+    assert "exact lengths (13: 2 steps, 50% hits, 16: 1 steps, 0% hits)" in s.describe()
+    assert "graphs per exact length: lengths are not padded" in s.describe()
