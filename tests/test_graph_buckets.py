@@ -143,10 +143,11 @@ class _Stand:
         from torchfuser.cuda_graphs import replay, signature
 
         self.model = _model()
-        self.captured = []
+        self.captured, self.pools = [], []
 
         def capture(layers, forwards, params, layout, tensors, chain=True, pool=None):
             self.captured.append(tensors[0].shape[1])
+            self.pools.append(pool)
             return [SimpleNamespace(param_key=signature.param_key(p), inputs=[t.detach().requires_grad_(t.requires_grad)
                                     for t in tensors], chained=False, grad_inputs=(), out_spec=None, params=(),
                                     pending=lambda: False) for p in params]
@@ -176,6 +177,7 @@ def test_stack_takes_buckets_and_reports_hit_rates(monkeypatch):
         stand.step(seq)
     s = stand.stack
     assert stand.captured == [16, 32] and s.checked and not s.eager and s.served == {16: 4, 32: 2}
+    assert stand.pools == [(0, 0)] * 2  # every bucket's graphs in one pool
     assert s.replays == 6 * 2
     assert "length buckets (16: 4 steps, 75% hits, 32: 2 steps, 50% hits); 2 set(s) kept (max 8), 2.0 GiB" in s.describe()
 
@@ -187,6 +189,7 @@ def test_stack_drops_sets_to_stay_in_bounds_then_stops(monkeypatch, options):
         stand.step(seq)
     s = stand.stack
     assert stand.captured == [16, 32, 16] and s.dropped == 2 and len(s.sets) == 1
+    assert stand.pools == [(0, 0), (0, 1), (0, 2)]  # no set left alive: a new pool (the old one is gone with them)
     assert s.disabled.startswith("lengths kept leaving the 1 set(s) of graphs that fit (3 captures, 2 dropped)")
     assert s.eager[s.disabled] == 2 * 2 and s.replays == 3 * 2
 
