@@ -124,6 +124,16 @@ def _fwd_bwd(block, x, dy):
     return y.detach(), x.grad, {n.removeprefix("_orig_mod."): p.grad for n, p in block.named_parameters()}
 
 
+def _same_fwd_bwd(fused, block, x, dy):
+    """Output, input gradient and every parameter's gradient of ``fused`` equal ``block``'s."""
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = _fwd_bwd(fused, x, dy), _fwd_bwd(block, x, dy)
+    _close(y, y_ref, "output")
+    _close(dx, dx_ref, "dx")
+    for n, g in grads_ref.items():
+        _close(grads[n], g, n)
+    return grads
+
+
 def _positive_input(h=64, n=24):
     return torch.rand(2, n // 2, h, generator=torch.Generator().manual_seed(2)) + 0.1
 
@@ -144,11 +154,7 @@ def test_routing_edge_cases_exact(edge):
     assert {"expert_without_tokens": counts[0] == 0, "all_tokens_to_one_expert": counts[2] == 24,
             "top_k_all_experts": (counts == 24).all()}[edge]
     dy = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(3))
-    (y, dx, grads), (y_ref, dx_ref, grads_ref) = _fwd_bwd(fused, x, dy), _fwd_bwd(block, x, dy)
-    _close(y, y_ref, "output")
-    _close(dx, dx_ref, "dx")
-    for n, g in grads_ref.items():
-        _close(grads[n], g, n)
+    grads = _same_fwd_bwd(fused, block, x, dy)
     if edge == "expert_without_tokens":
         assert (grads["experts.gate_up_proj"][0] == 0).all() and (grads["experts.down_proj"][0] == 0).all()
 
@@ -199,11 +205,7 @@ def test_fused_block_under_torch_compile_fullgraph():
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
     x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(6))
     dy = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(7))
-    (y, dx, grads), (y_ref, dx_ref, grads_ref) = _fwd_bwd(compiled, x, dy), _fwd_bwd(block, x, dy)
-    _close(y, y_ref, "output")
-    _close(dx, dx_ref, "dx")
-    for n, g in grads_ref.items():
-        _close(grads[n], g, n)
+    _same_fwd_bwd(compiled, block, x, dy)
 
 
 def test_gpt_oss_clamp_engaged_exact():
@@ -215,11 +217,7 @@ def test_gpt_oss_clamp_engaged_exact():
     h = x.reshape(-1, 64) @ block.experts.gate_up_proj[0]
     assert (h.abs() > block.experts.limit).float().mean() > 0.2
     dy = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(9))
-    (y, dx, grads), (y_ref, dx_ref, grads_ref) = _fwd_bwd(fused, x, dy), _fwd_bwd(block, x, dy)
-    _close(y, y_ref, "output")
-    _close(dx, dx_ref, "dx")
-    for n, g in grads_ref.items():
-        _close(grads[n], g, n)
+    _same_fwd_bwd(fused, block, x, dy)
 
 
 def test_calls_the_fused_path_cannot_take_run_the_original_and_are_counted():
