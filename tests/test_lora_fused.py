@@ -239,8 +239,11 @@ def test_bf16_base_rule_catches_a_wrong_scaling(monkeypatch):
     ref, fused = _pair("llama", dtype=torch.bfloat16)
     ref64 = copy.deepcopy(ref).double()
     real = lora._add_split_terms
-    monkeypatch.setattr(lora, "_add_split_terms", lambda y2, plan, hs, bb: [
-        t * s for t, s in zip(real(y2, plan, hs, bb), plan.scaling)])
+    def doubled(y2, plan, hs, bb):
+        h3, b3 = real(y2, plan, hs, bb)
+        return [t * s for t, s in zip(h3, plan.scaling)], b3
+
+    monkeypatch.setattr(lora, "_add_split_terms", doubled)
     with pytest.raises(AssertionError, match="lora_B"):
         _rule_bf16(fused, ref, ref64)
 
@@ -374,14 +377,16 @@ def test_the_report_says_which_blocks_carry_adapters_and_restore_sees_through_pe
 def test_bf16_base_keeps_each_projection_input_once_in_bf16():
     """PEFT's adapters keep an fp32 copy of every adapted projection's input for the backward (fp32
     adapters on a bf16 base); the fused node keeps the bf16 input once, the output and down projections'
-    included (before they ran as PEFT's layers: 183,680 bytes here, now 102,784; PEFT 364,100)."""
+    included (before they ran as PEFT's layers: 183,680 bytes here, then 102,784; PEFT 364,100). It also
+    keeps the adapters' bf16 hi/lo splits for the backward (181,888 here, where the adapters are as wide as
+    the activations; ≈ 4 MB a layer of llama8b's 1 GiB)."""
     ref, fused = _pair("llama", dtype=torch.bfloat16)
     saved = {}
     for name, model in (("peft", ref), ("fused", fused)):
         with demo._SavedBytes() as counted:
             model(input_ids=_ids(), labels=_ids()).loss
         saved[name] = counted.total
-    assert saved["fused"] < 0.35 * saved["peft"], saved
+    assert saved["fused"] < 0.55 * saved["peft"], saved
 
 
 # The node on its own, bf16 base and fp32 adapters (PEFT's default), no autocast: its hi/lo bf16

@@ -257,10 +257,12 @@ class _LoRALinear(torch.autograd.Function):
             bb = [B.to(cl) for B in Bs]
             plain = [k for k, t in enumerate(plan.term_input) if t == 0]
             hs = [None] * len(As)
+            a_hl = None  # the plain A's [hi; lo] (bf16), kept for dx: small, and one split fewer in the backward
             if plain:  # the A's of every adapter without a live dropout: one GEMM on x
                 a0 = torch.cat([a[k] for k in plain])
                 if plan.hilo:  # x·A_hiᵀ + x·A_loᵀ as one bf16 GEMM, fp32 out
-                    h0 = _halves(_mm_fp32(x2, _hilo(a0, "hl", 0, cb).t()), 1)
+                    a_hl = _hilo(a0, "hl", 0, cb)
+                    h0 = _halves(_mm_fp32(x2, a_hl.t()), 1)
                 else:
                     h0 = torch.mm(x2.to(cl), a0.t())
                 for k, h in zip(plain, h0.split([a[k].shape[0] for k in plain], dim=1)):
@@ -269,8 +271,9 @@ class _LoRALinear(torch.autograd.Function):
                 if t:  # PEFT's fp32 dropped input: an fp32 GEMM ([T × d], not [T × out])
                     xd = inputs[t - 1].reshape(-1, x2.shape[-1]).to(cl)
                     hs[k] = torch.mm(xd, a[k].t())
-            if plan.hilo:
-                hs = _add_split_terms(y2, plan, hs, bb)  # saved: s·h as [hi | lo | hi] (bf16), not h
+            b3 = []
+            if plan.hilo:  # saved: s·h as [hi | lo | hi] (bf16), not h; each B's [hi | hi | lo] for dh
+                hs, b3 = _add_split_terms(y2, plan, hs, bb)
             else:
                 _add_terms(y2, plan, hs, bb)
         # The saved base weights: the cast/concatenation where autocast made one (as autocast saves
@@ -278,9 +281,11 @@ class _LoRALinear(torch.autograd.Function):
         cast = w.dtype != weights[0].dtype
         # x (as cast) only where a gradient reads it: a base weight's, or an A's on x itself.
         wants_x = any(plan.split(ctx.needs_input_grad[2:])[1]) or bool(plain)
-        # a, bb: the parameters themselves where no cast was made (fp32 adapters); the split path makes
-        # its bf16 parts of A and B again in the backward (small GEMM operands, not kept between).
-        ctx.save_for_backward(xb if wants_x else None, *inputs, *(weights if not cast else [w]), *a, *bb, *hs)
+        # a, bb: the parameters themselves where no cast was made (fp32 adapters); the split path keeps
+        # its bf16 parts of A and B (N × 3r and 2R × K: ≈ 4 MB a llama8b layer) rather than making them
+        # again in the backward: the step is bound by the host, and each split is several launches.
+        ctx.save_for_backward(xb if wants_x else None, *inputs, *(weights if not cast else [w]), *a, *bb, *hs,
+                              a_hl, *b3)
         ctx.plan, ctx.cast, ctx.x_dtype = plan, cast, x.dtype
         ctx.dtypes = [t.dtype for t in (*weights, *biases, *As, *Bs)]
         return y
@@ -293,7 +298,8 @@ class _LoRALinear(torch.autograd.Function):
         xb, inputs = saved[0], saved[1:1 + plan.n_inputs]
         rest = saved[1 + plan.n_inputs:]
         nw = 1 if ctx.cast else n
-        weights, a, bb, hs = rest[:nw], rest[nw:nw + k], rest[nw + k:nw + 2 * k], rest[nw + 2 * k:]
+        weights, a, bb, hs = rest[:nw], rest[nw:nw + k], rest[nw + k:nw + 2 * k], rest[nw + 2 * k:nw + 3 * k]
+        a_hl, b3 = rest[nw + 3 * k], rest[nw + 3 * k + 1:]
         need_x = ctx.needs_input_grad[1]
         need_in, need_w, need_b, need_a, need_bb = plan.split(ctx.needs_input_grad[2:])
         _, w_dtypes, b_dtypes, a_dtypes, bb_dtypes = plan.split([None] * plan.n_inputs + ctx.dtypes)
@@ -311,8 +317,8 @@ class _LoRALinear(torch.autograd.Function):
                     g, r = cols[i], bb[j].shape[1]
                     if need_bb[j]:
                         d_bb[j] = _halves(_mm_fp32(g.t(), hs[j][:, :2 * r]), 1).to(bb_dtypes[j])
-                    if want_dh:
-                        dh[j] = _halves(_mm_fp32(g, _hilo(bb[j], "hl", 1, cb)), 1).mul_(s)
+                    if want_dh:  # [B_hi | B_lo]: the last two thirds of the forward's [hi | hi | lo]
+                        dh[j] = _halves(_mm_fp32(g, b3[j][:, r:]), 1).mul_(s)
                     continue
                 g = cols[i].to(cl)
                 if need_bb[j]:
@@ -334,8 +340,8 @@ class _LoRALinear(torch.autograd.Function):
                         da = _halves(_mm_fp32(d3[:, :2 * dh0.shape[1]].t(), x2), 0).split(rows)
                         for j, g in zip(plain, da):
                             d_a[j] = g.to(a_dtypes[j]) if need_a[j] else None
-                    if need_x:
-                        _addmm_bf16_(dx, d3, _hilo(torch.cat([a[j] for j in plain]), "hhl", 0, cb))
+                    if need_x:  # [A_hi; A_hi; A_lo] from the forward's [A_hi; A_lo]
+                        _addmm_bf16_(dx, d3, torch.cat([a_hl[:dh0.shape[1]], a_hl]))
                 else:
                     if any(need_a[j] for j in plain):
                         da = _mm(dh0.t(), x2.to(cl), a_dtypes[plain[0]]).split(rows)
@@ -383,19 +389,20 @@ def _add_split_terms(y2: Tensor, plan: _Plan, hs, bb) -> list[Tensor]:
     """y_i += Σ s·h·Bᵀ in place on y's bf16 columns, one addmm per projection over every term's
     [h_hi | h_lo | h_hi]·[B_hi | B_hi | B_lo]ᵀ (s·h split, so one alpha serves terms of different
     scalings): y read and written once, the product's fp32 accumulator added before the one rounding
-    (PEFT's: the fp32 sum rounded once). Returns each term's split s·h, what dB reads."""
+    (PEFT's: the fp32 sum rounded once). Returns each term's split s·h (what dB reads) and split B
+    (what dh reads)."""
     cb = plan.base_dtype
     h3 = [_hilo(h if s == 1 else h * s, "hlh", 1, cb) for h, s in zip(hs, plan.scaling)]
+    b3 = [_hilo(b, "hhl", 1, cb) for b in bb]
     start = 0
     for i, rows in enumerate(plan.rows):
         js = [j for j, p in enumerate(plan.term_proj) if p == i]
         if js:
             left = torch.cat([h3[j] for j in js], 1) if len(js) > 1 else h3[js[0]]
-            right = [_hilo(bb[j], "hhl", 1, cb) for j in js]
-            right = torch.cat(right, 1) if len(js) > 1 else right[0]
+            right = torch.cat([b3[j] for j in js], 1) if len(js) > 1 else b3[js[0]]
             _addmm_bf16_(y2[:, start:start + rows], left, right.t())
         start += rows
-    return h3
+    return h3, b3
 
 
 def _hilo(t: Tensor, parts: str, dim: int, dtype: torch.dtype) -> Tensor:
