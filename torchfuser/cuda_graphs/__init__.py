@@ -34,8 +34,8 @@ The price of replay:
 - One backward per forward: a second backward through the same replay raises.
 
 Files: ``signature.py`` (what a call must match), ``buckets.py`` (length buckets and padding),
-``capture.py`` (warm-up and capture), ``replay.py`` (the autograd Function that replays a layer,
-and the per-stack decisions).
+``capture.py`` (warm-up and capture), ``function.py`` (the autograd Function that replays a layer),
+``replay.py`` (the per-stack decisions: which set of graphs serves a call, captures and drops).
 """
 from __future__ import annotations
 
