@@ -202,3 +202,21 @@ def test_stack_with_unpadded_lengths_keeps_a_set_per_length(monkeypatch):
     assert stand.captured == [13, 16] and s.served == {13: 2, 16: 1} and not s.checked
     assert "exact lengths (13: 2 steps, 50% hits, 16: 1 steps, 0% hits)" in s.describe()
     assert "graphs per exact length: lengths are not padded" in s.describe()
+
+
+def test_a_layer_that_refuses_padded_shapes_gets_exact_lengths(monkeypatch):
+    """The padding check runs the layer on the padded call; a layer that raises there gets graphs per exact
+    length, with the reason, and the user's step goes on."""
+    stand = _Stand(monkeypatch, GraphOptions())
+    real = stand.stack.forwards[0]
+
+    def only_unpadded(hidden_states, *args, **kwargs):
+        if hidden_states.shape[1] != 13:
+            raise ValueError("this layer takes 13 positions only")
+        return real(hidden_states, *args, **kwargs)
+
+    stand.stack.forwards[0] = only_unpadded
+    stand.step(13)
+    s = stand.stack
+    assert s.exact == "the padded call raised ValueError: this layer takes 13 positions only"
+    assert stand.captured == [13] and not s.eager and "graphs per exact length: the padded call raised" in s.describe()
