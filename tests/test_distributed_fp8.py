@@ -11,33 +11,18 @@ import torch.distributed as dist
 
 import torchfuser
 from test_distributed_lora import _ddp, _fsdp2
-from test_fsdp import VOCAB, _full_params, _model, two_ranks
+from test_fsdp import _model, _train, two_ranks
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not (dist.is_available() and hasattr(fsdp, "fully_shard")):
     pytest.skip("torch.distributed FSDP2 (fully_shard) is not available", allow_module_level=True)
 
 
-def _train_bf16(model, rank: int, steps: int = 2):
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    gen = torch.Generator().manual_seed(10 + rank)
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (2, 16), generator=gen)  # 32 tokens: FP8 GEMMs take multiples of 16
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses, _full_params(model)
-
-
 def _compare(rank: int):
     fused = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
     assert any(n.startswith("fp8: rowwise") for n in torchfuser.report(fused).notes)
-    ddp_losses, ddp = _train_bf16(_ddp(copy.deepcopy(fused)), rank)
-    sharded_losses, sharded = _train_bf16(_fsdp2(fused), rank)
+    ddp_losses, ddp = _train(_ddp(copy.deepcopy(fused)), rank, seq=16, autocast=True)  # 32 tokens: FP8 takes multiples of 16
+    sharded_losses, sharded = _train(_fsdp2(fused), rank, seq=16, autocast=True)
     assert not torchfuser.report(fused).fallbacks  # every projection ran its FP8 GEMMs, sharded too
     assert sharded_losses == pytest.approx(ddp_losses, rel=1e-5)
     assert list(sharded) == list(ddp)

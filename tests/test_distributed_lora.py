@@ -63,38 +63,45 @@ def _compare_lora(rank: int, wrap):
         assert torch.equal(got[name], was), f"{name}: a frozen base changed"
 
 
-def _checkpoint(rank: int, path: str):
+def _checkpoint(rank: int, path: str, build=_model):
+    """A fused FSDP2 model of ``build`` trained a step and saved sharded (each rank writes its shards),
+    with its gathered parameters beside the checkpoint (rank 0)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    model = _fsdp2(torchfuser.optimize(_model(), backend="reference"))
+    model = _fsdp2(torchfuser.optimize(build(), backend="reference"))
     _train(model, rank, steps=1)
-    dcp.save(get_model_state_dict(model), checkpoint_id=path)  # sharded: each rank writes its shards
-    return _full_params(model)
+    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    full = _full_params(model)
+    if rank == 0:
+        torch.save(full, os.path.join(path, "gathered.pt"))
+
+
+def load_whole(plain, path: str):
+    """The sharded checkpoint at ``path``, read whole without a process group into the plain transformers
+    model ``plain``: every parameter equals the gathered one."""
+    import torch.distributed.checkpoint as dcp
+
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    plain.load_state_dict(state)
+    gathered = torch.load(os.path.join(path, "gathered.pt"))
+    assert list(gathered) == [n for n, _ in plain.named_parameters()]
+    for name, p in plain.named_parameters():
+        assert torch.equal(p, gathered[name]), name
+    return plain
 
 
 def _lora_and_checkpoint(rank: int, ckpt: str):
     _compare_lora(rank, _fsdp2)
     _compare_lora(rank, _ddp)
-    full = _checkpoint(rank, ckpt)
-    if rank == 0:
-        torch.save(full, os.path.join(ckpt, "gathered.pt"))
+    _checkpoint(rank, ckpt)
 
 
 def test_two_ranks_lora_under_fsdp2_and_ddp_and_a_sharded_checkpoint(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
     ckpt = str(tmp_path / "ckpt")
     errors = two_ranks(tmp_path, _lora_and_checkpoint, ckpt)
     assert not errors, errors
-    # The sharded checkpoint, read whole without a process group, into a plain transformers model.
-    plain = _model()
-    state = plain.state_dict()
-    dcp.load(state, checkpoint_id=ckpt, no_dist=True)
-    plain.load_state_dict(state)
-    gathered = torch.load(os.path.join(ckpt, "gathered.pt"))
-    assert list(gathered) == [n for n, _ in plain.named_parameters()]
-    for name, p in plain.named_parameters():
-        assert torch.equal(p, gathered[name]), name
+    plain = load_whole(_model(), ckpt)
     ids = torch.randint(0, VOCAB, (1, 8))
     assert torch.isfinite(plain(input_ids=ids, labels=ids).loss)

@@ -4,7 +4,6 @@ experts and router included, after SGD steps — and its sharded checkpoint load
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -12,8 +11,8 @@ import torch.distributed as dist
 from transformers import MixtralConfig, MixtralForCausalLM
 
 import torchfuser
-from test_distributed_lora import _ddp, _fsdp2
-from test_fsdp import VOCAB, _full_params, _train, two_ranks
+from test_distributed_lora import _checkpoint, _ddp, _fsdp2, load_whole
+from test_fsdp import VOCAB, _train, two_ranks
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not (dist.is_available() and hasattr(fsdp, "fully_shard")):
@@ -44,30 +43,13 @@ def _compare(rank: int, wrap):
 
 
 def _both(rank: int, ckpt: str):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     _compare(rank, _fsdp2)
     _compare(rank, _ddp)
-    model = _fsdp2(torchfuser.optimize(_mixtral(), backend="reference"))
-    _train(model, rank, steps=1)
-    dcp.save(get_model_state_dict(model), checkpoint_id=ckpt)  # sharded: each rank writes its shards
-    full = _full_params(model)
-    if rank == 0:
-        torch.save(full, os.path.join(ckpt, "gathered.pt"))
+    _checkpoint(rank, ckpt, _mixtral)
 
 
 def test_two_ranks_moe_under_fsdp2_and_ddp_and_a_sharded_checkpoint(tmp_path):
-    import torch.distributed.checkpoint as dcp
-
     ckpt = str(tmp_path / "ckpt")
     errors = two_ranks(tmp_path, _both, ckpt)
     assert not errors, errors
-    plain = _mixtral()  # the sharded checkpoint, read whole without a process group, into plain transformers
-    state = plain.state_dict()
-    dcp.load(state, checkpoint_id=ckpt, no_dist=True)
-    plain.load_state_dict(state)
-    gathered = torch.load(os.path.join(ckpt, "gathered.pt"))
-    assert list(gathered) == [n for n, _ in plain.named_parameters()]
-    for name, p in plain.named_parameters():
-        assert torch.equal(p, gathered[name]), name
+    load_whole(_mixtral(), ckpt)  # the sharded checkpoint, read whole into plain transformers

@@ -66,15 +66,16 @@ def _full_params(model) -> dict:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(model, rank: int, steps: int = 2):
+def _train(model, rank: int, steps: int = 2, seq: int = 12, autocast: bool = False):
     """Losses, then every full (all-gathered) parameter after the steps. Plain SGD: a parameter's
     change is its gradient times the rate, so a wrong or unsharded gradient shows undamped."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     gen = torch.Generator().manual_seed(10 + rank)
     losses = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (2, 12), generator=gen)
-        loss = model(input_ids=ids, labels=ids).loss
+        ids = torch.randint(0, VOCAB, (2, seq), generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
         opt.step()
