@@ -30,6 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from torchfuser.backends.reference.fp8_quant import rounding_cases  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 MODES = {"rowwise": (False, False), "rowwise-t": (False, True), "tensorwise": (True, False), "tensorwise-t": (True, True)}
@@ -79,17 +80,7 @@ def _operand(m, k, device, dtype=torch.bfloat16, seed=0):
 
 def _special(device):
     """Rows holding 448 (scale exactly 1) and every e4m3 midpoint ± 1 fp32 ulp; NaN, inf and zero rows."""
-    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
-    v = v[torch.isfinite(v)].unique()
-    mids = (v[1:] + v[:-1]) / 2
-    inf = torch.tensor(float("inf"))
-    vals = torch.cat([mids, mids.nextafter(inf), mids.nextafter(-inf), v])
-    vals = torch.cat([vals, -vals])
-    n = 127
-    rows = -(-vals.numel() // (n - 1))
-    t = torch.zeros(rows * (n - 1))
-    t[: vals.numel()] = vals
-    ties = torch.cat([torch.full((rows, 1), 448.0), t.view(rows, n - 1)], dim=1)
+    ties = rounding_cases()
     odd = torch.randn(8, 96)
     odd[0, 3], odd[1, 1], odd[2, 2], odd[3] = float("nan"), float("inf"), -float("inf"), 0.0
     return {"ties": ties.to(device), "nan-inf-zero": odd.to(device)}

@@ -91,17 +91,7 @@ def test_nan_inf_zero_rows(interpreter, mode):
 def test_rounding_ties_and_subnormals(interpreter):
     """Each row holds 448 (so its scale is exactly 1) and values on, just above and just below every
     e4m3 rounding midpoint, subnormal ones included: the cast itself, tie by tie."""
-    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
-    v = v[torch.isfinite(v)].unique()
-    mids = (v[1:] + v[:-1]) / 2
-    inf = torch.tensor(float("inf"))
-    vals = torch.cat([mids, mids.nextafter(inf), mids.nextafter(-inf), v])
-    vals = torch.cat([vals, -vals])
-    n = 127
-    rows = -(-vals.numel() // (n - 1))
-    t = torch.zeros(rows * (n - 1))
-    t[: vals.numel()] = vals
-    t = torch.cat([torch.full((rows, 1), 448.0), t.view(rows, n - 1)], dim=1)
+    t = R.rounding_cases()
     _check(interpreter, t, False, False, "ties")
 
 

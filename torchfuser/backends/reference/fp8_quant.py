@@ -19,3 +19,19 @@ def fp8_quantize(t: torch.Tensor, tensorwise: bool, transpose: bool) -> tuple[to
     amax = t32.abs().amax() if tensorwise else t32.abs().amax(dim=-1, keepdim=True)
     scale = amax.clamp_min(TINY) / MAX
     return (t32 / scale).clamp_(-MAX, MAX).to(E4M3).contiguous(), scale
+
+
+def rounding_cases(width: int = 127) -> torch.Tensor:
+    """Rows of ``width`` values for checking a quantiser's cast tie by tie (tests, probes): each row
+    starts with 448, so its scale is exactly 1, then holds every finite e4m3 value and every rounding
+    midpoint between two, on it and one fp32 ulp either side, subnormals included, both signs."""
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+    v = v[torch.isfinite(v)].unique()
+    mids = (v[1:] + v[:-1]) / 2
+    inf = torch.tensor(float("inf"))
+    vals = torch.cat([mids, mids.nextafter(inf), mids.nextafter(-inf), v])
+    vals = torch.cat([vals, -vals])
+    rows = -(-vals.numel() // (width - 1))
+    t = torch.zeros(rows * (width - 1))
+    t[: vals.numel()] = vals
+    return torch.cat([torch.full((rows, 1), 448.0), t.view(rows, width - 1)], dim=1)
