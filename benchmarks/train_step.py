@@ -4,7 +4,9 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser-fp8 and torchfuser-fp8+compile (optimize(model, fp8="rowwise")), torchfuser+compile, torchfuser+compile-ew (the same, traced with
+cuda_graphs=True)), torchfuser-fp8, torchfuser-fp8+compile and
+torchfuser-fp8-graphs (optimize(model, fp8="rowwise")), torchao-fp8+compile, torchao-fp8-rowwise+compile and
+torchfuser+torchao-fp8+compile (torchao's float8 training, tensorwise or rowwise, when installed), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
 compile-torchfuser (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both),
 compile-cudagraphs and torchfuser+compile-cudagraphs (torch.compile(..., mode="reduce-overhead"):
@@ -52,6 +54,7 @@ from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser-fp8", "torchfuser-fp8+compile",
             "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
+            "torchfuser-fp8-graphs", "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
             "liger")
 
 
@@ -65,6 +68,14 @@ def build(recipe: str, device: torch.device, seed: int, dtype: torch.dtype = tor
     with device:
         model = AutoModelForCausalLM.from_config(cfg)
     return model.to(dtype).train()
+
+
+def _torchao_float8(model, recipe: str):
+    """torchao's float8 training (torchtitan's recipe) on every projection but the LM head, in place."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: "lm_head" not in name)
 
 
 def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: str = "inductor", exclude=()):
@@ -82,6 +93,11 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return optimize(model, backend=backend, fp8="rowwise")
     if variant == "torchfuser-fp8+compile":
         return torch.compile(optimize(model, backend=backend, fp8="rowwise"))
+    if variant == "torchfuser-fp8-graphs":
+        return optimize(model, backend=backend, fp8="rowwise", cuda_graphs=True)
+    if variant.startswith(("torchao-fp8", "torchfuser+torchao-fp8")):
+        _torchao_float8(model, "rowwise" if "rowwise" in variant else "tensorwise")
+        return torch.compile(optimize(model, backend=backend) if variant.startswith("torchfuser") else model)
     if variant == "torchfuser+compile":
         return torch.compile(optimize(model, backend=backend))
     if variant == "torchfuser+compile-ew":
