@@ -185,7 +185,7 @@ class FusedLMHeadLoss:
             if not isinstance(coef, (int, float)):
                 raise RuntimeError(f"lm_head_loss: {type(self.model).__name__} returns an aux_loss but has no "
                                    "router_aux_loss_coef; run torchfuser.optimize(model, exclude=['lm_head_loss'])")
-            loss = loss + coef * aux.to(loss.device)
+            loss = loss + coef * (aux.to(loss.device) if torch.is_tensor(aux) else aux)  # some return a plain 0
         if isinstance(out, tuple):  # return_dict=False: HF's tuple is (loss, logits, ...); logits left out
             return (loss,) + tuple(out[1:])
         return dataclasses.replace(out, loss=loss, logits=None)
