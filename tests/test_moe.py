@@ -321,7 +321,8 @@ def test_meta_device_shapes_propagate():
 def test_report_names_the_backend_that_runs():
     from torchfuser.walker import _fused_label
     fused = _fused_block(_block("olmoe")[0])
-    assert _fused_label(fused, "triton").startswith("reference (no FusedMoE kernels in triton yet): 4 experts, top-2")
+    assert _fused_label(fused, "mlir").startswith("reference (no FusedMoE kernels in mlir yet): 4 experts, top-2")
+    assert _fused_label(fused, "triton").startswith("triton: 4 experts, top-2")
 
 
 @pytest.mark.parametrize("model_type, block", [("jetmoe", "JetMoeMoE")])

@@ -20,6 +20,7 @@ from torchfuser import functional as F
 from torchfuser.modules import fallbacks
 from torchfuser.modules.base import FusedModule, adopt, hooked
 from torchfuser.ops._call import autocast_enabled
+from torchfuser.ops.moe import KERNELS as MOE_KERNELS
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def _path(root: nn.Module, dotted: str | None):
 
 
 class FusedMoE(FusedModule):
-    kernels_in = ("reference",)  # backends with MoE kernels of their own (the report says which runs)
+    kernels_in = MOE_KERNELS  # backends with MoE kernels of their own (the report says which runs)
 
     def __init__(self, original: nn.Module, spec: MoESpec, backend: str = "auto"):
         super().__init__(spec, backend)

@@ -8,9 +8,11 @@ moe_experts_fwd(x (T, H), weights (T, k), indices (T, k), gate_up, gate_up_bias,
     offs (E,) int32 with S = T·k; saved: the inputs, h, order and offs.
 
 Only backends in ``KERNELS`` have kernels of their own for these ops; any other backend asked for
-(triton on CUDA, mlir on the CPU) runs the reference backend's, whose products are PyTorch's grouped
-GEMMs (cuBLAS / CUTLASS on CUDA) anyway. A Triton kernel for either op goes in backends/triton and
-its backend name in ``KERNELS``.
+(mlir on the CPU) runs the reference backend's. In both, the experts' products are PyTorch's grouped
+GEMMs (cuBLAS / CUTLASS on CUDA). The triton backend (backends/triton/moe.py) runs the router's
+scoring, top-k and weights as one kernel each way, and the passes around the GEMMs (bias adds,
+activation and its vjp, weight scaling, the per-slot reductions, the weighted combine) as kernels; it
+hands group-limited routing (n_group > 1), fp64 and more than its MAX_EXPERTS experts to the reference.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from torchfuser.backends.reference import grouped_mm as _gmm
 
 from ._call import autograd, kernel, run
 
-KERNELS = ("reference",)
+KERNELS = ("reference", "triton")
 
 
 def backend_of(backend: str) -> str:

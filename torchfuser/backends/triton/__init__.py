@@ -15,6 +15,7 @@ from .gated import (
 )
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 from .linear_cross_entropy import linear_cross_entropy_fwd, linear_cross_entropy_scale_
+from .moe import moe_experts_bwd, moe_experts_fwd, moe_route_bwd, moe_route_fwd
 from .rms_norm import add_rms_norm_bwd, add_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd
 from .rope import rope_bwd, rope_fwd
 
@@ -23,4 +24,5 @@ __all__ = [
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_", "fp8_quantize",
+    "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd", "moe_experts_bwd",
 ]

@@ -133,6 +133,41 @@ def _scenarios(hiddens, dtypes, tokens):
                 for transpose in (False, True):
                     label = f"fp8_quantize-{'tensorwise' if tensorwise else 'rowwise'}{'-t' if transpose else ''}"
                     yield label, lambda x=x, tw=tensorwise, tr=transpose: fp8_quant.fp8_quantize(x, tw, tr)
+    # MoE (after the FP8 ones, for the same reason): the router both ways and the experts op both ways at
+    # the shapes of the models each form comes from, whatever the hiddens asked for.
+    from . import moe
+
+    meta = torch.device("meta")
+    for dt in dtypes:
+        for label, (e, k, h, i, scoring, renorm, corr, act, halves, bias, transposed) in MOE_SHAPES.items():
+            f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=meta)  # noqa: E731
+            e_ = lambda *s, d=dt: torch.empty(*s, dtype=d, device=meta)  # noqa: E731
+            logits, idx = e_(tokens, e), torch.empty(tokens, k, dtype=torch.int64, device=meta)
+            c = f32(e) if corr else None
+            yield f"moe_route_fwd-{label}", lambda l=logits, c=c, k=k, sc=scoring, rn=renorm: moe.moe_route_fwd(
+                l, c, k, sc, rn, 1, 1, 2, 2.5)
+            yield f"moe_route_bwd-{label}", lambda l=logits, idx=idx, sc=scoring, rn=renorm: moe.moe_route_bwd(
+                f32(*idx.shape), l, idx, sc, rn, 2.5)
+            x, w = e_(tokens, h), f32(tokens, k)
+            gu, dn = (e_(e, h, 2 * i), e_(e, i, h)) if transposed else (e_(e, 2 * i, h), e_(e, h, i))
+            gub, dnb = (f32(e, 2 * i), f32(e, h)) if bias else (None, None)
+            args = (transposed, halves, act, 1.702, 7.0)
+            s = tokens * k
+            yield f"moe_experts_fwd-{label}", lambda x=x, w=w, idx=idx, gu=gu, gub=gub, dn=dn, dnb=dnb, a=args: \
+                moe.moe_experts_fwd(x, w, idx, gu, gub, dn, dnb, *a)
+            yield f"moe_experts_bwd-{label}", lambda x=x, w=w, idx=idx, gu=gu, gub=gub, dn=dn, dnb=dnb, a=args, s=s, \
+                i=i, e=e: moe.moe_experts_bwd(x, x, w, idx, gu, gub, dn, dnb, e_(s, 2 * i), torch.empty(
+                    s, dtype=torch.int64, device=meta), torch.empty(e, dtype=torch.int32, device=meta), *a)
+
+
+# Label → (experts, top-k, hidden, intermediate, scoring, renorm, correction, activation, halves, biases,
+# transposed): every constexpr variant of the MoE kernels at least once.
+MOE_SHAPES = {
+    "mixtral": (8, 2, 4096, 14336, "softmax", True, False, "silu", "gate_up", False, False),
+    "olmoe+gelu_tanh+up_gate": (64, 8, 2048, 1024, "softmax", False, False, "gelu_tanh", "up_gate", False, False),
+    "deepseek_v3-ungrouped": (256, 8, 7168, 2048, "sigmoid", True, True, "silu", "gate_up", False, False),
+    "gpt_oss": (32, 4, 2880, 2880, "softmax_topk", False, False, "clamped_swiglu", "interleaved", True, True),
+}
 
 
 def record_launches(hiddens=HIDDENS, dtypes=DTYPES, tokens=TOKENS, unique=True) -> list[Launch]:
