@@ -76,6 +76,9 @@ for stage in "$@"; do
     ft-lora-long) timeout 300 python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
               --grad-checkpointing --variants ${VARIANTS:-eager torchfuser} --out "$OUT/train-step-lora-16k.jsonl" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;
+    moe-capture) timeout 120 python3 benchmarks/probes/moe_block_capture_probe.py ;;
+    moe-train) timeout ${MOE_S:-500} python3 $ts --models ${MODELS:-qwen3moe olmoe} --variants ${VARIANTS:-torchfuser torchfuser-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-moe.jsonl" ;;
+    fp8-convergence) timeout ${CONV_S:-420} python3 benchmarks/fp8_convergence.py ${CONV_ARGS:-} --out "$OUT/fp8-convergence.json" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40

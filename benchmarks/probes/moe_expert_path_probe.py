@@ -86,17 +86,27 @@ def probe(name, tokens, device, dtype, out):
         t = ms(fn, device)
         rows.append(dict(part=what, ms=round(t, 4), gbps=round(moved / t / 1e6, 1),
                          copy_gbps=None if bw is None else round(bw, 1)))
+    if device.type == "cuda":
+        from torchfuser.backends.triton import moe as T
+
+        t = ms(lambda: T.combine(ys, inv, tokens, k, dtype, weights=weights), device)
+        moved = (s * h + tokens * h) * size
+        rows.append(dict(part="combine, Triton kernel", ms=round(t, 4), gbps=round(moved / t / 1e6, 1),
+                         copy_gbps=round(bw, 1)))
     xr = x.detach().requires_grad_()
     gu, dn = gate_up.detach().requires_grad_(), down.detach().requires_grad_()
     dy = torch.randn(tokens, h, device=device, dtype=dtype, generator=gen)
 
-    def whole():
-        y = F.moe_experts(xr, weights, indices, gu, dn)
-        y.backward(dy)
-
     flops = 3 * (2 * s * h * 2 * inner + 2 * s * inner * h)
-    t = ms(whole, device, reps=10)
-    rows.append(dict(part="moe_experts forward + backward", ms=round(t, 3), tflops=round(flops / t / 1e9, 1)))
+    for backend in ("reference", "triton") if device.type == "cuda" else ("reference",):
+        def whole():
+            y = F.moe_experts(xr, weights, indices, gu, dn, backend=backend)
+            y.backward(dy)
+
+        t = ms(whole, device, reps=10)
+        rows.append(dict(part=f"moe_experts forward + backward, {backend}", ms=round(t, 3),
+                         tflops=round(flops / t / 1e9, 1), gemm_share=round(
+                             sum(r["grouped_ms"] for r in rows if "grouped_ms" in r) * 3 / t, 3)))
     for r in rows:
         r.update(model=name if isinstance(name, str) else "tiny", tokens=tokens, dtype=str(dtype).removeprefix("torch."),
                  device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
