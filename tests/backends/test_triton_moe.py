@@ -44,7 +44,7 @@ def _within(got, same, ref, what):
     assert got.dtype == same.dtype, f"{what}: dtype {got.dtype} != {same.dtype}"
     assert got.is_contiguous(), f"{what}: not contiguous"
     atol = ATOL.get(same.dtype, 1e-5) * max(1.0, ref.abs().max().item())
-    assert_within_rule(got.cpu(), same.cpu(), ref, atol, what)
+    assert_within_rule(got.cpu(), same.cpu(), ref.cpu(), atol, what)
 
 
 # ---------------------------------------------------------------- router
@@ -257,12 +257,12 @@ def test_tiny_qwen3_moe_optimized_with_triton_trains_as_unfused():
     cfg = tiny_config("qwen3_moe")
     cfg.norm_topk_prob, cfg.router_aux_loss_coef = True, 0.3
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(cfg).float().train()
+    ref = AutoModelForCausalLM.from_config(cfg).float().train().to(DEVICE)
     fused = torchfuser.optimize(copy.deepcopy(ref), backend="triton")
     moe = [e for e in torchfuser.report(fused).entries if e.pattern == "moe"]
     assert moe and all(e.is_fused and e.backend.startswith("triton:") for e in moe), [e.backend for e in moe]
     assert any(isinstance(m, FusedMoE) for m in fused.modules())
-    ids = torch.randint(3, 128, (2, 12), generator=_gen(1))
+    ids = torch.randint(3, 128, (2, 12), generator=_gen(1)).to(DEVICE)
 
     def step(model):
         out = model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)

@@ -5,7 +5,7 @@ Two forms, ``offs`` being the int32 running row counts per group (offs[e] = rows
 - ``k``: a (K, S) @ b (S, N), summed over the rows of group e → (E, K, N): the weight gradients
   (a group without rows gets zeros).
 
-``torch._grouped_mm`` runs both as one kernel, on the CPU and on Hopper (fp32 / bf16 / fp16; seen exact,
+``torch._grouped_mm`` runs both as one kernel, on the CPU and on Hopper (fp32 / bf16 / fp16 — fp32 on CUDA with a host sync, so not while a CUDA graph is captured; seen exact,
 empty groups zeroed, on an H200 with torch 2.11: benchmarks/probes/moe_probe.py), when every operand's
 rows start 16-byte aligned. Elsewhere (fp64, other dtypes, odd widths, a torch
 without it) a loop over the groups runs instead: correct, slower, and counted by the fused module
@@ -36,7 +36,10 @@ def usable(dtype: torch.dtype, device: torch.device, *tensors: torch.Tensor) -> 
     if device.type == "cpu":
         ok = dtype in _CPU_DTYPES
     elif device.type == "cuda":
-        ok = dtype in _CUDA_DTYPES and torch.cuda.get_device_capability(device) >= (9, 0)
+        # fp32 products read the group sizes back to the host (torch 2.11: a sync), which a CUDA-graph
+        # capture forbids: captured, they run as the masked loop instead.
+        ok = dtype in _CUDA_DTYPES and torch.cuda.get_device_capability(device) >= (9, 0) and not (
+            dtype == torch.float32 and torch.cuda.is_current_stream_capturing())
     else:
         ok = False
     return ok and all(_aligned(t, dtype) for t in tensors)
