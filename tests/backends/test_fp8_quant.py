@@ -2,7 +2,9 @@
 (backends/reference/fp8_quant.py, run on the CPU: the formula with true divisions), bit for bit in
 the e4m3 values and the fp32 scales: rowwise, rowwise of the transpose (dW's operands), tensorwise
 both ways; fp32 / bf16 / fp16; a single row, 123×123, rows of 8192 and 20000 (the looped kernel),
-row-strided and transposed inputs; NaN and inf; values on every e4m3 rounding tie. Run by Triton's
+row-strided and transposed inputs; NaN and inf; values on every e4m3 rounding tie. The pair that
+quantises a tensor both ways from two reads (``fp8_quantize_both``) against the two reference calls
+it replaces, bit for bit, on the same cases. Run by Triton's
 interpreter on the CPU (TRITON_INTERPRET=1, with its e4m3 cast fixed to round as the GPU does:
 _interpret.py), compiled on a GPU where there is one.
 """
@@ -116,6 +118,54 @@ def test_interpreter_e4m3_cast_rounds_as_pytorch():
     assert special[0] & 0x7F == 0x7F and list(special[1:]) == [0x7E, 0xFE, 0x7E, 0xFE]  # NaN; satfinite
 
 
+def _check_both(interpreter, t, tensorwise, what=""):
+    """``fp8_quantize_both`` equals ``fp8_quantize(t, tw, False)`` and ``fp8_quantize(t, tw, True)``."""
+    tc = t.cpu()
+    got = interpreter.fp8_quantize_both(t.to(DEVICE), tensorwise)
+    for transpose, g in zip((False, True), got):
+        want = R.fp8_quantize(tc, tensorwise, transpose)
+        _assert_same(g, want, f"both {what} {tuple(t.shape)} {t.dtype} tensorwise={tensorwise} transpose={transpose}")
+
+
+@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 64), (16, 16), (123, 123), (2, 8192)])
+def test_both_bit_for_bit(interpreter, shape, dtype, tensorwise):
+    _check_both(interpreter, _rand(*shape, dtype=dtype), tensorwise)
+
+
+@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
+def test_both_many_rows_in_row_chunks(interpreter, tensorwise):
+    """Several programs along the rows: every column's amax is maxed in from all of them."""
+    _check_both(interpreter, _rand(1000, 48, dtype=torch.bfloat16), tensorwise)
+
+
+@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
+@pytest.mark.parametrize("view", ["row_strided", "transposed", "both_strided"])
+def test_both_non_contiguous(interpreter, tensorwise, view):
+    base = _rand(70, 300, dtype=torch.bfloat16)
+    t = {"row_strided": lambda: base[:, 7:200], "transposed": lambda: base[:, :90].t(),
+         "both_strided": lambda: base[::2, ::3]}[view]()
+    _check_both(interpreter, t, tensorwise, view)
+
+
+@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
+def test_both_nan_inf_zero_rows_and_columns(interpreter, tensorwise):
+    t = _rand(40, 96)
+    t[3, 5], t[7, 1], t[9, 2] = float("nan"), float("inf"), -float("inf")
+    t[11], t[:, 20] = 0.0, 0.0  # amax 0 of a row and of a column: the 1e-12 floor
+    t[12], t[:, 30] = 1e-30, 1e-30
+    t[13, :5] = 1e-30
+    _check_both(interpreter, t, tensorwise)
+
+
+def test_both_rounding_ties_and_subnormals(interpreter):
+    """The tie table as rows (q's scales exactly 1) and as columns (qt's scales exactly 1)."""
+    t = R.rounding_cases()
+    _check_both(interpreter, t, False, "ties")
+    _check_both(interpreter, t.t().contiguous(), False, "ties as columns")
+
+
 def test_fake_impl_matches_the_kernels(interpreter):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -128,6 +178,13 @@ def test_fake_impl_matches_the_kernels(interpreter):
             fake = torch.ops.torchfuser.fp8_quantize(mode.from_tensor(t), tensorwise, transpose, "triton")
         for r, f in zip(real, fake):
             assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+    for tensorwise in (False, True):
+        real = torch.ops.torchfuser.fp8_quantize_both(t, tensorwise, "triton")
+        with FakeTensorMode() as mode:
+            fake = torch.ops.torchfuser.fp8_quantize_both(mode.from_tensor(t), tensorwise, "triton")
+        assert len(real) == len(fake) == 4
+        for r, f in zip(real, fake):
+            assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
 
 
 def test_rejects_other_dtypes_and_shapes(interpreter):
@@ -135,3 +192,7 @@ def test_rejects_other_dtypes_and_shapes(interpreter):
         interpreter.fp8_quantize(torch.zeros(4, 8, dtype=torch.float64, device=DEVICE), False, False)
     with pytest.raises(ValueError, match="2-D"):
         interpreter.fp8_quantize(torch.zeros(2, 4, 8, device=DEVICE), False, False)
+    with pytest.raises(TypeError, match="triton backend supports"):
+        interpreter.fp8_quantize_both(torch.zeros(4, 8, dtype=torch.float64, device=DEVICE), False)
+    with pytest.raises(ValueError, match="2-D"):
+        interpreter.fp8_quantize_both(torch.zeros(2, 4, 8, device=DEVICE), True)

@@ -1,5 +1,7 @@
 """FP8 quantisation of a GEMM operand (``torchfuser::fp8_quantize``): (q e4m3 row-major, fp32 scale)
-of s = t or, with ``transpose``, s = tᵀ, scaled per row of s or, ``tensorwise``, once. The formula is
+of s = t or, with ``transpose``, s = tᵀ, scaled per row of s or, ``tensorwise``, once; and of an
+operand two GEMMs need, one row-scaled and one column-scaled (``torchfuser::fp8_quantize_both``:
+both of those at once, t read twice in all instead of three or four times). The formula is
 backends/reference/fp8_quant.py's; the Triton kernels give its bits exactly. Not differentiated: the
 FP8 GEMMs' autograd (modules/fp8.py) calls it on detached operands.
 
@@ -11,7 +13,8 @@ Which code runs:
   norm, which also reaches Inductor as its definition, or the activation) and the transposition
   into its own generated kernel: the producer fusion issue 23 asks for, which an opaque kernel
   forbids. ``TORCHFUSER_COMPILED_ELEMENTWISE=kernels`` (or any policy that does not name
-  ``fp8_quantize``, e.g. ``inductor:rms_norm``) keeps the custom op, whose fake impl traces.
+  ``fp8_quantize``, e.g. ``inductor:rms_norm``) keeps the custom op, whose fake impl traces. The
+  policy's name ``fp8_quantize`` covers ``fp8_quantize_both`` too (one switch for the FP8 operands).
 """
 from __future__ import annotations
 
@@ -43,6 +46,23 @@ def _(t, tensorwise, transpose, backend):
     return t.new_empty((rows, cols), dtype=E4M3), scale
 
 
+@torch.library.custom_op("torchfuser::fp8_quantize_both", mutates_args=())
+def fp8_quantize_both(t: Tensor, tensorwise: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if backend == "reference":
+        (q, s), (qt, st) = _reference.fp8_quantize_both(t, tensorwise)
+    else:
+        (q, s), (qt, st) = kernel(backend, "fp8_quantize_both")(t, tensorwise)
+    return q, s, qt, st
+
+
+@fp8_quantize_both.register_fake
+def _(t, tensorwise, backend):
+    rows, cols = t.shape
+    s, st = (t.new_empty((), dtype=torch.float32) for _ in range(2)) if tensorwise else \
+        (t.new_empty((rows, 1), dtype=torch.float32), t.new_empty((cols, 1), dtype=torch.float32))
+    return t.new_empty((rows, cols), dtype=E4M3), s, t.new_empty((cols, rows), dtype=E4M3), st
+
+
 def _compiled_as_definition() -> bool:
     """Under torch.compile: the PyTorch definition (Inductor fuses it), unless the policy asks for kernels."""
     if os.environ.get(_POLICY, "auto") == "auto":
@@ -57,3 +77,13 @@ def quantize(t: Tensor, tensorwise: bool, transpose: bool = False) -> tuple[Tens
     if torch.compiler.is_compiling() and _compiled_as_definition():
         return _reference.fp8_quantize(t, tensorwise, transpose)
     return run(fp8_quantize, t, tensorwise, transpose, "triton")
+
+
+def quantize_both(t: Tensor, tensorwise: bool) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """(``quantize(t, tensorwise)``, ``quantize(t, tensorwise, True)``) bit for bit, t read twice in all
+    on CUDA (one amax pass for both scalings, one pass writing both e4m3 copies)."""
+    if not (t.is_cuda and _TRITON) or t.numel() == 0 or (
+            torch.compiler.is_compiling() and _compiled_as_definition()):
+        return _reference.fp8_quantize_both(t, tensorwise)
+    q, s, qt, st = run(fp8_quantize_both, t, tensorwise, "triton")
+    return (q, s), (qt, st)

@@ -3,6 +3,7 @@
 
 For s = tᵀ if ``transpose`` else t, in fp32: amax over each row of s (or all of s, ``tensorwise``),
 scale = max(amax, 1e-12) / 448, q = e4m3(clamp(s / scale, −448, 448)); q row-major.
+``fp8_quantize_both``: both orientations of t at once (the two calls, composed).
 """
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def fp8_quantize(t: torch.Tensor, tensorwise: bool, transpose: bool) -> tuple[to
     amax = t32.abs().amax() if tensorwise else t32.abs().amax(dim=-1, keepdim=True)
     scale = amax.clamp_min(TINY) / MAX
     return (t32 / scale).clamp_(-MAX, MAX).to(E4M3).contiguous(), scale
+
+
+def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """(``fp8_quantize(t, tensorwise, False)``, ``fp8_quantize(t, tensorwise, True)``): t scaled per row
+    and tᵀ per row (t's columns), or both by t's one scale; what the Triton pair gives from two reads."""
+    return fp8_quantize(t, tensorwise, False), fp8_quantize(t, tensorwise, True)
 
 
 def rounding_cases(width: int = 127) -> torch.Tensor:

@@ -158,6 +158,14 @@ def _scenarios(hiddens, dtypes, tokens):
             yield f"moe_experts_bwd-{label}", lambda x=x, w=w, idx=idx, gu=gu, gub=gub, dn=dn, dnb=dnb, a=args, s=s, \
                 i=i, e=e: moe.moe_experts_bwd(x, x, w, idx, gu, gub, dn, dnb, e_(s, 2 * i), torch.empty(
                     s, dtype=torch.int64, device=meta), torch.empty(e, dtype=torch.int32, device=meta), *a)
+    # An FP8 GEMM operand quantised both ways from two reads (x, dy, the weights; after the MoE ones, for
+    # the same reason): rowwise and tensorwise.
+    for dt in dtypes:
+        for n in hiddens:
+            x = torch.empty(tokens, n, dtype=dt, device=meta)
+            for tensorwise in (False, True):
+                label = f"fp8_quantize_both-{'tensorwise' if tensorwise else 'rowwise'}"
+                yield label, lambda x=x, tw=tensorwise: fp8_quant.fp8_quantize_both(x, tw)
 
 
 # Label → (experts, top-k, hidden, intermediate, scoring, renorm, correction, activation, halves, biases,

@@ -18,7 +18,8 @@ an integer max of |s|'s bit patterns.
 One caveat on CUDA: PyTorch's ``amax / 448.0`` there multiplies by fp32(1/448) (its division by a
 CPU scalar does), so the old CUDA path's scales could differ from these by one fp32 ulp.
 
-Kernels (one launch rowwise, two otherwise; no host sync, so CUDA graphs capture them):
+Kernels (one launch rowwise, two otherwise, two and a memset for both ways; no host sync, so CUDA
+graphs capture them):
 - ``_fp8_quant_rows_kernel``: rowwise, q in s's layout. ROWS rows a program held in registers up to
   MAX_FUSED elements a row (s read once), longer rows walked twice in chunks (the second read from L2).
 - ``_fp8_amax_kernel`` + ``_fp8_quant_tiles_kernel``: a grid of (row chunk, BLOCK_B-column block)
@@ -28,6 +29,15 @@ Kernels (one launch rowwise, two otherwise; no host sync, so CUDA graphs capture
   8192 × 2048 bf16),
   scales and casts its chunk, and writes q tiles transposed (TRANSPOSE: q = uᵀ row-major) or not.
   u is read twice, q written once; the transposition goes through shared memory as fp8 (1 byte).
+- ``fp8_quantize_both(t, tensorwise)``: ``fp8_quantize(t, tw, False)`` and ``fp8_quantize(t, tw, True)``
+  at once, for an operand two GEMMs need scaled along each dimension (x, dy, the weights):
+  ``_fp8_amax_both_kernel`` + ``_fp8_quant_both_kernel`` on the same grid over u. The first maxes each
+  tile's row and column maxima of |u| into one zeroed int32 vector (A row entries, then B column ones;
+  one entry tensorwise) with atomic integer max on the bit patterns: order-free, so the bits do not
+  depend on the programs' order, and NaN propagates as above. The second reads each tile once and
+  writes both q (row-major, per-row scales) and qᵀ (transposed as fp8 through shared memory, per-column
+  scales), with the scales. t is read twice in all, where the two calls read it three times; each
+  e4m3 copy is written once.
 """
 from __future__ import annotations
 
@@ -173,6 +183,72 @@ def _fp8_quant_tiles_kernel(
             tl.store(Q + rows[:, None] * B + cols[None, :], q, mask=mask)
 
 
+@triton.jit
+def _fp8_amax_both_kernel(
+    X, AMAX, A, B, stride_x, ROWS_PER_PROG,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, TENSORWISE: tl.constexpr,
+):
+    # AMAX (int32, zeroed): |u|'s bit patterns maxed in, per row (A) then per column (B), or one in all.
+    # An integer max is order-free, so the atomics give the same bits whatever order programs run in.
+    pa, pb = tl.program_id(0), tl.program_id(1)
+    cols = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < B
+    first = pa.to(tl.int64) * ROWS_PER_PROG
+    acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.int32)
+    for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
+        rows = first + r0 + tl.arange(0, BLOCK_A)
+        row_ok = rows < A
+        mask = row_ok[:, None] & col_ok[None, :]
+        bits = _abs_bits(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+        if not TENSORWISE:
+            tl.atomic_max(AMAX + rows, tl.max(bits, axis=1), mask=row_ok, sem="relaxed")
+        acc = tl.maximum(acc, bits)
+    col_max = tl.max(acc, axis=0)
+    if TENSORWISE:
+        tl.atomic_max(AMAX, tl.max(col_max, axis=0), sem="relaxed")
+    else:
+        tl.atomic_max(AMAX + A + cols, col_max, mask=col_ok, sem="relaxed")
+
+
+@triton.jit
+def _fp8_quant_both_kernel(
+    X, AMAX, Q, S, QT, ST, A, B, stride_x, ROWS_PER_PROG,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, TENSORWISE: tl.constexpr,
+):
+    pa, pb = tl.program_id(0), tl.program_id(1)
+    cols = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < B
+    if TENSORWISE:
+        scale = _scale_of(_as_float(tl.load(AMAX)))
+        if (pa == 0) & (pb == 0):
+            tl.store(S, scale)
+            tl.store(ST, scale)
+        col_scale = scale
+    else:
+        col_scale = _scale_of(_as_float(tl.load(AMAX + A + cols, mask=col_ok, other=0)))  # [BLOCK_B]
+        if pa == 0:
+            tl.store(ST + cols, col_scale, mask=col_ok)
+        col_scale = col_scale[None, :]
+    first = pa.to(tl.int64) * ROWS_PER_PROG
+    for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
+        rows = first + r0 + tl.arange(0, BLOCK_A)
+        row_ok = rows < A
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if TENSORWISE:
+            q = _e4m3(x, scale, Q)
+            qt = q  # one scale: the same values, stored both ways
+        else:
+            row_scale = _scale_of(_as_float(tl.load(AMAX + rows, mask=row_ok, other=0)))  # [BLOCK_A]
+            if pb == 0:
+                tl.store(S + rows, row_scale, mask=row_ok)
+            q = _e4m3(x, row_scale[:, None], Q)
+            qt = _e4m3(x, col_scale, QT)
+        tl.store(Q + rows[:, None] * B + cols[None, :], q, mask=mask)
+        # qt = uᵀ: B rows of A, transposed as fp8 (through shared memory), rows of 128 bytes leave coalesced
+        tl.store(QT + cols[:, None].to(tl.int64) * A + rows[None, :], tl.trans(qt), mask=tl.trans(mask))
+
+
 @lru_cache(maxsize=None)
 def rows_config(k: int, target: Target = CPU) -> tuple[int, int, bool, int]:
     """(BLOCK_K, ROWS, ONE_PASS, num_warps) of the rowwise kernel for rows of k elements."""
@@ -196,6 +272,8 @@ def tiles_config(a: int, b: int, sms: int, target: Target = CPU) -> tuple[int, i
 _rows = Launcher(_fp8_quant_rows_kernel)
 _amax = Launcher(_fp8_amax_kernel)
 _tiles = Launcher(_fp8_quant_tiles_kernel)
+_amax_both = Launcher(_fp8_amax_both_kernel)
+_tiles_both = Launcher(_fp8_quant_both_kernel)
 
 
 def _sms(t: torch.Tensor) -> int:
@@ -245,3 +323,37 @@ def fp8_quantize(t: torch.Tensor, tensorwise: bool, transpose: bool) -> tuple[to
            BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P if per_column else _BLOCK_PT,
            PER_COLUMN=per_column, TRANSPOSE=flip, num_warps=warps)
     return q, scale
+
+
+def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """((q, scale), (qt, scale_t)): ``fp8_quantize(t, tensorwise, False)`` and ``fp8_quantize(t, tensorwise,
+    True)`` bit for bit, from two reads of t (2-D, any strides) in all: q is t in e4m3 and qt is tᵀ,
+    both row-major; scale per row of t (M × 1) and scale_t per column (K × 1), or, ``tensorwise``, t's
+    one scale twice (two 0-dim fp32 tensors)."""
+    check_dtypes("fp8_quantize_both", t=t)
+    if t.dim() != 2:
+        raise ValueError(f"fp8_quantize_both: t must be 2-D, got shape {tuple(t.shape)}")
+    m, k = t.shape
+    dev = t.device
+    q, qt = torch.empty((m, k), dtype=E4M3, device=dev), torch.empty((k, m), dtype=E4M3, device=dev)
+    shapes = ((), ()) if tensorwise else ((m, 1), (k, 1))
+    s, st = (torch.empty(shape, dtype=torch.float32, device=dev) for shape in shapes)
+    if q.numel() == 0:
+        return (q, s.fill_(1.0)), (qt, st.fill_(1.0))
+    # u: t or tᵀ, whichever has its last dim dense (the tiles are read along lines); for u = tᵀ the
+    # two outputs swap roles: u's rowwise quantisation is tᵀ's, u's transposed one is t's.
+    if _dense_last(t):
+        u, (qu, su, qut, sut) = t, (q, s, qt, st)
+    elif _dense_last(t.t()):
+        u, (qu, su, qut, sut) = t.t(), (qt, st, q, s)
+    else:
+        u, (qu, su, qut, sut) = t.contiguous(), (q, s, qt, st)
+    a, b = u.shape
+    per_prog, progs_a, warps = tiles_config(a, b, _sms(t), target_of(t))
+    grid = (progs_a, cdiv(b, _BLOCK_B))
+    amax = torch.zeros(1 if tensorwise else a + b, dtype=torch.int32, device=dev)
+    _amax_both(grid, u, amax, a, b, u.stride(0), per_prog,
+               BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
+    _tiles_both(grid, u, amax, qu, su, qut, sut, a, b, u.stride(0), per_prog,
+                BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
+    return (q, s), (qt, st)
