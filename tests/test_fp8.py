@@ -69,17 +69,20 @@ def test_fp8_trains_close_to_bf16(recipe, monkeypatch):
 def test_trainable_weights_are_quantised_at_every_call(monkeypatch):
     model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
     made = []
-    real = fp8.quantize
-    monkeypatch.setattr(fp8, "quantize", lambda t, recipe, **kw: made.append(t.shape) or real(t, recipe, **kw))
+    real = fp8.quantize_both
+    monkeypatch.setattr(fp8, "quantize_both", lambda t, recipe: made.append(tuple(t.shape)) or real(t, recipe))
     ids = torch.randint(0, 128, (2, 16))
-    counts = []
+    h, q, kv, inter = CFG["hidden_size"], CFG["hidden_size"], CFG["hidden_size"] // 2, CFG["intermediate_size"]
+    weights = [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)] * CFG["num_hidden_layers"]  # qkv, o, gate/up, down
     for _ in range(2):  # two micro-batches
         before = len(made)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=ids, labels=ids).loss.backward()
-        counts.append(len(made) - before)
-    # Each call quantises x, dy (twice) and x again for dW: 4 activations a group, and the weights' two copies.
-    assert counts == [4 * 2 * 6] * 2
+        step = made[before:]
+        # Every group's weights both ways (rowwise of W and of Wᵀ) at every call, and so are x and dy
+        # (32 tokens: both dx and dW are needed).
+        assert sorted(s for s in step if s[0] != 32) == sorted(weights)
+        assert len(step) == 3 * len(weights)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -236,6 +239,93 @@ def test_backward_quantises_dw_operands_transposed(monkeypatch):
     _step(model, torch.randint(0, 128, (2, 16)))
     groups = 4 * 2
     assert sorted(seen) == sorted([(False, True)] * 3 * groups + [(True, True)] * 3 * groups)
+
+
+def _group(recipe, outs=(32, 16), bias=False, trainable=True):
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(64, n, bias=bias) for n in outs]
+    for m in linears:
+        m.requires_grad_(trainable)
+    owner = torch.nn.Module()
+    owner.__dict__["_fp8"] = recipe
+    return owner, linears
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_backward_keeps_e4m3_not_the_input(recipe, bias):
+    """dW's operand xᵀ is made in the forward, with x's own quantisation (one pass pair on CUDA), and kept
+    for the backward in e4m3 with its fp32 scales: no bf16 or fp32 copy of the projection's input is
+    saved (half its bytes; the backward reads no x). The gradients are those of quantising x, dy and W in
+    the backward as before, bit for bit."""
+    owner, linears = _group(recipe, bias=bias)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fp8.linear(x, linears, owner)
+    assert y is not None and y.shape == (2, 16, 48) and y.dtype == torch.bfloat16
+    scale = () if recipe == "tensorwise" else (64, 1)
+    assert [(t.dtype, tuple(t.shape)) for t in saved] == [(fp8.E4M3, (64, 32)), (torch.float32, scale)]
+    dy = torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y.backward(dy)
+
+    x2, dy2 = x.detach().reshape(32, 64), dy.reshape(32, 48)
+    w = torch.cat([m.weight.detach() for m in linears])
+    b = torch.cat([m.bias.detach() for m in linears]).bfloat16() if bias else None
+    want_y = fp8.mm(fp8.quantize(x2, recipe), fp8.quantize(w, recipe), torch.bfloat16, bias=b)
+    want_dx = fp8.mm(fp8.quantize(dy2, recipe), fp8.quantize(w, recipe, transpose=True), torch.bfloat16)
+    want_dw = fp8.mm(fp8.quantize(dy2, recipe, transpose=True), fp8.quantize(x2, recipe, transpose=True),
+                     torch.float32)
+    assert torch.equal(y.detach().reshape(32, 48), want_y)
+    assert torch.equal(x.grad.reshape(32, 64), want_dx)
+    assert torch.equal(torch.cat([m.weight.grad for m in linears]), want_dw)
+    if bias:
+        assert torch.equal(torch.cat([m.bias.grad for m in linears]), dy2.sum(0, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_what_each_call_quantises_and_keeps(recipe, monkeypatch):
+    """Both ways only where both GEMMs need the operand: frozen weights keep nothing of x and quantise x and
+    dy rowwise only; an input that needs no gradient gets dy transposed only; no grad mode, no Function."""
+    calls, inside = [], []
+    real_q, real_b = fp8.quantize, fp8.quantize_both
+
+    def both(t, r):  # on the CPU its two quantize calls (the reference composition) are not counted apart
+        calls.append("both")
+        inside.append(1)
+        try:
+            return real_b(t, r)
+        finally:
+            inside.pop()
+
+    def one(t, r, transpose=False):
+        if not inside:
+            calls.append("t" if transpose else "r")
+        return real_q(t, r, transpose=transpose)
+    monkeypatch.setattr(fp8, "quantize", one)
+    monkeypatch.setattr(fp8, "quantize_both", both)
+
+    def run(x_grad, trainable, grad=True):
+        owner, linears = _group(recipe, outs=(32,), trainable=trainable)
+        x = torch.randn(32, 64).bfloat16().requires_grad_(x_grad)
+        saved = []
+        calls.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), \
+                torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fp8.linear(x, linears, owner)
+        fwd = list(calls)
+        if y.requires_grad:
+            y.backward(torch.ones_like(y))
+        assert not trainable or not grad or linears[0].weight.grad is not None
+        assert not x_grad or not grad or x.grad is not None
+        return fwd, calls[len(fwd):], len(saved), y.grad_fn is not None
+
+    # (the weights' two copies come from quantize_both, made at every call: trainable; once: frozen)
+    assert run(True, True) == (["both", "both"], ["both"], 2, True)
+    assert run(True, False) == (["both", "r"], ["r"], 0, True)
+    assert run(False, True) == (["both", "both"], ["t"], 2, True)
+    assert run(True, True, grad=False) == (["both", "r"], [], 0, False)
 
 
 def test_projection_biases_in_the_gemm_epilogue(monkeypatch):

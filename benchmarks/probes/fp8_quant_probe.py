@@ -2,7 +2,9 @@
 PyTorch passes modules/fp8.py ran before them (t.float(), abs, amax, clamp_min, two divisions, clamp_,
 .to(e4m3); plus ``t.t().contiguous()`` for dW's operands), at llama1b-like training shapes (4 × 2048
 tokens, hidden 2048, intermediate 8192, GQA 32/8 heads of 64), and the four FP8 projections' forward +
-backward with the old and the new quantisation.
+backward with the old and the new quantisation. ``fp8_quantize_both`` (an operand both ways from two
+reads: x, dy and the weights of every trainable projection) against the rowwise and rowwise-t kernels
+it replaces, run one after the other.
 
     python benchmarks/probes/fp8_quant_probe.py --out fp8-quant.jsonl            # GPU: ≈ 30-45 s on an H200
     python benchmarks/probes/fp8_quant_probe.py --inductor --out ...              # + torch.compile'd PyTorch code
@@ -15,8 +17,10 @@ One JSON line per measurement:
 - ``what: "check"``: the kernels' bits against the formula computed exactly (true divisions: on CUDA the
   old path's ``amax / 448.0`` multiplies by fp32(1/448), so its scales may differ by one ulp; counted
   as old_scale_diffs / old_q_diffs), e4m3 rounding ties, NaN/inf rows; ``ok`` must be true;
+- ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels),
+  both_ms, speedup, both_gbps = (2 reads of t + 2 e4m3 copies written) / time, against copy_gbps;
 - ``what: "projection"``: one FP8 projection (the fused module's autograd Function) forward + backward,
-  old quantisation vs new, ms.
+  ms: old_ms (the PyTorch passes), pair_ms (the kernels, both ways as two calls), new_ms (fp8_quantize_both).
 """
 from __future__ import annotations
 
@@ -107,6 +111,14 @@ def check(emit, device, shapes):
             ok_all &= ok
             emit(what="check", case=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."), op=op,
                  ok=ok, q_diffs=dq, scale_diffs=ds, old_q_diffs=oq, old_scale_diffs=os_)
+        for tw in (False, True):
+            both = K.fp8_quantize_both(t, tw)
+            diffs = [_diffs(got, exact_quantize(t, tw, tr)) for got, tr in zip(both, (False, True))]
+            ok = all(d == (0, 0) for d in diffs) and all(g[0].is_contiguous() for g in both)
+            ok_all &= ok
+            emit(what="check", case=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                 op="both-tensorwise" if tw else "both", ok=ok, q_diffs=sum(d[0] for d in diffs),
+                 scale_diffs=sum(d[1] for d in diffs))
     return ok_all
 
 
@@ -143,16 +155,28 @@ def time_quant(emit, device, inductor: bool):
                 fn(t)
                 row["inductor_ms"] = round(_bench(lambda: fn(t), device), 4)
             emit(**row)
+        for tw in (False, True):
+            pair_ms = _bench(lambda: (K.fp8_quantize(t, tw, False), K.fp8_quantize(t, tw, True)), device)
+            both_ms = _bench(lambda: K.fp8_quantize_both(t, tw), device)
+            emit(what="both", operand=name, shape=[m, k], tensorwise=tw, pair_ms=round(pair_ms, 4),
+                 both_ms=round(both_ms, 4), speedup=round(pair_ms / both_ms, 2),
+                 both_gbps=round(m * k * (2 * t.element_size() + 2) / both_ms / 1e6, 1), copy_gbps=round(copy_gbps, 1))
         del t
 
 
 def time_projections(emit, device):
     from torchfuser.modules import fp8
 
-    new_quantize = fp8.quantize
+    new_quantize, new_both = fp8.quantize, fp8.quantize_both
 
     def old(t, recipe, transpose=False):
         return old_quantize(t, recipe == "tensorwise", transpose)
+
+    def old_both(t, recipe):
+        return old(t, recipe), old(t, recipe, True)
+
+    def pair(t, recipe):
+        return new_quantize(t, recipe), new_quantize(t, recipe, transpose=True)
 
     for name, (k, n) in PROJECTIONS.items():
         x = _operand(TOKENS, k, device).requires_grad_()
@@ -160,24 +184,24 @@ def time_projections(emit, device):
         dy = _operand(TOKENS, n, device, seed=1)
         for recipe in fp8.RECIPES:
             cache = fp8._Weights()
-            cache.get([w], recipe)  # weights quantised once (per optimizer step): not timed
 
-            def step():
+            def step():  # the weight is trainable: quantised both ways at every call, as in training
                 y = fp8._FP8Linear.apply(x, recipe, cache, torch.bfloat16, 1, w)
                 y.backward(dy)
                 x.grad = w.grad = None
 
             times = {}
-            for label, q in (("old", old), ("new", new_quantize)):
-                fp8.quantize = q
+            for label, q, b in (("old", old, old_both), ("pair", new_quantize, pair), ("new", new_quantize, new_both)):
+                fp8.quantize, fp8.quantize_both = q, b
                 try:
                     step()
                     times[label] = _bench(step, device)
                 finally:
-                    fp8.quantize = new_quantize
+                    fp8.quantize, fp8.quantize_both = new_quantize, new_both
             emit(what="projection", proj=name, tokens=TOKENS, k=k, n=n, recipe=recipe,
-                 old_ms=round(times["old"], 3), new_ms=round(times["new"], 3),
-                 speedup=round(times["old"] / times["new"], 2))
+                 old_ms=round(times["old"], 3), pair_ms=round(times["pair"], 3), new_ms=round(times["new"], 3),
+                 speedup=round(times["old"] / times["new"], 2),
+                 speedup_over_pair=round(times["pair"] / times["new"], 2))
         del x, w, dy
 
 

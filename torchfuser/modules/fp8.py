@@ -17,14 +17,26 @@ weights). A frozen weight (LoRA's bases) is quantised once per version (``load_s
 in-place copies bump it). Inside torch.compile and CUDA-graph captures every weight is quantised in
 the graph, every call (a recorded copy would go stale).
 
-On CUDA each quantisation is a Triton kernel that reads its operand at most twice and writes the
-e4m3 values once (``ops.fp8_quant``, backends/triton/fp8_quant.py; bit for bit the PyTorch formula
-the CPU runs): rowwise reads the tensor once; dW's operands dyᵀ and xᵀ are quantised per column of
-dy and x and written transposed straight from dy and x (an amax pass, then the scale-and-cast
-pass; no transposed bf16 copy); tensorwise likewise, with no host sync. The bias is added in the
-GEMM's epilogue, and dW is asked of its GEMM in the weights' dtype (no cast where the GEMM writes
-it). Under torch.compile the quantisation is traced as PyTorch code, for Inductor to fuse with the
-kernel producing the operand (``TORCHFUSER_COMPILED_ELEMENTWISE=kernels``: the Triton kernels).
+On CUDA the quantisation is Triton kernels (``ops.fp8_quant``, backends/triton/fp8_quant.py; bit for
+bit the PyTorch formula the CPU runs). An operand two GEMMs take, once scaled along each of its
+dimensions, is quantised both ways at once (``quantize_both``: one amax pass for the row and the
+column scales together, then one pass writing both e4m3 copies, the second transposed; t read twice
+in all, no transposed bf16 copy; on the CPU the two reference quantisations). Per trainable
+projection and step, in bytes an element (bf16 activations):
+
+    x   forward: both ways (read 2 + 2, write 1 + 1); e4m3 xᵀ kept for dW (1 B, was x in bf16: 2 B);
+        the backward reads no x (before: x rowwise in the forward, then an amax and a transposing
+        pass over x again in the backward: read 2 + 2 + 2, write 1 + 1)
+    dy  both ways (read 2 + 2, write 1 + 1; before: a rowwise pass, then amax + transposing pass: 6 + 2)
+    W   fp32 master weights, both ways at every call (read 4 + 4, write 1 + 1; before 4 + 4 + 4, 1 + 1)
+
+Where only one of the two is needed, only that one runs (rowwise: one read; else two): frozen
+weights (no dW: x and dy rowwise, nothing of x kept), an input that needs no gradient (dy transposed
+only), no grad mode (x rowwise, no autograd Function at all); tensorwise likewise, with no host sync.
+The bias is added in the GEMM's epilogue, and dW is asked of its GEMM in the weights' dtype (no cast
+where the GEMM writes it). Under torch.compile the quantisation is traced as PyTorch code, for
+Inductor to fuse with the kernel producing the operand (``TORCHFUSER_COMPILED_ELEMENTWISE=kernels``:
+the Triton kernels).
 Quantising inside our own kernels that produce each GEMM input (the norms, SwiGLU), so the operand
 never exists in bf16 at all, is the next step (issue 23). It runs where ``torch._scaled_mm`` does:
 CUDA GPUs of compute capability 8.9 or newer, and the CPU (slow, for tests).
@@ -69,6 +81,16 @@ def quantize(t: Tensor, recipe: str, transpose: bool = False) -> tuple[Tensor, T
 
 _WIDE_OUT: dict = {}  # (device type, scale shape) -> whether _scaled_mm writes fp32 there
 _BIAS: dict = {}  # (device type, scale shape) -> whether _scaled_mm adds a bf16 bias in its epilogue
+
+
+def quantize_both(t: Tensor, recipe: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """(``quantize(t, recipe)``, ``quantize(t, recipe, transpose=True)``), bit for bit: an operand two GEMMs
+    take, one scaled along t's rows, one along its columns and transposed. On CUDA one kernel pair that
+    reads t twice in all (an amax pass for both scalings, then one pass writing both e4m3 copies);
+    elsewhere those two quantisations (the reference composition)."""
+    if t.is_cuda:
+        return _quant.quantize_both(t, recipe == "tensorwise")
+    return quantize(t, recipe), quantize(t, recipe, transpose=True)
 
 
 def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype, bias: Tensor | None = None) -> Tensor:
@@ -130,7 +152,7 @@ class _Weights:
     def __init__(self):
         self.key = None
 
-    def get(self, weights: list[Tensor], recipe: str):
+    def get(self, weights, recipe: str):
         if _recording(weights[0]) or any(w.requires_grad for w in weights):
             # A compiled graph or a CUDA graph replays what it recorded, and a fused optimizer's step
             # leaves the version counter as it was: either way a kept copy could go stale.
@@ -147,53 +169,94 @@ def _recording(t: Tensor) -> bool:
     return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _both(weights: list[Tensor], recipe: str):
-    """(the weights' N × K copy scaled per output channel, their K × N copy per input channel)."""
+def _both(weights, recipe: str):
+    """(the weights' N × K copy scaled per output channel, their K × N copy per input channel): the
+    rowwise quantisations of W and of Wᵀ, from one ``quantize_both``."""
     w = weights[0] if len(weights) == 1 else torch.cat(weights)
-    with torch.no_grad():
-        return quantize(w, recipe), quantize(w, recipe, transpose=True)
+    if torch.is_grad_enabled():  # (the autograd Functions call this with grad mode off already)
+        with torch.no_grad():
+            return quantize_both(w, recipe)
+    return quantize_both(w, recipe)
 
 
 def weights_cache(owner: nn.Module, linears: list[nn.Module]) -> _Weights:
     """The quantised-weight cache of one projection group of a fused module."""
-    store = owner.__dict__.setdefault("_fp8_weights", {})
-    return store.setdefault(tuple(map(id, linears)), _Weights())
+    store = owner.__dict__.get("_fp8_weights")
+    if store is None:
+        store = owner.__dict__["_fp8_weights"] = {}
+    key = tuple(map(id, linears))
+    cache = store.get(key)
+    if cache is None:
+        cache = store[key] = _Weights()
+    return cache
+
+
+def _project(x: Tensor, recipe: str, cache: _Weights, out_dtype: torch.dtype, n: int, params, dw: bool):
+    """(y, dW's operand xᵀ quantised or None, the weights' dx copy): the forward of ``_FP8Linear``.
+    With ``dw`` x is quantised both ways at once (t read twice in all, ``quantize_both``) and the e4m3
+    xᵀ is what the backward keeps, not x; without, rowwise only."""
+    fwd, bwd = cache.get(params[:n], recipe)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    nb = len(params) - n
+    b = None if not nb else params[n] if nb == 1 else torch.cat(params[n:])
+    if dw:
+        qx, qxt = quantize_both(x2, recipe)
+    else:
+        qx, qxt = quantize(x2, recipe), None
+    y = mm(qx, fwd, out_dtype, bias=b)
+    return (y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])), qxt, bwd
 
 
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, recipe, weights_cache, out_dtype, n, *params):
-        weights, biases = list(params[:n]), list(params[n:])
-        fwd, bwd = weights_cache.get(weights, recipe)
-        x2 = x.reshape(-1, x.shape[-1])
-        b = None if not biases else biases[0] if len(biases) == 1 else torch.cat(biases)
-        y = mm(quantize(x2, recipe), fwd, out_dtype, bias=b)
-        ctx.save_for_backward(x2)
-        ctx.recipe, ctx.bwd, ctx.shape, ctx.x_dtype = recipe, bwd, x.shape, x.dtype
-        ctx.rows = [w.shape[0] for w in weights]
+    def forward(ctx, x, recipe, cache, out_dtype, n, *params):
+        need = ctx.needs_input_grad
+        dw = True in need[5:5 + n]
+        y, qxt, bwd = _project(x, recipe, cache, out_dtype, n, params, dw)
+        if dw:
+            ctx.save_for_backward(*qxt)  # e4m3 xᵀ and its fp32 scales: half of x's bf16 bytes
+            w_dtypes = {w.dtype for w in params[:n]}
+            # dW in the weights' dtype straight from the GEMM where they share one
+            ctx.dw_dtype = w_dtypes.pop() if len(w_dtypes) == 1 else torch.float32
+        ctx.recipe, ctx.n, ctx.dw, ctx.shape, ctx.x_dtype = recipe, n, dw, x.shape, x.dtype
+        ctx.bwd = bwd if need[0] else None
+        ctx.rows = [w.shape[0] for w in params[:n]] if n > 1 else None
         ctx.dtypes = [p.dtype for p in params]
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x2,) = ctx.saved_tensors
-        recipe, n = ctx.recipe, len(ctx.rows)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        need_x, need = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
-        dx = mm(quantize(dy2, recipe), ctx.bwd, ctx.x_dtype).view(ctx.shape) if need_x else None
-        grads = [None] * len(need)
-        if any(need[:n]):
-            # dW = dyᵀ·x: both operands quantised per column of dy and x, written transposed by the
-            # quantisation itself. In the weights' dtype straight from the GEMM where they share one.
-            w_dtypes = set(ctx.dtypes[:n])
-            dw_dtype = w_dtypes.pop() if len(w_dtypes) == 1 else torch.float32
-            dw = mm(quantize(dy2, recipe, transpose=True), quantize(x2, recipe, transpose=True), dw_dtype)
-            for i, g in enumerate(dw.split(ctx.rows)):
-                grads[i] = g.to(ctx.dtypes[i]) if need[i] else None
-        if any(need[n:]):
-            db = dy2.sum(0, dtype=torch.float32).split(ctx.rows)
-            for i, g in enumerate(db):
-                grads[n + i] = g.to(ctx.dtypes[n + i]) if need[n + i] else None
+        recipe, n, dw = ctx.recipe, ctx.n, ctx.dw
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
+        need = ctx.needs_input_grad
+        need_x = need[0]
+        # dy scaled per token for dx, and per output channel, transposed, for dW = dyᵀ·x: both from one
+        # quantize_both where both are needed.
+        if need_x and dw:
+            qdy, qdyt = quantize_both(dy2, recipe)
+        elif need_x:
+            qdy = quantize(dy2, recipe)
+        elif dw:
+            qdyt = quantize(dy2, recipe, transpose=True)
+        dx = None
+        if need_x:
+            dx = mm(qdy, ctx.bwd, ctx.x_dtype)
+            if dx.shape != ctx.shape:
+                dx = dx.view(ctx.shape)
+        grads = [None] * (len(need) - 5)
+        dtypes = ctx.dtypes
+        if dw:
+            g = mm(qdyt, ctx.saved_tensors, ctx.dw_dtype)
+            parts = (g,) if n == 1 else g.split(ctx.rows)
+            for i in range(n):
+                if need[5 + i]:
+                    grads[i] = parts[i] if parts[i].dtype == dtypes[i] else parts[i].to(dtypes[i])
+        if True in need[5 + n:]:
+            db = dy2.sum(0, dtype=torch.float32)
+            parts = (db,) if n == 1 else db.split(ctx.rows)
+            for i in range(n):
+                if need[5 + n + i]:
+                    grads[n + i] = parts[i] if parts[i].dtype == dtypes[n + i] else parts[i].to(dtypes[n + i])
         return (dx, None, None, None, None, *grads)
 
 
@@ -213,7 +276,8 @@ def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> str 
         fallbacks.count(owner, f"fp8: projections ran in {str(dtype).removeprefix('torch.')}, not FP8 (FP8 GEMMs need bf16 "
                                "autocast or bf16 weights)")
         return None
-    rows, k, n = x.numel() // max(x.shape[-1], 1), x.shape[-1], sum(m.out_features for m in linears)
+    k = x.shape[-1]
+    rows, n = x.numel() // max(k, 1), sum(m.out_features for m in linears)
     if rows % 16 or k % 16 or n % 16:  # FP8 GEMM kernels take multiples of 16 (tokens: dW's inner dimension)
         fallbacks.count(owner, f"fp8: projections ran in bf16, not FP8: {rows} tokens × {k} → {n} is not in "
                                "multiples of 16 (pad the batch's tokens to a multiple of 16)")
@@ -224,12 +288,31 @@ def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> str 
 def linear(x: Tensor, linears: list[nn.Module], owner: nn.Module) -> Tensor | None:
     """``torch.cat([m(x) for m in linears], -1)`` with FP8 GEMMs (``owner._fp8`` set by optimize), or
     None where the projections are not plain nn.Linear or the call cannot take FP8 (then as usual)."""
-    if not all(type(m) is nn.Linear for m in linears) or hooked(*linears) or len({m.bias is None for m in linears}) > 1:
+    params, biases = [], []
+    for m in linears:
+        if type(m) is not nn.Linear:
+            return None
+        params.append(m.weight)
+        if m.bias is not None:
+            biases.append(m.bias)
+    if (biases and len(biases) != len(linears)) or hooked(*linears):
         return None
     recipe = usable(x, linears, owner)
     if recipe is None:
         return None
-    device = x.device.type
-    params = [m.weight for m in linears] + [m.bias for m in linears if m.bias is not None]
-    with torch.autocast(device, enabled=False):
-        return _FP8Linear.apply(x, recipe, weights_cache(owner, linears), torch.bfloat16, len(linears), *params)
+    cache, n = weights_cache(owner, linears), len(params)
+    params += biases
+    if not torch.is_grad_enabled():  # no backward: no autograd Function, x rowwise only, nothing kept
+        with _no_autocast(x):
+            return _project(x, recipe, cache, torch.bfloat16, n, params, False)[0]
+    with _no_autocast(x):
+        return _FP8Linear.apply(x, recipe, cache, torch.bfloat16, n, *params)
+
+
+def _no_autocast(x: Tensor):
+    """Autocast off for the call (every cast in it is explicit; the CPU's emulated products must stay
+    fp32): the C++ guard in eager (≈ 0.4 µs of host time, against ≈ 2.4 for ``torch.autocast``), and
+    ``torch.autocast``, the context manager Dynamo traces, under torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.autocast(x.device.type, enabled=False)
+    return torch._C._DisableAutocast()
