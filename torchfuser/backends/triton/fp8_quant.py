@@ -58,6 +58,11 @@ _TILE = 4096  # elements a program in the one-pass rowwise case: short rows are 
 # bf16 row (one full line read); BLOCK_A = 128 rows are 128 bytes of a q row when q is written transposed.
 _BLOCK_A = 128
 _BLOCK_B = 64
+# The both-ways writer steps 64 rows at a time (two divisions and two e4m3 tiles an element): 61 registers
+# a thread at 16 warps on sm_90, two programs an SM, where 128 rows take 98, one program an SM (compiled
+# for the target, _crosscompile; not yet timed on a GPU). qᵀ rows then leave 64 bytes at a time (two
+# full sectors). The amax pass keeps 128 (56 registers).
+_BLOCK_A_BOTH = 64
 _PROGRAMS_PER_SM = 4
 _BLOCK_P = 16  # partial rows reduced a step (per-column scales)
 _BLOCK_PT = 1024  # partials reduced a step (tensorwise)
@@ -355,5 +360,5 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     _amax_both(grid, u, amax, a, b, u.stride(0), per_prog,
                BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
     _tiles_both(grid, u, amax, qu, su, qut, sut, a, b, u.stride(0), per_prog,
-                BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
+                BLOCK_A=_BLOCK_A_BOTH, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
     return (q, s), (qt, st)
