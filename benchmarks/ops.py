@@ -3,6 +3,7 @@ torch.compile of the same math, with and without CUDA graphs (``--interleave N``
 torch.compile alone, timed in alternation, for a same-run verdict that drift cannot decide).
 
     python benchmarks/ops.py --device cuda [--out results.jsonl] [--ops rms_norm,rope] [--budget 240]
+    python benchmarks/ops.py --device cuda --ops moe   # the MoE expert path (benchmarks/probes/moe_expert_path_probe.py)
 
 Baselines are the reference backend's *definitions* (plain PyTorch, backends/reference/*.py),
 run eagerly and through torch.compile (inductor fuses them; compiling the custom op itself
@@ -204,7 +205,13 @@ def main(argv=None) -> list[dict]:
     except ImportError:
         pass
     print(json.dumps({"meta": meta}), flush=True)
-    cases = make_cases(a.device, dtype, sizes, set(a.ops.split(",")) if a.ops else None)
+    ops = set(a.ops.split(",")) if a.ops else None
+    if ops and "moe" in ops:  # the expert path piece by piece: its own probe (grouped GEMMs vs dense, GB/s vs copy)
+        ops.discard("moe")
+        _moe_expert_path(a.device, dtype, a.out)
+        if not ops:
+            return []
+    cases = make_cases(a.device, dtype, sizes, ops)
     if a.interleave:
         return interleaved(cases, a.interleave, a.device, not a.no_graphs, a.out, meta, a.profile_dir)
     rows = []
@@ -252,6 +259,25 @@ def main(argv=None) -> list[dict]:
         out.close()
     _table(rows)
     return rows
+
+
+def _moe_expert_path(device: str, dtype, out_path):
+    """``--ops moe``: benchmarks/probes/moe_expert_path_probe.py at Qwen3-30B-A3B's and OLMoE's shapes
+    (8192 tokens; tiny shapes on the CPU): grouped GEMMs in TFLOP/s against one dense GEMM of the same
+    size, permutation and combine in GB/s against the copy, the experts op forward + backward per backend."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "probes"))
+    import moe_expert_path_probe as probe
+
+    out = open(out_path, "a") if out_path else None
+    try:
+        if device == "cpu":
+            probe.probe((8, 2, 64, 32), 64, torch.device("cpu"), torch.float32, out)
+        else:
+            for name in probe.MODELS:
+                probe.probe(name, 8192, torch.device(device), dtype, out)
+    finally:
+        if out:
+            out.close()
 
 
 def interleaved(cases, rounds: int, device: str, graphs: bool, out_path, meta, profile_dir=None) -> list[dict]:
