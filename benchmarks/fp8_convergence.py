@@ -169,7 +169,11 @@ def main():
         c = curve(variant, args, data, device)
         c["smoothed"] = smooth(c["losses"], args.window)
         result["curves"][variant] = c
-        print(f"{variant:20s} loss {c['losses'][0]:.3f} → {c['smoothed'][-1]:.3f} (smoothed) in {c['seconds']} s")
+        print(f"{variant:20s} loss {c['losses'][0]:.3f} → {c['smoothed'][-1]:.3f} (smoothed) in {c['seconds']} s; "
+              f"every 50 steps: {' '.join(f'{x:.2f}' for x in c['smoothed'][::50])}", flush=True)
+        if args.out:  # kept as it goes: a run cut short keeps the curves it finished
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
     base = result["curves"].get("bf16")
     for name, c in result["curves"].items():
         if base is None or name == "bf16":
