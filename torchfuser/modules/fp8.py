@@ -102,7 +102,7 @@ def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtyp
     if qa.device.type == "cpu" and sa.numel() > 1 and not _cpu_rowwise():
         # torch 2.11's CPU _scaled_mm takes per-tensor scales only: its math, in fp32 (e4m3 values are exact there)
         out = torch.mm(qa.float(), qb.float().t()).mul_(sa).mul_(sb)
-        return (out if bias is None else out.add_(bias.float())).to(out_dtype)
+        return (out if bias is None else out.add_(bias.to(out_dtype).float())).to(out_dtype)  # as its epilogue: the bias in out_dtype
     key = (qa.device.type, sa.dim())
     if out_dtype != torch.bfloat16 and _WIDE_OUT.get(key, True):
         try:
