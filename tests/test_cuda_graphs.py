@@ -167,8 +167,9 @@ def test_other_families_and_autograd_grad(family):
 @cuda
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_mixture_of_experts_layers_are_captured(autocast):
-    """Fused MoE blocks (router, sort, grouped GEMMs: no host sync) replay in the layers' graphs; in fp32
-    the captured experts' products run as the masked loop (fp32 grouped GEMMs read the group sizes back)."""
+    """Fused MoE blocks (router, sort, grouped GEMMs: no host sync) replay in the layers' graphs under bf16
+    autocast. In fp32 the experts' grouped GEMMs read the group sizes back to the host (torch 2.11's CUDA
+    fp32 path), which the warm-up finds: the layers run eagerly, with that reason, and compute the same."""
     from arch_sweep import tiny_config
 
     def build():
@@ -187,7 +188,11 @@ def test_mixture_of_experts_layers_are_captured(autocast):
         for m in (plain, graphed):
             m.zero_grad(set_to_none=True)
     stack = _stack(graphed)
-    assert stack.captures == 1 and stack.replays > 0 and not stack.eager
+    if autocast or not stack.disabled:  # a torch whose fp32 grouped GEMM needs no host read captures fp32 too
+        assert stack.captures == 1 and stack.replays > 0 and not stack.eager
+    else:
+        assert "reads tensor values on the host" in stack.disabled and stack.replays == 0
+        assert any(stack.disabled in n for n in torchfuser.report(graphed).notes)  # the report says why
 
 
 @cuda
