@@ -4,6 +4,7 @@ torch.compile alone, timed in alternation, for a same-run verdict that drift can
 
     python benchmarks/ops.py --device cuda [--out results.jsonl] [--ops rms_norm,rope] [--budget 240]
     python benchmarks/ops.py --device cuda --ops moe   # the MoE expert path (benchmarks/probes/moe_expert_path_probe.py)
+    python benchmarks/ops.py --device cuda --ops fp8   # FP8 quantisation and projections (benchmarks/probes/fp8_quant_probe.py)
 
 Baselines are the reference backend's *definitions* (plain PyTorch, backends/reference/*.py),
 run eagerly and through torch.compile (inductor fuses them; compiling the custom op itself
@@ -206,6 +207,11 @@ def main(argv=None) -> list[dict]:
         pass
     print(json.dumps({"meta": meta}), flush=True)
     ops = set(a.ops.split(",")) if a.ops else None
+    if ops and "fp8" in ops:  # FP8 quantisation kernels (GB/s vs copy) and projections (TFLOP/s vs the FP8 GEMM's)
+        ops.discard("fp8")
+        _fp8_probe(a.device, a.out)
+        if not ops:
+            return []
     if ops and "moe" in ops:  # the expert path piece by piece: its own probe (grouped GEMMs vs dense, GB/s vs copy)
         ops.discard("moe")
         _moe_expert_path(a.device, dtype, a.out)
@@ -259,6 +265,20 @@ def main(argv=None) -> list[dict]:
         out.close()
     _table(rows)
     return rows
+
+
+def _fp8_probe(device: str, out_path):
+    """``--ops fp8``: benchmarks/probes/fp8_quant_probe.py (bit checks, then on a GPU the quantisation
+    kernels in GB/s against the copy and each FP8 projection's forward + backward in TFLOP/s against one
+    large FP8 GEMM and against the bf16 projection), in a process of its own (it exits with its verdict)."""
+    import subprocess
+
+    probe = Path(__file__).resolve().parent / "probes" / "fp8_quant_probe.py"
+    args = [sys.executable, str(probe)] + (["--out", out_path] if out_path else [])
+    if device == "cpu":
+        args.append("--check")
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if device == "cpu" else None
+    subprocess.run(args, check=True, env=env)
 
 
 def _moe_expert_path(device: str, dtype, out_path):

@@ -7,6 +7,7 @@ reads: x, dy and the weights of every trainable projection) against the rowwise 
 it replaces, run one after the other.
 
     python benchmarks/probes/fp8_quant_probe.py --out fp8-quant.jsonl            # GPU: ≈ 30-45 s on an H200
+    python benchmarks/ops.py --device cuda --ops fp8                              # the same
     python benchmarks/probes/fp8_quant_probe.py --inductor --out ...              # + torch.compile'd PyTorch code
     TRITON_INTERPRET=1 python benchmarks/probes/fp8_quant_probe.py --check        # CPU: numbers only, small shapes
 
@@ -20,7 +21,11 @@ One JSON line per measurement:
 - ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels),
   both_ms, speedup, both_gbps = (2 reads of t + 2 e4m3 copies written) / time, against copy_gbps;
 - ``what: "projection"``: one FP8 projection (the fused module's autograd Function) forward + backward,
-  ms: old_ms (the PyTorch passes), pair_ms (the kernels, both ways as two calls), new_ms (fp8_quantize_both).
+  ms: old_ms (the PyTorch passes), pair_ms (the kernels, both ways as two calls), new_ms (fp8_quantize_both);
+  tflops (its three GEMMs' work over new_ms) and the same projection in bf16 under autocast (bf16_ms,
+  bf16_tflops);
+- ``what: "peak"``: one 8192³ FP8 GEMM (rowwise scales, bf16 out) and one bf16 GEMM, in TFLOP/s: the
+  rates the projections' TFLOP/s compare with.
 """
 from __future__ import annotations
 
@@ -164,6 +169,19 @@ def time_quant(emit, device, inductor: bool):
         del t
 
 
+def gemm_peaks(emit, device, n: int = 8192):
+    """The dense GEMM rates a projection is judged against: one n³ FP8 GEMM (e4m3, rowwise scales,
+    bf16 out: what the projections call) and one bf16 GEMM."""
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+    fp8_ms = _bench(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device)
+    x = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    bf16_ms = _bench(lambda: x @ x, device)
+    flops = 2 * n ** 3
+    emit(what="peak", n=n, fp8_tflops=round(flops / fp8_ms / 1e9, 1), bf16_tflops=round(flops / bf16_ms / 1e9, 1))
+
+
 def time_projections(emit, device):
     from torchfuser.modules import fp8
 
@@ -182,6 +200,14 @@ def time_projections(emit, device):
         x = _operand(TOKENS, k, device).requires_grad_()
         w = (torch.randn(n, k, device=device) * k ** -0.5).requires_grad_()  # fp32 master weight
         dy = _operand(TOKENS, n, device, seed=1)
+        def bf16_step():  # the same projection as autocast runs it: bf16 GEMMs of the fp32 weight's cast
+            with torch.autocast(device, dtype=torch.bfloat16):
+                y = torch.nn.functional.linear(x, w)
+            y.backward(dy)
+            x.grad = w.grad = None
+
+        bf16_step()
+        bf16_ms = _bench(bf16_step, device)
         for recipe in fp8.RECIPES:
             cache = fp8._Weights()
 
@@ -198,10 +224,13 @@ def time_projections(emit, device):
                     times[label] = _bench(step, device)
                 finally:
                     fp8.quantize, fp8.quantize_both = new_quantize, new_both
+            flops = 3 * 2 * TOKENS * k * n  # the forward GEMM and the backward's two
             emit(what="projection", proj=name, tokens=TOKENS, k=k, n=n, recipe=recipe,
                  old_ms=round(times["old"], 3), pair_ms=round(times["pair"], 3), new_ms=round(times["new"], 3),
                  speedup=round(times["old"] / times["new"], 2),
-                 speedup_over_pair=round(times["pair"] / times["new"], 2))
+                 speedup_over_pair=round(times["pair"] / times["new"], 2),
+                 tflops=round(flops / times["new"] / 1e9, 1), bf16_ms=round(bf16_ms, 3),
+                 bf16_tflops=round(flops / bf16_ms / 1e9, 1))
         del x, w, dy
 
 
@@ -233,6 +262,7 @@ def main():
     t0 = time.time()
     ok = check(emit, device, SMALL if args.check or device == "cpu" else {**SMALL, **OPERANDS})
     if not args.check and device == "cuda":
+        gemm_peaks(emit, device)
         time_quant(emit, device, args.inductor)
         time_projections(emit, device)
     emit(what="done", ok=ok, seconds=round(time.time() - t0, 1))
