@@ -19,7 +19,9 @@ One JSON line per measurement:
   old path's ``amax / 448.0`` multiplies by fp32(1/448), so its scales may differ by one ulp; counted
   as old_scale_diffs / old_q_diffs), e4m3 rounding ties, NaN/inf rows; ``ok`` must be true;
 - ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels),
-  both_ms, speedup, both_gbps = (2 reads of t + 2 e4m3 copies written) / time, against copy_gbps;
+  both_ms (the default path), speedup, both_gbps = (2 reads of t + 2 e4m3 copies written) / time, against
+  copy_gbps; rowwise also atomic_ms and atomic_speedup: the other rowwise path (fp8_quant._ROWWISE_BOTH:
+  "rows+tiles", the default, vs "atomic"), so one run says which to keep;
 - ``what: "projection"``: one FP8 projection (the fused module's autograd Function) forward + backward,
   ms: old_ms (the PyTorch passes), pair_ms (the kernels, both ways as two calls), new_ms (fp8_quantize_both);
   tflops (its three GEMMs' work over new_ms) and the same projection in bf16 under autocast (bf16_ms,
@@ -30,6 +32,7 @@ One JSON line per measurement:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -116,15 +119,29 @@ def check(emit, device, shapes):
             ok_all &= ok
             emit(what="check", case=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."), op=op,
                  ok=ok, q_diffs=dq, scale_diffs=ds, old_q_diffs=oq, old_scale_diffs=os_)
-        for tw in (False, True):
-            both = K.fp8_quantize_both(t, tw)
+        for tw, path in ((False, "rows+tiles"), (False, "atomic"), (True, None)):
+            with _rowwise_both(path):
+                both = K.fp8_quantize_both(t, tw)
             diffs = [_diffs(got, exact_quantize(t, tw, tr)) for got, tr in zip(both, (False, True))]
             ok = all(d == (0, 0) for d in diffs) and all(g[0].is_contiguous() for g in both)
             ok_all &= ok
             emit(what="check", case=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-                 op="both-tensorwise" if tw else "both", ok=ok, q_diffs=sum(d[0] for d in diffs),
+                 op="both-tensorwise" if tw else f"both-{path}", ok=ok, q_diffs=sum(d[0] for d in diffs),
                  scale_diffs=sum(d[1] for d in diffs))
     return ok_all
+
+
+@contextlib.contextmanager
+def _rowwise_both(path):
+    """Within: fp8_quantize_both's rowwise path is ``path`` (None: left as it is)."""
+    from torchfuser.backends.triton import fp8_quant as K
+
+    old = K._ROWWISE_BOTH
+    K._ROWWISE_BOTH = path or old
+    try:
+        yield
+    finally:
+        K._ROWWISE_BOTH = old
 
 
 def _bench(fn, device):
@@ -163,9 +180,17 @@ def time_quant(emit, device, inductor: bool):
         for tw in (False, True):
             pair_ms = _bench(lambda: (K.fp8_quantize(t, tw, False), K.fp8_quantize(t, tw, True)), device)
             both_ms = _bench(lambda: K.fp8_quantize_both(t, tw), device)
-            emit(what="both", operand=name, shape=[m, k], tensorwise=tw, pair_ms=round(pair_ms, 4),
-                 both_ms=round(both_ms, 4), speedup=round(pair_ms / both_ms, 2),
-                 both_gbps=round(m * k * (2 * t.element_size() + 2) / both_ms / 1e6, 1), copy_gbps=round(copy_gbps, 1))
+            row = dict(what="both", operand=name, shape=[m, k], tensorwise=tw, pair_ms=round(pair_ms, 4),
+                       both_ms=round(both_ms, 4), speedup=round(pair_ms / both_ms, 2),
+                       both_gbps=round(m * k * (2 * t.element_size() + 2) / both_ms / 1e6, 1),
+                       copy_gbps=round(copy_gbps, 1))
+            if not tw:
+                other = "atomic" if K._ROWWISE_BOTH == "rows+tiles" else "rows+tiles"
+                with _rowwise_both(other):
+                    other_ms = _bench(lambda: K.fp8_quantize_both(t, tw), device)
+                row.update(path=K._ROWWISE_BOTH, **{f"{other.replace('+', '_')}_ms": round(other_ms, 4),
+                                                    f"{other.replace('+', '_')}_speedup": round(pair_ms / other_ms, 2)})
+            emit(**row)
         del t
 
 

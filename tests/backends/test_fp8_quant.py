@@ -4,7 +4,9 @@ the e4m3 values and the fp32 scales: rowwise, rowwise of the transpose (dW's ope
 both ways; fp32 / bf16 / fp16; a single row, 123×123, rows of 8192 and 20000 (the looped kernel),
 row-strided and transposed inputs; NaN and inf; values on every e4m3 rounding tie. The pair that
 quantises a tensor both ways from two reads (``fp8_quantize_both``) against the two reference calls
-it replaces, bit for bit, on the same cases. Run by Triton's
+it replaces, bit for bit, on the same cases, rowwise by each of its paths (_ROWWISE_BOTH: the rows
+kernel writing column partials + the tiles kernel, the default; the atomic both-ways kernels), with
+row programs of one and of several steps, one-pass and looped rows. Run by Triton's
 interpreter on the CPU (TRITON_INTERPRET=1, with its e4m3 cast fixed to round as the GPU does:
 _interpret.py), compiled on a GPU where there is one.
 """
@@ -127,20 +129,66 @@ def _check_both(interpreter, t, tensorwise, what=""):
         _assert_same(g, want, f"both {what} {tuple(t.shape)} {t.dtype} tensorwise={tensorwise} transpose={transpose}")
 
 
-@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
+def _set_rowwise_path(k, path, monkeypatch):
+    """fp8_quantize_both's rowwise path set to ``path``; on "rows+tiles" the atomic kernels must not run."""
+    monkeypatch.setattr(k, "_ROWWISE_BOTH", path)
+    if path == "rows+tiles":
+        def refuse(*args, **kwargs):
+            raise AssertionError("the atomic both-ways kernels ran on the rows+tiles path")
+        monkeypatch.setattr(k, "_amax_both", refuse)
+        monkeypatch.setattr(k, "_tiles_both", refuse)
+
+
+@pytest.fixture(params=["rows+tiles", "atomic"])
+def rowwise_both(request, interpreter, monkeypatch):
+    """fp8_quantize_both's rowwise path: the default (rows kernel + tiles kernel) or the atomic one."""
+    _set_rowwise_path(interpreter.fp8_quant, request.param, monkeypatch)
+    return request.param
+
+
+@pytest.fixture(params=["rowwise", "rowwise-atomic", "tensorwise"])
+def tensorwise(request, interpreter, monkeypatch):
+    """The recipe of fp8_quantize_both, rowwise by each of its paths."""
+    if request.param != "tensorwise":
+        _set_rowwise_path(interpreter.fp8_quant, "atomic" if request.param == "rowwise-atomic" else "rows+tiles",
+                          monkeypatch)
+    return request.param == "tensorwise"
+
+
+def test_both_rowwise_default_path(interpreter):
+    assert interpreter.fp8_quant._ROWWISE_BOTH == "rows+tiles"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 64), (16, 16), (123, 123), (2, 8192)])
 def test_both_bit_for_bit(interpreter, shape, dtype, tensorwise):
     _check_both(interpreter, _rand(*shape, dtype=dtype), tensorwise)
 
 
-@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
 def test_both_many_rows_in_row_chunks(interpreter, tensorwise):
     """Several programs along the rows: every column's amax is maxed in from all of them."""
     _check_both(interpreter, _rand(1000, 48, dtype=torch.bfloat16), tensorwise)
 
 
-@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
+def test_both_long_rows_looped(interpreter, tensorwise):
+    """Rows past MAX_FUSED: the rows kernel walks them twice in chunks, its partials chunk by chunk."""
+    _check_both(interpreter, _rand(2, 20000, dtype=torch.bfloat16), tensorwise)
+
+
+@pytest.mark.parametrize("shape", [(1000, 48), (5, 20000)], ids=["one-pass", "looped"])
+def test_both_row_programs_of_several_steps(interpreter, monkeypatch, shape):
+    """The rows+tiles path on one SM: two row programs, each walking several row steps (one-pass: its
+    partials held in registers across steps; looped: read back from its own partial row), reduced."""
+    _set_rowwise_path(interpreter.fp8_quant, "rows+tiles", monkeypatch)
+    monkeypatch.setattr(interpreter.fp8_quant, "_sms", lambda t: 1)
+    cfg = interpreter.fp8_quant.rows_partials_config(*shape, 1)
+    assert cfg[-1] == 2 and cfg[-2] > cfg[1], cfg  # two programs, more than one step each
+    t = _rand(*shape, dtype=torch.bfloat16)
+    t[shape[0] - 1, 7] = float("nan")  # in the last step of the last program
+    t[1, 9] = float("inf")
+    _check_both(interpreter, t, False)
+
+
 @pytest.mark.parametrize("view", ["row_strided", "transposed", "both_strided"])
 def test_both_non_contiguous(interpreter, tensorwise, view):
     base = _rand(70, 300, dtype=torch.bfloat16)
@@ -149,7 +197,6 @@ def test_both_non_contiguous(interpreter, tensorwise, view):
     _check_both(interpreter, t, tensorwise, view)
 
 
-@pytest.mark.parametrize("tensorwise", [False, True], ids=["rowwise", "tensorwise"])
 def test_both_nan_inf_zero_rows_and_columns(interpreter, tensorwise):
     t = _rand(40, 96)
     t[3, 5], t[7, 1], t[9, 2] = float("nan"), float("inf"), -float("inf")
@@ -159,7 +206,7 @@ def test_both_nan_inf_zero_rows_and_columns(interpreter, tensorwise):
     _check_both(interpreter, t, tensorwise)
 
 
-def test_both_rounding_ties_and_subnormals(interpreter):
+def test_both_rounding_ties_and_subnormals(interpreter, rowwise_both):
     """The tie table as rows (q's scales exactly 1) and as columns (qt's scales exactly 1)."""
     t = R.rounding_cases()
     _check_both(interpreter, t, False, "ties")

@@ -159,13 +159,32 @@ def _scenarios(hiddens, dtypes, tokens):
                 i=i, e=e: moe.moe_experts_bwd(x, x, w, idx, gu, gub, dn, dnb, e_(s, 2 * i), torch.empty(
                     s, dtype=torch.int64, device=meta), torch.empty(e, dtype=torch.int32, device=meta), *a)
     # An FP8 GEMM operand quantised both ways from two reads (x, dy, the weights; after the MoE ones, for
-    # the same reason): rowwise and tensorwise.
+    # the same reason): rowwise by the atomic both-ways kernels (fp8_quant._ROWWISE_BOTH = "atomic", the
+    # path recorded under this label first) and tensorwise.
     for dt in dtypes:
         for n in hiddens:
             x = torch.empty(tokens, n, dtype=dt, device=meta)
             for tensorwise in (False, True):
                 label = f"fp8_quantize_both-{'tensorwise' if tensorwise else 'rowwise'}"
-                yield label, lambda x=x, tw=tensorwise: fp8_quant.fp8_quantize_both(x, tw)
+                yield label, lambda x=x, tw=tensorwise: _rowwise_both("atomic", fp8_quant.fp8_quantize_both, x, tw)
+    # Rowwise both ways by the rows kernel writing column partials + the transposed tiles kernel (the
+    # default path; after all the others, for the same reason).
+    for dt in dtypes:
+        for n in hiddens:
+            x = torch.empty(tokens, n, dtype=dt, device=meta)
+            yield "fp8_quantize_both-rowwise-rows+tiles", lambda x=x: _rowwise_both(
+                "rows+tiles", fp8_quant.fp8_quantize_both, x, False)
+
+
+def _rowwise_both(path, fn, *args):
+    """fn(*args) with fp8_quant._ROWWISE_BOTH = path."""
+    from . import fp8_quant
+
+    old, fp8_quant._ROWWISE_BOTH = fp8_quant._ROWWISE_BOTH, path
+    try:
+        return fn(*args)
+    finally:
+        fp8_quant._ROWWISE_BOTH = old
 
 
 # Label → (experts, top-k, hidden, intermediate, scoring, renorm, correction, activation, halves, biases,

@@ -18,10 +18,14 @@ an integer max of |s|'s bit patterns.
 One caveat on CUDA: PyTorch's ``amax / 448.0`` there multiplies by fp32(1/448) (its division by a
 CPU scalar does), so the old CUDA path's scales could differ from these by one fp32 ulp.
 
-Kernels (one launch rowwise, two otherwise, two and a memset for both ways; no host sync, so CUDA
-graphs capture them):
+Kernels (one launch rowwise, two otherwise, two for both ways, with a memset tensorwise; no host sync,
+so CUDA graphs capture them):
 - ``_fp8_quant_rows_kernel``: rowwise, q in s's layout. ROWS rows a program held in registers up to
   MAX_FUSED elements a row (s read once), longer rows walked twice in chunks (the second read from L2).
+  With PARTIALS (constexpr; off, it compiles to the same code as without it) it is fp8_quantize_both's
+  rowwise first pass: ROWS_PER_PROG rows a program, which also writes its rows' column maxima of |s|
+  (one row of K partials a program, as ``_fp8_amax_kernel``'s PER_COLUMN ones; looped rows max theirs
+  into the program's own row of P, chunk by chunk).
 - ``_fp8_amax_kernel`` + ``_fp8_quant_tiles_kernel``: a grid of (row chunk, BLOCK_B-column block)
   programs over u (the one of s, sᵀ whose last dim is dense). The first writes per-program partial
   amaxes: per column of u (the scales of a transposed rowwise quantisation) or one (tensorwise).
@@ -30,8 +34,15 @@ graphs capture them):
   scales and casts its chunk, and writes q tiles transposed (TRANSPOSE: q = uᵀ row-major) or not.
   u is read twice, q written once; the transposition goes through shared memory as fp8 (1 byte).
 - ``fp8_quantize_both(t, tensorwise)``: ``fp8_quantize(t, tw, False)`` and ``fp8_quantize(t, tw, True)``
-  at once, for an operand two GEMMs need scaled along each dimension (x, dy, the weights):
-  ``_fp8_amax_both_kernel`` + ``_fp8_quant_both_kernel`` on the same grid over u. The first maxes each
+  at once, for an operand two GEMMs need scaled along each dimension (x, dy, the weights).
+  Rowwise (``_ROWWISE_BOTH = "rows+tiles"``, the default): the rows kernel with PARTIALS (q and its
+  scales, and the column partials), then ``_fp8_quant_tiles_kernel`` (PER_COLUMN, TRANSPOSE) reducing
+  them into qᵀ's scales and writing qᵀ: t read twice, q and qᵀ written once, no memset, no atomics.
+  Chosen because the atomic path below measured 0.90–0.92× the speed of the two separate calls on an
+  H200 (the atomics and the zero-fill), where tensorwise it was 1.25–1.34× faster; this path itself is
+  not timed yet (the probe, benchmarks/probes/fp8_quant_probe.py, times both: both_ms, atomic_ms).
+  Tensorwise, and rowwise with ``_ROWWISE_BOTH = "atomic"``: ``_fp8_amax_both_kernel`` +
+  ``_fp8_quant_both_kernel`` on the same grid over u. The first maxes each
   tile's row and column maxima of |u| into one zeroed int32 vector (A row entries, then B column ones;
   one entry tensorwise) with atomic integer max on the bit patterns: order-free, so the bits do not
   depend on the programs' order, and NaN propagates as above. The second reads each tile once and
@@ -65,6 +76,14 @@ _BLOCK_B = 64
 _BLOCK_A_BOTH = 64
 _PROGRAMS_PER_SM = 4
 _BLOCK_P = 16  # partial rows reduced a step (per-column scales)
+# fp8_quantize_both rowwise: "rows+tiles" (the rows kernel writing per-program column partials, then the
+# transposed tiles kernel reducing them: two launches, no memset, no atomics) or "atomic" (the both-ways
+# kernels: measured 0.90-0.92x the two separate calls on an H200, the atomics and the zero-fill). The
+# probe (benchmarks/probes/fp8_quant_probe.py) times both.
+_ROWWISE_BOTH = "rows+tiles"
+# Row programs a SM of that first pass: more keeps more loads in flight, fewer means fewer partial rows
+# for each tiles program to reduce (progs_a × programs × B fp32 read from L2 in all). Not yet timed.
+_ROW_PROGRAMS_PER_SM = 2
 _BLOCK_PT = 1024  # partials reduced a step (tensorwise)
 
 
@@ -94,34 +113,80 @@ def _e4m3(x, scale, Q):
 
 
 @triton.jit
-def _fp8_quant_rows_kernel(
-    X, Q, S, M, K, stride_x,
-    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr,
-):
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    row_ok = rows < M
-    cols = tl.arange(0, BLOCK_K)
+def _rows_one_pass(X, Q, K, stride_x, rows, row_ok, cols):
+    # ROWS rows held whole: (their scales, |x|'s bits of the tile).
     x_rows = X + rows[:, None] * stride_x
     q_rows = Q + rows[:, None] * K
-    if ONE_PASS:
-        mask = row_ok[:, None] & (cols < K)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = _scale_of(_as_float(tl.max(_abs_bits(x), axis=1)))
-        tl.store(q_rows + cols[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    bits = _abs_bits(x)
+    scale = _scale_of(_as_float(tl.max(bits, axis=1)))
+    tl.store(q_rows + cols[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
+    return scale, bits
+
+
+@triton.jit
+def _rows_looped(X, Q, K, stride_x, rows, row_ok, cols, P_ROW, KEEP, PARTIALS: tl.constexpr):
+    # Rows walked twice in BLOCK_K chunks: their scales. PARTIALS (one row a step): each chunk's |x| bits
+    # maxed into the program's own partial row P_ROW, read back unless KEEP is false (the program's first row).
+    x_rows = X + rows[:, None] * stride_x
+    q_rows = Q + rows[:, None] * K
+    # Per-lane maxima, reduced once at the end: fewer cross-warp reductions.
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], dtype=tl.int32)
+    for start in range(0, K, cols.shape[0]):
+        c = start + cols
+        mask = row_ok[:, None] & (c < K)[None, :]
+        bits = _abs_bits(tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32))
+        acc = tl.maximum(acc, bits)
+        if PARTIALS:
+            p_ptr, p_ok = P_ROW + c[None, :], (c < K)[None, :]
+            prev = _abs_bits(tl.load(p_ptr, mask=p_ok & KEEP, other=0.0))
+            tl.store(p_ptr, _as_float(tl.maximum(prev, bits)), mask=p_ok)
+    scale = _scale_of(_as_float(tl.max(acc, axis=1)))
+    for start in range(0, K, cols.shape[0]):
+        c = start + cols
+        mask = row_ok[:, None] & (c < K)[None, :]
+        x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_rows + c[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
+    return scale
+
+
+@triton.jit
+def _fp8_quant_rows_kernel(
+    X, Q, S, M, K, stride_x, P=None, ROWS_PER_PROG=None,  # P, ROWS_PER_PROG: PARTIALS only (positional)
+    ROWS: tl.constexpr = 1, BLOCK_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = True, PARTIALS: tl.constexpr = False,
+):
+    if PARTIALS:
+        # fp8_quantize_both's first pass: ROWS_PER_PROG rows a program, and P[program] = its rows'
+        # column maxima of |x| (as _fp8_amax_kernel's PER_COLUMN partials), written once, no atomics.
+        pid = tl.program_id(0).to(tl.int64)
+        first = pid * ROWS_PER_PROG
+        cols = tl.arange(0, BLOCK_K)
+        if ONE_PASS:
+            acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
+            for r0 in range(0, ROWS_PER_PROG, ROWS):
+                rows = first + r0 + tl.arange(0, ROWS)
+                scale, bits = _rows_one_pass(X, Q, K, stride_x, rows, rows < M, cols)
+                tl.store(S + rows, scale, mask=rows < M)
+                acc = tl.maximum(acc, bits)
+            tl.store(P + pid * K + cols, _as_float(tl.max(acc, axis=0)), mask=cols < K)
+        else:
+            tl.static_assert(ROWS == 1)  # the partial row is the chunk's bits; kept in P, not in registers
+            for r in range(0, ROWS_PER_PROG):
+                rows = first + r + tl.arange(0, 1)
+                scale = _rows_looped(X, Q, K, stride_x, rows, rows < M, cols, P + pid * K, r > 0, True)
+                tl.store(S + rows, scale, mask=rows < M)
+                # Row r + 1 reads back what row r stored, maybe from other threads: a CTA barrier orders them.
+                tl.debug_barrier()
     else:
-        # Per-lane maxima, reduced once at the end: fewer cross-warp reductions.
-        acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
-        for start in range(0, K, BLOCK_K):
-            c = start + cols
-            mask = row_ok[:, None] & (c < K)[None, :]
-            acc = tl.maximum(acc, _abs_bits(tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)))
-        scale = _scale_of(_as_float(tl.max(acc, axis=1)))
-        for start in range(0, K, BLOCK_K):
-            c = start + cols
-            mask = row_ok[:, None] & (c < K)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_rows + c[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
-    tl.store(S + rows, scale, mask=row_ok)
+        rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        row_ok = rows < M
+        cols = tl.arange(0, BLOCK_K)
+        if ONE_PASS:
+            scale, _ = _rows_one_pass(X, Q, K, stride_x, rows, row_ok, cols)
+        else:
+            scale = _rows_looped(X, Q, K, stride_x, rows, row_ok, cols, P, False, False)
+        tl.store(S + rows, scale, mask=row_ok)
 
 
 @triton.jit
@@ -274,6 +339,17 @@ def tiles_config(a: int, b: int, sms: int, target: Target = CPU) -> tuple[int, i
     return per_prog, cdiv(a, per_prog), warps_for(_BLOCK_A * _BLOCK_B, warp_size=target.warp_size)
 
 
+@lru_cache(maxsize=None)
+def rows_partials_config(a: int, b: int, sms: int, target: Target = CPU) -> tuple[int, int, bool, int, int, int]:
+    """(BLOCK_K, ROWS, ONE_PASS, num_warps, rows a program, programs) of the rows kernel writing column
+    partials (fp8_quantize_both's first pass) over u (a × b): rows_config's tiles, about
+    _ROW_PROGRAMS_PER_SM programs a SM, each a whole number of ROWS-row steps."""
+    block, rows, one_pass, warps = rows_config(b, target)
+    want = max(1, min(cdiv(a, rows), _ROW_PROGRAMS_PER_SM * sms))
+    per_prog = cdiv(cdiv(a, want), rows) * rows
+    return block, rows, one_pass, warps, per_prog, cdiv(a, per_prog)
+
+
 _rows = Launcher(_fp8_quant_rows_kernel)
 _amax = Launcher(_fp8_amax_kernel)
 _tiles = Launcher(_fp8_quant_tiles_kernel)
@@ -354,8 +430,19 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     else:
         u, (qu, su, qut, sut) = t.contiguous(), (q, s, qt, st)
     a, b = u.shape
-    per_prog, progs_a, warps = tiles_config(a, b, _sms(t), target_of(t))
+    target = target_of(t)
+    per_prog, progs_a, warps = tiles_config(a, b, _sms(t), target)
     grid = (progs_a, cdiv(b, _BLOCK_B))
+    if not tensorwise and _ROWWISE_BOTH == "rows+tiles":
+        # u rowwise as fp8_quantize does, each program also writing its rows' column maxima; then u's
+        # transposed quantisation reducing those partials, as fp8_quantize's own amax kernel's.
+        block, rows, one_pass, rwarps, rows_per_prog, row_progs = rows_partials_config(a, b, _sms(t), target)
+        partials = torch.empty(row_progs * b, dtype=torch.float32, device=dev)
+        _rows((row_progs,), u, qu, su, a, b, u.stride(0), partials, rows_per_prog,
+              ROWS=rows, BLOCK_K=block, ONE_PASS=one_pass, PARTIALS=True, num_warps=rwarps)
+        _tiles(grid, u, partials, qut, sut, a, b, u.stride(0), per_prog, row_progs,
+               BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, PER_COLUMN=True, TRANSPOSE=True, num_warps=warps)
+        return (q, s), (qt, st)
     amax = torch.zeros(1 if tensorwise else a + b, dtype=torch.int32, device=dev)
     _amax_both(grid, u, amax, a, b, u.stride(0), per_prog,
                BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
