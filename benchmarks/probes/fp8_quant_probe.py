@@ -18,10 +18,10 @@ One JSON line per measurement:
 - ``what: "check"``: the kernels' bits against the formula computed exactly (true divisions: on CUDA the
   old path's ``amax / 448.0`` multiplies by fp32(1/448), so its scales may differ by one ulp; counted
   as old_scale_diffs / old_q_diffs), e4m3 rounding ties, NaN/inf rows; ``ok`` must be true;
-- ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels),
-  both_ms (the default path), speedup, both_gbps = (2 reads of t + 2 e4m3 copies written) / time, against
-  copy_gbps; rowwise also atomic_ms and atomic_speedup: the other rowwise path (fp8_quant._ROWWISE_BOTH:
-  "rows+tiles", the default, vs "atomic"), so one run says which to keep;
+- ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels: rowwise's
+  default path, fp8_quant._ROWWISE_BOTH = "pair"), and per one-call path its ms, speedup over the pair and
+  GB/s = (2 reads of t + 2 e4m3 copies written) / time, against copy_gbps: rowwise rows_tiles_* and
+  atomic_*, tensorwise both_*; so one run says which rowwise path to keep;
 - ``what: "projection"``: one FP8 projection (the fused module's autograd Function) forward + backward,
   ms: old_ms (the PyTorch passes), pair_ms (the kernels, both ways as two calls), new_ms (fp8_quantize_both);
   tflops (its three GEMMs' work over new_ms) and the same projection in bf16 under autocast (bf16_ms,
@@ -179,17 +179,15 @@ def time_quant(emit, device, inductor: bool):
             emit(**row)
         for tw in (False, True):
             pair_ms = _bench(lambda: (K.fp8_quantize(t, tw, False), K.fp8_quantize(t, tw, True)), device)
-            both_ms = _bench(lambda: K.fp8_quantize_both(t, tw), device)
             row = dict(what="both", operand=name, shape=[m, k], tensorwise=tw, pair_ms=round(pair_ms, 4),
-                       both_ms=round(both_ms, 4), speedup=round(pair_ms / both_ms, 2),
-                       both_gbps=round(m * k * (2 * t.element_size() + 2) / both_ms / 1e6, 1),
-                       copy_gbps=round(copy_gbps, 1))
-            if not tw:
-                other = "atomic" if K._ROWWISE_BOTH == "rows+tiles" else "rows+tiles"
-                with _rowwise_both(other):
-                    other_ms = _bench(lambda: K.fp8_quantize_both(t, tw), device)
-                row.update(path=K._ROWWISE_BOTH, **{f"{other.replace('+', '_')}_ms": round(other_ms, 4),
-                                                    f"{other.replace('+', '_')}_speedup": round(pair_ms / other_ms, 2)})
+                       copy_gbps=round(copy_gbps, 1), default=K._ROWWISE_BOTH if not tw else "both-kernels")
+            # rowwise: each one-call path (the default "pair" is pair_ms); tensorwise: its both-ways kernels
+            for path in (("rows+tiles", "atomic") if not tw else (None,)):
+                with _rowwise_both(path):
+                    ms = _bench(lambda: K.fp8_quantize_both(t, tw), device)
+                key = (path or "both").replace("+", "_")
+                row.update({f"{key}_ms": round(ms, 4), f"{key}_speedup": round(pair_ms / ms, 2),
+                            f"{key}_gbps": round(m * k * (2 * t.element_size() + 2) / ms / 1e6, 1)})
             emit(**row)
         del t
 

@@ -35,12 +35,13 @@ so CUDA graphs capture them):
   u is read twice, q written once; the transposition goes through shared memory as fp8 (1 byte).
 - ``fp8_quantize_both(t, tensorwise)``: ``fp8_quantize(t, tw, False)`` and ``fp8_quantize(t, tw, True)``
   at once, for an operand two GEMMs need scaled along each dimension (x, dy, the weights).
-  Rowwise (``_ROWWISE_BOTH = "rows+tiles"``, the default): the rows kernel with PARTIALS (q and its
-  scales, and the column partials), then ``_fp8_quant_tiles_kernel`` (PER_COLUMN, TRANSPOSE) reducing
-  them into qᵀ's scales and writing qᵀ: t read twice, q and qᵀ written once, no memset, no atomics.
-  Chosen because the atomic path below measured 0.90–0.92× the speed of the two separate calls on an
-  H200 (the atomics and the zero-fill), where tensorwise it was 1.25–1.34× faster; this path itself is
-  not timed yet (the probe, benchmarks/probes/fp8_quant_probe.py, times both: both_ms, atomic_ms).
+  Rowwise, ``_ROWWISE_BOTH`` picks among three paths, bit for bit the same:
+  "pair" (the default): the two separate calls, the fastest measured (on an H200 the atomic path
+  below ran 0.90–0.92× their speed: the atomics and the zero-fill; tensorwise it was 1.25–1.34× faster);
+  "rows+tiles": the rows kernel with PARTIALS (q and its scales, and the column partials), then
+  ``_fp8_quant_tiles_kernel`` (PER_COLUMN, TRANSPOSE) reducing them into qᵀ's scales and writing qᵀ:
+  t read twice, q and qᵀ written once, no memset, no atomics, one launch fewer than the pair; not timed
+  yet (benchmarks/probes/fp8_quant_probe.py times all three), so not the default until it is measured.
   Tensorwise, and rowwise with ``_ROWWISE_BOTH = "atomic"``: ``_fp8_amax_both_kernel`` +
   ``_fp8_quant_both_kernel`` on the same grid over u. The first maxes each
   tile's row and column maxima of |u| into one zeroed int32 vector (A row entries, then B column ones;
@@ -76,11 +77,11 @@ _BLOCK_B = 64
 _BLOCK_A_BOTH = 64
 _PROGRAMS_PER_SM = 4
 _BLOCK_P = 16  # partial rows reduced a step (per-column scales)
-# fp8_quantize_both rowwise: "rows+tiles" (the rows kernel writing per-program column partials, then the
-# transposed tiles kernel reducing them: two launches, no memset, no atomics) or "atomic" (the both-ways
-# kernels: measured 0.90-0.92x the two separate calls on an H200, the atomics and the zero-fill). The
-# probe (benchmarks/probes/fp8_quant_probe.py) times both.
-_ROWWISE_BOTH = "rows+tiles"
+# fp8_quantize_both rowwise: "pair" (the two separate calls: the fastest measured), "rows+tiles" (the rows
+# kernel writing per-program column partials, then the transposed tiles kernel reducing them: two launches,
+# no memset, no atomics; not timed yet) or "atomic" (the both-ways kernels: measured 0.90-0.92x the pair on
+# an H200, the atomics and the zero-fill). The probe (benchmarks/probes/fp8_quant_probe.py) times all three.
+_ROWWISE_BOTH = "pair"
 # Row programs a SM of that first pass: more keeps more loads in flight, fewer means fewer partial rows
 # for each tiles program to reduce (progs_a × programs × B fp32 read from L2 in all). Not yet timed.
 _ROW_PROGRAMS_PER_SM = 2
@@ -414,6 +415,8 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     check_dtypes("fp8_quantize_both", t=t)
     if t.dim() != 2:
         raise ValueError(f"fp8_quantize_both: t must be 2-D, got shape {tuple(t.shape)}")
+    if not tensorwise and _ROWWISE_BOTH == "pair":
+        return fp8_quantize(t, False, False), fp8_quantize(t, False, True)
     m, k = t.shape
     dev = t.device
     q, qt = torch.empty((m, k), dtype=E4M3, device=dev), torch.empty((k, m), dtype=E4M3, device=dev)
