@@ -6,7 +6,9 @@
 The task is learnable, so a loss that stops falling shows: every sequence is drawn from one fixed
 random bigram model over the first ``--active`` tokens of the vocabulary, each token followed by one
 of ``--fanout`` successors with Dirichlet(1) probabilities. Its entropy rate (printed and saved) is
-the loss a perfect model reaches; the curves fall from ln(vocab) towards it.
+the loss a perfect model reaches; the curves fall from ln(vocab) to ln(active) (the tokens used, learnt
+first) and then towards it (the successors). With 4096 tokens, 16 successors and lr 3e-4, llama1b reached
+only the first plateau in 300 steps (run 123); the defaults are a chain it can learn in that time.
 
 Variants (bf16 autocast, fp32 parameters, fused AdamW with a linear warm-up, clipping at 1.0):
 ``bf16`` (optimize(model)), ``fp8-rowwise`` and ``fp8-tensorwise`` (optimize(model, fp8=...)),
@@ -141,10 +143,10 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--lr-warmup", type=int, default=30)
-    parser.add_argument("--active", type=int, default=4096, help="tokens the bigram chain uses")
-    parser.add_argument("--fanout", type=int, default=16, help="successors of each token")
+    parser.add_argument("--active", type=int, default=1024, help="tokens the bigram chain uses")
+    parser.add_argument("--fanout", type=int, default=4, help="successors of each token")
     parser.add_argument("--window", type=int, default=20, help="moving-average window of the smoothed curves")
     parser.add_argument("--warmup", type=int, default=100, help="steps before the gap is judged")
     parser.add_argument("--tolerance", type=float, default=0.01)
