@@ -118,7 +118,9 @@ def plot(result, path: Path):
         return
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(2, 1))
     for name, c in result["curves"].items():
-        line, = top.plot(c["smoothed"], label=name)
+        # bf16 wide and solid, the others dashed on top: curves that agree stay visible as two
+        line, = top.plot(c["smoothed"], label=name, linewidth=3 if name == "bf16" else 1.3,
+                         linestyle="-" if name == "bf16" else "--")
         top.plot(c["losses"], color=line.get_color(), alpha=0.2, linewidth=0.8)
         if name != "bf16":
             bottom.plot([100 * g for g in c["relative_gap"]], color=line.get_color(), label=name)
