@@ -79,6 +79,11 @@ for stage in "$@"; do
     moe-capture) timeout 120 python3 benchmarks/probes/moe_block_capture_probe.py ;;
     moe-train) timeout ${MOE_S:-500} python3 $ts --models ${MODELS:-qwen3moe olmoe} --variants ${VARIANTS:-torchfuser torchfuser-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-moe.jsonl" ;;
     fp8-convergence) timeout ${CONV_S:-420} python3 benchmarks/fp8_convergence.py ${CONV_ARGS:-} --out "$OUT/fp8-convergence.json" ;;
+    # The FP8 and MoE tests on the GPU, every failure's reason kept (-rfE --tb=short) in the stage's log.
+    fp8-moe-tests) timeout ${TESTS_S:-240} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short -n 8 \
+              tests/backends/test_fp8_quant.py tests/test_fp8.py tests/backends/test_triton_moe.py tests/test_moe.py \
+              tests/test_cuda_graphs.py tests/test_benchmark_tools.py ;;
+    fp8-probe) timeout 120 python3 benchmarks/ops.py --device cuda --ops fp8 --out "$OUT/fp8-probe.jsonl" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
