@@ -10,7 +10,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python packages for comparisons (
     && export PYTHONPATH=$PWD:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
-ts=benchmarks/train_step.py
+ts=benchmarks/train_step.py fc=benchmarks/fsdp_check.py
+tr2="python3 -m torch.distributed.run --standalone --nproc_per_node=2"
 for stage in "$@"; do
   echo "=== $stage"
   case $stage in
@@ -85,6 +86,25 @@ for stage in "$@"; do
               tests/test_cuda_graphs.py tests/test_benchmark_tools.py ;;
     fp8-probe) timeout 120 python3 benchmarks/ops.py --device cuda --ops fp8 --out "$OUT/fp8-probe.jsonl" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
+    # Issue 25 (2 × H200, nvidia-h200-x2): benchmarks/README.md's "Issue 25 runbook" says which call runs which.
+    x2-llama1b) timeout 500 $tr2 $fc --recipe llama1b --precision mp-bf16 --variants eager torchfuser torchfuser+compile compile \
+              --profile-dir "$OUT/prof" --out "$OUT/x2-llama1b-fsdp2-mp-bf16.json" ;;
+    x2-llama8b-full) timeout 560 $tr2 $fc --recipe llama8b --precision mp-bf16 --grad-checkpointing --batch 2 --warmup 2 --steps 4 \
+              --variants eager torchfuser compile --out "$OUT/x2-llama8b-full-fsdp2-mp-bf16-gc.json" ;;
+    # DDP's mixed precision is torch's private _MixedPrecision: if it fails, the same run under autocast.
+    x2-llama8b-lora) timeout 240 $tr2 $fc --recipe llama8b --wrap fsdp2 --lora 16 --precision mp-bf16 --batch 2 --out "$OUT/x2-llama8b-lora-fsdp2.json"
+              timeout 240 $tr2 $fc --recipe llama8b --wrap ddp --lora 16 --precision mp-bf16 --batch 2 --out "$OUT/x2-llama8b-lora-ddp.json" \
+              || timeout 280 $tr2 $fc --recipe llama8b --wrap ddp --lora 16 --precision autocast --batch 2 --out "$OUT/x2-llama8b-lora-ddp-autocast.json" ;;
+    x2-qwen3moe) timeout 280 $tr2 $fc --recipe qwen3moe --precision mp-bf16 --variants eager torchfuser \
+              --profile-dir "$OUT/prof" --out "$OUT/x2-qwen3moe-fsdp2-mp-bf16.json" ;;
+    x2-fp8) timeout 280 $tr2 $fc --recipe llama1b --fp8 rowwise --precision autocast --variants eager torchfuser \
+              --profile-dir "$OUT/prof" --out "$OUT/x2-llama1b-fsdp2-fp8-rowwise.json" ;;
+    x2-ddp-graphs) timeout 120 $tr2 benchmarks/ddp_graphs_check.py --out "$OUT/x2-ddp-graphs.json"
+              timeout 240 $tr2 $fc --recipe qwen05b --wrap ddp --precision autocast --variants eager torchfuser torchfuser-graphs \
+              --profile-dir "$OUT/prof" --out "$OUT/x2-qwen05b-ddp-graphs.json" ;;
+    # The communication overlap: where a fused step waits on a collective (FSDP2 here; FSDP1 is fsdp1-profile).
+    x2-overlap) timeout 220 $tr2 $fc --recipe qwen05b --wrap fsdp2 --precision mp-bf16 --profile-dir "$OUT/prof" \
+              --out "$OUT/x2-qwen05b-fsdp2-profiled.json" ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
 done
