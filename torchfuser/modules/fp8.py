@@ -19,16 +19,16 @@ the graph, every call (a recorded copy would go stale).
 
 On CUDA the quantisation is Triton kernels (``ops.fp8_quant``, backends/triton/fp8_quant.py; bit for
 bit the PyTorch formula the CPU runs). An operand two GEMMs take, once scaled along each of its
-dimensions, is quantised both ways at once (``quantize_both``: one amax pass for the row and the
-column scales together, then one pass writing both e4m3 copies, the second transposed; t read twice
-in all, no transposed bf16 copy; on the CPU the two reference quantisations). Per trainable
-projection and step, in bytes an element (bf16 activations):
+dimensions, is quantised both ways in one call (``quantize_both``; no transposed bf16 copy; on the CPU
+the two reference quantisations): tensorwise one amax pass for both, then one pass writing both e4m3
+copies (t read twice); rowwise the rowwise kernel (one read) and the transposing one (an amax pass and
+a cast pass: two reads), which measured faster on an H200 than a shared amax pass with atomics. Per
+trainable projection and step, rowwise, in bytes an element (bf16 activations):
 
-    x   forward: both ways (read 2 + 2, write 1 + 1); e4m3 xᵀ kept for dW (1 B, was x in bf16: 2 B);
-        the backward reads no x (before: x rowwise in the forward, then an amax and a transposing
-        pass over x again in the backward: read 2 + 2 + 2, write 1 + 1)
-    dy  both ways (read 2 + 2, write 1 + 1; before: a rowwise pass, then amax + transposing pass: 6 + 2)
-    W   fp32 master weights, both ways at every call (read 4 + 4, write 1 + 1; before 4 + 4 + 4, 1 + 1)
+    x   forward: both ways (read 2 + 2 + 2, write 1 + 1); e4m3 xᵀ kept for dW (1 B, not x's 2 B in
+        bf16), so the backward reads no x
+    dy  both ways (read 2 + 2 + 2, write 1 + 1)
+    W   fp32 master weights, both ways at every call (read 4 + 4 + 4, write 1 + 1)
 
 Where only one of the two is needed, only that one runs (rowwise: one read; else two): frozen
 weights (no dW: x and dy rowwise, nothing of x kept), an input that needs no gradient (dy transposed
@@ -85,9 +85,8 @@ _BIAS: dict = {}  # (device type, scale shape) -> whether _scaled_mm adds a bf16
 
 def quantize_both(t: Tensor, recipe: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """(``quantize(t, recipe)``, ``quantize(t, recipe, transpose=True)``), bit for bit: an operand two GEMMs
-    take, one scaled along t's rows, one along its columns and transposed. On CUDA one kernel pair that
-    reads t twice in all (an amax pass for both scalings, then one pass writing both e4m3 copies);
-    elsewhere those two quantisations (the reference composition)."""
+    take, one scaled along t's rows, one along its columns and transposed. On CUDA the Triton kernels'
+    fastest measured way (the module doc); elsewhere those two quantisations (the reference composition)."""
     if t.is_cuda:
         return _quant.quantize_both(t, recipe == "tensorwise")
     return quantize(t, recipe), quantize(t, recipe, transpose=True)
