@@ -227,6 +227,13 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        # Autocast off here as in the forward: a backward called inside the user's autocast region must
+        # compute what one called outside it does (autocast would recast the CPU's emulated products).
+        with _no_autocast(dy):
+            return _FP8Linear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         recipe, n, dw = ctx.recipe, ctx.n, ctx.dw
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
         need = ctx.needs_input_grad
