@@ -109,6 +109,22 @@ def test_route_fp64_is_the_reference():
         assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid", "softmax_topk"])
+def test_route_nan_logits_give_nan_weights_as_the_model_does(scoring):
+    """A NaN logit: torch.topk ranks it first, so the reference's (and the model's) weights of that token
+    are NaN. The kernel's max would pass over it; its weights must come out NaN too, never finite from a
+    NaN input. The other tokens are routed as the reference routes them."""
+    logits = _logits(5, 6)
+    logits[2, 4] = float("nan")
+    l = logits.to(DEVICE, torch.float32)
+    w, idx = F.moe_route(l, 2, scoring=scoring, renorm=True, backend="triton")
+    wr, ir = F.moe_route(l, 2, scoring=scoring, renorm=True, backend="reference")
+    assert w[2].isnan().all() and wr[2].isnan().any()
+    keep = [0, 1, 3, 4]
+    assert torch.equal(idx[keep].cpu(), ir[keep].cpu())
+    torch.testing.assert_close(w[keep].cpu(), wr[keep].cpu(), rtol=1e-6, atol=1e-7)
+
+
 def test_route_non_contiguous_logits_and_expanded_gradient():
     base = _logits(6, 12, seed=9)
     wide = torch.cat([base, base[:, :5] * 0 + 9.0], dim=1).float().to(DEVICE)

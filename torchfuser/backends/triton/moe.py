@@ -97,6 +97,9 @@ def _moe_route_fwd_kernel(
     if HAS_CORR:
         c = s + tl.load(C + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     avail = col_ok[None, :] & (rows >= 0)[:, None]  # [ROWS, BLOCK_E]: not chosen yet
+    # A NaN score or choice: torch.topk ranks NaN first, so the model's weights come out NaN; here the
+    # max would pass over it and give finite weights from a NaN input. The row's weights are made NaN.
+    bad = tl.max(tl.where(avail & ((s != s) | (c != c)), 1, 0), axis=1) > 0
     wk = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
     ik = tl.zeros([ROWS, BLOCK_K], dtype=tl.int32)
     for j in range(K):
@@ -114,6 +117,7 @@ def _moe_route_fwd_kernel(
         wk = _softmax_k(wk, (kcols < K)[None, :])  # columns only: rows past T stay finite
     elif RENORM:
         wk = wk / (tl.sum(wk, axis=1)[:, None] + _RENORM_EPS)
+    wk = tl.where(bad[:, None], float("nan"), wk)
     out = rows[:, None] * K + kcols[None, :]
     tl.store(W + out, wk * scale, mask=kmask)
     tl.store(IDX + out, ik.to(tl.int64), mask=kmask)
