@@ -191,6 +191,16 @@ def _fp8_quant_rows_kernel(
 
 
 @triton.jit
+def _tile(X, start, A, cols, col_ok, stride_x, BLOCK_A: tl.constexpr):
+    """BLOCK_A rows of u from ``start`` at the columns ``cols``, in fp32 (zeros past A and B): the step
+    of the tiled kernels, with (rows, row_ok, mask) for their stores."""
+    rows = start + tl.arange(0, BLOCK_A)
+    row_ok = rows < A
+    mask = row_ok[:, None] & col_ok[None, :]
+    return rows, row_ok, mask, tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _fp8_amax_kernel(
     X, P, A, B, stride_x, ROWS_PER_PROG,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PER_COLUMN: tl.constexpr,
@@ -202,9 +212,7 @@ def _fp8_amax_kernel(
     first = pa.to(tl.int64) * ROWS_PER_PROG
     acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.int32)
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
-        rows = first + r0 + tl.arange(0, BLOCK_A)
-        mask = (rows < A)[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _, _, _, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
         acc = tl.maximum(acc, _abs_bits(x))
     col_max = tl.max(acc, axis=0)
     if PER_COLUMN:
@@ -243,10 +251,7 @@ def _fp8_quant_tiles_kernel(
         scale_tile = scale
     first = pa.to(tl.int64) * ROWS_PER_PROG
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
-        rows = first + r0 + tl.arange(0, BLOCK_A)
-        row_ok = rows < A
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, row_ok, mask, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
         q = _e4m3(x, scale_tile, Q)
         if TRANSPOSE:  # q = uᵀ: B rows of A; transposed as fp8, so rows of 128 bytes leave coalesced
             tl.store(Q + cols[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=tl.trans(mask))
@@ -267,10 +272,8 @@ def _fp8_amax_both_kernel(
     first = pa.to(tl.int64) * ROWS_PER_PROG
     acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.int32)
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
-        rows = first + r0 + tl.arange(0, BLOCK_A)
-        row_ok = rows < A
-        mask = row_ok[:, None] & col_ok[None, :]
-        bits = _abs_bits(tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32))
+        rows, row_ok, _, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
+        bits = _abs_bits(x)
         if not TENSORWISE:
             tl.atomic_max(AMAX + rows, tl.max(bits, axis=1), mask=row_ok, sem="relaxed")
         acc = tl.maximum(acc, bits)
@@ -302,10 +305,7 @@ def _fp8_quant_both_kernel(
         col_scale = col_scale[None, :]
     first = pa.to(tl.int64) * ROWS_PER_PROG
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
-        rows = first + r0 + tl.arange(0, BLOCK_A)
-        row_ok = rows < A
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rows, row_ok, mask, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
         if TENSORWISE:
             q = _e4m3(x, scale, Q)
             qt = q  # one scale: the same values, stored both ways
