@@ -307,8 +307,12 @@ def _fp8_quant_both_kernel(
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
         rows, row_ok, mask, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
         if TENSORWISE:
+            # One scale: the same values both ways, but qᵀ cast from the transposed fp32 tile. Storing one
+            # e4m3 tile both as it is and transposed miscompiled from fp32 input (Triton 3.6, sm_90: a
+            # quarter of qᵀ's values wrong, run 124; bf16 input was right). A second cast of the same
+            # tile would be merged back into the first (CSE); this costs a division an element.
             q = _e4m3(x, scale, Q)
-            qt = q  # one scale: the same values, stored both ways
+            qt = tl.trans(_e4m3(tl.trans(x), scale, QT))
         else:
             row_scale = _scale_of(_as_float(tl.load(AMAX + rows, mask=row_ok, other=0)))  # [BLOCK_A]
             if pb == 0:
