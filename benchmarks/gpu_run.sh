@@ -61,7 +61,7 @@ for stage in "$@"; do
             --variants ${BENCH_VARIANTS:-eager,torchfuser,torchfuser-autotune,torchfuser+graphs,compile} ${BENCH_ARGS:-} \
             --json "$OUT/bench.jsonl" --plot "$OUT/bench.png" ;;
     norm-wide) timeout 150 python3 benchmarks/probes/norm_bwd_wide_probe.py ${NORM_SHAPES:+--shapes $NORM_SHAPES} --out "$OUT/norm-bwd-wide.jsonl" ;;
-    ft-fp8) timeout 400 python3 $ts --models ${MODELS:-llama1b} --variants ${VARIANTS:-compile torchfuser torchfuser-fp8 torchfuser+compile torchfuser-fp8+compile} \
+    ft-fp8) timeout ${FT_S:-400} python3 $ts --models ${MODELS:-llama1b} --variants ${VARIANTS:-compile torchfuser torchfuser-fp8 torchfuser+compile torchfuser-fp8+compile} \
               ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-fp8.jsonl" ;;
     lora-probe) timeout 150 python3 benchmarks/probes/lora_kernels_probe.py --out "$OUT/lora-kernels-probe.jsonl" ;;
     varlen-probe) timeout 120 python3 benchmarks/probes/varlen_probe.py --out "$OUT/varlen-probe.jsonl" ;;

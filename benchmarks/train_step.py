@@ -5,7 +5,8 @@
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
 cuda_graphs=True)), torchfuser-fp8, torchfuser-fp8+compile and
-torchfuser-fp8-graphs (optimize(model, fp8="rowwise")), torchao-fp8+compile, torchao-fp8-rowwise+compile and
+torchfuser-fp8-graphs (optimize(model, fp8="rowwise")), torchfuser-fp8-tensorwise(-graphs),
+torchfuser-fp8-pair(-graphs) (rowwise, both-ways quantisation by the two separate kernels), torchao-fp8+compile, torchao-fp8-rowwise+compile and
 torchfuser+torchao-fp8+compile (torchao's float8 training, tensorwise or rowwise, when installed), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
 compile-torchfuser (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both),
@@ -54,7 +55,8 @@ from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser-fp8", "torchfuser-fp8+compile",
             "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
-            "torchfuser-fp8-graphs", "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
+            "torchfuser-fp8-graphs", "torchfuser-fp8-tensorwise", "torchfuser-fp8-tensorwise-graphs", "torchfuser-fp8-pair", "torchfuser-fp8-pair-graphs",
+            "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
             "liger")
 
 
@@ -78,9 +80,24 @@ def _torchao_float8(model, recipe: str):
     convert_to_float8_training(model, config=config, module_filter_fn=lambda m, name: "lm_head" not in name)
 
 
+def _rowwise_both(path: str | None) -> None:
+    """fp8_quantize_both's rowwise path for the variants to come (None: the default): the -pair variants
+    run the two separate kernels, to compare whole steps with the default's."""
+    try:
+        from torchfuser.backends.triton import fp8_quant
+    except ImportError:  # no Triton: nothing to choose
+        return
+    _DEFAULT_BOTH.setdefault("path", fp8_quant._ROWWISE_BOTH)
+    fp8_quant._ROWWISE_BOTH = path or _DEFAULT_BOTH["path"]
+
+
+_DEFAULT_BOTH: dict = {}
+
+
 def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: str = "inductor", exclude=()):
     """The callable a step runs, for one variant (the torchfuser ones without the patterns ``exclude``)."""
     optimize = functools.partial(torchfuser.optimize, exclude=exclude)
+    _rowwise_both("pair" if variant.startswith("torchfuser-fp8-pair") else None)
     if variant == "eager":
         return model
     if variant == "compile":
@@ -95,6 +112,10 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return torch.compile(optimize(model, backend=backend, fp8="rowwise"))
     if variant == "torchfuser-fp8-graphs":
         return optimize(model, backend=backend, fp8="rowwise", cuda_graphs=True)
+    if variant.startswith("torchfuser-fp8-pair"):
+        return optimize(model, backend=backend, fp8="rowwise", cuda_graphs=variant.endswith("-graphs"))
+    if variant.startswith("torchfuser-fp8-tensorwise"):
+        return optimize(model, backend=backend, fp8="tensorwise", cuda_graphs=variant.endswith("-graphs"))
     if variant.startswith(("torchao-fp8", "torchfuser+torchao-fp8")):
         _torchao_float8(model, "rowwise" if "rowwise" in variant else "tensorwise")
         return torch.compile(optimize(model, backend=backend) if variant.startswith("torchfuser") else model)

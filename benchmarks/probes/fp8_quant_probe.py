@@ -18,14 +18,15 @@ One JSON line per measurement:
 - ``what: "check"``: the kernels' bits against the formula computed exactly (true divisions: on CUDA the
   old path's ``amax / 448.0`` multiplies by fp32(1/448), so its scales may differ by one ulp; counted
   as old_scale_diffs / old_q_diffs), e4m3 rounding ties, NaN/inf rows; ``ok`` must be true;
-- ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels: rowwise's
-  default path, fp8_quant._ROWWISE_BOTH = "pair"), and per one-call path its ms, speedup over the pair and
+- ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels,
+  fp8_quant._ROWWISE_BOTH = "pair"), and per one-call path its ms, speedup over the pair and
   GB/s = (2 reads of t + 2 e4m3 copies written) / time, against copy_gbps: rowwise rows_tiles_* and
   atomic_*, tensorwise both_*; so one run says which rowwise path to keep;
 - ``what: "projection"``: one FP8 projection (the fused module's autograd Function) forward + backward,
   ms: old_ms (the PyTorch passes), pair_ms (the kernels, both ways as two calls), new_ms (fp8_quantize_both);
   tflops (its three GEMMs' work over new_ms) and the same projection in bf16 under autocast (bf16_ms,
-  bf16_tflops);
+  bf16_tflops); graph_ms and bf16_graph_ms: the same two steps captured in a CUDA graph and replayed,
+  the GPU's time alone (a narrow projection's eager call is host-bound), and graph_speedup, bf16's over FP8's;
 - ``what: "peak"``: one 8192³ FP8 GEMM (rowwise scales, bf16 out) and one bf16 GEMM, in TFLOP/s: the
   rates the projections' TFLOP/s compare with.
 """
@@ -181,7 +182,7 @@ def time_quant(emit, device, inductor: bool):
             pair_ms = _bench(lambda: (K.fp8_quantize(t, tw, False), K.fp8_quantize(t, tw, True)), device)
             row = dict(what="both", operand=name, shape=[m, k], tensorwise=tw, pair_ms=round(pair_ms, 4),
                        copy_gbps=round(copy_gbps, 1), default=K._ROWWISE_BOTH if not tw else "both-kernels")
-            # rowwise: each one-call path (the default "pair" is pair_ms); tensorwise: its both-ways kernels
+            # rowwise: each one-call path ("pair" is pair_ms); tensorwise: its both-ways kernels
             for path in (("rows+tiles", "atomic") if not tw else (None,)):
                 with _rowwise_both(path):
                     ms = _bench(lambda: K.fp8_quantize_both(t, tw), device)
@@ -203,6 +204,21 @@ def gemm_peaks(emit, device, n: int = 8192):
     bf16_ms = _bench(lambda: x @ x, device)
     flops = 2 * n ** 3
     emit(what="peak", n=n, fp8_tflops=round(flops / fp8_ms / 1e9, 1), bf16_tflops=round(flops / bf16_ms / 1e9, 1))
+
+
+def _graphed(step):
+    """``step`` captured in a CUDA graph (after a warm-up on a side stream): its replay, which times the
+    GPU's work alone, with no host launch cost between the kernels."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def time_projections(emit, device):
@@ -231,6 +247,7 @@ def time_projections(emit, device):
 
         bf16_step()
         bf16_ms = _bench(bf16_step, device)
+        bf16_graph_ms = _bench(_graphed(bf16_step), device)
         for recipe in fp8.RECIPES:
             cache = fp8._Weights()
 
@@ -247,13 +264,15 @@ def time_projections(emit, device):
                     times[label] = _bench(step, device)
                 finally:
                     fp8.quantize, fp8.quantize_both = new_quantize, new_both
+            graph_ms = _bench(_graphed(step), device)
             flops = 3 * 2 * TOKENS * k * n  # the forward GEMM and the backward's two
             emit(what="projection", proj=name, tokens=TOKENS, k=k, n=n, recipe=recipe,
                  old_ms=round(times["old"], 3), pair_ms=round(times["pair"], 3), new_ms=round(times["new"], 3),
                  speedup=round(times["old"] / times["new"], 2),
                  speedup_over_pair=round(times["pair"] / times["new"], 2),
                  tflops=round(flops / times["new"] / 1e9, 1), bf16_ms=round(bf16_ms, 3),
-                 bf16_tflops=round(flops / bf16_ms / 1e9, 1))
+                 bf16_tflops=round(flops / bf16_ms / 1e9, 1), graph_ms=round(graph_ms, 3),
+                 bf16_graph_ms=round(bf16_graph_ms, 3), graph_speedup=round(bf16_graph_ms / graph_ms, 2))
         del x, w, dy
 
 

@@ -160,15 +160,15 @@ def _scenarios(hiddens, dtypes, tokens):
                     s, dtype=torch.int64, device=meta), torch.empty(e, dtype=torch.int32, device=meta), *a)
     # An FP8 GEMM operand quantised both ways from two reads (x, dy, the weights; after the MoE ones, for
     # the same reason): rowwise by the atomic both-ways kernels (fp8_quant._ROWWISE_BOTH = "atomic", the
-    # path recorded under this label first) and tensorwise.
+    # default, recorded under this label first) and tensorwise.
     for dt in dtypes:
         for n in hiddens:
             x = torch.empty(tokens, n, dtype=dt, device=meta)
             for tensorwise in (False, True):
                 label = f"fp8_quantize_both-{'tensorwise' if tensorwise else 'rowwise'}"
                 yield label, lambda x=x, tw=tensorwise: _rowwise_both("atomic", fp8_quant.fp8_quantize_both, x, tw)
-    # Rowwise both ways by the rows kernel writing column partials + the transposed tiles kernel (the
-    # default path; after all the others, for the same reason).
+    # Rowwise both ways by the rows kernel writing column partials + the transposed tiles kernel (after
+    # all the others, for the same reason).
     for dt in dtypes:
         for n in hiddens:
             x = torch.empty(tokens, n, dtype=dt, device=meta)

@@ -36,20 +36,21 @@ so CUDA graphs capture them):
 - ``fp8_quantize_both(t, tensorwise)``: ``fp8_quantize(t, tw, False)`` and ``fp8_quantize(t, tw, True)``
   at once, for an operand two GEMMs need scaled along each dimension (x, dy, the weights).
   Rowwise, ``_ROWWISE_BOTH`` picks among three paths, bit for bit the same:
-  "pair" (the default): the two separate calls, the fastest measured (on an H200 the atomic path
-  below ran 0.90–0.92× their speed: the atomics and the zero-fill; tensorwise it was 1.25–1.34× faster);
+  "atomic" (the default) and tensorwise: ``_fp8_amax_both_kernel`` + ``_fp8_quant_both_kernel`` on the
+  same grid over u. The first maxes each tile's row and column maxima of |u| into one zeroed int32
+  vector (A row entries, then B column ones; one entry tensorwise) with atomic integer max on the bit
+  patterns: order-free, so the bits do not depend on the programs' order, and NaN propagates as above.
+  The second reads each tile once and writes both q (row-major, per-row scales) and qᵀ (transposed as
+  fp8 through shared memory, per-column scales), with the scales. t is read twice in all, where the two
+  calls read it three times; each e4m3 copy is written once. Alone (the probe, L2 flushed) its rowwise
+  form runs at 0.89–1.03× the pair's speed, but whole llama1b steps ran faster with it: 125.5 ms eager
+  and 117.2 graphed (run 122) against the pair's 144.7 and 119.1 (run 125). Tensorwise fp32 input (the
+  master weights) takes one amax pass and a tiles pass for each copy instead (the Triton 3.6 fault at
+  ``fp8_quantize_both``).
+  "pair": the two separate calls.
   "rows+tiles": the rows kernel with PARTIALS (q and its scales, and the column partials), then
   ``_fp8_quant_tiles_kernel`` (PER_COLUMN, TRANSPOSE) reducing them into qᵀ's scales and writing qᵀ:
-  t read twice, q and qᵀ written once, no memset, no atomics, one launch fewer than the pair; not timed
-  yet (benchmarks/probes/fp8_quant_probe.py times all three), so not the default until it is measured.
-  Tensorwise, and rowwise with ``_ROWWISE_BOTH = "atomic"``: ``_fp8_amax_both_kernel`` +
-  ``_fp8_quant_both_kernel`` on the same grid over u. The first maxes each
-  tile's row and column maxima of |u| into one zeroed int32 vector (A row entries, then B column ones;
-  one entry tensorwise) with atomic integer max on the bit patterns: order-free, so the bits do not
-  depend on the programs' order, and NaN propagates as above. The second reads each tile once and
-  writes both q (row-major, per-row scales) and qᵀ (transposed as fp8 through shared memory, per-column
-  scales), with the scales. t is read twice in all, where the two calls read it three times; each
-  e4m3 copy is written once.
+  t read twice, q and qᵀ written once, no memset, no atomics; alone 0.75–1.0× the pair's speed (run 124).
 """
 from __future__ import annotations
 
@@ -77,11 +78,11 @@ _BLOCK_B = 64
 _BLOCK_A_BOTH = 64
 _PROGRAMS_PER_SM = 4
 _BLOCK_P = 16  # partial rows reduced a step (per-column scales)
-# fp8_quantize_both rowwise: "pair" (the two separate calls: the fastest measured), "rows+tiles" (the rows
-# kernel writing per-program column partials, then the transposed tiles kernel reducing them: two launches,
-# no memset, no atomics; not timed yet) or "atomic" (the both-ways kernels: measured 0.90-0.92x the pair on
-# an H200, the atomics and the zero-fill). The probe (benchmarks/probes/fp8_quant_probe.py) times all three.
-_ROWWISE_BOTH = "pair"
+# fp8_quantize_both rowwise: "atomic" (the both-ways kernels: the faster whole steps), "pair" (the two
+# separate calls) or "rows+tiles" (rows kernel with column partials, then the transposed tiles kernel).
+# The probe (benchmarks/probes/fp8_quant_probe.py) times all three alone; train_step.py's
+# torchfuser-fp8-pair variant runs whole steps with the pair.
+_ROWWISE_BOTH = "atomic"
 # Row programs a SM of that first pass: more keeps more loads in flight, fewer means fewer partial rows
 # for each tiles program to reduce (progs_a × programs × B fp32 read from L2 in all). Not yet timed.
 _ROW_PROGRAMS_PER_SM = 2
@@ -307,12 +308,8 @@ def _fp8_quant_both_kernel(
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
         rows, row_ok, mask, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
         if TENSORWISE:
-            # One scale: the same values both ways, but qᵀ cast from the transposed fp32 tile. Storing one
-            # e4m3 tile both as it is and transposed miscompiled from fp32 input (Triton 3.6, sm_90: a
-            # quarter of qᵀ's values wrong, run 124; bf16 input was right). A second cast of the same
-            # tile would be merged back into the first (CSE); this costs a division an element.
             q = _e4m3(x, scale, Q)
-            qt = tl.trans(_e4m3(tl.trans(x), scale, QT))
+            qt = q  # one scale: the same values, stored both ways (not from fp32 input: fp8_quantize_both)
         else:
             row_scale = _scale_of(_as_float(tl.load(AMAX + rows, mask=row_ok, other=0)))  # [BLOCK_A]
             if pb == 0:
@@ -449,6 +446,19 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
               ROWS=rows, BLOCK_K=block, ONE_PASS=one_pass, PARTIALS=True, num_warps=rwarps)
         _tiles(grid, u, partials, qut, sut, a, b, u.stride(0), per_prog, row_progs,
                BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_P, PER_COLUMN=True, TRANSPOSE=True, num_warps=warps)
+        return (q, s), (qt, st)
+    if tensorwise and t.dtype == torch.float32:
+        # One tile stored both as it is and transposed came out wrong from fp32 input on an H200
+        # (Triton 3.6: a quarter of qᵀ's values, bf16 input right, the interpreter right; runs 124-125,
+        # a second cast of the tile did not help). So fp32 (the master weights) takes fp8_quantize's
+        # kernels: one amax pass, then a pass for each copy (t read three times, not two).
+        partials = torch.empty(progs_a * grid[1], dtype=torch.float32, device=dev)
+        _amax(grid, u, partials, a, b, u.stride(0), per_prog,
+              BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, PER_COLUMN=False, num_warps=warps)
+        for q_out, s_out, transpose in ((qu, su, False), (qut, sut, True)):
+            _tiles(grid, u, partials, q_out, s_out, a, b, u.stride(0), per_prog, partials.numel(),
+                   BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, BLOCK_P=_BLOCK_PT, PER_COLUMN=False, TRANSPOSE=transpose,
+                   num_warps=warps)
         return (q, s), (qt, st)
     amax = torch.zeros(1 if tensorwise else a + b, dtype=torch.int32, device=dev)
     _amax_both(grid, u, amax, a, b, u.stride(0), per_prog,
