@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from torchfuser.backends._fp8_gemm import _CPU_ROWWISE, _cpu_rowwise, mm  # noqa: F401 (tests patch them here)
 from torchfuser.modules import fallbacks
 from torchfuser.modules.base import hooked
 from torchfuser.ops import fp8_quant as _quant
@@ -79,10 +80,6 @@ def quantize(t: Tensor, recipe: str, transpose: bool = False) -> tuple[Tensor, T
     return _quant.quantize(t, recipe == "tensorwise", transpose)
 
 
-_WIDE_OUT: dict = {}  # (device type, scale shape) -> whether _scaled_mm writes fp32 there
-_BIAS: dict = {}  # (device type, scale shape) -> whether _scaled_mm adds a bf16 bias in its epilogue
-
-
 def quantize_both(t: Tensor, recipe: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """(``quantize(t, recipe)``, ``quantize(t, recipe, transpose=True)``), bit for bit: an operand two GEMMs
     take, one scaled along t's rows, one along its columns and transposed. On CUDA the Triton kernels'
@@ -90,58 +87,6 @@ def quantize_both(t: Tensor, recipe: str) -> tuple[tuple[Tensor, Tensor], tuple[
     if t.is_cuda:
         return _quant.quantize_both(t, recipe == "tensorwise")
     return quantize(t, recipe), quantize(t, recipe, transpose=True)
-
-
-def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype, bias: Tensor | None = None) -> Tensor:
-    """a·bᵀ (+ bias) from two quantised row-major operands (M × K and N × K), scaled back, in ``out_dtype``
-    (fp32 straight from the accumulator where this build's kernel writes it, else bf16 then cast; a
-    bias in the epilogue of a bf16 output where the kernel takes one, else added after)."""
-    (qa, sa), (qb, sb) = a, b
-    sb = sb.t() if sb.dim() else sb
-    if qa.device.type == "cpu" and (sa.numel() == 1 or not _cpu_rowwise()):
-        # _scaled_mm's math in fp32 (e4m3 values are exact there): torch 2.11's CPU kernel takes per-tensor
-        # scales only, and with per-tensor scales the CPU kernel is ~200x slower than this (0.25 s at
-        # 128 × 128 × 384, torch 2.13)
-        out = torch.mm(qa.float(), qb.float().t()).mul_(sa).mul_(sb)
-        return (out if bias is None else out.add_(bias.to(out_dtype).float())).to(out_dtype)  # as its epilogue: the bias in out_dtype
-    key = (qa.device.type, sa.dim())
-    if out_dtype != torch.bfloat16 and _WIDE_OUT.get(key, True):
-        try:
-            out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-            _WIDE_OUT[key] = True
-            return out if bias is None else out + bias.to(out_dtype)
-        except RuntimeError:  # some builds take bf16 outputs only with rowwise scales
-            _WIDE_OUT[key] = False
-    if bias is not None and _BIAS.get(key, True):
-        try:
-            out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, bias=bias.to(torch.bfloat16),
-                                   out_dtype=torch.bfloat16)
-            _BIAS[key] = True
-            return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
-        except RuntimeError:  # no bias epilogue for these scales in this build
-            _BIAS[key] = False
-    out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-    if out_dtype != torch.bfloat16:
-        out = out.to(out_dtype)
-    return out if bias is None else out + bias.to(out_dtype)
-
-
-_CPU_ROWWISE: dict = {}
-
-
-def _cpu_rowwise() -> bool:
-    """Whether this build's CPU ``_scaled_mm`` takes per-row scales (torch 2.13 does, 2.11 does not):
-    probed once, outside any trace (under torch.compile before the probe, the emulation, right everywhere)."""
-    if "ok" not in _CPU_ROWWISE:
-        if torch.compiler.is_compiling():
-            return False
-        q = torch.zeros(16, 16).to(E4M3)
-        try:
-            torch._scaled_mm(q, q.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
-            _CPU_ROWWISE["ok"] = True
-        except RuntimeError:
-            _CPU_ROWWISE["ok"] = False
-    return _CPU_ROWWISE["ok"]
 
 
 class _Weights:
