@@ -6,7 +6,7 @@ import sys
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, unwrap, walker
-from torchfuser.modules import fallbacks, fp8 as _fp8, packed as _packed
+from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, packed as _packed
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.report import FusionReport
 
@@ -47,6 +47,7 @@ def optimize(
     cuda_graphs: "bool | _cuda_graphs.GraphOptions" = False,
     autotune: bool = False,
     fp8: str | None = None,
+    fp8_weights: str = "per_call",
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
@@ -78,6 +79,12 @@ def optimize(
         stays bf16. Needs bf16 (autocast or bf16 weights) and a GPU of compute capability ≥ 8.9 (or the
         CPU, for tests); ``None`` (the default, and on a second call) turns it off. See
         ``torchfuser.modules.fp8``.
+    fp8_weights: when the trainable weights' FP8 copies are made: ``"per_call"`` (the default: at every
+        call, always right) or ``"per_step"``: kept until any ``torch.optim`` optimizer steps, so once per
+        optimizer step rather than per micro-batch or recomputed checkpoint, at 2 bytes a weight held
+        between calls. It assumes the weights change only through optimizer steps, ``load_state_dict``
+        or in-place ops on the parameters, never by writes to ``param.data``. See
+        ``torchfuser.modules.fp8_step``.
     """
     _check_model(model)
     _check_not_flattened(model)
@@ -85,6 +92,7 @@ def optimize(
         raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions, got {type(cuda_graphs).__name__}")
     backend = backends.check_name(backend)
     fp8 = _fp8.check(fp8, next((p.device for p in model.parameters()), None))
+    per_step = _fp8.check_weights(fp8_weights, fp8)
     chosen = _patterns.select(patterns, exclude)
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be a callable (qualified_name, module) -> bool, got {type(filter_fn).__name__}")
@@ -107,7 +115,7 @@ def optimize(
         kept = _cuda_graphs.options(model)
         _cuda_graphs.remove(model)  # the captured graphs replay the old backend's kernels: capture anew
         cuda_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else kept
-    _set_fp8(model, fp8, result)
+    _set_fp8(model, fp8, result, per_step)
     if cuda_graphs:
         chosen_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else None
         result.notes += [n for n in _cuda_graphs.install(model, chosen_graphs) if n not in result.notes]
@@ -126,8 +134,9 @@ _FP8_HEAD = "fp8: "
 _FP8_KINDS = ("attention", "gated_mlp", "mlp")
 
 
-def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport) -> None:
-    """FP8 GEMMs on (or off) in the fused attention and MLP blocks, said in the report's notes."""
+def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_step: bool = False) -> None:
+    """FP8 GEMMs on (or off) in the fused attention and MLP blocks, said in the report's notes; with
+    ``per_step`` the weights' copies kept per optimizer step (the step hook held for ``model``)."""
     count = 0
     for entry in result.fused:
         if entry.pattern not in _FP8_KINDS:
@@ -138,11 +147,20 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport) -> None
         else:
             module.__dict__["_fp8"] = recipe
             count += 1
+        if per_step:
+            module.__dict__["_fp8_per_step"] = True
+        else:
+            module.__dict__.pop("_fp8_per_step", None)
         module.__dict__.pop("_fp8_weights", None)
+    if per_step:
+        _fp8_step.hold(model)
+    else:
+        _fp8_step.release(model)
     result.notes = [n for n in result.notes if not n.startswith(_FP8_HEAD)]
     if recipe is not None:
         result.notes.append(f"{_FP8_HEAD}{recipe} e4m3 GEMMs (forward and backward) in the projections of {count} fused "
-                            "attention and MLP blocks, where they run in bf16 and are plain nn.Linear; the LM head stays bf16")
+                            "attention and MLP blocks, where they run in bf16 and are plain nn.Linear; the LM head stays bf16"
+                            + ("; trainable weights quantised once per optimizer step (fp8_weights='per_step')" if per_step else ""))
 
 
 def restore(model: nn.Module) -> nn.Module:
@@ -152,6 +170,7 @@ def restore(model: nn.Module) -> nn.Module:
     model = inner if inner is not None else model
     model.__dict__.pop("_torchfuser_last_report", None)
     _cuda_graphs.remove(model)
+    _fp8_step.release(model)
     walker.restore(model)
     inductor_pass = sys.modules.get("torchfuser.compiler.inductor_pass")  # not imported: nothing held
     if inductor_pass is not None:

@@ -13,7 +13,9 @@ the fused LoRA node, ``modules.lora``) runs three FP8 GEMMs through
 in fp32. A trainable weight's two quantised copies are made at every call: fused optimizers
 (``AdamW(fused=True)``) update parameters in place without bumping their version counter, so no
 cache key read on the host could tell a stale copy (one such cache trained llama1b on step 0's
-weights). A frozen weight (LoRA's bases) is quantised once per version (``load_state_dict`` and other
+weights). With ``fp8_weights="per_step"`` they are kept until any ``torch.optim`` optimizer steps (or the
+version moves): once per optimizer step, not per micro-batch or checkpointed recompute, at 2 bytes a
+weight kept between calls (``fp8_step``; it assumes no ``param.data`` writes). A frozen weight (LoRA's bases) is quantised once per version (``load_state_dict`` and other
 in-place copies bump it). Inside torch.compile and CUDA-graph captures every weight is quantised in
 the graph, every call (a recorded copy would go stale).
 
@@ -48,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser.backends._fp8_gemm import _CPU_ROWWISE, _cpu_rowwise, mm  # noqa: F401 (tests patch them here)
-from torchfuser.modules import fallbacks
+from torchfuser.modules import fallbacks, fp8_step as _step
 from torchfuser.modules.base import hooked
 from torchfuser.ops import fp8_quant as _quant
 
@@ -74,6 +76,18 @@ def check(recipe, device: torch.device | None) -> str | None:
     return recipe
 
 
+WEIGHT_MODES = ("per_call", "per_step")
+
+
+def check_weights(mode, recipe: str | None) -> bool:
+    """Whether trainable weights' copies are kept per optimizer step (``fp8_weights``), validated."""
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"fp8_weights must be 'per_call' or 'per_step', got {mode!r}")
+    if mode == "per_step" and recipe is None:
+        raise ValueError("fp8_weights='per_step' keeps FP8 weight copies: it needs fp8='rowwise' or 'tensorwise' too")
+    return mode == "per_step"
+
+
 def quantize(t: Tensor, recipe: str, transpose: bool = False) -> tuple[Tensor, Tensor]:
     """(e4m3 values, fp32 scale) of a 2-D ``t``, or with ``transpose`` of ``tᵀ`` (written transposed, no
     copy of ``t``): one scale per row (rowwise, shape rows × 1) or one in all. One pass on CUDA."""
@@ -90,20 +104,23 @@ def quantize_both(t: Tensor, recipe: str) -> tuple[tuple[Tensor, Tensor], tuple[
 
 
 class _Weights:
-    """A weight's (or concatenated weights') two quantised copies: kept for frozen weights, remade at
-    every call for trainable ones (module docstring)."""
+    """A weight's (or concatenated weights') two quantised copies: kept for frozen weights; for trainable
+    ones remade at every call, or with ``per_step`` kept until an optimizer steps (module docstring)."""
 
-    __slots__ = ("key", "fwd", "bwd")
+    __slots__ = ("key", "fwd", "bwd", "per_step")
 
-    def __init__(self):
+    def __init__(self, per_step: bool = False):
         self.key = None
+        self.per_step = per_step
 
     def get(self, weights, recipe: str):
-        if _recording(weights[0]) or any(w.requires_grad for w in weights):
+        trainable = any(w.requires_grad for w in weights)
+        if _recording(weights[0]) or (trainable and not self.per_step):
             # A compiled graph or a CUDA graph replays what it recorded, and a fused optimizer's step
             # leaves the version counter as it was: either way a kept copy could go stale.
             return _both(weights, recipe)
-        key = (recipe, *((id(w), w._version, w.data_ptr()) for w in weights))
+        # per_step: the optimizer steps counted (fp8_step) key a trainable copy, beside the versions
+        key = (recipe, _step.steps() if trainable else None, *((id(w), w._version, w.data_ptr()) for w in weights))
         if key != self.key:
             self.fwd, self.bwd = _both(weights, recipe)
             self.key = key
@@ -126,14 +143,15 @@ def _both(weights, recipe: str):
 
 
 def weights_cache(owner: nn.Module, linears: list[nn.Module]) -> _Weights:
-    """The quantised-weight cache of one projection group of a fused module."""
+    """The quantised-weight cache of one projection group of a fused module (per step where
+    ``owner._fp8_per_step`` is set: ``optimize(..., fp8_weights="per_step")``)."""
     store = owner.__dict__.get("_fp8_weights")
     if store is None:
         store = owner.__dict__["_fp8_weights"] = {}
     key = tuple(map(id, linears))
     cache = store.get(key)
     if cache is None:
-        cache = store[key] = _Weights()
+        cache = store[key] = _Weights(owner.__dict__.get("_fp8_per_step", False))
     return cache
 
 
