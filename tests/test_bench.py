@@ -31,6 +31,7 @@ def _bench(target, *extra):
     (["bench", "no_such_type", "--device", "cpu"], "neither a config.json"),
     (["bench", "llama", "--device", "cpu", "--variants", "eager,fast"], "unknown variant 'fast'"),
     (["bench", "llama", "--device", "cpu", "--variants", "torchfuser+graphs"], "needs --device cuda"),
+    (["bench", "llama", "--device", "cpu", "--variants", "eager,torchfuser+fp8"], "torchfuser+fp8 needs --device cuda"),
     (["bench", "llama", "--device", "tpu9"], "device"),
     (["bench", "missing.json", "--device", "cpu"], "no such config file"),
     (["bench", "llama", "--device", "cpu", "--steps", "0"], "--steps must be at least 1"),

@@ -19,7 +19,8 @@ from rich.table import Table
 from torchfuser import demo
 from torchfuser.api import optimize, report
 
-VARIANTS = ("eager", "torchfuser", "torchfuser-autotune", "compile", "torchfuser+compile", "torchfuser+graphs")
+VARIANTS = ("eager", "torchfuser", "torchfuser-autotune", "compile", "torchfuser+compile", "torchfuser+graphs",
+            "torchfuser+fp8", "torchfuser+fp8+graphs")
 # torch.compile on a 2-core CPU takes minutes per variant: only where a GPU is there by default.
 DEFAULT_VARIANTS = {"cpu": ("eager", "torchfuser"), "cuda": ("eager", "torchfuser", "compile", "torchfuser+compile")}
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -99,7 +100,7 @@ def build_variant(name: str, base, lora: int | None, seed: int):
 
     model = copy.deepcopy(base)
     if name.startswith("torchfuser"):
-        optimize(model, cuda_graphs=name == "torchfuser+graphs")
+        optimize(model, cuda_graphs=name.endswith("+graphs"), fp8="rowwise" if "+fp8" in name else None)
     if lora:
         model = _add_lora(model, lora, seed)
     if name == "torchfuser-autotune":
@@ -166,8 +167,12 @@ def check_variants(names, device) -> tuple[str, ...]:
     for n in names:
         if n not in VARIANTS:
             _fail(f"unknown variant {n!r}; choose from {', '.join(VARIANTS)}")
-    if "torchfuser+graphs" in names and device.type != "cuda":
-        _fail("the variant torchfuser+graphs needs --device cuda (CUDA graphs)")
+    for n in names:
+        if n.endswith("+graphs") and device.type != "cuda":
+            _fail(f"the variant {n} needs --device cuda (CUDA graphs)")
+        if "+fp8" in n and device.type != "cuda":
+            _fail(f"the variant {n} needs --device cuda: a GPU with FP8 GEMMs (compute capability 8.9 or newer); "
+                  "the CPU steps run without bf16 autocast, so FP8 would not run")
     return tuple(dict.fromkeys(names))
 
 
