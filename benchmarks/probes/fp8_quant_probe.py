@@ -43,6 +43,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from ops import graphed  # noqa: E402  (fn captured in a CUDA graph: its replay times the GPU's work alone)
+
 from torchfuser.backends.reference.fp8_quant import rounding_cases  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -206,21 +209,6 @@ def gemm_peaks(emit, device, n: int = 8192):
     emit(what="peak", n=n, fp8_tflops=round(flops / fp8_ms / 1e9, 1), bf16_tflops=round(flops / bf16_ms / 1e9, 1))
 
 
-def _graphed(step):
-    """``step`` captured in a CUDA graph (after a warm-up on a side stream): its replay, which times the
-    GPU's work alone, with no host launch cost between the kernels."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay
-
-
 def time_projections(emit, device):
     from torchfuser.modules import fp8
 
@@ -247,7 +235,7 @@ def time_projections(emit, device):
 
         bf16_step()
         bf16_ms = _bench(bf16_step, device)
-        bf16_graph_ms = _bench(_graphed(bf16_step), device)
+        bf16_graph_ms = _bench(graphed(bf16_step), device)
         for recipe in fp8.RECIPES:
             cache = fp8._Weights()
 
@@ -264,7 +252,7 @@ def time_projections(emit, device):
                     times[label] = _bench(step, device)
                 finally:
                     fp8.quantize, fp8.quantize_both = new_quantize, new_both
-            graph_ms = _bench(_graphed(step), device)
+            graph_ms = _bench(graphed(step), device)
             flops = 3 * 2 * TOKENS * k * n  # the forward GEMM and the backward's two
             emit(what="projection", proj=name, tokens=TOKENS, k=k, n=n, recipe=recipe,
                  old_ms=round(times["old"], 3), pair_ms=round(times["pair"], 3), new_ms=round(times["new"], 3),
