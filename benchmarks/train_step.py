@@ -4,9 +4,9 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser-fp8, torchfuser-fp8+compile and
-torchfuser-fp8-graphs (optimize(model, fp8="rowwise")), torchfuser-fp8-tensorwise(-graphs),
-torchfuser-fp8-pair(-graphs) (rowwise, both-ways quantisation by the two separate kernels), torchao-fp8+compile, torchao-fp8-rowwise+compile and
+cuda_graphs=True)), torchfuser-fp8[-tensorwise][-pair][-head][-per-step][-graphs|+compile] (optimize(model,
+fp8="rowwise" or "tensorwise"; pair: rowwise both-ways quantisation by the two separate kernels; head:
+fp8_lm_head=True; per-step: fp8_weights="per_step"; FP8_VARIANTS lists them), torchao-fp8+compile, torchao-fp8-rowwise+compile and
 torchfuser+torchao-fp8+compile (torchao's float8 training, tensorwise or rowwise, when installed), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
 compile-torchfuser (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both),
@@ -52,11 +52,17 @@ import torchfuser  # noqa: E402
 import workloads  # noqa: E402
 from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser-fp8", "torchfuser-fp8+compile",
+# TorchFuser's FP8 variants: "torchfuser-fp8", then any of these options in this order, then "-graphs" or
+# "+compile": tensorwise (the recipe; else rowwise), pair (rowwise both-ways quantisation by the two
+# separate kernels), head (fp8_lm_head=True), per-step (fp8_weights="per_step").
+FP8_OPTIONS = ("tensorwise", "pair", "head", "per-step")
+FP8_VARIANTS = tuple("-".join(("torchfuser-fp8", *opts)) + end
+                     for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"))
+                     for end in ("", "-graphs", "+compile"))
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs",
             "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
-            "torchfuser-fp8-graphs", "torchfuser-fp8-tensorwise", "torchfuser-fp8-tensorwise-graphs", "torchfuser-fp8-pair", "torchfuser-fp8-pair-graphs",
-            "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
+            *FP8_VARIANTS, "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
             "liger")
 
 
@@ -94,10 +100,26 @@ def _rowwise_both(path: str | None) -> None:
 _DEFAULT_BOTH: dict = {}
 
 
+def _fp8_options(variant: str) -> tuple[set, str] | None:
+    """(options, ending) of one of FP8_VARIANTS, else None."""
+    if not variant.startswith("torchfuser-fp8"):
+        return None
+    end = "+compile" if variant.endswith("+compile") else "-graphs" if variant.endswith("-graphs") else ""
+    rest = variant[len("torchfuser-fp8"):len(variant) - len(end)]
+    return {o for o in FP8_OPTIONS if f"-{o}" in rest}, end
+
+
 def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: str = "inductor", exclude=()):
     """The callable a step runs, for one variant (the torchfuser ones without the patterns ``exclude``)."""
     optimize = functools.partial(torchfuser.optimize, exclude=exclude)
-    _rowwise_both("pair" if variant.startswith("torchfuser-fp8-pair") else None)
+    fp8 = _fp8_options(variant)
+    _rowwise_both("pair" if fp8 and "pair" in fp8[0] else None)
+    if fp8 is not None:
+        opts, end = fp8
+        fused = optimize(model, backend=backend, fp8="tensorwise" if "tensorwise" in opts else "rowwise",
+                         cuda_graphs=end == "-graphs", **({"fp8_lm_head": True} if "head" in opts else {}),
+                         **({"fp8_weights": "per_step"} if "per-step" in opts else {}))
+        return torch.compile(fused) if end == "+compile" else fused
     if variant == "eager":
         return model
     if variant == "compile":
@@ -106,16 +128,6 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return optimize(model, backend=backend)
     if variant == "torchfuser-graphs":
         return optimize(model, backend=backend, cuda_graphs=True)
-    if variant == "torchfuser-fp8":
-        return optimize(model, backend=backend, fp8="rowwise")
-    if variant == "torchfuser-fp8+compile":
-        return torch.compile(optimize(model, backend=backend, fp8="rowwise"))
-    if variant == "torchfuser-fp8-graphs":
-        return optimize(model, backend=backend, fp8="rowwise", cuda_graphs=True)
-    if variant.startswith("torchfuser-fp8-pair"):
-        return optimize(model, backend=backend, fp8="rowwise", cuda_graphs=variant.endswith("-graphs"))
-    if variant.startswith("torchfuser-fp8-tensorwise"):
-        return optimize(model, backend=backend, fp8="tensorwise", cuda_graphs=variant.endswith("-graphs"))
     if variant.startswith(("torchao-fp8", "torchfuser+torchao-fp8")):
         _torchao_float8(model, "rowwise" if "rowwise" in variant else "tensorwise")
         return torch.compile(optimize(model, backend=backend) if variant.startswith("torchfuser") else model)
