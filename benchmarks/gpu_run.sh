@@ -91,6 +91,7 @@ for stage in "$@"; do
     fp8-recipes) timeout ${FT_S:-500} python3 $ts --models llama1b --variants ${VARIANTS:-torchfuser-graphs torchfuser-fp8 \
               torchfuser-fp8-graphs torchfuser-fp8-pair torchfuser-fp8-pair-graphs torchfuser-fp8-tensorwise torchfuser-fp8-tensorwise-graphs \
               torchfuser-fp8-head torchfuser-fp8-head-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-fp8-recipes.jsonl" ;;
+    fp8-producer-bound) timeout 200 python3 benchmarks/probes/fp8_producer_bound_probe.py --out "$OUT/fp8-producer-bound.jsonl" ;;
     fp8-probe) timeout 120 python3 benchmarks/ops.py --device cuda --ops fp8 --out "$OUT/fp8-probe.jsonl" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
     # Issue 25 (2 × H200, nvidia-h200-x2): benchmarks/README.md's "Issue 25 runbook" says which call runs which.
