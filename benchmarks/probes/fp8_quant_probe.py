@@ -28,7 +28,8 @@ One JSON line per measurement:
   bf16_tflops); graph_ms and bf16_graph_ms: the same two steps captured in a CUDA graph and replayed,
   the GPU's time alone (a narrow projection's eager call is host-bound), and graph_speedup, bf16's over FP8's;
 - ``what: "peak"``: one 8192³ FP8 GEMM (rowwise scales, bf16 out) and one bf16 GEMM, in TFLOP/s: the
-  rates the projections' TFLOP/s compare with.
+  rates the projections' TFLOP/s compare with; ``"peak-blockwise"``: the same FP8 GEMM with blockwise
+  scales (1 × 128 by 128 × 128, and 1 × 128 by 1 × 128), or the error where this build has none.
 """
 from __future__ import annotations
 
@@ -207,6 +208,23 @@ def gemm_peaks(emit, device, n: int = 8192):
     bf16_ms = _bench(lambda: x @ x, device)
     flops = 2 * n ** 3
     emit(what="peak", n=n, fp8_tflops=round(flops / fp8_ms / 1e9, 1), bf16_tflops=round(flops / bf16_ms / 1e9, 1))
+    # Blockwise scaling (DeepSeek-V3's: 1 × 128 blocks along K for activations, 128 × 128 for weights),
+    # the recipe whose local scales would let a producer write both e4m3 copies in one pass (NOTES-fp8.md):
+    # the rate it runs at decides whether it is worth building. Scale layouts as ATen's checks ask.
+    blocks = n // 128
+    rows_1x128 = torch.ones(blocks, n, device=device).t()  # (n, n/128), strides (1, n)
+    w_128x128 = torch.ones(n // 128, -(-blocks // 4) * 4, device=device).t()  # (round_up(n/128, 4), n/128)
+    for name, sb, recipe_b in (("1x128_128x128", w_128x128, "BlockWise128x128"), ("1x128_1x128", rows_1x128, "BlockWise1x128")):
+        try:
+            from torch.nn.functional import ScalingType, scaled_mm
+
+            def run(sb=sb, recipe_b=recipe_b):
+                return scaled_mm(a, b.t(), rows_1x128, ScalingType.BlockWise1x128, sb, getattr(ScalingType, recipe_b),
+                                 output_dtype=torch.bfloat16)
+            run()
+            emit(what="peak-blockwise", n=n, scaling=name, tflops=round(flops / _bench(run, device) / 1e9, 1))
+        except (ImportError, RuntimeError, ValueError, TypeError, NotImplementedError) as err:
+            emit(what="peak-blockwise", n=n, scaling=name, error=f"{type(err).__name__}: {str(err)[:200]}")
 
 
 def time_projections(emit, device):
