@@ -8,6 +8,7 @@ from torch import nn
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, unwrap, walker
 from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, packed as _packed
 from torchfuser.modules.base import loaded_fsdp
+from torchfuser.modules.lm_head import FusedLMHeadLoss
 from torchfuser.report import FusionReport
 
 __all__ = ["optimize", "restore", "report"]
@@ -47,6 +48,7 @@ def optimize(
     cuda_graphs: "bool | _cuda_graphs.GraphOptions" = False,
     autotune: bool = False,
     fp8: str | None = None,
+    fp8_lm_head: bool = False,
     fp8_weights: str = "per_call",
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
@@ -76,9 +78,16 @@ def optimize(
         call's inputs and keep the faster, per block kind and shape (``torchfuser.autotune``).
     fp8: ``"rowwise"`` or ``"tensorwise"``: the fused attention and MLP blocks' projections run FP8
         (e4m3) GEMMs forward and backward, with current scaling per row or per tensor; the LM head
-        stays bf16. Needs bf16 (autocast or bf16 weights) and a GPU of compute capability ≥ 8.9 (or the
-        CPU, for tests); ``None`` (the default, and on a second call) turns it off. See
+        stays bf16 unless ``fp8_lm_head=True``. Needs bf16 (autocast or bf16 weights) and a GPU of
+        compute capability ≥ 8.9 (or the CPU, for tests); ``None`` (the default, and on a second
+        call) turns it off. See
         ``torchfuser.modules.fp8``.
+    fp8_lm_head: with ``fp8``, the fused LM head + loss (``lm_head_loss``) runs its three products (the
+        logits, dh, dW) as FP8 GEMMs too, with the same recipe: lossy where the vocabulary is large
+        (docs/usage.md#fp8); a call not in bf16, or whose tokens, hidden size or vocabulary are not
+        multiples of 16, runs bf16 and is counted in the report. On the CPU it runs on the reference
+        backend (MLIR has no FP8 GEMMs). Needs ``fp8`` (else ValueError); ``False`` (the default, and
+        on a second call without it) keeps the head bf16.
     fp8_weights: when the trainable weights' FP8 copies are made: ``"per_call"`` (the default: at every
         call, always right) or ``"per_step"``: kept until any ``torch.optim`` optimizer steps, so once per
         optimizer step rather than per micro-batch or recomputed checkpoint, at 2 bytes a weight held
@@ -91,6 +100,11 @@ def optimize(
     if not isinstance(cuda_graphs, (bool, _cuda_graphs.GraphOptions)):
         raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions, got {type(cuda_graphs).__name__}")
     backend = backends.check_name(backend)
+    if not isinstance(fp8_lm_head, bool):
+        raise TypeError(f"fp8_lm_head must be True or False, got {type(fp8_lm_head).__name__}")
+    if fp8_lm_head and fp8 is None:
+        raise ValueError("fp8_lm_head=True runs the LM head's GEMMs with the projections' FP8 recipe: pass "
+                         "fp8='rowwise' or fp8='tensorwise' too")
     fp8 = _fp8.check(fp8, next((p.device for p in model.parameters()), None))
     per_step = _fp8.check_weights(fp8_weights, fp8)
     chosen = _patterns.select(patterns, exclude)
@@ -116,6 +130,7 @@ def optimize(
         _cuda_graphs.remove(model)  # the captured graphs replay the old backend's kernels: capture anew
         cuda_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else kept
     _set_fp8(model, fp8, result, per_step)
+    _set_fp8_lm_head(model, fp8, fp8_lm_head, result, backend)
     if cuda_graphs:
         chosen_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else None
         result.notes += [n for n in _cuda_graphs.install(model, chosen_graphs) if n not in result.notes]
@@ -161,6 +176,41 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
         result.notes.append(f"{_FP8_HEAD}{recipe} e4m3 GEMMs (forward and backward) in the projections of {count} fused "
                             "attention and MLP blocks, where they run in bf16 and are plain nn.Linear; the LM head stays bf16"
                             + ("; trainable weights quantised once per optimizer step (fp8_weights='per_step')" if per_step else ""))
+
+
+_HEAD_BF16 = "the LM head stays bf16"
+
+
+def _set_fp8_lm_head(model: nn.Module, fp8: str | None, on: bool, result: FusionReport, backend: str) -> None:
+    """FP8 GEMMs on (``fp8`` and ``on``) or off in the fused LM head + loss (``FusedLMHeadLoss.fp8``, gone
+    with ``restore``), said in the FP8 note that ``_set_fp8`` wrote."""
+    recipe = fp8 if on else None
+    heads = []
+    for entry in result.fused:
+        if entry.pattern != "lm_head_loss":
+            continue
+        module = model.get_submodule(entry.name) if entry.name else model
+        fused = module.__dict__.get("forward")
+        if isinstance(fused, FusedLMHeadLoss):
+            fused.fp8 = recipe
+            heads.append(module)
+    if fp8 is None:
+        return
+    if not on:
+        said = _HEAD_BF16 + " (fp8_lm_head=False)"
+    elif not heads:
+        said = "fp8_lm_head=True, but no LM head + loss was fused (see lm_head_loss in the report)"
+    else:
+        said = "the LM head + loss runs FP8 GEMMs too (logits, dh, dW; fp8_lm_head=True)"
+        param = next(heads[0].parameters(), None)
+        if param is not None and param.device.type == "cpu" and (
+                backend == "mlir" or (backend == "auto" and backends.resolve("auto", "cpu") == "mlir")):
+            said += ", on the CPU through the reference backend (MLIR has no FP8 GEMMs)"
+    for i, note in enumerate(result.notes):
+        if note.startswith(_FP8_HEAD):
+            result.notes[i] = note.replace(_HEAD_BF16, said, 1) if _HEAD_BF16 in note else f"{note}; {said}"
+            return
+    result.notes.append(f"{_FP8_HEAD}{fp8}: {said}")
 
 
 def restore(model: nn.Module) -> nn.Module:

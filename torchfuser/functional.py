@@ -165,12 +165,20 @@ def linear_cross_entropy(
     reduction: str = "mean",
     softcap: float | None = None,
     backend: str | None = None,
+    fp8: str | None = None,
 ) -> Tensor:
     """cross_entropy(softcap(hidden @ weight.T + bias), labels) without holding all logits.
 
     hidden: (..., H); weight: V×H; labels: hidden's leading shape, int64. ``reduction`` is
     ``"mean"`` (over tokens whose label is not ``ignore_index``) or ``"sum"``. Under autocast the
     matrix product runs in the autocast dtype, as ``nn.Linear`` would. Returns an fp32 scalar.
+
+    ``fp8="rowwise"`` or ``"tensorwise"``: the three products (the logits h·Wᵀ, dh = dl·W, dW = dlᵀ·h)
+    run as FP8 (e4m3) GEMMs with current scaling along each one's inner dimension (per row, or one
+    scale per tensor); lossy (docs/usage.md#fp8). It needs bf16 operands (bf16 autocast or bf16
+    tensors) and tokens, H and V in multiples of 16, else ValueError
+    (``linear_cross_entropy_fp8_blocker`` says why beforehand). On the CPU it runs on the reference
+    backend whatever ``backend`` says: the MLIR backend has no FP8 GEMMs.
 
     A label outside ``[0, V)`` that is not ``ignore_index`` raises ``IndexError`` where checking
     is free: labels on the CPU (every backend, eager or compiled). Elsewhere (CUDA/ROCm, the
@@ -202,7 +210,45 @@ def linear_cross_entropy(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).long()
     softcap = None if softcap is None else float(softcap)
-    return ops.linear_cross_entropy(h, weight, bias, y, int(ignore_index), softcap, reduction, resolve(backend, device))
+    name = resolve(backend, device)
+    if fp8 is not None:
+        if fp8 not in _FP8_RECIPES:
+            raise ValueError(f"{op}: fp8 must be None, 'rowwise' or 'tensorwise', got {fp8!r}")
+        why = _fp8_blocker(h.shape[0], h.shape[1], weight.shape[0], h.dtype, weight.dtype)
+        if why is not None:
+            raise ValueError(f"{op}: fp8={fp8!r} cannot run here: {why}")
+        if name == "mlir":
+            # The MLIR backend has no FP8 GEMMs; the reference backend's are torch._scaled_mm (or its
+            # fp32 emulation, _fp8_gemm.mm) on the CPU, with the same quantisation the Triton kernels give.
+            name = "reference"
+    return ops.linear_cross_entropy(h, weight, bias, y, int(ignore_index), softcap, reduction, name, fp8)
+
+
+_FP8_RECIPES = ("rowwise", "tensorwise")
+
+
+def _fp8_blocker(n: int, hdim: int, vocab: int, h_dtype: torch.dtype, w_dtype: torch.dtype) -> str | None:
+    if h_dtype != torch.bfloat16 or w_dtype != torch.bfloat16:
+        dtype = h_dtype if h_dtype != torch.bfloat16 else w_dtype
+        return (f"its products would run in {str(dtype).removeprefix('torch.')}; FP8 GEMMs need bf16 operands "
+                "(bf16 autocast or bf16 hidden states and weight)")
+    if n % 16 or hdim % 16 or vocab % 16:
+        # FP8 GEMM kernels take multiples of 16; the tokens are dW's inner dimension (and each chunk's rows)
+        return f"{n} tokens × {hdim} → {vocab} is not in multiples of 16 (pad the batch's tokens to a multiple of 16)"
+    return None
+
+
+def linear_cross_entropy_fp8_blocker(hidden: Tensor, weight: Tensor) -> str | None:
+    """Why ``linear_cross_entropy(hidden, weight, ..., fp8=...)`` cannot run FP8 GEMMs now (under the
+    autocast state of this call), or None where it can: the fused LM head asks before each call and
+    counts a call that runs bf16 instead."""
+    device = hidden.device.type
+    if autocast_enabled(device):
+        h_dtype = w_dtype = torch.get_autocast_dtype(device)
+    else:
+        h_dtype, w_dtype = hidden.dtype, weight.dtype
+    hdim = hidden.shape[-1]
+    return _fp8_blocker(hidden.numel() // max(hdim, 1), hdim, weight.shape[0], h_dtype, w_dtype)
 
 
 _SCORINGS = ("softmax", "sigmoid", "softmax_topk")

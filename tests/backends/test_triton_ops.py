@@ -530,7 +530,7 @@ def test_outputs_match_fake_impls():
     h, wt, labels = _rand(7, 16), _rand(11, 16), torch.randint(0, 11, (7,)).to(DEVICE)
     for bias in (None, _rand(11)):
         for need_grad in (True, False):
-            _fake_vs_real(ops.linear_cross_entropy_fwd, h, wt, bias, labels, -100, None, "mean", need_grad)
+            _fake_vs_real(ops.linear_cross_entropy_fwd, h, wt, bias, labels, -100, None, "mean", need_grad, None)
 
 
 # ---------------------------------------------------------------- errors

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F
-from torchfuser.modules import tied_embedding
+from torchfuser.modules import fallbacks, tied_embedding
 from torchfuser.ops._call import plain_eager
 
 # What the capture head hands the model's forward in place of the logits; the forward's own
@@ -92,6 +92,11 @@ class FusedLMHeadLoss:
     Without labels, in eval mode, or with ``logits_to_keep`` set, the original forward runs
     unchanged. Where the input embedding shares the head's weight, its gradient is added into the
     head's in place during a fused eager call (``tied_embedding``).
+
+    ``fp8`` ("rowwise" / "tensorwise", set by ``optimize(model, fp8=..., fp8_lm_head=True)``; None by
+    default): the head's three products run as FP8 GEMMs (``functional.linear_cross_entropy``'s
+    ``fp8``). A call that cannot take them (not bf16; tokens, hidden size or vocabulary not in
+    multiples of 16) runs bf16 and is counted on the model (``fallbacks``), with the reason.
     """
 
     def __init__(self, model: nn.Module, spec: LMHeadLossSpec, backend: str = "auto"):
@@ -104,19 +109,22 @@ class FusedLMHeadLoss:
         self.__signature__ = inspect.signature(self._original())
         self.values_checked = False  # the value check syncs with the device: once per instance
         self.probes: dict = {}  # the capture head's probe logits, made once (CaptureHead)
+        self.fp8: str | None = None  # the FP8 recipe of the head's GEMMs (optimize's fp8_lm_head)
 
     def __setstate__(self, state: dict) -> None:
         # Unpickling. Not a lookup with a default in the forward: torch.compile cannot trace
         # ``self.__dict__.setdefault`` (torch 2.11, fullgraph=True).
         self.__dict__.update(state)
         self.__dict__.setdefault("probes", {})  # pickled by a version before the probe cache
+        self.__dict__.setdefault("fp8", None)  # pickled by a version before fp8_lm_head
 
     def _original(self):
         # functools.partial, not function.__get__: torch.compile traces the former, not the latter.
         return self.previous if self.previous is not None else functools.partial(type(self.model).forward, self.model)
 
     def __repr__(self) -> str:
-        return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'})"
+        fp8 = f", fp8={self.fp8!r}" if self.fp8 else ""
+        return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'}{fp8})"
 
     def install_on_replica(self, replica: nn.Module) -> None:
         """Give an nn.DataParallel replica of the model this forward, bound to the replica."""
@@ -176,6 +184,7 @@ class FusedLMHeadLoss:
         loss = F.linear_cross_entropy(
             hidden, weight, target, bias=bias, ignore_index=ignore_index,
             reduction="mean" if n_items is None else "sum", softcap=self.spec.softcap, backend=self.backend,
+            fp8=self._fp8_for(hidden, weight),
         )
         if n_items is not None:
             loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
@@ -189,6 +198,17 @@ class FusedLMHeadLoss:
         if isinstance(out, tuple):  # return_dict=False: HF's tuple is (loss, logits, ...); logits left out
             return (loss,) + tuple(out[1:])
         return dataclasses.replace(out, loss=loss, logits=None)
+
+    def _fp8_for(self, hidden: Tensor, weight: Tensor) -> str | None:
+        """The FP8 recipe this call runs with: ``self.fp8``, unless the call cannot take FP8 GEMMs (then
+        bf16, counted with the reason)."""
+        if self.fp8 is None:
+            return None
+        why = F.linear_cross_entropy_fp8_blocker(hidden, weight)
+        if why is None:
+            return self.fp8
+        fallbacks.count(self.model, f"fp8: the LM head + loss ran without FP8 GEMMs: {why}")
+        return None
 
     def _tied_embedding(self, head: nn.Linear, kwargs) -> nn.Embedding | None:
         """The input embedding whose gradient goes straight into the head's (``tied_embedding``):

@@ -1,5 +1,10 @@
 """Linear + cross-entropy. The forward also returns the gradients for an upstream gradient of 1,
-so that no backend recomputes the logits: the backward only scales them."""
+so that no backend recomputes the logits: the backward only scales them.
+
+``fp8`` (None, "rowwise" or "tensorwise"): the backend runs the products (logits, dh, dW) as FP8 GEMMs
+(``backends/_fp8_gemm.py``); the gradients keep their dtypes, so the fake impl is the same either
+way. The caller (``functional.linear_cross_entropy``) has checked that the call can take FP8 (bf16
+operands, every dimension a multiple of 16) and routed it to a backend that has FP8 GEMMs."""
 from __future__ import annotations
 
 from typing import Optional
@@ -22,15 +27,24 @@ def linear_cross_entropy_fwd(
     softcap: Optional[float],
     reduction: str,
     need_grad: bool,
+    fp8: Optional[str],
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (loss fp32 scalar, dhidden, dweight, dbias); the gradients are empty unless need_grad."""
     impl = kernel(backend, "linear_cross_entropy_fwd")
-    return impl(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad)
+    if fp8 is None:  # the backends without FP8 (MLIR) take no fp8 argument at all
+        return impl(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad)
+    if backend not in _FP8_BACKENDS:
+        raise ValueError(f"linear_cross_entropy: backend {backend!r} has no FP8 GEMMs (fp8={fp8!r}); "
+                         f"use one of {', '.join(_FP8_BACKENDS)}")
+    return impl(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8)
+
+
+_FP8_BACKENDS = ("reference", "triton")
 
 
 @linear_cross_entropy_fwd.register_fake
-def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, backend):
+def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8, backend):
     loss = hidden.new_empty((), dtype=torch.float32)
     if not need_grad:
         empty = hidden.new_empty(0)
@@ -43,7 +57,7 @@ def _setup(ctx, inputs, output):
     bias, need_grad = inputs[2], inputs[7]
     ctx.has_bias = bias is not None
     ctx.need_grad = need_grad
-    ctx.backend = inputs[8]
+    ctx.backend = inputs[9]
     ctx.save_for_backward(*output[1:])
 
 
@@ -73,14 +87,15 @@ def _backward(ctx, dloss, *_):
             for g in grads:
                 g.mul_(scale)
     dbias = grads[2] if ctx.has_bias else None
-    return grads[0], grads[1], dbias, None, None, None, None, None, None
+    return grads[0], grads[1], dbias, None, None, None, None, None, None, None
 
 
 _linear_cross_entropy = autograd(linear_cross_entropy_fwd, _setup, _backward, elementwise=False)
 
 
-def linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, backend) -> Tensor:
+def linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, backend, fp8=None) -> Tensor:
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
-    return _linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, backend)[0]
+    return _linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8,
+                                 backend)[0]

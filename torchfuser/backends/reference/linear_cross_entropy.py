@@ -3,12 +3,26 @@
 The reference holds all logits; it is the oracle, not the memory-lean path. Gradients are
 computed in the forward (for an upstream gradient of 1), as every backend does, so the
 backward is a scale.
+
+With ``fp8`` ("rowwise" / "tensorwise"; bf16 inputs, every dimension a multiple of 16, checked by the
+caller) the three products are FP8 GEMMs (``_fp8_gemm.mm``) of operands quantised by reference/fp8_quant.py,
+each along the product's inner dimension, and the rest is fp32, written out as the Triton backend
+computes it (the oracle of its FP8 path):
+    z  = q(h)·q(W)ᵀ + b                              h along H, W along H
+    g  = (softmax(s) − onehot(t)) · ∂s/∂z            s = softcap(z); t = the label, column 0 where
+                                                     ignored (as the Triton CE kernel writes it)
+    a  = 1/#counted ('mean') or 1, 0 where ignored   (NaN for a label outside [0, V))
+    dh = a ⊙ (q(g)·q(Wᵀ)ᵀ)                           g along V, Wᵀ along V
+    dW = q(gᵀ)·q((a ⊙ h)ᵀ)ᵀ                          both along the tokens
+    db = Σ_n a_n g_n
 """
 from __future__ import annotations
 
 import torch
 
+from .. import _fp8_gemm
 from ._autodiff import compute_dtype, value_and_vjp
+from .fp8_quant import fp8_quantize, fp8_quantize_both
 
 
 def token_loss(z, label, ignore_index: int, softcap: float | None):
@@ -59,8 +73,10 @@ def linear_cross_entropy(hidden, weight, bias, labels, ignore_index: int, softca
     return total if reduction == "sum" else total / (labels != ignore_index).sum()
 
 
-def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8=None):
     check_labels(labels, weight.shape[0], ignore_index)
+    if fp8 is not None:
+        return _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8 == "tensorwise")
     args = (labels, ignore_index, softcap, reduction)
     if not need_grad:  # three distinct empties: custom-op outputs must not alias each other
         loss = linear_cross_entropy(hidden, weight, bias, *args).float()
@@ -70,3 +86,39 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
     )
     db = hidden.new_empty(0) if db is None else db.contiguous()
     return loss.float(), dh.contiguous(), dw.contiguous(), db
+
+
+def _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, tensorwise: bool):
+    """The FP8 form (module docstring): fp32 throughout but for the three e4m3 products."""
+    f32 = torch.float32
+    if need_grad:
+        qw, qwt = fp8_quantize_both(weight, tensorwise)  # W for the logits, Wᵀ for dh: once per call
+    else:
+        qw = fp8_quantize(weight, tensorwise, False)
+    z = _fp8_gemm.mm(fp8_quantize(hidden, tensorwise, False), qw, f32)
+    if bias is not None:
+        z = z + bias.to(f32)
+    valid = labels != ignore_index
+    total = token_loss(z, labels, ignore_index, softcap).sum()
+    loss = total if reduction == "sum" else total / valid.sum()
+    empty = hidden.new_empty(0)
+    if not need_grad:
+        return loss, empty, empty.clone(), empty.clone()
+    vocab = weight.shape[0]
+    outside = outside_vocab(labels, vocab, ignore_index)
+    target = torch.where(valid & ~outside, labels, torch.zeros_like(labels))
+    t = None if softcap is None else torch.tanh(z / softcap)
+    s = z if t is None else t * softcap
+    g = torch.softmax(s, dim=-1)
+    g[torch.arange(g.shape[0], device=g.device), target] -= 1.0
+    if t is not None:
+        g = g * (1.0 - t) * (1.0 + t)
+    scale = 1.0 if reduction == "sum" else 1.0 / valid.sum().to(f32)
+    a = torch.where(valid, scale, torch.zeros((), dtype=f32, device=z.device))
+    a = torch.where(outside, torch.full((), float("nan"), dtype=f32, device=z.device), a).unsqueeze(1)
+    qg, qgt = fp8_quantize_both(g, tensorwise)
+    dh = (a * _fp8_gemm.mm(qg, qwt, f32)).to(hidden.dtype)
+    hs = a * hidden.to(f32)
+    dw = _fp8_gemm.mm(qgt, fp8_quantize(hs, tensorwise, True), f32).to(weight.dtype)
+    db = empty.clone() if bias is None else (a * g).sum(0).to(bias.dtype)
+    return loss.float(), dh, dw, db

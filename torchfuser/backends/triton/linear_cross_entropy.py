@@ -19,6 +19,21 @@ dl is a_n·q_n, so the GEMMs read q and the per-row a_n goes elsewhere:
 One read and one write of the logits, where writing softmax − onehot takes two reads and a write
 (what the kernel does for fp16, whose range q and S can pass: there a_n = scale_n).
 Extra memory: one chunk of logits, its C×H scaled copies, and the gradients, held near EXTRA_BYTES.
+
+FP8 (``fp8`` "rowwise" / "tensorwise"; bf16 operands, tokens, H and V multiples of 16, checked by the
+caller): the three products run as e4m3 GEMMs (``_fp8_gemm.mm``, ``torch._scaled_mm``), each operand
+quantised by fp8_quant.py along the product's inner dimension (per row, or one scale a tensor):
+    z   = q(h)·q(W)ᵀ          h (C×H) and W (V×H) along H; W's two copies made once per call
+    dh  = a ⊙ (q(g)·q(Wᵀ)ᵀ)   g (C×V) and Wᵀ (H×V) along V; fp32 out, rounded once by the row kernel
+    dW += q(gᵀ)·q(hsᵀ)ᵀ       gᵀ (V×C) and hsᵀ = (a ⊙ h)ᵀ (H×C) along the chunk's tokens
+where g is what the CE kernel writes over the logits in its two-pass form (the fp16 one):
+softmax − onehot itself, a_n = scale_n. The one-pass q = S_n·(softmax − onehot) would carry each
+row's Σexp (1 to V·e^32) into the values: one scale for all of q (tensorwise), or per vocabulary
+column across tokens (dW's qᵀ), would then be set by the rows of large S and flush a confident
+row's gradient (a wrong, confident prediction: S ≈ 1, and the largest gradient) to e4m3's
+subnormals. The second pass costs one more read of the chunk's logits. dW stays in the weight's
+dtype: the first chunk's product is dW, the others' are added (one rounding more a chunk than
+``addmm_``'s; far below e4m3's), their V×H product held meanwhile; db is the bf16 sum as without FP8.
 """
 from __future__ import annotations
 
@@ -26,9 +41,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _fp8_gemm
 from .._gemm import fp32_out_ok
 from ._common import Launcher, cdiv, check_dtypes, next_pow2, target_of, warps_as_threads
 from ._math import tanh
+from .fp8_quant import fp8_quantize, fp8_quantize_both
 
 # The op's extra memory (one chunk of logits + the dh, dW, db it returns) is held near
 # EXTRA_BYTES; a chunk's logits get at least MIN_CHUNK_BYTES. Measured on an H200
@@ -144,14 +161,15 @@ def _linear_cross_entropy_fwd_kernel(
         tl.store(ROW_SCALE + row, scale / total)
 
 
-def ce_rows(z, bias, labels, losses, row_scale, nvalid, ignore_index, softcap, need_grad, mean):
+def ce_rows(z, bias, labels, losses, row_scale, nvalid, ignore_index, softcap, need_grad, mean, normalised=False):
     """The CE kernel over the rows of one chunk's logits ``z`` (C×V), one program per row: losses,
-    and (need_grad) q in place of the logits and a_n in ``row_scale``. (Fewer programs walking rows
+    and (need_grad) q in place of the logits and a_n in ``row_scale``; with ``normalised`` (FP8)
+    softmax − onehot in place of q (two passes, as for fp16). (Fewer programs walking rows
     in turn ran at 43–86% of this one's speed on an H200, with or without eviction hints; several
     programs a row that wait for each other, slower still: NOTES-triton.md.)"""
     rows, v = z.shape
     block = min(_BLOCK_V, next_pow2(v))
-    one_pass = z.dtype != torch.float16  # fp16's range is too small for q and S
+    one_pass = z.dtype != torch.float16 and not normalised  # fp16's range is too small for q and S
     # Each block's reference m (a few bytes a row), for the rare row whose m is raised midway.
     ref = torch.empty((rows, cdiv(v, block)) if need_grad and one_pass else (1, 1), dtype=torch.float32,
                       device=z.device)
@@ -228,6 +246,26 @@ def _chunk_grads(q, h, weight, a, dh, dw, db, first):
         db += _times_w(torch.stack([hi, (a - hi.float()).to(q.dtype)]), q).sum(0)
 
 
+def _chunk_grads_fp8(g, h, qwt, a, dh, dw, db, tensorwise, dw_dtype):
+    """``_chunk_grads`` with FP8 products (module docstring): g is the chunk's softmax − onehot and a
+    its a_n; returns dW (this chunk's product where ``dw`` is None, the first chunk; else dw, added to)."""
+    rows, hdim = h.shape
+    qg, qgt = fp8_quantize_both(g, tensorwise)  # along V for dh; transposed, along the tokens, for dW
+    prod = _fp8_gemm.mm(qg, qwt, torch.float32)
+    del qg
+    hs = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # a ⊙ h
+    block = min(4096, next_pow2(hdim))
+    _row_scale((rows, cdiv(hdim, block)), prod, prod.stride(0), h, h.stride(0), a, dh, dh.stride(0), hs, hdim,
+               BLOCK_H=block, num_warps=warps_as_threads(4, target_of(h)))
+    del prod
+    part = _fp8_gemm.mm(qgt, fp8_quantize(hs, tensorwise, True), dw_dtype)
+    del qgt, hs
+    if db is not None:
+        hi = a.to(g.dtype)
+        db += _times_w(torch.stack([hi, (a - hi.float()).to(g.dtype)]), g).sum(0)
+    return part if dw is None else dw.add_(part)
+
+
 def linear_cross_entropy_scale_(grads, scale):
     """The backward's scaling of the saved gradients by dloss (a device scalar), in place: one
     vectorised pass each, none when dloss is 1 (read on the device, no host sync). PyTorch's
@@ -249,7 +287,8 @@ def chunks(n: int, most: int) -> list[tuple[int, int]]:
     whose last chunk's GEMMs would run far below the others' rate)."""
     if most >= n:
         return [(0, n)]
-    unit = 512 if most % 512 == 0 else 64 if most % 64 == 0 else 1
+    # 16: FP8's chunks (its GEMMs take multiples of 16 rows; the caller makes n one too)
+    unit = 512 if most % 512 == 0 else 64 if most % 64 == 0 else 16 if most % 16 == 0 else 1
     units, rest = divmod(n, unit)
     count = -(-n // most)
     out, start = [], 0
@@ -260,19 +299,23 @@ def chunks(n: int, most: int) -> list[tuple[int, int]]:
     return out
 
 
-def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int, hidden: int = 0) -> int:
+def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int, hidden: int = 0, fp8: bool = False) -> int:
     """Tokens per chunk: the most whose logits (and, for a ``hidden`` wide input, the fp32 q·W and
-    the scaled input) fit in what EXTRA_BYTES leaves beside the returned gradients, rounded down to
-    a multiple of 512 when that many fit (cuBLAS's fast shapes)."""
+    the scaled input; with ``fp8`` their e4m3 copies too) fit in what EXTRA_BYTES leaves beside the
+    returned gradients, rounded down to a multiple of 512 when that many fit (cuBLAS's fast shapes),
+    and with ``fp8`` to one of 16 at least (the FP8 GEMMs' rows)."""
     budget = max(MIN_CHUNK_BYTES, EXTRA_BYTES - grad_bytes)
-    most = max(1, budget // (itemsize * v + (4 + itemsize) * hidden))
+    per_token = itemsize * v + (4 + itemsize) * hidden
+    if fp8:  # q's two e4m3 copies (when there are gradients), h's and hsᵀ's
+        per_token += (2 * v if hidden else 0) + 2 * hidden
+    most = max(16 if fp8 else 1, budget // per_token)
     if most >= n:
         return n
-    unit = 512 if most >= 512 else 64 if most >= 128 else 1
+    unit = 512 if most >= 512 else 64 if most >= 128 else 16 if fp8 else 1
     return most - most % unit
 
 
-def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8=None):
     check_dtypes("linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
     if hidden.dtype != weight.dtype:
         raise TypeError(f"linear_cross_entropy: hidden and weight dtypes differ ({hidden.dtype}, {weight.dtype})")
@@ -290,21 +333,38 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         dh = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev)
         # dW accumulates in the weight's dtype: an fp32 accumulator for a 128k×2k bf16 head would
         # alone cost 1 GiB. cuBLAS sums each chunk's product in fp32 and rounds once per chunk.
-        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev)
+        # With FP8 the first chunk's product is dW (see _chunk_grads_fp8): nothing to allocate yet.
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if fp8 is None else None
         if bias is not None:
             db = torch.zeros(v, dtype=torch.float32, device=dev)
-    rows = chunk_rows(n, v, hidden.element_size(), dh.nbytes + dw.nbytes + db.nbytes, hdim if need_grad else 0)
+    grad_bytes = dh.nbytes + db.nbytes + (weight.nbytes if need_grad else 0)
+    tensorwise = fp8 == "tensorwise"
+    if fp8 is not None:
+        # W's e4m3 copies (two with gradients), made once for all chunks; with gradients a chunk's dW
+        # product beside dW
+        grad_bytes += weight.numel() * (2 if need_grad else 1) + (weight.nbytes if need_grad else 0)
+        if need_grad:
+            qw, qwt = fp8_quantize_both(weight, tensorwise)  # along H for the logits, Wᵀ along V for dh
+        else:
+            qw = fp8_quantize(weight, tensorwise, False)
+    rows = chunk_rows(n, v, hidden.element_size(), grad_bytes, hdim if need_grad else 0, fp8 is not None)
     mean = reduction == "mean"
     row_scale = torch.empty(min(rows, n), dtype=torch.float32, device=dev)  # a_n of a chunk's tokens
     for start, size in chunks(n, rows):
         h = hidden[start:start + size]
         # Logits in the input dtype, as nn.Linear gives them (fp32 accumulation, one rounding);
         # the kernel works in fp32. bf16 logits halve its reads and double the tokens per chunk.
-        z = torch.mm(h, weight.t())
+        if fp8 is None:
+            z = torch.mm(h, weight.t())
+        else:
+            z = _fp8_gemm.mm(fp8_quantize(h, tensorwise, False), qw, hidden.dtype)
         a = row_scale[:size]
         ce_rows(z, bias, labels[start:start + size], losses[start:start + size], a, nvalid, ignore_index,
-                softcap, need_grad, mean)
-        if need_grad:
+                softcap, need_grad, mean, normalised=fp8 is not None)
+        if need_grad and fp8 is not None:
+            dw = _chunk_grads_fp8(z, h, qwt, a, dh[start:start + size], None if start == 0 else dw,
+                                  db if bias is not None else None, tensorwise, weight.dtype)
+        elif need_grad:
             _chunk_grads(z, h, weight, a, dh[start:start + size], dw, db if bias is not None else None, start == 0)
         del z  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = losses.sum()
