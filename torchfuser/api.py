@@ -129,8 +129,7 @@ def optimize(
         kept = _cuda_graphs.options(model)
         _cuda_graphs.remove(model)  # the captured graphs replay the old backend's kernels: capture anew
         cuda_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else kept
-    _set_fp8(model, fp8, result, per_step)
-    _set_fp8_lm_head(model, fp8, fp8_lm_head, result, backend)
+    _set_fp8(model, fp8, result, per_step, fp8_lm_head, backend)
     if cuda_graphs:
         chosen_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else None
         result.notes += [n for n in _cuda_graphs.install(model, chosen_graphs) if n not in result.notes]
@@ -149,14 +148,22 @@ _FP8_HEAD = "fp8: "
 _FP8_KINDS = ("attention", "gated_mlp", "mlp")
 
 
-def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_step: bool = False) -> None:
-    """FP8 GEMMs on (or off) in the fused attention and MLP blocks, said in the report's notes; with
+def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_step: bool, lm_head: bool,
+             backend: str) -> None:
+    """FP8 GEMMs on (or off) in the fused attention and MLP blocks and, with ``lm_head``, the fused LM head
+    + loss (``FusedLMHeadLoss.fp8``, gone with ``restore``), said in one note of the report; with
     ``per_step`` the weights' copies kept per optimizer step (the step hook held for ``model``)."""
-    count = 0
+    count, heads = 0, []
     for entry in result.fused:
+        module = model.get_submodule(entry.name) if entry.name else model
+        if entry.pattern == "lm_head_loss":
+            fused = module.__dict__.get("forward")
+            if isinstance(fused, FusedLMHeadLoss):
+                fused.fp8 = recipe if lm_head else None
+                heads.append(module)
+            continue
         if entry.pattern not in _FP8_KINDS:
             continue
-        module = model.get_submodule(entry.name) if entry.name else model
         if recipe is None:
             module.__dict__.pop("_fp8", None)
         else:
@@ -172,45 +179,20 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     else:
         _fp8_step.release(model)
     result.notes = [n for n in result.notes if not n.startswith(_FP8_HEAD)]
-    if recipe is not None:
-        result.notes.append(f"{_FP8_HEAD}{recipe} e4m3 GEMMs (forward and backward) in the projections of {count} fused "
-                            "attention and MLP blocks, where they run in bf16 and are plain nn.Linear; the LM head stays bf16"
-                            + ("; trainable weights quantised once per optimizer step (fp8_weights='per_step')" if per_step else ""))
-
-
-_HEAD_BF16 = "the LM head stays bf16"
-
-
-def _set_fp8_lm_head(model: nn.Module, fp8: str | None, on: bool, result: FusionReport, backend: str) -> None:
-    """FP8 GEMMs on (``fp8`` and ``on``) or off in the fused LM head + loss (``FusedLMHeadLoss.fp8``, gone
-    with ``restore``), said in the FP8 note that ``_set_fp8`` wrote."""
-    recipe = fp8 if on else None
-    heads = []
-    for entry in result.fused:
-        if entry.pattern != "lm_head_loss":
-            continue
-        module = model.get_submodule(entry.name) if entry.name else model
-        fused = module.__dict__.get("forward")
-        if isinstance(fused, FusedLMHeadLoss):
-            fused.fp8 = recipe
-            heads.append(module)
-    if fp8 is None:
+    if recipe is None:
         return
-    if not on:
-        said = _HEAD_BF16 + " (fp8_lm_head=False)"
+    if not lm_head:
+        head = "the LM head stays bf16 (fp8_lm_head=False)"
     elif not heads:
-        said = "fp8_lm_head=True, but no LM head + loss was fused (see lm_head_loss in the report)"
+        head = "fp8_lm_head=True, but no LM head + loss was fused (see lm_head_loss in the report)"
     else:
-        said = "the LM head + loss runs FP8 GEMMs too (logits, dh, dW; fp8_lm_head=True)"
+        head = "the LM head + loss runs FP8 GEMMs too (logits, dh, dW; fp8_lm_head=True)"
         param = next(heads[0].parameters(), None)
-        if param is not None and param.device.type == "cpu" and (
-                backend == "mlir" or (backend == "auto" and backends.resolve("auto", "cpu") == "mlir")):
-            said += ", on the CPU through the reference backend (MLIR has no FP8 GEMMs)"
-    for i, note in enumerate(result.notes):
-        if note.startswith(_FP8_HEAD):
-            result.notes[i] = note.replace(_HEAD_BF16, said, 1) if _HEAD_BF16 in note else f"{note}; {said}"
-            return
-    result.notes.append(f"{_FP8_HEAD}{fp8}: {said}")
+        if param is not None and param.device.type == "cpu" and backends.resolve(backend, "cpu") == "mlir":
+            head += ", on the CPU through the reference backend (MLIR has no FP8 GEMMs)"
+    result.notes.append(f"{_FP8_HEAD}{recipe} e4m3 GEMMs (forward and backward) in the projections of {count} fused "
+                        f"attention and MLP blocks, where they run in bf16 and are plain nn.Linear; {head}"
+                        + ("; trainable weights quantised once per optimizer step (fp8_weights='per_step')" if per_step else ""))
 
 
 def restore(model: nn.Module) -> nn.Module:

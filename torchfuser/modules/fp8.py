@@ -1,8 +1,9 @@
 """FP8 GEMMs for the fused blocks' projections: ``optimize(model, fp8="rowwise" | "tensorwise")``.
 
 Each projection y = x·Wᵀ (+ b) of a fused block (the joint q/k/v, the output projection, the joint
-gate/up, the down projection; the LM head stays in bf16; with LoRA adapters, the bases' products in
-the fused LoRA node, ``modules.lora``) runs three FP8 GEMMs through
+gate/up, the down projection; with LoRA adapters, the bases' products in the fused LoRA node,
+``modules.lora``; the LM head only with ``fp8_lm_head=True``, in backends/*/linear_cross_entropy.py) runs
+three FP8 GEMMs through
 ``torch._scaled_mm``, every operand in e4m3 with current (dynamic) scaling, no state that could go stale:
 
     forward   y  = q(x)·q(W)ᵀ          scales along K: per token of x, per output channel of W
