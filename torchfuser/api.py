@@ -76,11 +76,12 @@ def optimize(
         see ``torchfuser.cuda_graphs`` and the report's notes.
     autotune: at each fused block's first training call, time it against its original on that
         call's inputs and keep the faster, per block kind and shape (``torchfuser.autotune``).
-    fp8: ``"rowwise"`` or ``"tensorwise"``: the fused attention and MLP blocks' projections run FP8
-        (e4m3) GEMMs forward and backward, with current scaling per row or per tensor; the LM head
-        stays bf16 unless ``fp8_lm_head=True``. Needs bf16 (autocast or bf16 weights) and a GPU of
-        compute capability ≥ 8.9 (or the CPU, for tests); ``None`` (the default, and on a second
-        call) turns it off. See
+    fp8: ``"rowwise"``, ``"tensorwise"`` or ``"blockwise"``: the fused attention and MLP blocks'
+        projections run FP8 (e4m3) GEMMs forward and backward, with current scaling per row, per tensor,
+        or per 128-element block along each GEMM's inner dimension (128 × 128 blocks for weights;
+        Hopper only, sides in multiples of 128; experimental); the LM head stays bf16 unless
+        ``fp8_lm_head=True``. Needs bf16 (autocast or bf16 weights) and a GPU of compute capability
+        ≥ 8.9 (or the CPU, for tests); ``None`` (the default, and on a second call) turns it off. See
         ``torchfuser.modules.fp8``.
     fp8_lm_head: with ``fp8``, the fused LM head + loss (``lm_head_loss``) runs its three products (the
         logits, dh, dW) as FP8 GEMMs too, with the same recipe: lossy where the vocabulary is large
@@ -102,6 +103,9 @@ def optimize(
     backend = backends.check_name(backend)
     if not isinstance(fp8_lm_head, bool):
         raise TypeError(f"fp8_lm_head must be True or False, got {type(fp8_lm_head).__name__}")
+    if fp8_lm_head and fp8 == "blockwise":
+        raise ValueError("fp8_lm_head=True runs the LM head's GEMMs rowwise or tensorwise, not blockwise: pass "
+                         "fp8='rowwise' or 'tensorwise' with it, or leave fp8_lm_head off")
     if fp8_lm_head and fp8 is None:
         raise ValueError("fp8_lm_head=True runs the LM head's GEMMs with the projections' FP8 recipe: pass "
                          "fp8='rowwise' or fp8='tensorwise' too")

@@ -1,11 +1,14 @@
 """``torch._scaled_mm`` as the FP8 GEMMs of modules/fp8.py (the projections) and of the LM head's loss call
 it: a·bᵀ (+ bias) from two quantised row-major operands, with each torch build's limits probed once
 (fp32 outputs, a bias in the epilogue, per-row scales on the CPU) and the CPU's missing kernels emulated
-in fp32, where e4m3 values are exact."""
+in fp32, where e4m3 values are exact. Blockwise-scaled operands (``fp8="blockwise"``) go through
+``torch.nn.functional.scaled_mm``: Hopper only, cuBLASLt ≥ 12.9."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from torchfuser.backends.reference.fp8_blocks import dequantize_blocks
 
 E4M3 = torch.float8_e4m3fn
 
@@ -16,7 +19,10 @@ _BIAS: dict = {}  # (device type, scale shape) -> whether _scaled_mm adds a bf16
 def mm(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor], out_dtype: torch.dtype, bias: Tensor | None = None) -> Tensor:
     """a·bᵀ (+ bias) from two quantised row-major operands (M × K and N × K), scaled back, in ``out_dtype``
     (fp32 straight from the accumulator where this build's kernel writes it, else bf16 then cast; a
-    bias in the epilogue of a bf16 output where the kernel takes one, else added after)."""
+    bias in the epilogue of a bf16 output where the kernel takes one, else added after). Blockwise
+    operands come as (q, scales, block): ``mm_blocks``."""
+    if len(b) == 3:
+        return mm_blocks(a, b, out_dtype, bias)
     (qa, sa), (qb, sb) = a, b
     sb = sb.t() if sb.dim() else sb
     if qa.device.type == "cpu" and (sa.numel() == 1 or not _cpu_rowwise()):
@@ -63,3 +69,34 @@ def _cpu_rowwise() -> bool:
         except RuntimeError:
             _CPU_ROWWISE["ok"] = False
     return _CPU_ROWWISE["ok"]
+
+
+_BLOCK_OUT: dict = {}  # out dtype -> whether scaled_mm writes it for blockwise scales
+
+
+def mm_blocks(a: tuple, b: tuple, out_dtype: torch.dtype, bias: Tensor | None = None) -> Tensor:
+    """a·bᵀ (+ bias) from blockwise-quantised operands (backends/reference/fp8_blocks.py): a is (q, s,
+    "1x128"), M × K with a scale per row and 128 columns; b is N × K, (q, s, "1x128") likewise or
+    (q, s, "128x128") with a scale per 128 × 128 block, s in scaled_mm's layouts. On the CPU, the
+    operands dequantised and multiplied in fp32 (no blockwise kernel there)."""
+    qa, sa, _ = a
+    qb, sb, kind = b
+    if qa.device.type == "cpu":
+        out = torch.mm(dequantize_blocks(qa, sa, False), dequantize_blocks(qb, sb, kind == "128x128").t())
+        return (out if bias is None else out.add_(bias.to(out_dtype).float())).to(out_dtype)
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    recipe_b = ScalingType.BlockWise128x128 if kind == "128x128" else ScalingType.BlockWise1x128
+    wide = out_dtype != torch.bfloat16 and _BLOCK_OUT.get(out_dtype, True)
+    try:
+        out = scaled_mm(qa, qb.t(), sa, ScalingType.BlockWise1x128, sb, recipe_b,
+                        output_dtype=out_dtype if wide else torch.bfloat16)
+        if wide:
+            _BLOCK_OUT[out_dtype] = True
+    except (RuntimeError, ValueError, NotImplementedError):
+        if not wide:
+            raise
+        _BLOCK_OUT[out_dtype] = False  # this build writes bf16 only there: cast after
+        out = scaled_mm(qa, qb.t(), sa, ScalingType.BlockWise1x128, sb, recipe_b, output_dtype=torch.bfloat16)
+    out = out if out.dtype == out_dtype else out.to(out_dtype)
+    return out if bias is None else out + bias.to(out_dtype)

@@ -55,7 +55,8 @@ from torchfuser.modules import fallbacks, fp8_step as _step
 from torchfuser.modules.base import hooked
 from torchfuser.ops import fp8_quant as _quant
 
-RECIPES = ("rowwise", "tensorwise")
+RECIPES = ("rowwise", "tensorwise", "blockwise")
+BLOCK = 128  # blockwise: the elements a scale covers along a GEMM's inner dimension (128 × 128 for weights)
 E4M3 = torch.float8_e4m3fn
 
 
@@ -64,12 +65,17 @@ def check(recipe, device: torch.device | None) -> str | None:
     if recipe is None:
         return None
     if recipe not in RECIPES:
-        raise ValueError(f"fp8 must be None, 'rowwise' or 'tensorwise', got {recipe!r}")
+        raise ValueError(f"fp8 must be None, 'rowwise', 'tensorwise' or 'blockwise', got {recipe!r}")
     if device is not None and device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             raise ValueError(f"fp8={recipe!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                              f"{torch.cuda.get_device_name(device)} is {major}.{minor}. Leave fp8=None on this GPU.")
+        if recipe == "blockwise" and (major != 9 or not hasattr(torch.nn.functional, "scaled_mm")):
+            # ATen's blockwise FP8 GEMMs are cuBLASLt's (≥ 12.9), on Hopper only
+            raise ValueError(f"fp8='blockwise' needs a Hopper GPU (compute capability 9.x) and torch.nn.functional."
+                             f"scaled_mm (PyTorch ≥ 2.10 built with cuBLASLt ≥ 12.9); {torch.cuda.get_device_name(device)} "
+                             f"is {major}.{minor} with PyTorch {torch.__version__}. Use fp8='rowwise' here.")
     elif device is not None and device.type != "cpu":
         raise ValueError(f"fp8={recipe!r} runs on CUDA GPUs (and the CPU, for tests), not on {device.type}")
     elif device is not None:
@@ -85,13 +91,18 @@ def check_weights(mode, recipe: str | None) -> bool:
     if mode not in WEIGHT_MODES:
         raise ValueError(f"fp8_weights must be 'per_call' or 'per_step', got {mode!r}")
     if mode == "per_step" and recipe is None:
-        raise ValueError("fp8_weights='per_step' keeps FP8 weight copies: it needs fp8='rowwise' or 'tensorwise' too")
+        raise ValueError("fp8_weights='per_step' keeps FP8 weight copies: it needs fp8='rowwise', 'tensorwise' or "
+                         "'blockwise' too")
     return mode == "per_step"
 
 
-def quantize(t: Tensor, recipe: str, transpose: bool = False) -> tuple[Tensor, Tensor]:
+def quantize(t: Tensor, recipe: str, transpose: bool = False) -> tuple:
     """(e4m3 values, fp32 scale) of a 2-D ``t``, or with ``transpose`` of ``tᵀ`` (written transposed, no
-    copy of ``t``): one scale per row (rowwise, shape rows × 1) or one in all. One pass on CUDA."""
+    copy of ``t``): one scale per row (rowwise, shape rows × 1) or one in all; blockwise (values, scales,
+    "1x128"), a scale per row and 128 columns. One pass on CUDA."""
+    if recipe == "blockwise":
+        q, s, qt, st = _quant.quantize_blocks(t, not transpose, transpose)
+        return (qt, st, "1x128") if transpose else (q, s, "1x128")
     return _quant.quantize(t, recipe == "tensorwise", transpose)
 
 
@@ -99,6 +110,9 @@ def quantize_both(t: Tensor, recipe: str) -> tuple[tuple[Tensor, Tensor], tuple[
     """(``quantize(t, recipe)``, ``quantize(t, recipe, transpose=True)``), bit for bit: an operand two GEMMs
     take, one scaled along t's rows, one along its columns and transposed. On CUDA the Triton kernels'
     fastest measured way (the module doc); elsewhere those two quantisations (the reference composition)."""
+    if recipe == "blockwise":  # every scale local to its tile: both copies from one read, everywhere
+        q, s, qt, st = _quant.quantize_blocks(t, True, True)
+        return (q, s, "1x128"), (qt, st, "1x128")
     if t.is_cuda:
         return _quant.quantize_both(t, recipe == "tensorwise")
     return quantize(t, recipe), quantize(t, recipe, transpose=True)
@@ -139,7 +153,14 @@ def _both(weights, recipe: str):
     w = weights[0] if len(weights) == 1 else torch.cat(weights)
     if torch.is_grad_enabled():  # (the autograd Functions call this with grad mode off already)
         with torch.no_grad():
-            return quantize_both(w, recipe)
+            return _weight_copies(w, recipe)
+    return _weight_copies(w, recipe)
+
+
+def _weight_copies(w: Tensor, recipe: str):
+    if recipe == "blockwise":  # one scale per 128 × 128 block, shared by W and Wᵀ
+        q, s_fwd, qt, s_bwd = _quant.quantize_weight_blocks(w)
+        return (q, s_fwd, "128x128"), (qt, s_bwd, "128x128")
     return quantize_both(w, recipe)
 
 
@@ -179,7 +200,8 @@ class _FP8Linear(torch.autograd.Function):
         dw = True in need[5:5 + n]
         y, qxt, bwd = _project(x, recipe, cache, out_dtype, n, params, dw)
         if dw:
-            ctx.save_for_backward(*qxt)  # e4m3 xᵀ and its fp32 scales: half of x's bf16 bytes
+            ctx.save_for_backward(*qxt[:2])  # e4m3 xᵀ and its fp32 scales: half of x's bf16 bytes
+            ctx.blocks = qxt[2:]  # blockwise: the scales' kind
             w_dtypes = {w.dtype for w in params[:n]}
             # dW in the weights' dtype straight from the GEMM where they share one
             ctx.dw_dtype = w_dtypes.pop() if len(w_dtypes) == 1 else torch.float32
@@ -218,7 +240,7 @@ class _FP8Linear(torch.autograd.Function):
         grads = [None] * (len(need) - 5)
         dtypes = ctx.dtypes
         if dw:
-            g = mm(qdyt, ctx.saved_tensors, ctx.dw_dtype)
+            g = mm(qdyt, (*ctx.saved_tensors, *ctx.blocks), ctx.dw_dtype)
             parts = (g,) if n == 1 else g.split(ctx.rows)
             for i in range(n):
                 if need[5 + i]:
@@ -253,6 +275,10 @@ def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> str 
     if rows % 16 or k % 16 or n % 16:  # FP8 GEMM kernels take multiples of 16 (tokens: dW's inner dimension)
         fallbacks.count(owner, f"fp8: projections ran in bf16, not FP8: {rows} tokens × {k} → {n} is not in "
                                "multiples of 16 (pad the batch's tokens to a multiple of 16)")
+        return None
+    if recipe == "blockwise" and (rows % BLOCK or k % BLOCK or n % BLOCK):  # whole blocks along every inner dimension
+        fallbacks.count(owner, f"fp8: projections ran in bf16, not FP8: {rows} tokens × {k} → {n} is not in multiples "
+                               f"of {BLOCK}, blockwise's blocks (pad the batch's tokens to a multiple of {BLOCK}, or use fp8='rowwise')")
         return None
     return recipe
 

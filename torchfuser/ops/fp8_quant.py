@@ -15,6 +15,11 @@ Which code runs:
   forbids. ``TORCHFUSER_COMPILED_ELEMENTWISE=kernels`` (or any policy that does not name
   ``fp8_quantize``, e.g. ``inductor:rms_norm``) keeps the custom op, whose fake impl traces. The
   policy's name ``fp8_quantize`` covers ``fp8_quantize_both`` too (one switch for the FP8 operands).
+
+Blockwise (``fp8="blockwise"``: a scale per 128 elements along each GEMM's inner dimension, per 128 × 128
+block of a weight; backends/reference/fp8_blocks.py): ``torchfuser::fp8_quantize_blocks`` (an activation,
+either or both ways, from one read) and ``torchfuser::fp8_quantize_weight_blocks`` (a weight, both copies
+from one read), the same three paths; the policy's ``fp8_quantize`` covers them too.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ import torch
 from torch import Tensor
 
 from torchfuser.backends import _INSTALLED
-from torchfuser.backends.reference import fp8_quant as _reference
+from torchfuser.backends.reference import fp8_blocks as _blocks, fp8_quant as _reference
 
 from ._call import _POLICY, inductor_fuses, kernel, run
 
@@ -87,3 +92,58 @@ def quantize_both(t: Tensor, tensorwise: bool) -> tuple[tuple[Tensor, Tensor], t
         return _reference.fp8_quantize_both(t, tensorwise)
     q, s, qt, st = run(fp8_quantize_both, t, tensorwise, "triton")
     return (q, s), (qt, st)
+
+
+def _column_major(t: Tensor, rows: int, cols: int) -> Tensor:
+    return t.new_empty((cols, rows), dtype=torch.float32).t()
+
+
+@torch.library.custom_op("torchfuser::fp8_quantize_blocks", mutates_args=())
+def fp8_quantize_blocks(t: Tensor, rows: bool, cols: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if backend == "reference":
+        return _blocks.fp8_quantize_blocks(t, rows, cols)
+    return kernel(backend, "fp8_quantize_blocks")(t, rows, cols)
+
+
+@fp8_quantize_blocks.register_fake
+def _(t, rows, cols, backend):
+    m, k = t.shape
+    empty = t.new_empty(0, dtype=E4M3), t.new_empty(0, dtype=torch.float32)
+    q, s = (t.new_empty((m, k), dtype=E4M3), _column_major(t, m, k // 128)) if rows else empty
+    qt, st = (t.new_empty((k, m), dtype=E4M3), _column_major(t, k, m // 128)) if cols else (x.clone() for x in empty)
+    return q, s, qt, st
+
+
+@torch.library.custom_op("torchfuser::fp8_quantize_weight_blocks", mutates_args=())
+def fp8_quantize_weight_blocks(w: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if backend == "reference":
+        return _blocks.fp8_quantize_weight_blocks(w)
+    return kernel(backend, "fp8_quantize_weight_blocks")(w)
+
+
+@fp8_quantize_weight_blocks.register_fake
+def _(w, backend):
+    n, k = w.shape
+    nb, kb = n // 128, k // 128
+    padded = lambda r, c: w.new_empty((r, -(-c // 4) * 4), dtype=torch.float32).t()  # noqa: E731
+    return w.new_empty((n, k), dtype=E4M3), padded(nb, kb), w.new_empty((k, n), dtype=E4M3), padded(kb, nb)
+
+
+def _kernels(t: Tensor) -> bool:
+    """Whether ``t`` is quantised by the Triton kernels here (else the reference code: the CPU, and traced
+    under torch.compile unless the policy asks for the kernels)."""
+    return t.is_cuda and _TRITON and t.numel() > 0 and not (torch.compiler.is_compiling() and _compiled_as_definition())
+
+
+def quantize_blocks(t: Tensor, rows: bool, cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q, s, qt, st) of an activation, blockwise (backends/reference/fp8_blocks.py)."""
+    if not _kernels(t):
+        return _blocks.fp8_quantize_blocks(t, rows, cols)
+    return run(fp8_quantize_blocks, t, rows, cols, "triton")
+
+
+def quantize_weight_blocks(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q, s_fwd, qt, s_bwd) of a weight, blockwise (backends/reference/fp8_blocks.py)."""
+    if not _kernels(w):
+        return _blocks.fp8_quantize_weight_blocks(w)
+    return run(fp8_quantize_weight_blocks, w, "triton")
