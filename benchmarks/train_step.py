@@ -4,8 +4,8 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser-fp8[-tensorwise][-pair][-head][-per-step][-graphs|+compile] (optimize(model,
-fp8="rowwise" or "tensorwise"; pair: rowwise both-ways quantisation by the two separate kernels; head:
+cuda_graphs=True)), torchfuser-fp8[-tensorwise|-blockwise][-pair][-head][-per-step][-graphs|+compile] (optimize(model,
+fp8="rowwise", "tensorwise" or "blockwise"; pair: rowwise both-ways quantisation by the two separate kernels; head:
 fp8_lm_head=True; per-step: fp8_weights="per_step"; FP8_VARIANTS lists them), torchao-fp8+compile, torchao-fp8-rowwise+compile and
 torchfuser+torchao-fp8+compile (torchao's float8 training, tensorwise or rowwise, when installed), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
@@ -53,11 +53,12 @@ import workloads  # noqa: E402
 from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 
 # TorchFuser's FP8 variants: "torchfuser-fp8", then any of these options in this order, then "-graphs" or
-# "+compile": tensorwise (the recipe; else rowwise), pair (rowwise both-ways quantisation by the two
-# separate kernels), head (fp8_lm_head=True), per-step (fp8_weights="per_step").
-FP8_OPTIONS = ("tensorwise", "pair", "head", "per-step")
+# "+compile": tensorwise or blockwise (the recipe; else rowwise), pair (rowwise both-ways quantisation by
+# the two separate kernels), head (fp8_lm_head=True), per-step (fp8_weights="per_step").
+FP8_OPTIONS = ("tensorwise", "blockwise", "pair", "head", "per-step")
 FP8_VARIANTS = tuple("-".join(("torchfuser-fp8", *opts)) + end
-                     for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"))
+                     for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"),
+                                  ("blockwise", "per-step"))
                      for end in ("", "-graphs", "+compile"))
 VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs",
             "torchfuser+compile", "torchfuser+compile-ew",
@@ -116,7 +117,8 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
     _rowwise_both("pair" if fp8 and "pair" in fp8[0] else None)
     if fp8 is not None:
         opts, end = fp8
-        fused = optimize(model, backend=backend, fp8="tensorwise" if "tensorwise" in opts else "rowwise",
+        recipe = next((r for r in ("tensorwise", "blockwise") if r in opts), "rowwise")
+        fused = optimize(model, backend=backend, fp8=recipe,
                          cuda_graphs=end == "-graphs", **({"fp8_lm_head": True} if "head" in opts else {}),
                          **({"fp8_weights": "per_step"} if "per-step" in opts else {}))
         return torch.compile(fused) if end == "+compile" else fused
