@@ -74,9 +74,9 @@ def test_reference_kernels_run_under_a_dispatch_mode():
 
     h, w, y = torch.randn(6, 8), torch.randn(5, 8), torch.randint(0, 5, (6,))
     op = torch.ops.torchfuser.linear_cross_entropy_fwd
-    plain = op(h, w, None, y, -100, None, "mean", True, "reference")
+    plain = op(h, w, None, y, -100, None, "mean", True, None, "reference")
     with PassThrough():
-        moded = op(h, w, None, y, -100, None, "mean", True, "reference")
+        moded = op(h, w, None, y, -100, None, "mean", True, None, "reference")
         dx, dw = torch.ops.torchfuser.rms_norm_bwd(h, h, w[0] + 1, h[:, 0].abs() + 1, 1e-6, 0.0, "reference")
     for a, b in zip(plain, moded):
         torch.testing.assert_close(a, b)
