@@ -1,4 +1,4 @@
-"""FP8 GEMMs for the fused blocks' projections: ``optimize(model, fp8="rowwise" | "tensorwise")``.
+"""FP8 GEMMs for the fused blocks' projections: ``optimize(model, fp8="rowwise" | "tensorwise" | "blockwise")``.
 
 Each projection y = x·Wᵀ (+ b) of a fused block (the joint q/k/v, the output projection, the joint
 gate/up, the down projection; with LoRA adapters, the bases' products in the fused LoRA node,
@@ -10,14 +10,16 @@ three FP8 GEMMs through
     backward  dx = q(dy)·q(Wᵀ)ᵀ        along N: per token of dy, per input channel of W
               dW = q(dyᵀ)·q(xᵀ)ᵀ       along M: per output channel of dy, per input channel of x
 
-(``tensorwise``: one scale per tensor instead). Scales are amax / 448 (e4m3's largest finite value),
+(``tensorwise``: one scale per tensor instead; ``blockwise``: one per 128 elements along the same
+dimensions, and per 128 × 128 block of W, backends/reference/fp8_blocks.py, its products
+``_fp8_gemm.mm_blocks``; experimental). Scales are amax / 448 (e4m3's largest finite value),
 in fp32. A trainable weight's two quantised copies are made at every call: fused optimizers
 (``AdamW(fused=True)``) update parameters in place without bumping their version counter, so no
 cache key read on the host could tell a stale copy (one such cache trained llama1b on step 0's
 weights). With ``fp8_weights="per_step"`` they are kept until any ``torch.optim`` optimizer steps (or the
 version moves): once per optimizer step, not per micro-batch or checkpointed recompute, at 2 bytes a
-weight kept between calls (``fp8_step``; it assumes no ``param.data`` writes). A frozen weight (LoRA's bases) is quantised once per version (``load_state_dict`` and other
-in-place copies bump it). Inside torch.compile and CUDA-graph captures every weight is quantised in
+weight kept between calls (``fp8_step``; it assumes no ``param.data`` writes). A frozen weight (LoRA's
+bases) is quantised once per version (``load_state_dict`` and other in-place copies bump it). Inside torch.compile and CUDA-graph captures every weight is quantised in
 the graph, every call (a recorded copy would go stale).
 
 On CUDA the quantisation is Triton kernels (``ops.fp8_quant``, backends/triton/fp8_quant.py; bit for
