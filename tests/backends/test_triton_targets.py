@@ -4,11 +4,12 @@ target, the per-target table (targets.py), the H200's choices held to a recordin
 launch's gating and first-use check, and ROCm / MPS detection, all simulated on the CPU.
 
 Compiles: the representative subset (bf16 at hidden 123 and 32768, plus the rope and LCE shapes:
-every kernel and every constexpr variant of the launchers at least once, 93 variants a target,
-360 compiles, ~55 s on 2 cores with an empty Triton cache) runs by default; the whole matrix
-(fp32/bf16/fp16 × hidden 64, 123, 896, 4096, 8192, 16384, 32768: 450 variants a target, 1746
-compiles; 4 min 13 s on 2 cores with an empty cache before the FP8 and MoE kernels) is the slow-marked
-test. The MoE kernels are recorded at four model shapes (_crosscompile.MOE_SHAPES) whatever the hiddens.
+every kernel and every constexpr variant of the launchers at least once, 99–100 variants a target,
+380 compiles, ~60 s on 2 cores with an empty Triton cache, with the blockwise FP8 kernels) runs by
+default; the whole matrix (fp32/bf16/fp16 × hidden 64, 123, 896, 4096, 8192, 16384, 32768: 482–491
+variants a target, 1843 compiles; 4 min 13 s on 2 cores with an empty cache before the FP8 and MoE
+kernels) is the slow-marked test.
+The MoE kernels are recorded at four model shapes (_crosscompile.MOE_SHAPES) whatever the hiddens.
 The FP8 kernels that write e4m3 are not compiled for the A100 (sm_80): Triton has no e4m3 there,
 and FP8 is refused on it anyway (no FP8 GEMMs; fp8.check); the test holds Triton to that refusal. Compiled kernels are cached for the session (and by Triton's
 own on-disk cache across sessions).
@@ -143,9 +144,11 @@ _ALL_KERNELS = {
     "_fp8_quant_rows_kernel", "_fp8_amax_kernel", "_fp8_quant_tiles_kernel",
     "_moe_route_fwd_kernel", "_moe_route_bwd_kernel", "_moe_act_fwd_kernel", "_moe_act_bwd_kernel",
     "_moe_combine_kernel", "_moe_gather_scale_kernel", "_fp8_amax_both_kernel", "_fp8_quant_both_kernel",
+    "_fp8_quant_blocks_kernel", "_fp8_quant_weight_blocks_kernel",
 }
 # The ones that write e4m3:
-_FP8_CAST_KERNELS = {"_fp8_quant_rows_kernel", "_fp8_quant_tiles_kernel", "_fp8_quant_both_kernel"}
+_FP8_CAST_KERNELS = {"_fp8_quant_rows_kernel", "_fp8_quant_tiles_kernel", "_fp8_quant_both_kernel",
+                     "_fp8_quant_blocks_kernel", "_fp8_quant_weight_blocks_kernel"}
 
 
 def test_every_kernel_of_the_backend_is_covered():
@@ -153,7 +156,7 @@ def test_every_kernel_of_the_backend_is_covered():
     import importlib
 
     defined = set()
-    for mod in ("rms_norm", "layer_norm", "gated", "rope", "linear_cross_entropy", "fp8_quant", "moe"):
+    for mod in ("rms_norm", "layer_norm", "gated", "rope", "linear_cross_entropy", "fp8_quant", "fp8_blocks", "moe"):
         m = importlib.import_module(f"torchfuser.backends.triton.{mod}")
         defined |= {n for n, v in vars(m).items() if isinstance(v, triton.runtime.jit.JITFunction)
                     and v.module == m.__name__ and n.endswith("_kernel")}

@@ -174,6 +174,17 @@ def _scenarios(hiddens, dtypes, tokens):
             x = torch.empty(tokens, n, dtype=dt, device=meta)
             yield "fp8_quantize_both-rowwise-rows+tiles", lambda x=x: _rowwise_both(
                 "rows+tiles", fp8_quant.fp8_quantize_both, x, False)
+    # Blockwise FP8 (after all the others, for the same reason): an activation rows only (x, dy for the
+    # forward's and dx's GEMMs), columns only (dW's operands alone), both ways, and a weight's 128 × 128
+    # blocks, at the hiddens that are multiples of 128 (the recipe's shapes; others are refused).
+    from . import fp8_blocks
+
+    for dt in dtypes:
+        for n in (n for n in hiddens if n % fp8_blocks.BLOCK == 0):
+            x = torch.empty(tokens, n, dtype=dt, device=meta)
+            for ways, rows, cols in (("rows", True, False), ("cols", False, True), ("rows+cols", True, True)):
+                yield f"fp8_quantize_blocks-{ways}", lambda x=x, r=rows, c=cols: fp8_blocks.fp8_quantize_blocks(x, r, c)
+            yield "fp8_quantize_weight_blocks", lambda w=x: fp8_blocks.fp8_quantize_weight_blocks(w)
 
 
 def _rowwise_both(path, fn, *args):
