@@ -29,7 +29,9 @@ One JSON line per measurement:
   the GPU's time alone (a narrow projection's eager call is host-bound), and graph_speedup, bf16's over FP8's;
 - ``what: "peak"``: one 8192³ FP8 GEMM (rowwise scales, bf16 out) and one bf16 GEMM, in TFLOP/s: the
   rates the projections' TFLOP/s compare with; ``"peak-blockwise"``: the same FP8 GEMM with blockwise
-  scales (1 × 128 by 128 × 128, and 1 × 128 by 1 × 128), or the error where this build has none.
+  scales (1 × 128 by 128 × 128, and 1 × 128 by 1 × 128), or the error where this build has none;
+- ``what: "blocks"``: blockwise quantisation of each operand (both copies, one read) against rowwise's
+  both-ways path, GB/s = (t read once + 2 e4m3 copies) / time.
 """
 from __future__ import annotations
 
@@ -133,6 +135,30 @@ def check(emit, device, shapes):
             emit(what="check", case=name, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
                  op="both-tensorwise" if tw else f"both-{path}", ok=ok, q_diffs=sum(d[0] for d in diffs),
                  scale_diffs=sum(d[1] for d in diffs))
+    return check_blocks(emit, device) and ok_all
+
+
+def check_blocks(emit, device) -> bool:
+    """The blockwise kernels' bits against the reference's, computed on the same device (true divisions
+    both), activations both ways and weights, fp32 and bf16, a NaN in one block."""
+    from torchfuser.backends.reference import fp8_blocks as R
+    from torchfuser.backends.triton import fp8_blocks as KB
+
+    ok_all = True
+    for (m, k) in ((128, 128), (256, 384), (1024, 2048)):
+        for dtype in (torch.bfloat16, torch.float32):
+            t = _operand(m, k, device, dtype=dtype)
+            if m == 256:
+                t[3, 200] = float("nan")
+            for op, got, want in (("blocks", KB.fp8_quantize_blocks(t, True, True), R.fp8_quantize_blocks(t, True, True)),
+                                  ("weight-blocks", KB.fp8_quantize_weight_blocks(t), R.fp8_quantize_weight_blocks(t))):
+                diffs = [_diffs((got[i], got[i + 1]), (want[i], want[i + 1])) for i in (0, 2)]
+                dq, ds = sum(d[0] for d in diffs), sum(d[1] for d in diffs)
+                strides = all(g.stride() == w.stride() for g, w in zip(got, want))
+                ok = dq == 0 and ds == 0 and strides
+                ok_all &= ok
+                emit(what="check", case=f"blocks-{m}x{k}", shape=[m, k], dtype=str(dtype).removeprefix("torch."), op=op,
+                     ok=ok, q_diffs=dq, scale_diffs=ds, strides_ok=strides)
     return ok_all
 
 
@@ -194,7 +220,22 @@ def time_quant(emit, device, inductor: bool):
                 row.update({f"{key}_ms": round(ms, 4), f"{key}_speedup": round(pair_ms / ms, 2),
                             f"{key}_gbps": round(m * k * (2 * t.element_size() + 2) / ms / 1e6, 1)})
             emit(**row)
+        time_blocks(emit, device, name, t, copy_gbps)
         del t
+    w = torch.randn(16384, 2048, device=device)  # gate/up's fp32 master weight, both copies per call
+    time_blocks(emit, device, "W gate/up (fp32)", w, copy_gbps, weight=True)
+
+
+def time_blocks(emit, device, name, t, copy_gbps, weight=False):
+    """Blockwise quantisation (fp8="blockwise"), both copies from one read, against rowwise's both-ways path."""
+    from torchfuser.backends.triton import fp8_blocks as KB, fp8_quant as K
+
+    m, k = t.shape
+    ms = _bench(lambda: KB.fp8_quantize_weight_blocks(t) if weight else KB.fp8_quantize_blocks(t, True, True), device)
+    rowwise_ms = _bench(lambda: K.fp8_quantize_both(t, False), device)
+    emit(what="blocks", operand=name, shape=[m, k], ms=round(ms, 4), rowwise_both_ms=round(rowwise_ms, 4),
+         speedup=round(rowwise_ms / ms, 2), gbps=round(m * k * (t.element_size() + 2) / ms / 1e6, 1),
+         copy_gbps=round(copy_gbps, 1))
 
 
 def gemm_peaks(emit, device, n: int = 8192):
@@ -263,19 +304,26 @@ def time_projections(emit, device):
                 x.grad = w.grad = None
 
             times = {}
-            for label, q, b in (("old", old, old_both), ("pair", new_quantize, pair), ("new", new_quantize, new_both)):
-                fp8.quantize, fp8.quantize_both = q, b
-                try:
-                    step()
-                    times[label] = _bench(step, device)
-                finally:
-                    fp8.quantize, fp8.quantize_both = new_quantize, new_both
-            graph_ms = _bench(graphed(step), device)
+            # blockwise has no older forms: its own kernels only
+            ways = (("old", old, old_both), ("pair", new_quantize, pair)) if recipe != "blockwise" else ()
+            try:
+                for label, q, b in (*ways, ("new", new_quantize, new_both)):
+                    fp8.quantize, fp8.quantize_both = q, b
+                    try:
+                        step()
+                        times[label] = _bench(step, device)
+                    finally:
+                        fp8.quantize, fp8.quantize_both = new_quantize, new_both
+                graph_ms = _bench(graphed(step), device)
+            except (RuntimeError, ValueError, NotImplementedError) as err:  # blockwise GEMMs missing in this build
+                emit(what="projection", proj=name, recipe=recipe, error=f"{type(err).__name__}: {str(err)[:200]}")
+                continue
             flops = 3 * 2 * TOKENS * k * n  # the forward GEMM and the backward's two
+            ratio = lambda label: round(times[label] / times["new"], 2) if label in times else None  # noqa: E731
             emit(what="projection", proj=name, tokens=TOKENS, k=k, n=n, recipe=recipe,
-                 old_ms=round(times["old"], 3), pair_ms=round(times["pair"], 3), new_ms=round(times["new"], 3),
-                 speedup=round(times["old"] / times["new"], 2),
-                 speedup_over_pair=round(times["pair"] / times["new"], 2),
+                 old_ms=round(times["old"], 3) if "old" in times else None,
+                 pair_ms=round(times["pair"], 3) if "pair" in times else None, new_ms=round(times["new"], 3),
+                 speedup=ratio("old"), speedup_over_pair=ratio("pair"),
                  tflops=round(flops / times["new"] / 1e9, 1), bf16_ms=round(bf16_ms, 3),
                  bf16_tflops=round(flops / bf16_ms / 1e9, 1), graph_ms=round(graph_ms, 3),
                  bf16_graph_ms=round(bf16_graph_ms, 3), graph_speedup=round(bf16_graph_ms / graph_ms, 2))

@@ -50,7 +50,7 @@ def fp8_quantize_blocks(t: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.
     if rows:
         blocks = t32.view(m, k // BLOCK, BLOCK)
         scale = blocks.abs().amax(-1, keepdim=True).clamp_min(TINY) / MAX
-        q = _cast(blocks, scale).view(m, k)
+        q = _cast(blocks, scale).view(m, k).contiguous()  # row-major whatever t's strides
         s = _column_major(m, k // BLOCK, t.device).copy_(scale.squeeze(-1))
     qt, st = (x.clone() for x in empty)
     if cols:
@@ -75,7 +75,7 @@ def fp8_quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     n, k = _check(w, "fp8_quantize_weight_blocks")
     blocks = w.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
     scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(TINY) / MAX  # (N/128, 1, K/128, 1)
-    q = _cast(blocks, scale).view(n, k)
+    q = _cast(blocks, scale).view(n, k).contiguous()
     scale = scale.view(n // BLOCK, k // BLOCK)
     return q, _padded(scale), q.t().contiguous(), _padded(scale.t())
 
