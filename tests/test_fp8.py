@@ -15,6 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import torchfuser
 from torchfuser.modules import fp8
 
+# blockwise needs every GEMM side in multiples of 128: tests/test_fp8_blockwise.py, with a model of such sides
+RECIPES = ("rowwise", "tensorwise")
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2)
 
@@ -46,7 +48,7 @@ def _step(model, ids, autocast=True):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_trains_close_to_bf16(recipe, monkeypatch):
     base = _model()
     bf16 = torchfuser.optimize(copy.deepcopy(base), backend="reference")
@@ -103,7 +105,7 @@ def test_fp8_forward_follows_the_optimizer_step(fused):
                                    rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe", [*fp8.RECIPES, None])
+@pytest.mark.parametrize("recipe", [*RECIPES, None])
 def test_a_backward_inside_autocast_computes_what_one_outside_does(recipe):
     """torch._scaled_mm is on autocast's list: a backward called inside the autocast region (as many
     training loops do) once recast its scales, and dW came out ≈ 5 % off. The FP8 backward runs with
@@ -185,7 +187,7 @@ def test_float32_calls_run_without_fp8_and_are_counted():
 
 
 def test_bad_requests_say_what_to_do(monkeypatch):
-    with pytest.raises(ValueError, match="'rowwise' or 'tensorwise'"):
+    with pytest.raises(ValueError, match="'rowwise', 'tensorwise' or 'blockwise'"):
         torchfuser.optimize(_model(), fp8="e5m2")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
@@ -270,7 +272,7 @@ def test_transposed_quantisation_is_that_of_the_transposed_copy():
     ``t.t().contiguous()`` gave, from t itself (the Triton kernels write it transposed on CUDA)."""
     g = torch.Generator().manual_seed(0)
     t = (torch.randn(48, 80, generator=g) * torch.exp(torch.randn(1, 80, generator=g))).bfloat16()
-    for recipe in fp8.RECIPES:
+    for recipe in RECIPES:
         (q, s), (qr, sr) = fp8.quantize(t, recipe, transpose=True), fp8.quantize(t.t().contiguous(), recipe)
         assert q.shape == (80, 48) and q.is_contiguous() and s.shape == sr.shape
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
@@ -299,7 +301,7 @@ def _group(recipe, outs=(32, 16), bias=False, trainable=True):
     return owner, linears
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_backward_keeps_e4m3_not_the_input(recipe, bias):
     """dW's operand xᵀ is made in the forward, with x's own quantisation (one pass pair on CUDA), and kept
@@ -332,7 +334,7 @@ def test_backward_keeps_e4m3_not_the_input(recipe, bias):
         assert torch.equal(torch.cat([m.bias.grad for m in linears]), dy2.sum(0, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_what_each_call_quantises_and_keeps(recipe, monkeypatch):
     """Both ways only where both GEMMs need the operand: frozen weights keep nothing of x and quantise x and
     dy rowwise only; an input that needs no gradient gets dy transposed only; no grad mode, no Function."""

@@ -124,6 +124,16 @@ def test_blockwise_is_refused_where_it_cannot_run():
         B.fp8_quantize_blocks(torch.randn(100, 128), True, True)
 
 
+def test_blockwise_needs_hopper(monkeypatch):
+    """An Ada GPU (FP8 GEMMs, but no blockwise ones in cuBLASLt) is refused with the reason, before
+    anything changes; rowwise is accepted there."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    with pytest.raises(ValueError, match="needs a Hopper GPU.*L40S is 8.9.*fp8='rowwise'"):
+        fp8.check("blockwise", torch.device("cuda"))
+    assert fp8.check("rowwise", torch.device("cuda")) == "rowwise"
+
+
 def test_blockwise_per_step_weights_and_lora(monkeypatch):
     """The weights' blockwise copies are kept per optimizer step like the others; a LoRA layer's frozen
     base runs its products blockwise too."""
