@@ -88,7 +88,7 @@ for stage in "$@"; do
     # then the recipes and options side by side in one run.
     fp8-verify) timeout ${TESTS_S:-200} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short -n 8 \
               tests/backends/test_fp8_quant.py tests/backends/test_fp8_blocks.py tests/test_fp8.py tests/test_fp8_per_step.py \
-              tests/test_fp8_lm_head.py tests/test_fp8_blockwise.py ;;
+              tests/test_fp8_lm_head.py tests/test_fp8_blockwise.py tests/test_fp8_selfcheck.py ;;
     fp8-recipes) timeout ${FT_S:-500} python3 $ts --models llama1b --variants ${VARIANTS:-torchfuser-graphs torchfuser-fp8 \
               torchfuser-fp8-graphs torchfuser-fp8-pair torchfuser-fp8-pair-graphs torchfuser-fp8-tensorwise torchfuser-fp8-tensorwise-graphs \
               torchfuser-fp8-head torchfuser-fp8-head-graphs torchfuser-fp8-blockwise torchfuser-fp8-blockwise-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-fp8-recipes.jsonl" ;;

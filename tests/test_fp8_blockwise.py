@@ -129,9 +129,12 @@ def test_blockwise_needs_hopper(monkeypatch):
     anything changes; rowwise is accepted there."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    checked = []
+    monkeypatch.setattr(fp8._selfcheck, "ensure", lambda recipe, device: checked.append(recipe))
     with pytest.raises(ValueError, match="needs a Hopper GPU.*L40S is 8.9.*fp8='rowwise'"):
         fp8.check("blockwise", torch.device("cuda"))
     assert fp8.check("rowwise", torch.device("cuda")) == "rowwise"
+    assert checked == ["rowwise"]  # the GPU's quantisers are checked once it is accepted
 
 
 def test_blockwise_per_step_weights_and_lora(monkeypatch):

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser.backends._fp8_gemm import _CPU_ROWWISE, _cpu_rowwise, mm  # noqa: F401 (tests patch them here)
-from torchfuser.modules import fallbacks, fp8_step as _step
+from torchfuser.modules import fallbacks, fp8_selfcheck as _selfcheck, fp8_step as _step
 from torchfuser.modules.base import hooked
 from torchfuser.ops import fp8_quant as _quant
 
@@ -78,6 +78,7 @@ def check(recipe, device: torch.device | None) -> str | None:
             raise ValueError(f"fp8='blockwise' needs a Hopper GPU (compute capability 9.x) and torch.nn.functional."
                              f"scaled_mm (PyTorch ≥ 2.10 built with cuBLASLt ≥ 12.9); {torch.cuda.get_device_name(device)} "
                              f"is {major}.{minor} with PyTorch {torch.__version__}. Use fp8='rowwise' here.")
+        _selfcheck.ensure(recipe, device)  # this GPU's quantisers bit-exact, before anything changes
     elif device is not None and device.type != "cpu":
         raise ValueError(f"fp8={recipe!r} runs on CUDA GPUs (and the CPU, for tests), not on {device.type}")
     elif device is not None:
@@ -282,6 +283,8 @@ def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> str 
         fallbacks.count(owner, f"fp8: projections ran in bf16, not FP8: {rows} tokens × {k} → {n} is not in multiples "
                                f"of {BLOCK}, blockwise's blocks (pad the batch's tokens to a multiple of {BLOCK}, or use fp8='rowwise')")
         return None
+    if not _selfcheck.checked(recipe, x.device) and not _recording(x):  # a model moved to a GPU after optimize
+        _selfcheck.ensure(recipe, x.device)
     return recipe
 
 
