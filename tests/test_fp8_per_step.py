@@ -111,3 +111,21 @@ def test_bad_fp8_weights_are_refused():
         torchfuser.optimize(_model(), fp8="rowwise", fp8_weights="once")
     with pytest.raises(ValueError, match="needs fp8="):
         torchfuser.optimize(_model(), fp8_weights="per_step")
+
+
+def test_a_copy_made_after_its_original_was_restored_quantises_per_call():
+    """copy.deepcopy of a per-step model keeps its modules' setting, but restoring the original takes the
+    step hook out: with nothing counting steps, the copy quantises per call and trains as per call."""
+    gc.collect()
+    base = _model()
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 128, (2, 16), generator=gen) for _ in range(3)]
+    want, want_w, _ = _train(torchfuser.optimize(copy.deepcopy(base), backend="reference", fp8="rowwise"), batches, 1, True)
+    original = torchfuser.optimize(copy.deepcopy(base), backend="reference", fp8="rowwise", fp8_weights="per_step")
+    twin = copy.deepcopy(original)
+    torchfuser.restore(original)
+    assert fp8_step.holders() == 0 and fp8_step.steps() is None
+    got, got_w, _ = _train(twin, batches, 1, True)
+    assert got == want
+    for name, w in want_w.items():
+        assert torch.equal(got_w[name], w), name

@@ -133,12 +133,14 @@ class _Weights:
 
     def get(self, weights, recipe: str):
         trainable = any(w.requires_grad for w in weights)
-        if _recording(weights[0]) or (trainable and not self.per_step):
+        counted = _step.steps() if trainable and self.per_step else None
+        if _recording(weights[0]) or (trainable and counted is None):
             # A compiled graph or a CUDA graph replays what it recorded, and a fused optimizer's step
-            # leaves the version counter as it was: either way a kept copy could go stale.
+            # leaves the version counter as it was: either way a kept copy could go stale. (per_step with
+            # no step hook in, nothing counts the steps: per call too.)
             return _both(weights, recipe)
         # per_step: the optimizer steps counted (fp8_step) key a trainable copy, beside the versions
-        key = (recipe, _step.steps() if trainable else None, *((id(w), w._version, w.data_ptr()) for w in weights))
+        key = (recipe, counted, *((id(w), w._version, w.data_ptr()) for w in weights))
         if key != self.key:
             self.fwd, self.bwd = _both(weights, recipe)
             self.key = key

@@ -25,9 +25,11 @@ _handle = None
 _holders: dict[int, weakref.ref] = {}
 
 
-def steps() -> int:
-    """Optimizer steps taken while the hook was in (the key a kept trainable FP8 copy carries)."""
-    return _count
+def steps() -> int | None:
+    """Optimizer steps taken while the hook was in (the key a kept trainable FP8 copy carries), or None
+    while it is out: then nothing counts steps and no trainable copy may be kept (a copy of a model made
+    with ``copy.deepcopy`` after its original was restored)."""
+    return _count if _handle is not None else None
 
 
 def _stepped(optimizer, args, kwargs) -> None:
