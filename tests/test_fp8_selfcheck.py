@@ -46,3 +46,13 @@ _FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (
 def test_this_gpus_kernels_are_bit_exact(recipe):
     """What optimize checks before FP8 trains here (the H200's fp32 fault of run 124 fails this)."""
     assert check.mismatches(recipe, torch.device("cuda")) == []
+
+
+def test_a_wrong_gemm_is_found_and_named(monkeypatch):
+    """A GEMM that reads its scales wrong (here: the second operand's ignored) is off its dequantised product."""
+    from torchfuser.backends import _fp8_gemm
+
+    real = _fp8_gemm.mm_blocks
+    monkeypatch.setattr(_fp8_gemm, "mm_blocks", lambda a, b, out, bias=None: real(a, (b[0], b[1].mul(2), b[2]), out, bias))
+    bad = check.mismatches("blockwise", CPU)
+    assert len(bad) == 3 and all("GEMM: off its dequantised product" in b for b in bad)

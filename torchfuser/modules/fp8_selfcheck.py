@@ -1,5 +1,6 @@
 """Before FP8 trains on a GPU: that GPU's Triton quantisers checked once per recipe against the reference
-formula, bit for bit, on fixed values (fp32 and bf16, 256 × 2048).
+formula, bit for bit, on fixed values (fp32 and bf16, 256 × 2048), and its three FP8 GEMMs against the
+product of their dequantised operands.
 
 A kernel can be miscompiled for one target and be right everywhere else. Triton 3.6 wrote a quarter of
 qᵀ wrong on an H200 when a tile stored both ways came from fp32 input; the interpreter was right there.
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from torchfuser.backends import _fp8_gemm
+from torchfuser.backends.reference.fp8_blocks import dequantize_blocks
 from torchfuser.ops import fp8_quant as _quant
 
 _CHECKED: set = set()  # (recipe, device index) checked and right
@@ -48,14 +51,49 @@ def _differing(got, want) -> int:
     return n
 
 
+def _products(recipe: str, device: torch.device):
+    """(what, the FP8 GEMM's result, the same product of the dequantised operands in fp32) for the three
+    products a projection runs (y = x·Wᵀ, dx = dy·W, dW = dyᵀ·x): wrong scale layouts or a missing
+    kernel show here, as a large error or an exception."""
+    x = _values(device, torch.bfloat16)[:, 512:1024].contiguous()  # 256 tokens × 512 in
+    w = _values(device, torch.float32)[:, :512].contiguous()  # W: 256 out × 512 in, an fp32 master
+    dy = _values(device, torch.bfloat16)[:, 1024:1280].contiguous()  # 256 tokens × 256 out
+    if recipe == "blockwise":
+        q, s, qt, st = _quant.quantize_blocks(x, True, True)
+        dq, ds, dqt, dst = _quant.quantize_blocks(dy, True, True)
+        wq, s_fwd, wqt, s_bwd = _quant.quantize_weight_blocks(w)
+        deq = lambda q, s, weight=False: dequantize_blocks(q, s, weight)  # noqa: E731
+        cases = ((q, s, "1x128"), (wq, s_fwd, "128x128"), deq(q, s), deq(wq, s_fwd, True)), \
+                ((dq, ds, "1x128"), (wqt, s_bwd, "128x128"), deq(dq, ds), deq(wqt, s_bwd, True)), \
+                ((dqt, dst, "1x128"), (qt, st, "1x128"), deq(dqt, dst), deq(qt, st))
+    else:
+        tw = recipe == "tensorwise"
+        deq = lambda qs: qs[0].float() * qs[1]  # noqa: E731
+        ops = [(_quant.quantize(x, tw), _quant.quantize(w, tw)), (_quant.quantize(dy, tw), _quant.quantize(w, tw, True)),
+               (_quant.quantize(dy, tw, True), _quant.quantize(x, tw, True))]
+        cases = tuple((a, b, deq(a), deq(b)) for a, b in ops)
+    for what, (a, b, da, db) in zip(("y = x·Wᵀ", "dx = dy·W", "dW = dyᵀ·x"), cases):
+        yield what, lambda a=a, b=b: _fp8_gemm.mm(a, b, torch.float32), da @ db.t()
+
+
 def mismatches(recipe: str, device: torch.device) -> list[str]:
-    """What differs from the reference, per quantiser and dtype, on ``device`` (empty: all bit-exact)."""
+    """What differs from the reference, per quantiser and dtype, on ``device`` (empty: all bit-exact), and
+    which FP8 GEMM is off its dequantised product by more than its bf16 output rounding."""
     out = []
     with torch.no_grad():
         for dtype in (torch.bfloat16, torch.float32):
             for what, got, want in _cases(recipe, _values(device, dtype)):
                 if n := _differing(got, want):
                     out.append(f"{what} on {str(dtype).removeprefix('torch.')}: {n} values")
+        for what, run, want in _products(recipe, device):
+            try:
+                got = run()
+            except (RuntimeError, ValueError, NotImplementedError) as err:
+                out.append(f"the {what} GEMM: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                continue
+            err = float((got.float() - want).norm() / want.norm())
+            if not err <= 2.0 ** -7:  # bf16 output rounding at most, where fp32 outputs are not written
+                out.append(f"the {what} GEMM: off its dequantised product by {err:.2e} in norm")
     return out
 
 
