@@ -11,7 +11,7 @@ first) and then towards it (the successors). With 4096 tokens, 16 successors and
 only the first plateau in 300 steps (run 123); the defaults are a chain it can learn in that time.
 
 Variants (bf16 autocast, fp32 parameters, fused AdamW with a linear warm-up, clipping at 1.0):
-``bf16`` (optimize(model)), ``fp8-rowwise`` and ``fp8-tensorwise`` (optimize(model, fp8=...)),
+``bf16`` (optimize(model)), ``fp8-rowwise``, ``fp8-tensorwise`` and ``fp8-blockwise`` (optimize(model, fp8=...)),
 ``torchao-rowwise`` and ``torchao-tensorwise`` (torchao's float8 training on every projection but
 the LM head, + torch.compile: torchtitan's recipe; where torchao is installed). Each curve is
 smoothed by a moving average of ``--window`` steps; the gap of a variant is the largest relative
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torchfuser  # noqa: E402
 from train_step import _torchao_float8, build, environment  # noqa: E402
 
-VARIANTS = ("bf16", "fp8-rowwise", "fp8-tensorwise", "torchao-rowwise", "torchao-tensorwise")
+VARIANTS = ("bf16", "fp8-rowwise", "fp8-tensorwise", "fp8-blockwise", "torchao-rowwise", "torchao-tensorwise")
 
 
 def bigram(active: int, fanout: int, seed: int):
