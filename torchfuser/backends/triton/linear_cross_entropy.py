@@ -55,6 +55,9 @@ from .fp8_quant import fp8_quantize, fp8_quantize_both
 # 0.9 GiB; at 8192×896×151936, 2048-token chunks and 0.86 GiB.
 EXTRA_BYTES = 960 << 20
 MIN_CHUNK_BYTES = 128 << 20
+# FP8's chunks: at least this many tokens (each chunk adds its V × H dW product into dW, and its GEMMs run
+# below their rate at a few hundred rows).
+FP8_MIN_CHUNK = 1024
 # The CE kernel's block and warps: 3.5–3.7 TB/s of reads + writes on an H200, where 4096 columns
 # and 8 or 16 warps ran at 3.3–3.5 (lce-ce-configs, run 99).
 _BLOCK_V = 1024
@@ -302,13 +305,13 @@ def chunks(n: int, most: int) -> list[tuple[int, int]]:
 def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int, hidden: int = 0, fp8: bool = False) -> int:
     """Tokens per chunk: the most whose logits (and, for a ``hidden`` wide input, the fp32 q·W and
     the scaled input; with ``fp8`` their e4m3 copies too) fit in what EXTRA_BYTES leaves beside the
-    returned gradients, rounded down to a multiple of 512 when that many fit (cuBLAS's fast shapes),
-    and with ``fp8`` to one of 16 at least (the FP8 GEMMs' rows)."""
+    returned gradients, rounded down to a multiple of 512 when that many fit (cuBLAS's fast shapes);
+    with ``fp8`` at least FP8_MIN_CHUNK tokens (multiples of 16: the FP8 GEMMs' rows)."""
     budget = max(MIN_CHUNK_BYTES, EXTRA_BYTES - grad_bytes)
     per_token = itemsize * v + (4 + itemsize) * hidden
     if fp8:  # q's two e4m3 copies (when there are gradients), h's and hsᵀ's
         per_token += (2 * v if hidden else 0) + 2 * hidden
-    most = max(16 if fp8 else 1, budget // per_token)
+    most = max(FP8_MIN_CHUNK if fp8 else 1, budget // per_token)
     if most >= n:
         return n
     unit = 512 if most >= 512 else 64 if most >= 128 else 16 if fp8 else 1
@@ -337,12 +340,14 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if fp8 is None else None
         if bias is not None:
             db = torch.zeros(v, dtype=torch.float32, device=dev)
+    # (With FP8, W's e4m3 copies and a chunk's dW product are a fixed cost of FP8, not counted against
+    # the chunks: counted, they left 128 MB a chunk at llama1b's 128k × 2k head, 43 chunks of 190 tokens
+    # a step, whose small GEMMs and V × H additions took 35 ms more than bf16's 6 chunks, run 127.)
     grad_bytes = dh.nbytes + db.nbytes + (weight.nbytes if need_grad else 0)
     tensorwise = fp8 == "tensorwise"
     if fp8 is not None:
         # W's e4m3 copies (two with gradients), made once for all chunks; with gradients a chunk's dW
         # product beside dW
-        grad_bytes += weight.numel() * (2 if need_grad else 1) + (weight.nbytes if need_grad else 0)
         if need_grad:
             qw, qwt = fp8_quantize_both(weight, tensorwise)  # along H for the logits, Wᵀ along V for dh
         else:
