@@ -4,8 +4,9 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser-fp8[-tensorwise|-blockwise][-pair][-head][-per-step][-graphs|+compile] (optimize(model,
-fp8="rowwise", "tensorwise" or "blockwise"; pair: rowwise both-ways quantisation by the two separate kernels; head:
+cuda_graphs=True)), torchfuser-fp8[-tensorwise|-blockwise][-pair|-rt][-head][-per-step][-graphs|+compile] (optimize(model,
+fp8="rowwise", "tensorwise" or "blockwise"; pair / rt: rowwise both-ways quantisation by the two separate
+kernels / by the rows kernel writing column partials and the tiles kernel; head:
 fp8_lm_head=True; per-step: fp8_weights="per_step"; FP8_VARIANTS lists them), torchao-fp8+compile, torchao-fp8-rowwise+compile and
 torchfuser+torchao-fp8+compile (torchao's float8 training, tensorwise or rowwise, when installed), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
@@ -53,9 +54,10 @@ import workloads  # noqa: E402
 from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 
 # TorchFuser's FP8 variants: "torchfuser-fp8", then any of these options in this order, then "-graphs" or
-# "+compile": tensorwise or blockwise (the recipe; else rowwise), pair (rowwise both-ways quantisation by
-# the two separate kernels), head (fp8_lm_head=True), per-step (fp8_weights="per_step").
-FP8_OPTIONS = ("tensorwise", "blockwise", "pair", "head", "per-step")
+# "+compile": tensorwise or blockwise (the recipe; else rowwise), pair or rt (rowwise both-ways
+# quantisation by the two separate kernels, or by the rows kernel writing column partials + the tiles
+# kernel), head (fp8_lm_head=True), per-step (fp8_weights="per_step").
+FP8_OPTIONS = ("tensorwise", "blockwise", "pair", "rt", "head", "per-step")
 FP8_VARIANTS = tuple("-".join(("torchfuser-fp8", *opts)) + end
                      for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"),
                                   ("blockwise", "per-step"))
@@ -114,7 +116,7 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
     """The callable a step runs, for one variant (the torchfuser ones without the patterns ``exclude``)."""
     optimize = functools.partial(torchfuser.optimize, exclude=exclude)
     fp8 = _fp8_options(variant)
-    _rowwise_both("pair" if fp8 and "pair" in fp8[0] else None)
+    _rowwise_both(None if not fp8 else "pair" if "pair" in fp8[0] else "rows+tiles" if "rt" in fp8[0] else None)
     if fp8 is not None:
         opts, end = fp8
         recipe = next((r for r in ("tensorwise", "blockwise") if r in opts), "rowwise")
