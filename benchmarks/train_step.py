@@ -7,7 +7,7 @@ Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimiz
 cuda_graphs=True)), torchfuser-fp8[-tensorwise|-blockwise][-pair|-rt][-head][-per-step][-graphs|+compile] (optimize(model,
 fp8="rowwise", "tensorwise" or "blockwise"; pair / rt: rowwise both-ways quantisation by the two separate
 kernels / by the rows kernel writing column partials and the tiles kernel; head:
-fp8_lm_head=True; per-step: fp8_weights="per_step"; FP8_VARIANTS lists them), torchao-fp8+compile, torchao-fp8-rowwise+compile and
+fp8_lm_head=True; per-step: fp8_weights="per_step"; noprod: no quantisation in the producers; FP8_VARIANTS lists them), torchao-fp8+compile, torchao-fp8-rowwise+compile and
 torchfuser+torchao-fp8+compile (torchao's float8 training, tensorwise or rowwise, when installed), torchfuser+compile, torchfuser+compile-ew (the same, traced with
 TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor"),
 compile-torchfuser (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both),
@@ -56,8 +56,9 @@ from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 # TorchFuser's FP8 variants: "torchfuser-fp8", then any of these options in this order, then "-graphs" or
 # "+compile": tensorwise or blockwise (the recipe; else rowwise), pair or rt (rowwise both-ways
 # quantisation by the two separate kernels, or by the rows kernel writing column partials + the tiles
-# kernel), head (fp8_lm_head=True), per-step (fp8_weights="per_step").
-FP8_OPTIONS = ("tensorwise", "blockwise", "pair", "rt", "head", "per-step")
+# kernel), head (fp8_lm_head=True), per-step (fp8_weights="per_step"), noprod (no producer of ours hands
+# its output's maxima on: every operand quantised by the separate passes, as before the producers).
+FP8_OPTIONS = ("tensorwise", "blockwise", "pair", "rt", "head", "per-step", "noprod")
 FP8_VARIANTS = tuple("-".join(("torchfuser-fp8", *opts)) + end
                      for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"),
                                   ("blockwise", "per-step"))
@@ -119,6 +120,9 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
     _rowwise_both(None if not fp8 else "pair" if "pair" in fp8[0] else "rows+tiles" if "rt" in fp8[0] else None)
     if fp8 is not None:
         opts, end = fp8
+        from torchfuser.modules import fp8 as fp8_module
+
+        fp8_module._PRODUCERS = "noprod" not in opts
         recipe = next((r for r in ("tensorwise", "blockwise") if r in opts), "rowwise")
         fused = optimize(model, backend=backend, fp8=recipe,
                          cuda_graphs=end == "-graphs", **({"fp8_lm_head": True} if "head" in opts else {}),

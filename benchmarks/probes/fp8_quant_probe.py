@@ -31,7 +31,10 @@ One JSON line per measurement:
   rates the projections' TFLOP/s compare with; ``"peak-blockwise"``: the same FP8 GEMM with blockwise
   scales (1 × 128 by 128 × 128, and 1 × 128 by 1 × 128), or the error where this build has none;
 - ``what: "blocks"``: blockwise quantisation of each operand (both copies, one read) against rowwise's
-  both-ways path, GB/s = (t read once + 2 e4m3 copies) / time.
+  both-ways path, GB/s = (t read once + 2 e4m3 copies) / time;
+- ``what: "producer"``: the packed SwiGLU forward / backward taking its output's maxima (an FP8 producer)
+  against the plain kernel, alone (ms, GB/s over its own bytes) and with the operand's quantisation after
+  it (plain_then_both_ms: the atomic both-ways path; producer_then_writer_ms: the writer from the maxima).
 """
 from __future__ import annotations
 
@@ -227,6 +230,32 @@ def time_quant(emit, device, inductor: bool):
         del t
     w = torch.randn(16384, 2048, device=device)  # gate/up's fp32 master weight, both copies per call
     time_blocks(emit, device, "W gate/up (fp32)", w, copy_gbps, weight=True)
+    del w
+    time_producers(emit, device, copy_gbps)
+
+
+def time_producers(emit, device, copy_gbps):
+    """The packed SwiGLU forward and backward as FP8 producers (backends/triton/gated_fp8.py): each kernel
+    alone against the plain one (GB/s over its own bytes, against copy_gbps: what the maxima cost it), and
+    with the quantisation after it (the both-ways writer from the maxima, against the atomic both-ways
+    path over the plain output): what a step saves per operand."""
+    from torchfuser.backends.triton import fp8_quant as K, gated as G, gated_fp8 as P
+
+    n = PROJECTIONS["down"][0]
+    gu, dy = _operand(TOKENS, 2 * n, device), _operand(TOKENS, n, device, seed=1)
+    cases = {"swiglu fwd (h for down)": ((gu,), G.swiglu_packed_fwd, P.swiglu_packed_fp8_fwd, 6 * n),
+             "swiglu bwd ([dg | du] for gate/up)": ((dy, gu), G.swiglu_packed_bwd, P.swiglu_packed_fp8_bwd, 10 * n)}
+    for name, (args, plain, producer, row_bytes) in cases.items():
+        plain_ms, producer_ms = _bench(lambda: plain(*args), device), _bench(lambda: producer(*args), device)
+        out, amax = producer(*args)
+        both_ms = _bench(lambda: (K.fp8_quantize_both(plain(*args), False)), device)
+        fused_ms = _bench(lambda: K.fp8_quantize_both_amax(*producer(*args)), device)
+        emit(what="producer", op=name, shape=list(out.shape), plain_ms=round(plain_ms, 4),
+             producer_ms=round(producer_ms, 4), plain_gbps=round(TOKENS * row_bytes / plain_ms / 1e6, 1),
+             producer_gbps=round(TOKENS * row_bytes / producer_ms / 1e6, 1), copy_gbps=round(copy_gbps, 1),
+             plain_then_both_ms=round(both_ms, 4), producer_then_writer_ms=round(fused_ms, 4),
+             saved_ms=round(both_ms - fused_ms, 4))
+        del out, amax
 
 
 def time_blocks(emit, device, name, t, copy_gbps, weight=False):

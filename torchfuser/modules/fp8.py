@@ -56,6 +56,7 @@ from torchfuser.backends._fp8_gemm import _CPU_ROWWISE, _cpu_rowwise, mm  # noqa
 from torchfuser.modules import fallbacks, fp8_selfcheck as _selfcheck, fp8_step as _step
 from torchfuser.modules.base import hooked
 from torchfuser.ops import fp8_quant as _quant
+from torchfuser.ops._call import plain_eager
 
 RECIPES = ("rowwise", "tensorwise", "blockwise")
 BLOCK = 128  # blockwise: the elements a scale covers along a GEMM's inner dimension (128 × 128 for weights)
@@ -109,16 +110,31 @@ def quantize(t: Tensor, recipe: str, transpose: bool = False) -> tuple:
     return _quant.quantize(t, recipe == "tensorwise", transpose)
 
 
-def quantize_both(t: Tensor, recipe: str) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def quantize_both(t: Tensor, recipe: str, amax: Tensor | None = None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """(``quantize(t, recipe)``, ``quantize(t, recipe, transpose=True)``), bit for bit: an operand two GEMMs
     take, one scaled along t's rows, one along its columns and transposed. On CUDA the Triton kernels'
-    fastest measured way (the module doc); elsewhere those two quantisations (the reference composition)."""
+    fastest measured way (the module doc); elsewhere those two quantisations (the reference composition).
+    ``amax``: t's maxima, handed on by the kernel that produced t (``producer_maxima``; rowwise)."""
     if recipe == "blockwise":  # every scale local to its tile: both copies from one read, everywhere
         q, s, qt, st = _quant.quantize_blocks(t, True, True)
         return (q, s, "1x128"), (qt, st, "1x128")
-    if t.is_cuda:
-        return _quant.quantize_both(t, recipe == "tensorwise")
+    if t.is_cuda or (amax is not None and recipe == "rowwise"):
+        return _quant.quantize_both(t, recipe == "tensorwise", amax)
     return quantize(t, recipe), quantize(t, recipe, transpose=True)
+
+
+# Producers of ours hand their outputs' maxima on (off: every operand by the separate passes; the
+# benchmarks' torchfuser-fp8-noprod variants compare whole steps both ways).
+_PRODUCERS = True
+
+
+def producer_maxima(owner: nn.Module, t: Tensor, consumers: list[nn.Module]) -> bool:
+    """Whether the kernel of ours producing ``t`` (or, per the caller, t's gradient) should take its maxima
+    and hand them on to the FP8 GEMMs of ``consumers``, which take it both ways: rowwise FP8 on ``owner``,
+    plain eager autograd (nothing is attached under torch.compile), bf16, a trainable plain nn.Linear."""
+    return (_PRODUCERS and recipe_of(owner) == "rowwise" and torch.is_grad_enabled() and t.dtype == torch.bfloat16
+            and all(type(m) is nn.Linear for m in consumers) and any(m.weight.requires_grad for m in consumers)
+            and plain_eager((t,)))
 
 
 class _Weights:
@@ -191,7 +207,7 @@ def _project(x: Tensor, recipe: str, cache: _Weights, out_dtype: torch.dtype, n:
     nb = len(params) - n
     b = None if not nb else params[n] if nb == 1 else torch.cat(params[n:])
     if dw:
-        qx, qxt = quantize_both(x2, recipe)
+        qx, qxt = quantize_both(x2, recipe, _quant.attached_amax(x))
     else:
         qx, qxt = quantize(x2, recipe), None
     y = mm(qx, fwd, out_dtype, bias=b)
@@ -232,7 +248,7 @@ class _FP8Linear(torch.autograd.Function):
         # dy scaled per token for dx, and per output channel, transposed, for dW = dyᵀ·x: both from one
         # quantize_both where both are needed.
         if need_x and dw:
-            qdy, qdyt = quantize_both(dy2, recipe)
+            qdy, qdyt = quantize_both(dy2, recipe, _quant.attached_amax(dy))
         elif need_x:
             qdy = quantize(dy2, recipe)
         elif dw:

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from torchfuser import functional as F
+from torchfuser.functional import backend_for
 from torchfuser.modules import fp8, lora
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
 from torchfuser.modules.projections import joint, residual_linear, single
+from torchfuser.ops import gated as gated_ops
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,22 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         if packed is None:
             h = self._act(getattr(self, s.gate)(x), getattr(self, s.up)(x), backend=self.backend)
         elif gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
-            h = self._act(packed, backend=self.backend)
+            h = self._packed_act(packed, x)
         else:
             up, gate = packed.chunk(2, dim=-1)
             h = self._act(gate, up, backend=self.backend)
         return h
+
+    def _packed_act(self, packed: Tensor, x: Tensor) -> Tensor:
+        """The activation on [gate | up]; with rowwise FP8, the producer of the down projection's operand
+        (and, backward, of the gate/up projection's gradient), handing their maxima on (modules.fp8)."""
+        s = self.spec
+        if not fp8.producer_maxima(self, packed, [getattr(self, s.down)]):
+            return self._act(packed, backend=self.backend)
+        ups = [getattr(self, n) for n in (s.gate_up,) if n] or [getattr(self, s.gate), getattr(self, s.up)]
+        grad_amax = x.requires_grad and fp8.producer_maxima(self, packed, ups)
+        name = "swiglu" if s.activation == "silu" else "geglu"
+        return gated_ops.packed_fp8_producer(name, packed, backend_for(self.backend, packed.device), grad_amax)
 
 
 class FusedMLP(_WithLoRA, FusedModule):

@@ -16,6 +16,11 @@ Which code runs:
   ``fp8_quantize``, e.g. ``inductor:rms_norm``) keeps the custom op, whose fake impl traces. The
   policy's name ``fp8_quantize`` covers ``fp8_quantize_both`` too (one switch for the FP8 operands).
 
+Producers (``attach_amax``): a kernel of ours that writes a GEMM operand (SwiGLU, its backward) may take
+the operand's row and column maxima as it writes it, and hand them on with the tensor; ``quantize_both``
+then runs the both-ways writer alone (one read, no amax pass). Eager only: nothing is attached under
+torch.compile, where Inductor fuses the reference code with the producer instead.
+
 Blockwise (``fp8="blockwise"``: a scale per 128 elements along each GEMM's inner dimension, per 128 × 128
 block of a weight; backends/reference/fp8_blocks.py): ``torchfuser::fp8_quantize_blocks`` (an activation,
 either or both ways, from one read) and ``torchfuser::fp8_quantize_weight_blocks`` (a weight, both copies
@@ -84,9 +89,32 @@ def quantize(t: Tensor, tensorwise: bool, transpose: bool = False) -> tuple[Tens
     return run(fp8_quantize, t, tensorwise, transpose, "triton")
 
 
-def quantize_both(t: Tensor, tensorwise: bool) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+_AMAX = "_torchfuser_fp8_amax"
+amax_both = _reference.fp8_amax_both
+
+
+def attach_amax(t: Tensor, amax: Tensor) -> Tensor:
+    """``t``, carrying its maxima both ways (int32 bit patterns, ``fp8_amax_both``'s) to the FP8 GEMM that
+    takes it. Kept on the tensor object with its version: any in-place change to t or a view of it voids
+    them, and a different tensor (a reshape, an accumulated gradient) has none."""
+    setattr(t, _AMAX, (t._version, amax))
+    return t
+
+
+def attached_amax(t: Tensor) -> Tensor | None:
+    """The maxima ``attach_amax`` left on ``t``, if t has not changed since; else None."""
+    got = getattr(t, _AMAX, None)
+    return got[1] if got is not None and got[0] == t._version else None
+
+
+def quantize_both(t: Tensor, tensorwise: bool, amax: Tensor | None = None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """(``quantize(t, tensorwise)``, ``quantize(t, tensorwise, True)``) bit for bit, in one call: on CUDA the
-    Triton kernels' fastest measured way (backends/triton/fp8_quant.py's ``fp8_quantize_both``)."""
+    Triton kernels' fastest measured way (backends/triton/fp8_quant.py's ``fp8_quantize_both``); rowwise with
+    t's ``amax`` (a producer's, ``attached_amax``) the both-ways writer alone."""
+    if amax is not None and not tensorwise:
+        if t.is_cuda and _TRITON and not torch.compiler.is_compiling():
+            return kernel("triton", "fp8_quantize_both_amax")(t, amax)
+        return _reference.fp8_quantize_both_amax(t, amax)
     if not (t.is_cuda and _TRITON) or t.numel() == 0 or (
             torch.compiler.is_compiling() and _compiled_as_definition()):
         return _reference.fp8_quantize_both(t, tensorwise)

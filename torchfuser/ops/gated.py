@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import fp8_quant
 from ._call import autograd, kernel, run
 
 
@@ -88,6 +89,47 @@ def swiglu_packed(gate_up: Tensor, backend: str) -> Tensor:
 
 def geglu_packed(gate_up: Tensor, backend: str) -> Tensor:
     return _geglu_packed(gate_up, backend)
+
+
+def _producer(backend: str, name: str, direction: str):
+    """The packed activation's kernel that also takes its output's FP8 maxima: the Triton one, or elsewhere
+    the backend's plain kernel and the maxima in PyTorch (the CPU: tests)."""
+    if backend == "triton":
+        return kernel(backend, f"{name}_packed_fp8_{direction}")
+    plain = kernel(backend, f"{name}_packed_{direction}")
+
+    def composed(*args):
+        out = plain(*args)
+        return out, fp8_quant.amax_both(out.reshape(-1, out.shape[-1]))
+
+    return composed
+
+
+class _PackedFP8(torch.autograd.Function):
+    """The packed activation (eager only) as the producer of an FP8 GEMM's operand: its output, and with
+    ``grad_amax`` its gradient, carries its maxima to the GEMM that takes it (``fp8_quant.attach_amax``);
+    bit for bit the packed op's values."""
+
+    @staticmethod
+    def forward(ctx, gate_up, name, backend, grad_amax):
+        ctx.save_for_backward(gate_up)
+        ctx.name, ctx.backend, ctx.grad_amax = name, backend, grad_amax
+        return fp8_quant.attach_amax(*_producer(backend, name, "fwd")(gate_up))
+
+    @staticmethod
+    def backward(ctx, dy):
+        (gate_up,) = ctx.saved_tensors
+        if ctx.grad_amax:
+            d = fp8_quant.attach_amax(*_producer(ctx.backend, ctx.name, "bwd")(dy, gate_up))
+        else:
+            d = kernel(ctx.backend, f"{ctx.name}_packed_bwd")(dy, gate_up)
+        return d, None, None, None
+
+
+def packed_fp8_producer(name: str, gate_up: Tensor, backend: str, grad_amax: bool) -> Tensor:
+    """``{name}_packed(gate_up)`` whose output (and with ``grad_amax`` gradient) hands its FP8 maxima on.
+    Plain eager only: the caller checks (``_call.plain_eager``)."""
+    return _PackedFP8.apply(gate_up, name, backend, grad_amax)
 
 
 @torch.library.custom_op("torchfuser::gelu_fwd", mutates_args=())

@@ -3,7 +3,9 @@
 
 For s = tᵀ if ``transpose`` else t, in fp32: amax over each row of s (or all of s, ``tensorwise``),
 scale = max(amax, 1e-12) / 448, q = e4m3(clamp(s / scale, −448, 448)); q row-major.
-``fp8_quantize_both``: both orientations of t at once (the two calls, composed).
+``fp8_quantize_both``: both orientations of t at once (the two calls, composed). ``fp8_amax_both``: the
+maxima those take, as int32 bit patterns (what a producer kernel hands on), and ``fp8_quantize_both_amax``
+the quantisations from them.
 """
 from __future__ import annotations
 
@@ -26,6 +28,24 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     """(``fp8_quantize(t, tensorwise, False)``, ``fp8_quantize(t, tensorwise, True)``): t scaled per row
     and tᵀ per row (t's columns), or both by t's one scale; what the Triton pair gives from two reads."""
     return fp8_quantize(t, tensorwise, False), fp8_quantize(t, tensorwise, True)
+
+
+def fp8_amax_both(t: torch.Tensor) -> torch.Tensor:
+    """|t|'s maxima per row (M entries) then per column (K), in fp32, as int32 bit patterns (order-free
+    to max into; the Triton producers' AMAX)."""
+    a = t.float().abs()
+    return torch.cat([a.amax(dim=1), a.amax(dim=0)]).view(torch.int32)
+
+
+def fp8_quantize_both_amax(t: torch.Tensor, amax: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """``fp8_quantize_both(t, False)`` from t's maxima ``fp8_amax_both(t)``: the same bits."""
+    m = t.shape[0]
+    scales = amax.view(torch.float32).clamp_min(TINY) / MAX
+    s, st = scales[:m, None], scales[m:, None]
+    t32 = t.float()
+    q = (t32 / s).clamp_(-MAX, MAX).to(E4M3)
+    qt = (t32.t() / st).clamp_(-MAX, MAX).to(E4M3).contiguous()
+    return (q, s.contiguous()), (qt, st.contiguous())
 
 
 def rounding_cases(width: int = 127) -> torch.Tensor:

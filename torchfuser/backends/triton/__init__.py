@@ -9,11 +9,12 @@ from . import _interpret
 _interpret.apply()
 
 from .fp8_blocks import fp8_quantize_blocks, fp8_quantize_weight_blocks
-from .fp8_quant import fp8_quantize, fp8_quantize_both
+from .fp8_quant import fp8_quantize, fp8_quantize_both, fp8_quantize_both_amax
 from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
+from .gated_fp8 import geglu_packed_fp8_bwd, geglu_packed_fp8_fwd, swiglu_packed_fp8_bwd, swiglu_packed_fp8_fwd
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 from .linear_cross_entropy import linear_cross_entropy_fwd, linear_cross_entropy_scale_
 from .moe import moe_experts_bwd, moe_experts_fwd, moe_route_bwd, moe_route_fwd
@@ -25,6 +26,7 @@ __all__ = [
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_", "fp8_quantize",
-    "fp8_quantize_both", "fp8_quantize_blocks", "fp8_quantize_weight_blocks",
+    "fp8_quantize_both", "fp8_quantize_both_amax", "fp8_quantize_blocks", "fp8_quantize_weight_blocks",
+    "swiglu_packed_fp8_fwd", "swiglu_packed_fp8_bwd", "geglu_packed_fp8_fwd", "geglu_packed_fp8_bwd",
     "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd", "moe_experts_bwd",
 ]

@@ -466,3 +466,24 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     _tiles_both(grid, u, amax, qu, su, qut, sut, a, b, u.stride(0), per_prog,
                 BLOCK_A=_BLOCK_A_BOTH, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
     return (q, s), (qt, st)
+
+
+def fp8_quantize_both_amax(t: torch.Tensor, amax: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """``fp8_quantize_both(t, False)`` bit for bit where t's maxima are taken already: amax (int32, M + K)
+    holds |t|'s fp32 bit patterns maxed per row, then per column, as ``_fp8_amax_both_kernel`` leaves
+    them (the producers' kernels write it, gated_fp8.py). The both-ways writer alone: one read of t."""
+    check_dtypes("fp8_quantize_both", t=t)
+    m, k = t.shape
+    if not _dense_last(t) or amax.shape != (m + k,) or amax.dtype != torch.int32:
+        raise ValueError(f"fp8_quantize_both_amax: t must be 2-D with a dense last dim and amax int32 of {m + k} "
+                         f"entries, got t strides {t.stride()}, amax {amax.dtype} {tuple(amax.shape)}")
+    dev = t.device
+    q, qt = torch.empty((m, k), dtype=E4M3, device=dev), torch.empty((k, m), dtype=E4M3, device=dev)
+    s, st = torch.empty((m, 1), dtype=torch.float32, device=dev), torch.empty((k, 1), dtype=torch.float32, device=dev)
+    if q.numel() == 0:
+        return (q, s.fill_(1.0)), (qt, st.fill_(1.0))
+    target = target_of(t)
+    per_prog, progs_a, warps = tiles_config(m, k, _sms(t), target)
+    _tiles_both((progs_a, cdiv(k, _BLOCK_B)), t, amax, q, s, qt, st, m, k, t.stride(0), per_prog,
+                BLOCK_A=_BLOCK_A_BOTH, BLOCK_B=_BLOCK_B, TENSORWISE=False, num_warps=warps)
+    return (q, s), (qt, st)
