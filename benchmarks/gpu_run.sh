@@ -96,6 +96,7 @@ for stage in "$@"; do
     fp8-producers) timeout ${FT_S:-400} python3 $ts --models ${MODELS:-llama1b} --variants ${VARIANTS:-torchfuser-graphs torchfuser-fp8 \
               torchfuser-fp8-noprod torchfuser-fp8-graphs torchfuser-fp8-noprod-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} \
               --out "$OUT/train-step-fp8-producers.jsonl" ;;
+    fp8-sweep) timeout 330 python3 benchmarks/probes/fp8_both_ways_sweep_probe.py --out "$OUT/fp8-both-ways-sweep.jsonl" ;;
     fp8-producer-bound) timeout 200 python3 benchmarks/probes/fp8_producer_bound_probe.py --out "$OUT/fp8-producer-bound.jsonl" ;;
     fp8-probe) timeout 120 python3 benchmarks/ops.py --device cuda --ops fp8 --out "$OUT/fp8-probe.jsonl" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;
