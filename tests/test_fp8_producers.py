@@ -56,6 +56,21 @@ def test_producers_write_the_plain_kernels_bits_and_their_maxima(interpreter, ac
     _same_bits(amax, R.fp8_amax_both(d.cpu()), f"{act} backward maxima {shape}")
 
 
+@pytest.mark.parametrize("act", ACTS)
+def test_producer_programs_of_several_steps(interpreter, act, monkeypatch):
+    """On one SM: a few programs along the rows, each walking several row steps, their maxima maxed in."""
+    monkeypatch.setattr(interpreter.gated_fp8, "_sms", lambda t: 1)
+    gu = _packed(300, 96)
+    for config in (interpreter.gated_fp8._FWD, interpreter.gated_fp8._BWD):
+        grid, per_prog = interpreter.fp8_quant.tile_grid(300, 96, config[0], interpreter.gated_fp8._BLOCK_B, config[2], 1)
+        assert grid[0] > 1 and per_prog > config[0], (grid, per_prog)  # several programs, several steps each
+    h, amax = getattr(interpreter, f"{act}_packed_fp8_fwd")(gu)
+    _same_bits(amax, R.fp8_amax_both(h.cpu()), "forward maxima")
+    d, amax = getattr(interpreter, f"{act}_packed_fp8_bwd")(h, gu)
+    _same_bits(d, getattr(interpreter, f"{act}_packed_bwd")(h, gu), "backward")
+    _same_bits(amax, R.fp8_amax_both(d.cpu()), "backward maxima")
+
+
 def test_producer_maxima_propagate_nan_and_take_inf(interpreter):
     gu = _packed(64, 96)
     gu[5, 7] = float("nan")  # a gate: h's row 5 and column 7 are NaN
@@ -77,6 +92,19 @@ def test_both_ways_from_the_maxima_is_quantize_both(interpreter, shape):
         _assert_same(g, w, f"kernel {what} {shape}")
     for g, w, what in zip(R.fp8_quantize_both_amax(t, amax), want, ("rows", "columns")):
         _assert_same(g, w, f"reference {what} {shape}")
+
+
+def test_both_ways_writer_programs_of_several_steps(interpreter, monkeypatch):
+    monkeypatch.setattr(interpreter.fp8_quant, "_sms", lambda t: 1)
+    t = _rand(300, 200, dtype=torch.bfloat16)
+    (_, writer) = interpreter.fp8_quant.both_config(300, 200, 1, False)
+    assert writer[0][0] > 1 and writer[1] > writer[2], writer  # several programs along the rows, several steps each
+    for g, w in zip(interpreter.fp8_quant.fp8_quantize_both_amax(t.to(DEVICE), R.fp8_amax_both(t).to(DEVICE)),
+                    R.fp8_quantize_both(t, False)):
+        _assert_same(g, w, "several steps")
+    for tensorwise in (False, True):  # and the atomic path, both recipes
+        for g, w in zip(interpreter.fp8_quant.fp8_quantize_both(t.to(DEVICE), tensorwise), R.fp8_quantize_both(t, tensorwise)):
+            _assert_same(g, w, f"atomic path, tensorwise={tensorwise}")
 
 
 def test_both_ways_from_the_maxima_checks_its_arguments(interpreter):

@@ -185,6 +185,18 @@ def _scenarios(hiddens, dtypes, tokens):
             for ways, rows, cols in (("rows", True, False), ("cols", False, True), ("rows+cols", True, True)):
                 yield f"fp8_quantize_blocks-{ways}", lambda x=x, r=rows, c=cols: fp8_blocks.fp8_quantize_blocks(x, r, c)
             yield "fp8_quantize_weight_blocks", lambda w=x: fp8_blocks.fp8_quantize_weight_blocks(w)
+    # The FP8 producers (after all the others, for the same reason): the packed activations taking their
+    # outputs' maxima forward and backward (gated_fp8.py), and the both-ways writer from those maxima.
+    from . import gated_fp8
+
+    for dt in dtypes:
+        for n in hiddens:
+            gu, x = torch.empty(tokens, 2 * n, dtype=dt, device=meta), torch.empty(tokens, n, dtype=dt, device=meta)
+            for act in ("swiglu", "geglu"):
+                yield f"{act}_packed_fp8_fwd", lambda gu=gu, a=act: getattr(gated_fp8, f"{a}_packed_fp8_fwd")(gu)
+                yield f"{act}_packed_fp8_bwd", lambda x=x, gu=gu, a=act: getattr(gated_fp8, f"{a}_packed_fp8_bwd")(x, gu)
+            amax = torch.empty(tokens + n, dtype=torch.int32, device=meta)
+            yield "fp8_quantize_both_amax", lambda x=x, amax=amax: fp8_quant.fp8_quantize_both_amax(x, amax)
 
 
 def _rowwise_both(path, fn, *args):

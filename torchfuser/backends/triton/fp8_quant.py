@@ -61,7 +61,9 @@ import triton
 import triton.language as tl
 
 from . import targets as _targets
-from ._common import CPU, Launcher, Target, _live_sms, cdiv, check_dtypes, next_pow2, sms_of_index, target_of, warps_for
+from ._common import (
+    CPU, Launcher, Target, _live_sms, cdiv, check_dtypes, next_pow2, sms_of_index, target_of, warps_as_threads, warps_for,
+)
 
 E4M3 = torch.float8_e4m3fn
 MAX_FUSED = 16384  # rows up to this many elements are held whole (as the norms' forward, rms_norm.py)
@@ -71,12 +73,14 @@ _TILE = 4096  # elements a program in the one-pass rowwise case: short rows are 
 # bf16 row (one full line read); BLOCK_A = 128 rows are 128 bytes of a q row when q is written transposed.
 _BLOCK_A = 128
 _BLOCK_B = 64
-# The both-ways writer steps 64 rows at a time (two divisions and two e4m3 tiles an element): 61 registers
-# a thread at 16 warps on sm_90, two programs an SM, where 128 rows take 98, one program an SM (compiled
-# for the target, _crosscompile; not yet timed on a GPU). qᵀ rows then leave 64 bytes at a time (two
-# full sectors). The amax pass keeps 128 (56 registers).
-_BLOCK_A_BOTH = 64
 _PROGRAMS_PER_SM = 4
+# The both-ways kernels' geometry, swept on an H200 (run 132, benchmarks/probes/fp8_both_ways_sweep_probe.py):
+# the writer from 16-bit input in 32 × 64 tiles at 4 warps, 32 programs a SM (many small programs hide the
+# transposing stores' latency: 1.2-1.4x faster than 64-row tiles at 16 warps, 4 a SM, which fp32 input
+# keeps: no faster there); the amax pass in 128 × 64 tiles at 4 warps (1.1-1.2x faster than at 16).
+_BOTH_WRITER = (32, 4, 32)  # (rows a step, warps, programs a SM), 16-bit input
+_BOTH_WRITER_FP32 = (64, 16, 4)
+_BOTH_AMAX_WARPS = 4
 _BLOCK_P = 16  # partial rows reduced a step (per-column scales)
 # fp8_quantize_both rowwise: "atomic" (the both-ways kernels: the faster whole steps), "pair" (the two
 # separate calls) or "rows+tiles" (rows kernel with column partials, then the transposed tiles kernel).
@@ -331,14 +335,32 @@ def rows_config(k: int, target: Target = CPU) -> tuple[int, int, bool, int]:
     return _CHUNK, 1, False, warps_for(_CHUNK, warp_size=target.warp_size)
 
 
+def tile_grid(a: int, b: int, block_a: int, block_b: int, per_sm: int, sms: int) -> tuple[tuple[int, int], int]:
+    """(grid, rows a program) of a (row chunk, column block) grid over a × b: about ``per_sm`` programs a
+    SM, each a whole number of ``block_a``-row steps."""
+    blocks_b = cdiv(b, block_b)
+    want_a = max(1, min(cdiv(a, block_a), cdiv(per_sm * sms, blocks_b)))
+    per_prog = cdiv(cdiv(a, want_a), block_a) * block_a
+    return (cdiv(a, per_prog), blocks_b), per_prog
+
+
 @lru_cache(maxsize=None)
 def tiles_config(a: int, b: int, sms: int, target: Target = CPU) -> tuple[int, int, int]:
     """(rows a program, programs along A, num_warps) of the tiled kernels over u (a × b): about
     _PROGRAMS_PER_SM programs a SM, each a whole number of BLOCK_A-row steps."""
-    blocks_b = cdiv(b, _BLOCK_B)
-    want_a = max(1, min(cdiv(a, _BLOCK_A), cdiv(_PROGRAMS_PER_SM * sms, blocks_b)))
-    per_prog = cdiv(cdiv(a, want_a), _BLOCK_A) * _BLOCK_A
-    return per_prog, cdiv(a, per_prog), warps_for(_BLOCK_A * _BLOCK_B, warp_size=target.warp_size)
+    (progs_a, _), per_prog = tile_grid(a, b, _BLOCK_A, _BLOCK_B, _PROGRAMS_PER_SM, sms)
+    return per_prog, progs_a, warps_for(_BLOCK_A * _BLOCK_B, warp_size=target.warp_size)
+
+
+@lru_cache(maxsize=None)
+def both_config(a: int, b: int, sms: int, wide: bool, target: Target = CPU) -> tuple[tuple, tuple]:
+    """((grid, rows a program, warps) of the atomic amax pass, (grid, rows a program, rows a step, warps) of
+    the both-ways writer) over u (a × b); ``wide``: fp32 input."""
+    grid, per_prog = tile_grid(a, b, _BLOCK_A, _BLOCK_B, _PROGRAMS_PER_SM, sms)
+    amax = grid, per_prog, warps_as_threads(_BOTH_AMAX_WARPS, target)
+    step, warps, per_sm = _BOTH_WRITER_FP32 if wide else _BOTH_WRITER
+    grid, per_prog = tile_grid(a, b, step, _BLOCK_B, per_sm, sms)
+    return amax, (grid, per_prog, step, warps_as_threads(warps, target))
 
 
 @lru_cache(maxsize=None)
@@ -461,11 +483,18 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
                    num_warps=warps)
         return (q, s), (qt, st)
     amax = torch.zeros(1 if tensorwise else a + b, dtype=torch.int32, device=dev)
+    (grid, per_prog, warps), writer = both_config(a, b, _sms(t), t.dtype == torch.float32, target)
     _amax_both(grid, u, amax, a, b, u.stride(0), per_prog,
                BLOCK_A=_BLOCK_A, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
-    _tiles_both(grid, u, amax, qu, su, qut, sut, a, b, u.stride(0), per_prog,
-                BLOCK_A=_BLOCK_A_BOTH, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
+    _write_both(u, amax, (qu, su, qut, sut), tensorwise, writer)
     return (q, s), (qt, st)
+
+
+def _write_both(u, amax, outs, tensorwise: bool, config) -> None:
+    grid, per_prog, step, warps = config
+    a, b = u.shape
+    _tiles_both(grid, u, amax, *outs, a, b, u.stride(0), per_prog,
+                BLOCK_A=step, BLOCK_B=_BLOCK_B, TENSORWISE=tensorwise, num_warps=warps)
 
 
 def fp8_quantize_both_amax(t: torch.Tensor, amax: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -482,8 +511,6 @@ def fp8_quantize_both_amax(t: torch.Tensor, amax: torch.Tensor) -> tuple[tuple[t
     s, st = torch.empty((m, 1), dtype=torch.float32, device=dev), torch.empty((k, 1), dtype=torch.float32, device=dev)
     if q.numel() == 0:
         return (q, s.fill_(1.0)), (qt, st.fill_(1.0))
-    target = target_of(t)
-    per_prog, progs_a, warps = tiles_config(m, k, _sms(t), target)
-    _tiles_both((progs_a, cdiv(k, _BLOCK_B)), t, amax, q, s, qt, st, m, k, t.stride(0), per_prog,
-                BLOCK_A=_BLOCK_A_BOTH, BLOCK_B=_BLOCK_B, TENSORWISE=False, num_warps=warps)
+    _, writer = both_config(m, k, _sms(t), t.dtype == torch.float32, target_of(t))
+    _write_both(t, amax, (q, s, qt, st), False, writer)
     return (q, s), (qt, st)
