@@ -4,8 +4,8 @@ target, the per-target table (targets.py), the H200's choices held to a recordin
 launch's gating and first-use check, and ROCm / MPS detection, all simulated on the CPU.
 
 Compiles: the representative subset (bf16 at hidden 123 and 32768, plus the rope and LCE shapes:
-every kernel and every constexpr variant of the launchers at least once, 99–100 variants a target,
-380 compiles, ~60 s on 2 cores with an empty Triton cache, with the blockwise FP8 kernels) runs by
+every kernel and every constexpr variant of the launchers at least once, 107–108 variants a target,
+≈ 410 compiles, ~2.5 min on 2 cores with an empty Triton cache, with the FP8 producers) runs by
 default; the whole matrix (fp32/bf16/fp16 × hidden 64, 123, 896, 4096, 8192, 16384, 32768: 482–491
 variants a target, 1843 compiles; 4 min 13 s on 2 cores with an empty cache before the FP8 and MoE
 kernels) is the slow-marked test.

@@ -42,9 +42,12 @@ The bias is added in the GEMM's epilogue, and dW is asked of its GEMM in the wei
 where the GEMM writes it). Under torch.compile the quantisation is traced as PyTorch code, for
 Inductor to fuse with the kernel producing the operand (``TORCHFUSER_COMPILED_ELEMENTWISE=kernels``:
 the Triton kernels).
-Quantising inside our own kernels that produce each GEMM input (the norms, SwiGLU), so the operand
-never exists in bf16 at all, is the next step (issue 23). It runs where ``torch._scaled_mm`` does:
-CUDA GPUs of compute capability 8.9 or newer, and the CPU (slow, for tests).
+Producers of ours take the maxima as they write an operand (``producer_maxima``): SwiGLU / GeGLU forward
+(the down projection's x) and backward (the gate/up projection's dy), so that operand's both-ways call is
+the writer alone (ops.fp8_quant.attach_amax, backends/triton/gated_fp8.py); the norms do not yet. The
+operand is still written in bf16 and read once more: the transposed copy needs every token's column
+maximum before its first value is cast. It runs where ``torch._scaled_mm`` does: CUDA GPUs of compute
+capability 8.9 or newer, and the CPU (slow, for tests).
 """
 from __future__ import annotations
 
