@@ -36,38 +36,31 @@ _BWD = (16, 4, 32)
 
 
 @triton.jit
-def _columns(N, ROWS_PER_PROG, BLOCK_B: tl.constexpr):
-    """This program's BLOCK_B columns of the activation, their mask, and its first row."""
-    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    return cols, cols < N, tl.program_id(0).to(tl.int64) * ROWS_PER_PROG
-
-
-@triton.jit
-def _activated(GU, first, r0, cols, col_ok, M, N, sgu, BLOCK_A: tl.constexpr, GELU: tl.constexpr):
-    """One step's rows, their mask, the tile's mask, and (u, act(g), act'(g)) of its [gate | up], in fp32
-    (0 where masked: act(0)·0 = 0 has no effect on a maximum)."""
+def _step(first, r0, cols, col_ok, M, BLOCK_A: tl.constexpr):
     rows = first + r0 + tl.arange(0, BLOCK_A)
     row_ok = rows < M
-    mask = row_ok[:, None] & col_ok[None, :]
-    g_ptr = GU + rows[:, None] * sgu + cols[None, :]
-    g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(g_ptr + N, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
-        a, da = _gelu_tanh(g)
-    else:
-        a, da = _silu(g)
-    return rows, row_ok, mask, u, a, da
+    return rows, row_ok, row_ok[:, None] & col_ok[None, :]
 
 
 @triton.jit
 def _gated_fwd_amax_kernel(GU, Y, AMAX, M, N, sgu, ROWS_PER_PROG,
                            GELU: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     # GU: M × 2N [gate | up], row stride sgu; Y: M × N contiguous; AMAX: M + N int32, zeroed.
-    cols, col_ok, first = _columns(N, ROWS_PER_PROG, BLOCK_B)
+    pa, pb = tl.program_id(0), tl.program_id(1)
+    cols = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < N
+    first = pa.to(tl.int64) * ROWS_PER_PROG
     acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.int32)
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
-        rows, row_ok, mask, u, a, _ = _activated(GU, first, r0, cols, col_ok, M, N, sgu, BLOCK_A, GELU)
-        y = (a * u).to(Y.dtype.element_ty)  # gated.py's expression: the same bits
+        rows, row_ok, mask = _step(first, r0, cols, col_ok, M, BLOCK_A)
+        g_ptr = GU + rows[:, None] * sgu + cols[None, :]
+        g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(g_ptr + N, mask=mask, other=0.0).to(tl.float32)
+        if GELU:
+            a, _ = _gelu_tanh(g)
+        else:
+            a, _ = _silu(g)
+        y = (a * u).to(Y.dtype.element_ty)  # act(0)·0 = 0 where masked: no effect on a maximum
         tl.store(Y + rows[:, None] * N + cols[None, :], y, mask=mask)
         bits = _abs_bits(y.to(tl.float32))
         tl.atomic_max(AMAX + rows, tl.max(bits, axis=1), mask=row_ok, sem="relaxed")
@@ -79,12 +72,22 @@ def _gated_fwd_amax_kernel(GU, Y, AMAX, M, N, sgu, ROWS_PER_PROG,
 def _gated_bwd_amax_kernel(DY, GU, D, AMAX, M, N, sdy, sgu, ROWS_PER_PROG,
                            GELU: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     # D: M × 2N [dg | du] contiguous; AMAX: M + 2N int32, zeroed (rows, then D's 2N columns).
-    cols, col_ok, first = _columns(N, ROWS_PER_PROG, BLOCK_B)
+    pa, pb = tl.program_id(0), tl.program_id(1)
+    cols = pb * BLOCK_B + tl.arange(0, BLOCK_B)
+    col_ok = cols < N
+    first = pa.to(tl.int64) * ROWS_PER_PROG
     acc_g = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.int32)
     acc_u = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.int32)
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
-        rows, row_ok, mask, u, a, da = _activated(GU, first, r0, cols, col_ok, M, N, sgu, BLOCK_A, GELU)
+        rows, row_ok, mask = _step(first, r0, cols, col_ok, M, BLOCK_A)
         dy = tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g_ptr = GU + rows[:, None] * sgu + cols[None, :]
+        g = tl.load(g_ptr, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(g_ptr + N, mask=mask, other=0.0).to(tl.float32)
+        if GELU:
+            a, da = _gelu_tanh(g)
+        else:
+            a, da = _silu(g)
         dg = (dy * u * da).to(D.dtype.element_ty)  # gated.py's expressions: the same bits
         du = (dy * a).to(D.dtype.element_ty)
         d_ptr = D + rows[:, None] * (2 * N) + cols[None, :]
