@@ -196,3 +196,18 @@ def test_no_producer_under_torch_compile(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled(input_ids=torch.randint(0, 128, (2, 16))).logits.sum().backward()
     assert taken and not any(taken)
+
+
+def test_a_call_with_no_tokens_runs_bf16_and_is_counted():
+    """No tokens: no scale is defined, so the call runs the bf16 path (it crashed in the reference amax)."""
+    torch.manual_seed(0)
+    model = torchfuser.optimize(LlamaForCausalLM(LlamaConfig(**CFG)), backend="reference", fp8="rowwise")
+    mlp = model.model.layers[0].mlp
+    x = torch.zeros(0, CFG["hidden_size"], requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp(x)
+    y.float().sum().backward()
+    assert y.shape == (0, CFG["hidden_size"]) and x.grad.shape == x.shape
+    reasons = [why for whys in torchfuser.report(model).fallbacks.values() for why in whys]
+    assert any("no tokens" in why for why in reasons), reasons
+

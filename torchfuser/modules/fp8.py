@@ -134,8 +134,10 @@ _PRODUCERS = True
 def producer_maxima(owner: nn.Module, t: Tensor, consumers: list[nn.Module]) -> bool:
     """Whether the kernel of ours producing ``t`` (or, per the caller, t's gradient) should take its maxima
     and hand them on to the FP8 GEMMs of ``consumers``, which take it both ways: rowwise FP8 on ``owner``,
-    plain eager autograd (nothing is attached under torch.compile), bf16, a trainable plain nn.Linear."""
+    plain eager autograd (nothing is attached under torch.compile), bf16 and not empty, a trainable plain
+    nn.Linear."""
     return (_PRODUCERS and recipe_of(owner) == "rowwise" and torch.is_grad_enabled() and t.dtype == torch.bfloat16
+            and t.numel() > 0
             and all(type(m) is nn.Linear for m in consumers) and any(m.weight.requires_grad for m in consumers)
             and plain_eager((t,)))
 
@@ -296,6 +298,9 @@ def usable(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> str 
         return None
     k = x.shape[-1]
     rows, n = x.numel() // max(k, 1), sum(m.out_features for m in linears)
+    if rows == 0:  # nothing to scale (a scale of no tokens is undefined): the bf16 path gives the empty result
+        fallbacks.count(owner, "fp8: a call with no tokens ran in bf16")
+        return None
     if rows % 16 or k % 16 or n % 16:  # FP8 GEMM kernels take multiples of 16 (tokens: dW's inner dimension)
         fallbacks.count(owner, f"fp8: projections ran in bf16, not FP8: {rows} tokens × {k} → {n} is not in "
                                "multiples of 16 (pad the batch's tokens to a multiple of 16)")
