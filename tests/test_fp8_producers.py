@@ -156,6 +156,8 @@ def test_a_model_with_the_producers_computes_what_it_does_without(act, monkeypat
     model = torchfuser.optimize(LlamaForCausalLM(LlamaConfig(**CFG, hidden_act=act)), backend="reference",
                                 fp8="rowwise")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    note = next(n for n in torchfuser.report(model).notes if n.startswith("fp8: "))
+    assert f"in {CFG['num_hidden_layers']} gated MLPs the activation's kernels take the maxima" in note, note
     uses = _Uses(monkeypatch)
     loss, grads = _step(model, ids)
     assert uses.n == 2 * CFG["num_hidden_layers"]  # each layer: h for down, [dg | du] for gate/up

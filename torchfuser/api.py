@@ -157,7 +157,7 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     """FP8 GEMMs on (or off) in the fused attention and MLP blocks and, with ``lm_head``, the fused LM head
     + loss (``FusedLMHeadLoss.fp8``, gone with ``restore``), said in one note of the report; with
     ``per_step`` the weights' copies kept per optimizer step (the step hook held for ``model``)."""
-    count, heads = 0, []
+    count, gated, heads = 0, 0, []
     for entry in result.fused:
         module = model.get_submodule(entry.name) if entry.name else model
         if entry.pattern == "lm_head_loss":
@@ -173,6 +173,8 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
         else:
             module.__dict__["_fp8"] = recipe
             count += 1
+            # [gate | up] in gate-first order: the MLP's activation is a producer (modules.fp8.producer_maxima)
+            gated += entry.pattern == "gated_mlp" and (module.spec.gate_up is None or module.spec.gate_first)
         if per_step:
             module.__dict__["_fp8_per_step"] = True
         else:
@@ -196,7 +198,11 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
             head += ", on the CPU through the reference backend (MLIR has no FP8 GEMMs)"
     result.notes.append(f"{_FP8_HEAD}{recipe} e4m3 GEMMs (forward and backward) in the projections of {count} fused "
                         f"attention and MLP blocks, where they run in bf16 and are plain nn.Linear; {head}"
-                        + ("; trainable weights quantised once per optimizer step (fp8_weights='per_step')" if per_step else ""))
+                        + ("; trainable weights quantised once per optimizer step (fp8_weights='per_step')" if per_step else "")
+                        + (f"; in {gated} gated MLPs the activation's kernels take the maxima of the operands they write for "
+                           "the down and gate/up GEMMs, where those are trainable plain nn.Linear (no separate amax pass; eager and "
+                           "CUDA graphs)"
+                           if gated and recipe == "rowwise" else ""))
 
 
 def restore(model: nn.Module) -> nn.Module:
