@@ -26,14 +26,14 @@ On CUDA the quantisation is Triton kernels (``ops.fp8_quant``, backends/triton/f
 bit the PyTorch formula the CPU runs). An operand two GEMMs take, once scaled along each of its
 dimensions, is quantised both ways in one call (``quantize_both``; no transposed bf16 copy; on the CPU
 the two reference quantisations): tensorwise one amax pass for both, then one pass writing both e4m3
-copies (t read twice); rowwise the rowwise kernel (one read) and the transposing one (an amax pass and
-a cast pass: two reads), which measured faster on an H200 than a shared amax pass with atomics. Per
-trainable projection and step, rowwise, in bytes an element (bf16 activations):
+copies (t read twice); rowwise likewise, the row and column maxima taken in one pass with atomics
+(backends/triton/fp8_quant.py, the faster in whole steps on an H200). Per trainable projection and
+step, rowwise, in bytes an element (bf16 activations):
 
-    x   forward: both ways (read 2 + 2 + 2, write 1 + 1); e4m3 xᵀ kept for dW (1 B, not x's 2 B in
-        bf16), so the backward reads no x
-    dy  both ways (read 2 + 2 + 2, write 1 + 1)
-    W   fp32 master weights, both ways at every call (read 4 + 4 + 4, write 1 + 1)
+    x   forward: both ways (read 2 + 2, write 1 + 1; the down projection's, from SwiGLU's maxima: read 2,
+        write 1 + 1); e4m3 xᵀ kept for dW (1 B, not x's 2 B in bf16), so the backward reads no x
+    dy  both ways (read 2 + 2, write 1 + 1; gate/up's, from SwiGLU's backward: read 2, write 1 + 1)
+    W   fp32 master weights, both ways at every call (read 4 + 4, write 1 + 1)
 
 Where only one of the two is needed, only that one runs (rowwise: one read; else two): frozen
 weights (no dW: x and dy rowwise, nothing of x kept), an input that needs no gradient (dy transposed

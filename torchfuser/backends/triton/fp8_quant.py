@@ -42,9 +42,11 @@ so CUDA graphs capture them):
   patterns: order-free, so the bits do not depend on the programs' order, and NaN propagates as above.
   The second reads each tile once and writes both q (row-major, per-row scales) and qᵀ (transposed as
   fp8 through shared memory, per-column scales), with the scales. t is read twice in all, where the two
-  calls read it three times; each e4m3 copy is written once. Alone (the probe, L2 flushed) its rowwise
-  form runs at 0.89–1.03× the pair's speed, but whole llama1b steps ran faster with it: 125.5 ms eager
-  and 117.2 graphed (run 122) against the pair's 144.7 and 119.1 (run 125). Tensorwise fp32 input (the
+  calls read it three times; each e4m3 copy is written once. In the geometry swept in run 132 (``both_config``)
+  its rowwise form runs, alone with L2 flushed, at 1.12–1.33× the pair's speed (0.89–1.03× before), and
+  whole llama1b steps ran faster with it even then: 117.2 ms graphed (run 122) against the pair's 119.1
+  (run 125). A producer that took t's maxima as it wrote t (gated_fp8.py) leaves only the writer to run
+  (``fp8_quantize_both_amax``). Tensorwise fp32 input (the
   master weights) takes one amax pass and a tiles pass for each copy instead (the Triton 3.6 fault at
   ``fp8_quantize_both``).
   "pair": the two separate calls.
