@@ -119,8 +119,8 @@ def main():
     if spilling:
         md += ["## Spills", "",
                "NVIDIA: bytes of spill stores + loads a thread (ptxas -v), and the stack frame they live in (cubin, STACK); AMD: VGPR + SGPR "
-               "spill counts and scratch bytes. Each spill left was timed on the H200 against the kernel's "
-               "other forms and is still the fastest (docs/performance/NOTES-triton.md, \"Wide rows\").", "",
+               "spill counts and scratch bytes. Which of these were timed on the H200 against the kernel's other "
+               "forms (and are still the fastest), and which not: docs/hardware.md, \"Spills\".", "",
                "| target | kernel | op | dtype | constexprs | spills | stack / scratch B |", "|---|---|---|---|---|---|---|"]
         md += [f"| {r['target']} | {r['kernel']} | {r['op']} | {r['dtype']} | "
                + ", ".join(f"{k}={v}" for k, v in r["kwargs"].items())
