@@ -80,11 +80,15 @@ def _compiled_as_definition() -> bool:
     return inductor_fuses("triton", "fp8_quantize")
 
 
+def _kernels(t: Tensor) -> bool:
+    """Whether ``t`` is quantised by the Triton kernels here (else the reference code: the CPU, and traced
+    under torch.compile unless the policy asks for the kernels)."""
+    return t.is_cuda and _TRITON and t.numel() > 0 and not (torch.compiler.is_compiling() and _compiled_as_definition())
+
+
 def quantize(t: Tensor, tensorwise: bool, transpose: bool = False) -> tuple[Tensor, Tensor]:
     """(e4m3 values, fp32 scale) of a 2-D ``t`` (``tᵀ`` with ``transpose``): see the module doc."""
-    if not (t.is_cuda and _TRITON) or t.numel() == 0:
-        return _reference.fp8_quantize(t, tensorwise, transpose)
-    if torch.compiler.is_compiling() and _compiled_as_definition():
+    if not _kernels(t):
         return _reference.fp8_quantize(t, tensorwise, transpose)
     return run(fp8_quantize, t, tensorwise, transpose, "triton")
 
@@ -115,8 +119,7 @@ def quantize_both(t: Tensor, tensorwise: bool, amax: Tensor | None = None) -> tu
         if t.is_cuda and _TRITON and not torch.compiler.is_compiling():
             return kernel("triton", "fp8_quantize_both_amax")(t, amax)
         return _reference.fp8_quantize_both_amax(t, amax)
-    if not (t.is_cuda and _TRITON) or t.numel() == 0 or (
-            torch.compiler.is_compiling() and _compiled_as_definition()):
+    if not _kernels(t):
         return _reference.fp8_quantize_both(t, tensorwise)
     q, s, qt, st = run(fp8_quantize_both, t, tensorwise, "triton")
     return (q, s), (qt, st)
@@ -155,12 +158,6 @@ def _(w, backend):
     nb, kb = n // 128, k // 128
     padded = lambda r, c: w.new_empty((r, -(-c // 4) * 4), dtype=torch.float32).t()  # noqa: E731
     return w.new_empty((n, k), dtype=E4M3), padded(nb, kb), w.new_empty((k, n), dtype=E4M3), padded(kb, nb)
-
-
-def _kernels(t: Tensor) -> bool:
-    """Whether ``t`` is quantised by the Triton kernels here (else the reference code: the CPU, and traced
-    under torch.compile unless the policy asks for the kernels)."""
-    return t.is_cuda and _TRITON and t.numel() > 0 and not (torch.compiler.is_compiling() and _compiled_as_definition())
 
 
 def quantize_blocks(t: Tensor, rows: bool, cols: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
