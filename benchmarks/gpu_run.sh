@@ -88,7 +88,8 @@ for stage in "$@"; do
     # then the recipes and options side by side in one run.
     fp8-verify) timeout ${TESTS_S:-200} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short -n 8 \
               tests/backends/test_fp8_quant.py tests/backends/test_fp8_blocks.py tests/test_fp8.py tests/test_fp8_per_step.py \
-              tests/test_fp8_lm_head.py tests/test_fp8_blockwise.py tests/test_fp8_selfcheck.py tests/test_fp8_producers.py ;;
+              tests/test_fp8_lm_head.py tests/test_fp8_blockwise.py tests/test_fp8_selfcheck.py tests/test_fp8_producers.py \
+              tests/test_fp8_norm_producers.py ;;
     fp8-recipes) timeout ${FT_S:-500} python3 $ts --models llama1b --variants ${VARIANTS:-torchfuser-graphs torchfuser-fp8 \
               torchfuser-fp8-graphs torchfuser-fp8-pair torchfuser-fp8-pair-graphs torchfuser-fp8-tensorwise torchfuser-fp8-tensorwise-graphs \
               torchfuser-fp8-head torchfuser-fp8-head-graphs torchfuser-fp8-blockwise torchfuser-fp8-blockwise-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-fp8-recipes.jsonl" ;;
@@ -97,6 +98,7 @@ for stage in "$@"; do
               torchfuser-fp8-noprod torchfuser-fp8-graphs torchfuser-fp8-noprod-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} \
               --out "$OUT/train-step-fp8-producers.jsonl" ;;
     fp8-sweep) timeout 330 python3 benchmarks/probes/fp8_both_ways_sweep_probe.py --out "$OUT/fp8-both-ways-sweep.jsonl" ;;
+    fp8-norm-probe) timeout 200 python3 benchmarks/probes/fp8_norm_producer_probe.py --out "$OUT/fp8-norm-producer-probe.jsonl" ;;
     fp8-producer-bound) timeout 200 python3 benchmarks/probes/fp8_producer_bound_probe.py --out "$OUT/fp8-producer-bound.jsonl" ;;
     fp8-probe) timeout 120 python3 benchmarks/ops.py --device cuda --ops fp8 --out "$OUT/fp8-probe.jsonl" ;;
     fsdp-mesh) timeout 60 python3 benchmarks/probes/fsdp_default_mesh.py ;;

@@ -151,16 +151,21 @@ class _Uses:
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
-def test_a_model_with_the_producers_computes_what_it_does_without(act, monkeypatch):
+@pytest.mark.parametrize("norms", [False, True], ids=["default", "norm-producers"])
+def test_a_model_with_the_producers_computes_what_it_does_without(act, norms, monkeypatch):
+    monkeypatch.setattr(fp8, "_NORM_PRODUCERS", norms)
     torch.manual_seed(0)
     model = torchfuser.optimize(LlamaForCausalLM(LlamaConfig(**CFG, hidden_act=act)), backend="reference",
                                 fp8="rowwise")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     note = next(n for n in torchfuser.report(model).notes if n.startswith("fp8: "))
-    assert f"in {CFG['num_hidden_layers']} gated MLPs the activation's kernels take the maxima" in note, note
+    assert f"in {CFG['num_hidden_layers']} gated MLPs the activation's kernels, for the down" in note, note
+    assert (f"in {CFG['num_hidden_layers']} decoder layers the norms', for the q/k/v" in note) == norms, note
     uses = _Uses(monkeypatch)
     loss, grads = _step(model, ids)
-    assert uses.n == 2 * CFG["num_hidden_layers"]  # each layer: h for down, [dg | du] for gate/up
+    # each layer: h for down, [dg | du] for gate/up (the activation); with the norms, the q/k/v and
+    # gate/up inputs and o's dy
+    assert uses.n == (5 if norms else 2) * CFG["num_hidden_layers"]
     monkeypatch.setattr(fp8, "producer_maxima", lambda *a: False)
     uses.n = 0
     want, want_g = _step(model, ids)
@@ -168,6 +173,32 @@ def test_a_model_with_the_producers_computes_what_it_does_without(act, monkeypat
     assert torch.equal(loss, want) and list(grads) == list(want_g)
     for name, g in want_g.items():
         assert torch.equal(grads[name], g), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 GEMMs (compute capability 8.9 or newer)")
+def test_a_gpu_model_with_the_producers_computes_what_it_does_without(monkeypatch):
+    """The Triton producers, compiled: a model's loss and every gradient the same bits with them as without."""
+    monkeypatch.setattr(fp8, "_NORM_PRODUCERS", True)
+    torch.manual_seed(0)
+    cfg = dict(CFG, hidden_size=256, intermediate_size=512)
+    model = torchfuser.optimize(LlamaForCausalLM(LlamaConfig(**cfg)).cuda(), backend="triton", fp8="rowwise")
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    uses = _Uses(monkeypatch)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    got = loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert uses.n == 5 * cfg["num_hidden_layers"]
+    monkeypatch.setattr(fp8, "producer_maxima", lambda *a: False)
+    model.zero_grad(set_to_none=True)
+    uses.n = 0
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert uses.n == 0 and torch.equal(got[0], loss.detach())
+    for name, p in model.named_parameters():
+        assert torch.equal(got[1][name], p.grad), name
 
 
 def test_no_producer_where_the_gemm_takes_its_operand_one_way(monkeypatch):

@@ -157,9 +157,11 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     """FP8 GEMMs on (or off) in the fused attention and MLP blocks and, with ``lm_head``, the fused LM head
     + loss (``FusedLMHeadLoss.fp8``, gone with ``restore``), said in one note of the report; with
     ``per_step`` the weights' copies kept per optimizer step (the step hook held for ``model``)."""
-    count, gated, heads = 0, 0, []
+    count, gated, layers, heads = 0, 0, 0, []
     for entry in result.fused:
         module = model.get_submodule(entry.name) if entry.name else model
+        # its norms are producers where they are on (modules.residual_norm._maxima)
+        layers += entry.pattern == "residual_norm" and _fp8._NORM_PRODUCERS
         if entry.pattern == "lm_head_loss":
             fused = module.__dict__.get("forward")
             if isinstance(fused, FusedLMHeadLoss):
@@ -199,10 +201,19 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     result.notes.append(f"{_FP8_HEAD}{recipe} e4m3 GEMMs (forward and backward) in the projections of {count} fused "
                         f"attention and MLP blocks, where they run in bf16 and are plain nn.Linear; {head}"
                         + ("; trainable weights quantised once per optimizer step (fp8_weights='per_step')" if per_step else "")
-                        + (f"; in {gated} gated MLPs the activation's kernels take the maxima of the operands they write for "
-                           "the down and gate/up GEMMs, where those are trainable plain nn.Linear (no separate amax pass; eager and "
-                           "CUDA graphs)"
-                           if gated and recipe == "rowwise" else ""))
+                        + (_producers_note(gated, layers) if recipe == "rowwise" else ""))
+
+
+def _producers_note(gated: int, layers: int) -> str:
+    """The fp8 note's clause on the kernels that take their outputs' maxima for the GEMMs (rowwise)."""
+    parts = [f"in {gated} gated MLPs the activation's kernels, for the down and gate/up GEMMs"] if gated else []
+    if layers:
+        parts.append(f"in {layers} decoder layers the norms', for the q/k/v and gate/up GEMMs' inputs and the output "
+                     "projection's gradient")
+    if not parts:
+        return ""
+    return ("; " + "; ".join(parts) + ": they take the maxima of the operands they write, where those GEMMs are trainable "
+            "plain nn.Linear (no separate amax pass; eager and CUDA graphs)")
 
 
 def restore(model: nn.Module) -> nn.Module:

@@ -64,6 +64,12 @@ def add_rms_norm(
     and the norm after it. s has the promoted dtype of x and residual (fp32 for an fp32 residual
     stream plus a bf16 output under autocast), as ``x + residual`` would; the norm's output has s's,
     or ``out_dtype`` (bf16 for a projection under autocast, which would cast it to that anyway)."""
+    device = check_add_rms_norm(x, residual, weight, out_dtype)
+    return ops.add_rms_norm(x, residual, weight, float(eps), float(offset), backend_for(backend, device), out_dtype)
+
+
+def check_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, out_dtype: torch.dtype | None) -> torch.device:
+    """add_rms_norm's checks of its inputs; their device."""
     op = "add_rms_norm"
     for name, t in (("x", x), ("residual", residual), ("weight", weight)):
         _check_float(name, t, op)
@@ -73,7 +79,7 @@ def add_rms_norm(
     device = _check_same_device(op, x=x, residual=residual, weight=weight)
     if out_dtype is not None and out_dtype not in _FLOATS:
         raise TypeError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype}")
-    return ops.add_rms_norm(x, residual, weight, float(eps), float(offset), backend_for(backend, device), out_dtype)
+    return device
 
 
 def layer_norm(

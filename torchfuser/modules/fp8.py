@@ -44,7 +44,9 @@ Inductor to fuse with the kernel producing the operand (``TORCHFUSER_COMPILED_EL
 the Triton kernels).
 Producers of ours take the maxima as they write an operand (``producer_maxima``): SwiGLU / GeGLU forward
 (the down projection's x) and backward (the gate/up projection's dy), so that operand's both-ways call is
-the writer alone (ops.fp8_quant.attach_amax, backends/triton/gated_fp8.py); the norms do not yet. The
+the writer alone (ops.fp8_quant.attach_amax, backends/triton/gated_fp8.py). A fused decoder layer's norms
+can be producers too (the q/k/v and gate/up projections' x, the output projection's dy; norm_fp8.py),
+but are not by default: measured slower than the pass they replace (``_NORM_PRODUCERS``). The
 operand is still written in bf16 and read once more: the transposed copy needs every token's column
 maximum before its first value is cast. It runs where ``torch._scaled_mm`` does: CUDA GPUs of compute
 capability 8.9 or newer, and the CPU (slow, for tests).
@@ -129,15 +131,21 @@ def quantize_both(t: Tensor, recipe: str, amax: Tensor | None = None) -> tuple[t
 # Producers of ours hand their outputs' maxima on (off: every operand by the separate passes; the
 # benchmarks' torchfuser-fp8-noprod variants compare whole steps both ways).
 _PRODUCERS = True
+# The decoder layers' norms among them (modules/residual_norm.py, backends/triton/norm_fp8.py): off. On an
+# H200 at 8192 tokens × 2048 each took longer than its plain kernel plus the amax pass it replaces
+# (forward 0.048 ms against 0.023 + 0.022, backward 0.102 against 0.079 + 0.022; run 136,
+# benchmarks/probes/fp8_norm_producer_probe.py): the plain norms already run at the copy bandwidth, and
+# taking a 2048-wide row's column maxima costs more than a second read of the row.
+_NORM_PRODUCERS = False
 
 
-def producer_maxima(owner: nn.Module, t: Tensor, consumers: list[nn.Module]) -> bool:
-    """Whether the kernel of ours producing ``t`` (or, per the caller, t's gradient) should take its maxima
-    and hand them on to the FP8 GEMMs of ``consumers``, which take it both ways: rowwise FP8 on ``owner``,
-    plain eager autograd (nothing is attached under torch.compile), bf16 and not empty, a trainable plain
-    nn.Linear."""
-    return (_PRODUCERS and recipe_of(owner) == "rowwise" and torch.is_grad_enabled() and t.dtype == torch.bfloat16
-            and t.numel() > 0
+def producer_maxima(owner: nn.Module, t: Tensor, consumers: list[nn.Module], dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel of ours producing ``t`` (or, per the caller, t's gradient, or an output of t's
+    shape in ``dtype``) should take its maxima and hand them on to the FP8 GEMMs of ``consumers``, which
+    take it both ways: rowwise FP8 on ``owner``, plain eager autograd (nothing is attached under
+    torch.compile), bf16 and not empty, a trainable plain nn.Linear."""
+    return (_PRODUCERS and recipe_of(owner) == "rowwise" and torch.is_grad_enabled()
+            and (dtype or t.dtype) == torch.bfloat16 and t.numel() > 0
             and all(type(m) is nn.Linear for m in consumers) and any(m.weight.requires_grad for m in consumers)
             and plain_eager((t,)))
 

@@ -9,7 +9,11 @@ norm_in's backward kernel (``rms_norm_opening_residual``). Unfused, each of thos
 kernel of its own over the fp32 residual stream, and the backward's cast of s's gradient for the
 bf16 attention output one more. The last add, ``s + MLP(…)``, happens inside the MLP's down
 projection GEMM under autocast (``FusedGatedMLP.add_to``). Under autocast the norms write bf16
-where the blocks after them only project it (``_projection_dtype``).
+where the blocks after them only project it (``_projection_dtype``). With rowwise FP8 on the blocks
+the norms can be the producers of three FP8 GEMM operands (``_maxima``; off by default, measured slower:
+``modules.fp8._NORM_PRODUCERS``): norm_in's output (the q/k/v projections' input), norm_mid's (the
+gate/up projections'), and the gradient norm_mid's backward hands the attention's output (the output
+projection's dy) carry their maxima to the GEMMs.
 
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
@@ -27,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchfuser.modules import fallbacks
+from torchfuser.modules import fallbacks, fp8
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
-from torchfuser.modules.mlp import FusedGatedMLP
+from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
 
@@ -94,9 +98,10 @@ class ResidualNormForward:
         norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
         low = _projection_dtype(x, attention, mlp)
-        y, x = norm_in.opening_residual(x, low)
+        y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
         a = attention(**{s.attention_input: y}, **call)[0]
-        h, y = norm_mid.add(x, a, low)
+        maxima = (_maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
+        h, y = norm_mid.add(x, a, low, maxima)
         return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
     def _unfused(self, args, x, call) -> str | None:
@@ -153,6 +158,30 @@ def _projection_dtype(x, attention: nn.Module, mlp: nn.Module) -> torch.dtype | 
     if all(type(m) is nn.Linear for m in linears) and not hooked(*linears):
         return torch.get_autocast_dtype(device)
     return None
+
+
+def _projections(block: nn.Module, which: str) -> list[nn.Module]:
+    """A fused block's projections of its input (``which="in"``) or, attention's, of its output (``"out"``)."""
+    if isinstance(block, FusedAttention):
+        names = block.spec.qkv if which == "in" else (block.spec.out,)
+    elif isinstance(block, FusedGatedMLP) and which == "in":
+        names = (block.spec.gate, block.spec.up, block.spec.gate_up)
+    elif isinstance(block, FusedMLP) and which == "in":
+        names = (block.spec.fc_in,)
+    else:
+        names = ()
+    return [getattr(block, n) for n in names if n is not None]
+
+
+def _maxima(block: nn.Module, which: str, t: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether a norm's output (``which="in"``: in ``dtype``, None for t's) or the gradient the middle
+    norm's backward hands the attention's output t (``"out"``) should carry its FP8 maxima to ``block``'s
+    projections that take it (``modules.fp8.producer_maxima``: the kernels are the layer's norms, the
+    recipe the block's)."""
+    if not fp8._NORM_PRODUCERS or fp8.recipe_of(block) is None:
+        return False
+    linears = _projections(block, which)
+    return bool(linears) and fp8.producer_maxima(block, t, linears, dtype)
 
 
 def install(layer: nn.Module, spec: ResidualNormSpec) -> None:

@@ -97,12 +97,31 @@ _AMAX = "_torchfuser_fp8_amax"
 amax_both = _reference.fp8_amax_both
 
 
-def attach_amax(t: Tensor, amax: Tensor) -> Tensor:
+def attach_amax(t: Tensor, amax: Tensor | None) -> Tensor:
     """``t``, carrying its maxima both ways (int32 bit patterns, ``fp8_amax_both``'s) to the FP8 GEMM that
-    takes it. Kept on the tensor object with its version: any in-place change to t or a view of it voids
-    them, and a different tensor (a reshape, an accumulated gradient) has none."""
-    setattr(t, _AMAX, (t._version, amax))
+    takes it (None: none to carry). Kept on the tensor object with its version: any in-place change to t or
+    a view of it voids them, and a different tensor (a reshape, an accumulated gradient) has none."""
+    if amax is not None:
+        setattr(t, _AMAX, (t._version, amax))
     return t
+
+
+def producer(backend: str, name: str, out: int = 0):
+    """Backend kernel ``name`` (e.g. ``"rms_norm_fwd"``) as the producer of an FP8 GEMM's operand: its
+    outputs, then the maxima of output ``out`` (``fp8_amax_both``'s; None where the kernel takes none). The
+    Triton twin that takes them as it writes (``rms_norm_fp8_fwd``); elsewhere the plain kernel, then the
+    maxima in PyTorch (the CPU: tests)."""
+    if backend == "triton":
+        return kernel(backend, f"{name[:-4]}_fp8{name[-4:]}")
+    plain = kernel(backend, name)
+
+    def composed(*args):
+        outs = plain(*args)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        t = outs[out]
+        return (*outs, amax_both(t.reshape(-1, t.shape[-1])))
+
+    return composed
 
 
 def attached_amax(t: Tensor) -> Tensor | None:

@@ -91,20 +91,6 @@ def geglu_packed(gate_up: Tensor, backend: str) -> Tensor:
     return _geglu_packed(gate_up, backend)
 
 
-def _producer(backend: str, name: str, direction: str):
-    """The packed activation's kernel that also takes its output's FP8 maxima: the Triton one, or elsewhere
-    the backend's plain kernel and the maxima in PyTorch (the CPU: tests)."""
-    if backend == "triton":
-        return kernel(backend, f"{name}_packed_fp8_{direction}")
-    plain = kernel(backend, f"{name}_packed_{direction}")
-
-    def composed(*args):
-        out = plain(*args)
-        return out, fp8_quant.amax_both(out.reshape(-1, out.shape[-1]))
-
-    return composed
-
-
 class _PackedFP8(torch.autograd.Function):
     """The packed activation (eager only) as the producer of an FP8 GEMM's operand: its output, and with
     ``grad_amax`` its gradient, carries its maxima to the GEMM that takes it (``fp8_quant.attach_amax``);
@@ -114,13 +100,13 @@ class _PackedFP8(torch.autograd.Function):
     def forward(ctx, gate_up, name, backend, grad_amax):
         ctx.save_for_backward(gate_up)
         ctx.name, ctx.backend, ctx.grad_amax = name, backend, grad_amax
-        return fp8_quant.attach_amax(*_producer(backend, name, "fwd")(gate_up))
+        return fp8_quant.attach_amax(*fp8_quant.producer(backend, f"{name}_packed_fwd")(gate_up))
 
     @staticmethod
     def backward(ctx, dy):
         (gate_up,) = ctx.saved_tensors
         if ctx.grad_amax:
-            d = fp8_quant.attach_amax(*_producer(ctx.backend, ctx.name, "bwd")(dy, gate_up))
+            d = fp8_quant.attach_amax(*fp8_quant.producer(ctx.backend, f"{ctx.name}_packed_bwd")(dy, gate_up))
         else:
             d = kernel(ctx.backend, f"{ctx.name}_packed_bwd")(dy, gate_up)
         return d, None, None, None

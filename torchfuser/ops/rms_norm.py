@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import fp8_quant
 from ._call import autograd, empty, kernel, plain_eager, run
 
 
@@ -108,6 +109,50 @@ def add_rms_norm(
     return s, y
 
 
+class _AddRMSNormFP8(torch.autograd.Function):
+    """add_rms_norm (eager only) as the producer of FP8 GEMM operands: with ``y_amax`` the norm's output,
+    with ``dr_amax`` r's gradient, carries its maxima to the GEMM that takes it (``fp8_quant.attach_amax``);
+    bit for bit add_rms_norm's values, the same saved tensors and backward otherwise."""
+
+    @staticmethod
+    def forward(ctx, x, r, weight, eps, offset, out_dtype, backend, y_amax, dr_amax):
+        ctx.set_materialize_grads(False)
+        args = (x, r, weight, eps, offset, out_dtype)
+        if y_amax:
+            s, y, rstd, amax = fp8_quant.producer(backend, "add_rms_norm_fwd", 1)(*args)
+            fp8_quant.attach_amax(y, amax)
+        else:
+            s, y, rstd = kernel(backend, "add_rms_norm_fwd")(*args)
+        _add_setup(ctx, (*args, backend), (s, y, rstd))
+        ctx.dr_amax = dr_amax
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        if not ctx.dr_amax or dy is None:
+            return (*_add_backward(ctx, ds, dy, None), None, None)
+        s, weight, rstd = ctx.saved_tensors
+        x_dtype, r_dtype = ctx.dtypes
+        eps, offset, backend = ctx.args
+        if r_dtype == s.dtype:  # one gradient for x and r, as _add_backward's
+            dsum, dw, amax = fp8_quant.producer(backend, "rms_norm_bwd")(dy, s, weight, rstd, eps, offset, ds)
+            dr = dsum
+        else:
+            dsum, dr, dw, amax = fp8_quant.producer(backend, "add_rms_norm_bwd", 1)(
+                dy, s, weight, rstd, eps, offset, ds, r_dtype)
+        fp8_quant.attach_amax(dr, amax)
+        return dsum.to(x_dtype), dr, dw, None, None, None, None, None, None
+
+
+def add_rms_norm_fp8_producer(
+    x: Tensor, r: Tensor, weight: Tensor, eps: float, offset: float, backend: str, out_dtype: torch.dtype | None,
+    y_amax: bool, dr_amax: bool,
+) -> tuple[Tensor, Tensor]:
+    """``add_rms_norm`` whose output (``y_amax``) and r's gradient (``dr_amax``) hand their FP8 maxima on.
+    Plain eager only: the caller checks (``_call.plain_eager``)."""
+    return _AddRMSNormFP8.apply(x, r, weight, eps, offset, out_dtype, backend, y_amax, dr_amax)
+
+
 class _NormOpeningResidual(torch.autograd.Function):
     """y = rms_norm(x), and x itself: the norm that opens a pre-norm residual block, whose input is
     also the block's residual. Autograd would sum x's two gradients with an add kernel of its own;
@@ -115,9 +160,13 @@ class _NormOpeningResidual(torch.autograd.Function):
     kernel. Saved: x, w and rstd, as for rms_norm."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, backend, out_dtype):
+    def forward(ctx, x, weight, eps, offset, backend, out_dtype, y_amax):
         ctx.set_materialize_grads(False)
-        y, rstd = kernel(backend, "rms_norm_fwd")(x, weight, eps, offset, out_dtype)
+        if y_amax:  # y hands its maxima on to the FP8 GEMM that takes it (fp8_quant.attach_amax)
+            y, rstd, amax = fp8_quant.producer(backend, "rms_norm_fwd")(x, weight, eps, offset, out_dtype)
+            fp8_quant.attach_amax(y, amax)
+        else:
+            y, rstd = kernel(backend, "rms_norm_fwd")(x, weight, eps, offset, out_dtype)
         ctx.save_for_backward(x, weight, rstd)
         ctx.args = (eps, offset, backend)
         return y, x.view_as(x)
@@ -126,18 +175,20 @@ class _NormOpeningResidual(torch.autograd.Function):
     def backward(ctx, dy, dres):
         x, weight, rstd = ctx.saved_tensors
         if dy is None:
-            return dres, None, None, None, None, None
+            return dres, None, None, None, None, None, None
         dx, dw = run(rms_norm_bwd, dy, x, weight, rstd, *ctx.args, dres)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def rms_norm_opening_residual(
-    x: Tensor, weight: Tensor, eps: float, offset: float, backend: str, out_dtype: torch.dtype | None = None
+    x: Tensor, weight: Tensor, eps: float, offset: float, backend: str, out_dtype: torch.dtype | None = None,
+    y_amax: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(rms_norm(x), x), for a block that adds x back to its output; see ``_NormOpeningResidual``.
-    The norm's output in ``out_dtype`` (default x's). Only plain eager calls take the joint backward:
-    traced and compiled code sees two uses of x."""
+    The norm's output in ``out_dtype`` (default x's); with ``y_amax`` it hands its FP8 maxima on (plain
+    eager only: the caller checks). Only plain eager calls take the joint backward: traced and compiled
+    code sees two uses of x."""
     backend = "reference" if empty(x, weight) else backend
     if plain_eager((x, weight)):
-        return _NormOpeningResidual.apply(x, weight, eps, offset, backend, out_dtype)
+        return _NormOpeningResidual.apply(x, weight, eps, offset, backend, out_dtype, y_amax)
     return rms_norm(x, weight, eps, offset, backend).to(out_dtype or x.dtype), x

@@ -18,6 +18,7 @@ from .gated_fp8 import geglu_packed_fp8_bwd, geglu_packed_fp8_fwd, swiglu_packed
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
 from .linear_cross_entropy import linear_cross_entropy_fwd, linear_cross_entropy_scale_
 from .moe import moe_experts_bwd, moe_experts_fwd, moe_route_bwd, moe_route_fwd
+from .norm_fp8 import add_rms_norm_fp8_bwd, add_rms_norm_fp8_fwd, rms_norm_fp8_bwd, rms_norm_fp8_fwd
 from .rms_norm import add_rms_norm_bwd, add_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd
 from .rope import rope_bwd, rope_fwd
 
@@ -28,5 +29,6 @@ __all__ = [
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_", "fp8_quantize",
     "fp8_quantize_both", "fp8_quantize_both_amax", "fp8_quantize_blocks", "fp8_quantize_weight_blocks",
     "swiglu_packed_fp8_fwd", "swiglu_packed_fp8_bwd", "geglu_packed_fp8_fwd", "geglu_packed_fp8_bwd",
+    "rms_norm_fp8_fwd", "rms_norm_fp8_bwd", "add_rms_norm_fp8_fwd", "add_rms_norm_fp8_bwd",
     "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd", "moe_experts_bwd",
 ]

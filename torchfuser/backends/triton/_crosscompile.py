@@ -197,6 +197,20 @@ def _scenarios(hiddens, dtypes, tokens):
                 yield f"{act}_packed_fp8_bwd", lambda x=x, gu=gu, a=act: getattr(gated_fp8, f"{a}_packed_fp8_bwd")(x, gu)
             amax = torch.empty(tokens + n, dtype=torch.int32, device=meta)
             yield "fp8_quantize_both_amax", lambda x=x, amax=amax: fp8_quant.fp8_quantize_both_amax(x, amax)
+    # The norms as FP8 producers (norm_fp8.py; after all the others, for the same reason): bf16 outputs,
+    # the only ones that take maxima, from an fp32 residual stream (autocast) or bf16 rows.
+    from . import norm_fp8
+
+    bf = torch.bfloat16
+    for dt in (d for d in dtypes if d in (torch.float32, bf)):
+        for n in hiddens:
+            x, w, rs = (torch.empty(*s, dtype=d, device=meta) for s, d in (((tokens, n), dt), ((n,), dt),
+                                                                           ((tokens,), torch.float32)))
+            yield "rms_norm_fp8_fwd", lambda x=x, w=w: norm_fp8.rms_norm_fp8_fwd(x, w, 1e-6, 0.0, bf)
+            yield "add_rms_norm_fp8_fwd", lambda x=x, w=w: norm_fp8.add_rms_norm_fp8_fwd(x, x, w, 1e-6, 0.0, bf)
+            yield "rms_norm_fp8_bwd+dres", lambda x=x, w=w, rs=rs: norm_fp8.rms_norm_fp8_bwd(x, x, w, rs, 1e-6, 0.0, x)
+            yield "add_rms_norm_fp8_bwd", lambda x=x, w=w, rs=rs: norm_fp8.add_rms_norm_fp8_bwd(
+                x, x, w, rs, 1e-6, 0.0, x, bf)
 
 
 def _rowwise_both(path, fn, *args):

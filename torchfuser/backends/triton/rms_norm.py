@@ -57,6 +57,32 @@ def norm_config(n: int, backward: bool = False, target: Target = CPU, dres: bool
 
 
 @triton.jit
+def _row_input(x_rows, r_rows, s_rows, cols, mask, S, HAS_RES: tl.constexpr):
+    """The rows normalised, in fp32: x, or with HAS_RES s = x + res, stored to S and rounded to S's dtype
+    before the statistics (y and rstd are those of the s stored)."""
+    x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        res = tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x + res).to(S.dtype.element_ty)
+        tl.store(s_rows + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rstd(x, N, eps):
+    return tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+
+
+@triton.jit
+def _dx_rows(x, dy, w, rstd, N):
+    """The norm's input gradient of whole rows (one-pass), before any residual gradient is added."""
+    g = dy * w[None, :]
+    c = tl.sum(g * x, axis=1) * rstd * rstd / N
+    return rstd[:, None] * (g - x * c[:, None])
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     X, R, W, Y, S, RSTD, M, N, stride_x, stride_r, eps, offset,
     HAS_RES: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -72,14 +98,8 @@ def _rms_norm_fwd_kernel(
     s_rows = S + rows[:, None] * N
     if ONE_PASS:
         mask = row_ok[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            # Rounded to S's dtype before the statistics: y and rstd are those of the s stored.
-            res = tl.load(r_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            s = (x + res).to(S.dtype.element_ty)
-            tl.store(s_rows + cols[None, :], s, mask=mask)
-            x = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        x = _row_input(x_rows, r_rows, s_rows, cols, mask, S, HAS_RES)
+        rstd = _rstd(x, N, eps)
         w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
         y = x * rstd[:, None] * w[None, :]
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -143,9 +163,7 @@ def _rms_norm_bwd_kernel(
             if HAS_DRES:  # loaded with x and dy, not after the row reduction: its latency overlaps theirs
                 dres = tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-            g = dy * w[None, :]
-            c = tl.sum(g * x, axis=1) * rstd * rstd / N
-            dx = rstd[:, None] * (g - x * c[:, None])
+            dx = _dx_rows(x, dy, w, rstd, N)
             if HAS_DRES:
                 dx += dres
             tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
