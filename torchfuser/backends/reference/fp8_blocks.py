@@ -3,8 +3,9 @@ oracle of the Triton kernels (backends/triton/fp8_blocks.py, which give these bi
 path on the CPU. Every scale covers one block of 128 elements along a GEMM's inner dimension, so it is
 local to a tile: an operand is quantised both ways from one read, with no pass over all of it first.
 
-Per block b, in fp32: scale = max(amax_b |t|, 1e-12) / 448, q = e4m3(clamp(t / scale, −448, 448)) (true
-divisions, round to nearest even; NaN propagates through amax, as in fp8_quant.py).
+Per block b, in fp32: scale = max(amax_b |t|, 1e-12) / 448, q = e4m3(clamp(t · 448 / max(amax_b, 1e-12),
+−448, 448)) (fp8_quant.py's formula: two true divisions a block, a multiply an element, round to nearest
+even; NaN propagates through amax).
 
 ``fp8_quantize_blocks(t, rows, cols)``, an activation t (M × K, both multiples of 128):
     rows: q  = t  in e4m3 (M × K), s  (M × K/128): a scale per row and 128 columns   (x for y = x·Wᵀ)
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .fp8_quant import E4M3, MAX, TINY
+from .fp8_quant import E4M3, cast, scales
 
 BLOCK = 128
 
@@ -31,10 +32,6 @@ def _check(t: torch.Tensor, what: str) -> tuple[int, int]:
         raise ValueError(f"{what}: blockwise FP8 takes 2-D tensors whose sides are multiples of {BLOCK}, "
                          f"got shape {tuple(t.shape)}")
     return t.shape
-
-
-def _cast(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (blocks / scale).clamp_(-MAX, MAX).to(E4M3)
 
 
 def _column_major(rows: int, cols: int, device) -> torch.Tensor:
@@ -49,14 +46,14 @@ def fp8_quantize_blocks(t: torch.Tensor, rows: bool, cols: bool) -> tuple[torch.
     q, s = empty
     if rows:
         blocks = t32.view(m, k // BLOCK, BLOCK)
-        scale = blocks.abs().amax(-1, keepdim=True).clamp_min(TINY) / MAX
-        q = _cast(blocks, scale).view(m, k).contiguous()  # row-major whatever t's strides
+        scale, inv = scales(blocks.abs().amax(-1, keepdim=True))
+        q = cast(blocks, inv).view(m, k).contiguous()  # row-major whatever t's strides
         s = _column_major(m, k // BLOCK, t.device).copy_(scale.squeeze(-1))
     qt, st = (x.clone() for x in empty)
     if cols:
         blocks = t32.view(m // BLOCK, BLOCK, k)
-        scale = blocks.abs().amax(1, keepdim=True).clamp_min(TINY) / MAX  # (M/128, 1, K)
-        qt = _cast(blocks, scale).view(m, k).t().contiguous()
+        scale, inv = scales(blocks.abs().amax(1, keepdim=True))  # (M/128, 1, K)
+        qt = cast(blocks, inv).view(m, k).t().contiguous()
         st = _column_major(k, m // BLOCK, t.device).copy_(scale.squeeze(1).t())
     return q, s, qt, st
 
@@ -74,8 +71,8 @@ def fp8_quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     """(q, s_fwd, qt, s_bwd) of a weight (module docstring)."""
     n, k = _check(w, "fp8_quantize_weight_blocks")
     blocks = w.float().view(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(TINY) / MAX  # (N/128, 1, K/128, 1)
-    q = _cast(blocks, scale).view(n, k).contiguous()
+    scale, inv = scales(blocks.abs().amax(dim=(1, 3), keepdim=True))  # (N/128, 1, K/128, 1)
+    q = cast(blocks, inv).view(n, k).contiguous()
     scale = scale.view(n // BLOCK, k // BLOCK)
     return q, _padded(scale), q.t().contiguous(), _padded(scale.t())
 

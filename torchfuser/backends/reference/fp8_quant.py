@@ -2,7 +2,10 @@
 (backends/triton/fp8_quant.py, which give these bits exactly) and the path on the CPU.
 
 For s = tᵀ if ``transpose`` else t, in fp32: amax over each row of s (or all of s, ``tensorwise``),
-scale = max(amax, 1e-12) / 448, q = e4m3(clamp(s / scale, −448, 448)); q row-major.
+scale = max(amax, 1e-12) / 448 (the GEMM's dequantisation scale), inv = 448 / max(amax, 1e-12) (both true
+divisions, one a row), q = e4m3(clamp(s · inv, −448, 448)); q row-major. A multiply an element, not a
+division: the Triton writer ran 1.4-2× faster so (run 136), and the bits differ from s / scale's in about
+one value in 4000 (a rounding tie of e4m3 moved by an fp32 ulp).
 ``fp8_quantize_both``: both orientations of t at once (the two calls, composed). ``fp8_amax_both``: the
 maxima those take, as int32 bit patterns (what a producer kernel hands on), and ``fp8_quantize_both_amax``
 the quantisations from them.
@@ -16,12 +19,23 @@ MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 TINY = 1e-12
 
 
+def scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max(amax, 1e-12) / 448, 448 / max(amax, 1e-12)): the dequantisation scale and the quantisation's
+    multiplier, each a true division (``448 / a`` in PyTorch would be a reciprocal times 448: two roundings)."""
+    a = amax.clamp_min(TINY)
+    return a / MAX, torch.full_like(a, MAX) / a
+
+
+def cast(t32: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(t32 · inv, −448, 448))."""
+    return (t32 * inv).clamp_(-MAX, MAX).to(E4M3)
+
+
 def fp8_quantize(t: torch.Tensor, tensorwise: bool, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
     s = t.t().contiguous() if transpose else t
     t32 = s.float()
-    amax = t32.abs().amax() if tensorwise else t32.abs().amax(dim=-1, keepdim=True)
-    scale = amax.clamp_min(TINY) / MAX
-    return (t32 / scale).clamp_(-MAX, MAX).to(E4M3).contiguous(), scale
+    scale, inv = scales(t32.abs().amax() if tensorwise else t32.abs().amax(dim=-1, keepdim=True))
+    return cast(t32, inv).contiguous(), scale
 
 
 def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -40,12 +54,11 @@ def fp8_amax_both(t: torch.Tensor) -> torch.Tensor:
 def fp8_quantize_both_amax(t: torch.Tensor, amax: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """``fp8_quantize_both(t, False)`` from t's maxima ``fp8_amax_both(t)``: the same bits."""
     m = t.shape[0]
-    scales = amax.view(torch.float32).clamp_min(TINY) / MAX
-    s, st = scales[:m, None], scales[m:, None]
+    scale, inv = scales(amax.view(torch.float32))
     t32 = t.float()
-    q = (t32 / s).clamp_(-MAX, MAX).to(E4M3)
-    qt = (t32.t() / st).clamp_(-MAX, MAX).to(E4M3).contiguous()
-    return (q, s.contiguous()), (qt, st.contiguous())
+    q = cast(t32, inv[:m, None])
+    qt = cast(t32.t(), inv[m:, None]).contiguous()
+    return (q, scale[:m, None].contiguous()), (qt, scale[m:, None].contiguous())
 
 
 def rounding_cases(width: int = 127) -> torch.Tensor:

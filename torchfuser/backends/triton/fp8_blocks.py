@@ -4,8 +4,9 @@ backends/reference/fp8_blocks.py (its module docstring is the spec: shapes, layo
 Per block b of 128 elements (1 × 128, 128 × 1, or a weight's 128 × 128), every step in fp32:
     amax_b = max |t| over b                       (NaN propagates: an integer max of |t|'s bit patterns)
     scale  = max(amax_b, 1e-12) / 448             (a true division, div_rn)
-    q      = e4m3(clamp(t / scale, −448, 448))    (a true division; round to nearest even)
-with fp8_quant.py's jit helpers (_abs_bits, _as_float, _scale_of, _e4m3), which give
+    inv    = 448 / max(amax_b, 1e-12)             (a true division)
+    q      = e4m3(clamp(t · inv, −448, 448))      (a multiply; round to nearest even)
+with fp8_quant.py's jit helpers (_abs_bits, _as_float, _scales, _e4m3), which give
 backends/reference/fp8_quant.py's bits. Nothing is saved for a backward (quantisation is not
 differentiated).
 
@@ -36,7 +37,7 @@ import triton.language as tl
 
 from ..reference.fp8_blocks import BLOCK, _check, _column_major
 from ._common import Launcher, check_dtypes, target_of, warps_for
-from .fp8_quant import E4M3, _abs_bits, _as_float, _dense_last, _e4m3, _scale_of
+from .fp8_quant import E4M3, _abs_bits, _as_float, _dense_last, _e4m3, _scales
 
 _PAD = 4  # scaled_mm's 128 × 128 scale layouts round the inner blocks up to a multiple of 4
 
@@ -60,14 +61,14 @@ def _fp8_quant_blocks_kernel(
     rows, cols, x = _block_tile(X, stride_x, BLOCK)
     bits = _abs_bits(x)
     if ROWS:
-        s = _scale_of(_as_float(tl.max(bits, axis=1)))  # [BLOCK]: each row's 128 columns
+        s, inv = _scales(_as_float(tl.max(bits, axis=1)))  # [BLOCK]: each row's 128 columns
         tl.store(S + tl.program_id(1).to(tl.int64) * A + rows, s)
-        tl.store(Q + rows[:, None] * B + cols[None, :], _e4m3(x, s[:, None], Q))
+        tl.store(Q + rows[:, None] * B + cols[None, :], _e4m3(x, inv[:, None], Q))
     if COLS:
-        st = _scale_of(_as_float(tl.max(bits, axis=0)))  # [BLOCK]: each column's 128 rows
+        st, inv_t = _scales(_as_float(tl.max(bits, axis=0)))  # [BLOCK]: each column's 128 rows
         tl.store(ST + tl.program_id(0).to(tl.int64) * B + cols, st)
-        # Its own cast (another divisor than q's), transposed as fp8: qᵀ's rows of 128 bytes leave coalesced.
-        qt = _e4m3(x, st[None, :], QT)
+        # Its own cast (another multiplier than q's), transposed as fp8: qᵀ's rows of 128 bytes leave coalesced.
+        qt = _e4m3(x, inv_t[None, :], QT)
         tl.store(QT + cols[:, None] * A + rows[None, :], tl.trans(qt))
 
 
@@ -82,19 +83,19 @@ def _fp8_quant_weight_blocks_kernel(
     rows, cols, x = _block_tile(X, stride_x, BLOCK)
     i, j = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     bits = _abs_bits(x)
-    scale = _scale_of(_as_float(tl.max(tl.max(bits, axis=1), axis=0)))
+    scale, inv = _scales(_as_float(tl.max(tl.max(bits, axis=1), axis=0)))
     # qᵀ gets a cast of its own, not q's e4m3 tile transposed: one e4m3 tile stored both as it is and
     # transposed came out wrong from fp32 input on an H200 (Triton 3.6, fp8_quant.py's tensorwise
-    # both-ways writer, run 124: a quarter of qᵀ), where two casts by different divisors (its rowwise
+    # both-ways writer, run 124: a quarter of qᵀ), where two casts by different multipliers (its rowwise
     # form) were right. Compiled for sm_90 from fp32, the two forms' PTX differ there only: the faulty one
     # sends the registers q is stored from through shared memory too. A second cast by the same scale, or
     # by the same reduction recomputed, is merged into the first (CSE: 16 e4m3x2 conversions a thread, not
-    # 32; "a second cast did not help" on the H200), so qᵀ's divisor is the amax reduced in the other
+    # 32; "a second cast did not help" on the H200), so qᵀ's multiplier is from the amax reduced in the other
     # order: the same bits (an integer max is order-free), not provably the same value, so qᵀ is cast
     # apart and only its own registers are transposed, as in the rowwise form. Not yet run on a GPU.
-    scale_t = _scale_of(_as_float(tl.max(tl.max(bits, axis=0), axis=0)))
-    tl.store(Q + rows[:, None] * B + cols[None, :], _e4m3(x, scale, Q))
-    tl.store(QT + cols[:, None] * A + rows[None, :], tl.trans(_e4m3(x, scale_t, QT)))
+    _, inv_t = _scales(_as_float(tl.max(tl.max(bits, axis=0), axis=0)))
+    tl.store(Q + rows[:, None] * B + cols[None, :], _e4m3(x, inv, Q))
+    tl.store(QT + cols[:, None] * A + rows[None, :], tl.trans(_e4m3(x, inv_t, QT)))
     tl.store(SF + i * PAD_B + j, scale)
     tl.store(SB + j * PAD_A + i, scale)
     # The round-up entries (1.0, as the reference's torch.ones): written here by the last block of each

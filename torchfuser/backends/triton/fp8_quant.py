@@ -3,14 +3,15 @@
 For a 2-D s (bf16 / fp16 / fp32), every step in fp32:
     amax  = max |s| over each row of s (rowwise) or over all of s (tensorwise)
     scale = max(amax, 1e-12) / 448                 (448: e4m3's largest finite value; a true division)
-    q     = e4m3(clamp(s / scale, −448, 448))      (a true division; round to nearest even)
+    inv   = 448 / max(amax, 1e-12)                 (a true division, one a row or tensor)
+    q     = e4m3(clamp(s · inv, −448, 448))        (a multiply; round to nearest even)
 and ``fp8_quantize(t, tensorwise, transpose)`` returns (q row-major, scale: rows × 1 fp32, or ()),
 for s = t or, with ``transpose``, s = tᵀ: the dW GEMM's operands dyᵀ and xᵀ, scaled per column of
 dy and x, written transposed straight from t, no ``t.t().contiguous()`` copy. Nothing is saved for
 a backward: quantisation is not differentiated (the FP8 GEMMs' autograd is modules/fp8.py's).
 
-Bit for bit the PyTorch code it replaces (``t.float()``, abs, amax, clamp_min, two divisions, clamp,
-``.to(torch.float8_e4m3fn)`` on the CPU): the divisions are ``div_rn`` (IEEE, as PyTorch's
+Bit for bit the PyTorch code it replaces (``t.float()``, abs, amax, clamp_min, two divisions, a multiply,
+clamp, ``.to(torch.float8_e4m3fn)`` on the CPU): the divisions are ``div_rn`` (IEEE, as PyTorch's
 tensor / tensor; Triton's ``/`` is an approximate division on NVIDIA), the cast is
 ``cvt.rn.satfinite.e4m3x2.f32`` (round to nearest even; saturation never acts after the clamp).
 amax propagates NaN as ``torch.amax`` does (a NaN row gives NaN scales and values, not 448s): it is
@@ -110,13 +111,16 @@ def _as_float(bits):
 
 
 @triton.jit
-def _scale_of(amax):
-    return tl.math.div_rn(tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL), 448.0)
+def _scales(amax):
+    """(the dequantisation scale max(amax, 1e-12) / 448, the quantisation's multiplier 448 / max(amax,
+    1e-12)): two true divisions a row (column, tensor), none an element."""
+    a = tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL)
+    return tl.math.div_rn(a, 448.0), tl.math.div_rn(448.0, a)
 
 
 @triton.jit
-def _e4m3(x, scale, Q):
-    q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+def _e4m3(x, inv, Q):
+    q = tl.clamp(x * inv, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     return q.to(Q.dtype.element_ty)
 
 
@@ -128,8 +132,8 @@ def _rows_one_pass(X, Q, K, stride_x, rows, row_ok, cols):
     mask = row_ok[:, None] & (cols < K)[None, :]
     x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     bits = _abs_bits(x)
-    scale = _scale_of(_as_float(tl.max(bits, axis=1)))
-    tl.store(q_rows + cols[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
+    scale, inv = _scales(_as_float(tl.max(bits, axis=1)))
+    tl.store(q_rows + cols[None, :], _e4m3(x, inv[:, None], Q), mask=mask)
     return scale, bits
 
 
@@ -150,12 +154,12 @@ def _rows_looped(X, Q, K, stride_x, rows, row_ok, cols, P_ROW, KEEP, PARTIALS: t
             p_ptr, p_ok = P_ROW + c[None, :], (c < K)[None, :]
             prev = _abs_bits(tl.load(p_ptr, mask=p_ok & KEEP, other=0.0))
             tl.store(p_ptr, _as_float(tl.maximum(prev, bits)), mask=p_ok)
-    scale = _scale_of(_as_float(tl.max(acc, axis=1)))
+    scale, inv = _scales(_as_float(tl.max(acc, axis=1)))
     for start in range(0, K, cols.shape[0]):
         c = start + cols
         mask = row_ok[:, None] & (c < K)[None, :]
         x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_rows + c[None, :], _e4m3(x, scale[:, None], Q), mask=mask)
+        tl.store(q_rows + c[None, :], _e4m3(x, inv[:, None], Q), mask=mask)
     return scale
 
 
@@ -243,23 +247,22 @@ def _fp8_quant_tiles_kernel(
             p = p0 + tl.arange(0, BLOCK_P)
             m = (p < NP)[:, None] & col_ok[None, :]
             acc = tl.maximum(acc, _abs_bits(tl.load(P + p[:, None].to(tl.int64) * B + cols[None, :], mask=m, other=0.0)))
-        scale = _scale_of(_as_float(tl.max(acc, axis=0)))  # [BLOCK_B]
+        scale, inv = _scales(_as_float(tl.max(acc, axis=0)))  # [BLOCK_B]
         if pa == 0:
             tl.store(S + cols, scale, mask=col_ok)
-        scale_tile = scale[None, :]
+        inv_tile = inv[None, :]
     else:  # NP partials of the whole tensor
         acc = tl.zeros([BLOCK_P], dtype=tl.int32)
         for p0 in range(0, NP, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
             acc = tl.maximum(acc, _abs_bits(tl.load(P + p, mask=p < NP, other=0.0)))
-        scale = _scale_of(_as_float(tl.max(acc, axis=0)))
+        scale, inv_tile = _scales(_as_float(tl.max(acc, axis=0)))
         if (pa == 0) & (pb == 0):
             tl.store(S, scale)
-        scale_tile = scale
     first = pa.to(tl.int64) * ROWS_PER_PROG
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
         rows, row_ok, mask, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
-        q = _e4m3(x, scale_tile, Q)
+        q = _e4m3(x, inv_tile, Q)
         if TRANSPOSE:  # q = uᵀ: B rows of A; transposed as fp8, so rows of 128 bytes leave coalesced
             tl.store(Q + cols[:, None].to(tl.int64) * A + rows[None, :], tl.trans(q), mask=tl.trans(mask))
         else:
@@ -300,28 +303,28 @@ def _fp8_quant_both_kernel(
     cols = pb * BLOCK_B + tl.arange(0, BLOCK_B)
     col_ok = cols < B
     if TENSORWISE:
-        scale = _scale_of(_as_float(tl.load(AMAX)))
+        scale, inv = _scales(_as_float(tl.load(AMAX)))
         if (pa == 0) & (pb == 0):
             tl.store(S, scale)
             tl.store(ST, scale)
-        col_scale = scale
+        col_inv = inv
     else:
-        col_scale = _scale_of(_as_float(tl.load(AMAX + A + cols, mask=col_ok, other=0)))  # [BLOCK_B]
+        col_scale, col_inv = _scales(_as_float(tl.load(AMAX + A + cols, mask=col_ok, other=0)))  # [BLOCK_B]
         if pa == 0:
             tl.store(ST + cols, col_scale, mask=col_ok)
-        col_scale = col_scale[None, :]
+        col_inv = col_inv[None, :]
     first = pa.to(tl.int64) * ROWS_PER_PROG
     for r0 in range(0, ROWS_PER_PROG, BLOCK_A):
         rows, row_ok, mask, x = _tile(X, first + r0, A, cols, col_ok, stride_x, BLOCK_A)
         if TENSORWISE:
-            q = _e4m3(x, scale, Q)
+            q = _e4m3(x, inv, Q)
             qt = q  # one scale: the same values, stored both ways (not from fp32 input: fp8_quantize_both)
         else:
-            row_scale = _scale_of(_as_float(tl.load(AMAX + rows, mask=row_ok, other=0)))  # [BLOCK_A]
+            row_scale, row_inv = _scales(_as_float(tl.load(AMAX + rows, mask=row_ok, other=0)))  # [BLOCK_A]
             if pb == 0:
                 tl.store(S + rows, row_scale, mask=row_ok)
-            q = _e4m3(x, row_scale[:, None], Q)
-            qt = _e4m3(x, col_scale, QT)
+            q = _e4m3(x, row_inv[:, None], Q)
+            qt = _e4m3(x, col_inv, QT)
         tl.store(Q + rows[:, None] * B + cols[None, :], q, mask=mask)
         # qt = uᵀ: B rows of A, transposed as fp8 (through shared memory), rows of 128 bytes leave coalesced
         tl.store(QT + cols[:, None].to(tl.int64) * A + rows[None, :], tl.trans(qt), mask=tl.trans(mask))
