@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 
 import torch
+from _emit import emitter
 
 
 def _bench(fn):
@@ -136,16 +136,9 @@ def main():
         sys.exit("needs a CUDA GPU")
     import triton
 
-    out = open(cli.out, "a") if cli.out else None
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-
-    def emit(**row):  # every row to the file; the best of each sweep, and errors, on stdout too
-        line = json.dumps({**row, **env})
-        if row["what"].endswith("best") or "error" in row:
-            print(line, flush=True)
-        if out:
-            out.write(line + "\n")
-            out.flush()
+    # every row to the file; the best of each sweep, and errors, on stdout too
+    emit = emitter(cli.out, env, lambda row: row["what"].endswith("best") or "error" in row)
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     torch.manual_seed(0)
@@ -153,8 +146,6 @@ def main():
                          ((16384, 2048), torch.float32)):
         sweep_writer(emit, torch.randn(*shape, device="cuda").to(dtype), sms)
     sweep_producers(emit, sms)
-    if out:
-        out.close()
 
 
 if __name__ == "__main__":

@@ -15,12 +15,12 @@ cost, on one GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from _emit import emitter
 
 DEVICE = "cuda"  # (a CPU check of the probe itself: "cpu" under TRITON_INTERPRET=1)
 
@@ -141,22 +141,11 @@ def main():
     cli = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
-    out = open(cli.out, "a") if cli.out else None
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-
-    def emit(**row):
-        line = json.dumps({**row, **env})
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n")
-            out.flush()
-
+    emit = emitter(cli.out, dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__))
     torch.manual_seed(0)
     norms(emit)
     for shape in ((8192, 2048), (8192, 8192), (8192, 16384)):
         writer(emit, shape)
-    if out:
-        out.close()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import sys
@@ -50,6 +49,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/probes/
+from _emit import emitter  # noqa: E402
 from ops import graphed  # noqa: E402  (fn captured in a CUDA graph: its replay times the GPU's work alone)
 
 from torchfuser.backends.reference.fp8_quant import rounding_cases  # noqa: E402
@@ -75,13 +76,14 @@ def old_quantize(t, tensorwise: bool, transpose: bool):
 
 
 def exact_quantize(t, tensorwise: bool, transpose: bool):
-    """The formula with true divisions on any device (a tensor divisor: CUDA's division by a Python
+    """The formula (backends/reference/fp8_quant.py's: the scale and its multiplier 448 / amax, true
+    divisions, then a multiply an element) on any device (tensor operands: CUDA's division by a Python
     scalar multiplies by its reciprocal)."""
     s = t.t() if transpose else t
     t32 = s.float()
     amax = t32.abs().amax() if tensorwise else t32.abs().amax(dim=-1, keepdim=True)
-    scale = amax.clamp_min(1e-12) / torch.full_like(amax, 448.0)
-    return (t32 / scale).clamp_(-448.0, 448.0).to(E4M3).contiguous(), scale
+    a, e4m3_max = amax.clamp_min(1e-12), torch.full_like(amax, 448.0)
+    return (t32 * (e4m3_max / a)).clamp_(-448.0, 448.0).to(E4M3).contiguous(), a / e4m3_max
 
 
 def _diffs(a, b):
@@ -371,7 +373,6 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         sys.exit("no GPU: run with TRITON_INTERPRET=1 and --check")
-    out = open(args.out, "a") if args.out else None
     env = dict(device=device, gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                torch=torch.__version__, python=platform.python_version())
     try:
@@ -380,12 +381,7 @@ def main():
     except ImportError:
         pass
 
-    def emit(**row):
-        line = json.dumps({**row, **env})
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n")
-            out.flush()
+    emit = emitter(args.out, env)
 
     t0 = time.time()
     ok = check(emit, device, SMALL if args.check or device == "cpu" else {**SMALL, **OPERANDS})
@@ -394,8 +390,6 @@ def main():
         time_quant(emit, device, args.inductor)
         time_projections(emit, device)
     emit(what="done", ok=ok, seconds=round(time.time() - t0, 1))
-    if out:
-        out.close()
     sys.exit(0 if ok else 1)
 
 

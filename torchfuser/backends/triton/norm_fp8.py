@@ -32,7 +32,7 @@ from ._common import (
     Launcher, bwd_stages, cdiv, check_dtypes, check_same_shape, device_key, num_programs_cap, rows_of, target_of,
 )
 from .fp8_quant import _abs_bits, _sms
-from .rms_norm import _dx_rows, _norm_bwd, _norm_fwd, _row_input, _rstd, norm_config, sum_partials
+from .rms_norm import _dx_rows, _norm_bwd, _norm_fwd, _row_input, _rstd, norm_config, sum_partials, with_sum
 
 # The forward's persistent programs a SM (the backward's grid is rms_norm.py's): 2 the fastest of 1-16 on
 # an H200 at 8192 × 2048 (run 136), and still slower than the plain kernel plus the amax pass, so
@@ -145,10 +145,7 @@ def rms_norm_fp8_fwd(x, weight, eps, offset, out_dtype=None):
 
 def add_rms_norm_fp8_fwd(x, r, weight, eps, offset, out_dtype=None):
     """add_rms_norm_fwd's (s, y, rstd), and y's maxima both ways (None past the one-pass widths)."""
-    check_dtypes("add_rms_norm", x=x, r=r, weight=weight)
-    check_same_shape("add_rms_norm", x=x, r=r)
-    s = torch.empty(x.shape, dtype=torch.result_type(x, r), device=x.device)
-    return (s, *_fp8_fwd(x, r, s, weight, eps, offset, out_dtype))
+    return with_sum(_fp8_fwd, x, r, weight, eps, offset, out_dtype)
 
 
 def _fp8_bwd(dy, x, weight, rstd, offset, dres, dx2_dtype):

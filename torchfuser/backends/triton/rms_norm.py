@@ -109,12 +109,7 @@ def _rms_norm_fwd_kernel(
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = row_ok[:, None] & (c < N)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_RES:
-                res = tl.load(r_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-                s = (x + res).to(S.dtype.element_ty)
-                tl.store(s_rows + c[None, :], s, mask=mask)
-                x = s.to(tl.float32)
+            x = _row_input(x_rows, r_rows, s_rows, c, mask, S, HAS_RES)
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=1) / N + eps)
         for start in range(0, N, BLOCK_N):
@@ -268,10 +263,16 @@ def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
 
 def add_rms_norm_fwd(x, r, weight, eps, offset, out_dtype=None):
     """(s, y, rstd): s = x + r in torch.result_type(x, r), and rms_norm_fwd(s, ..., out_dtype)."""
+    return with_sum(_norm_fwd, x, r, weight, eps, offset, out_dtype)
+
+
+def with_sum(norm_fwd, x, r, weight, eps, offset, out_dtype):
+    """(s, *norm_fwd(x, r, s, ...)): add_rms_norm's checks and its s, for ``norm_fwd`` (``_norm_fwd`` or a
+    producer's) to store s = x + r into."""
     check_dtypes("add_rms_norm", x=x, r=r, weight=weight)
     check_same_shape("add_rms_norm", x=x, r=r)
     s = torch.empty(x.shape, dtype=torch.result_type(x, r), device=x.device)
-    return (s, *_norm_fwd(x, r, s, weight, eps, offset, out_dtype))
+    return (s, *norm_fwd(x, r, s, weight, eps, offset, out_dtype))
 
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
