@@ -8,7 +8,9 @@ cost, on one GPU.
    at ≈ 54 % of the copy bandwidth) against two variants defined here, never shipped: each element
    multiplied by a per-row / per-column reciprocal instead of two IEEE divisions (``recip``: a different
    rounding, so its bits are counted, not required), and no scaling at all (``bound``: the memory and
-   transposition cost alone); and against a bf16 copy of the same bytes.
+   transposition cost alone); and against a bf16 copy of the same bytes. Run 136 found ``recip`` at the
+   bound, 1.4-2× the writer's speed, so since run 137 the shipped formula is the multiplier (``default``
+   and ``recip`` then differ only in the scales the writer stores).
 
     PYTHONPATH=$PWD python benchmarks/probes/fp8_norm_producer_probe.py --out probe.jsonl   # GPU, ≈ 1 min
 """
