@@ -13,9 +13,10 @@ three FP8 GEMMs through
 (``tensorwise``: one scale per tensor instead; ``blockwise``: one per 128 elements along the same
 dimensions, and per 128 × 128 block of W, backends/reference/fp8_blocks.py, its products
 ``_fp8_gemm.mm_blocks``; experimental). Scales are amax / 448 (e4m3's largest finite value),
-in fp32, and the values are multiplied by 448 / amax before the cast (backends/reference/fp8_quant.py). A trainable weight's two quantised copies are made at every call: fused optimizers
-(``AdamW(fused=True)``) update parameters in place without bumping their version counter, so no
-cache key read on the host could tell a stale copy (one such cache trained llama1b on step 0's
+in fp32, and the values are multiplied by 448 / amax before the cast (backends/reference/fp8_quant.py).
+A trainable weight's two quantised copies are made at every call: fused optimizers (``AdamW(fused=True)``)
+update parameters in place without bumping their version counter, so no cache key read on the host could
+tell a stale copy (one such cache trained llama1b on step 0's
 weights). With ``fp8_weights="per_step"`` they are kept until any ``torch.optim`` optimizer steps (or the
 version moves): once per optimizer step, not per micro-batch or checkpointed recompute, at 2 bytes a
 weight kept between calls (``fp8_step``; it assumes no ``param.data`` writes). A frozen weight (LoRA's
