@@ -105,9 +105,11 @@ def test_norm_producer_maxima_propagate_nan_and_take_inf(interpreter):
     assert torch.equal(got.nan_to_num(), want.view(torch.float32).nan_to_num())
 
 
-def test_rows_past_the_one_pass_widths_take_no_maxima(interpreter):
-    """Rows the norms walk in chunks: the plain kernels run and no maxima come back (the GEMM takes its own)."""
-    n = interpreter.rms_norm.MAX_FUSED + 16
+def test_wider_rows_take_no_maxima(interpreter):
+    """Rows past the producers' widths (the forward's _MAX_FWD, the backward's one-pass rows with a residual
+    gradient): the plain kernels run and no maxima come back (the GEMM takes its own)."""
+    n = interpreter.norm_fp8._MAX_FWD + 16
+    assert not interpreter.norm_fp8.norm_config(n, True, dres=True)[2]  # the backward walks it in chunks
     x, w = _rand(2, n, torch.bfloat16, 0), _weight(n)
     y, rstd, amax = interpreter.rms_norm_fp8_fwd(x, w, 1e-6, 0.0)
     assert amax is None

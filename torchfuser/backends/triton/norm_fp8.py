@@ -13,8 +13,8 @@ column, of the output as rounded to its dtype; what fp8_quant.py's ``_fp8_amax_b
 ``fp8_quantize_both_amax``. A program owns its rows whole, so their maxima are stored, not atomics; the
 column maxima are kept in registers over the program's rows and maxed in once a column a program.
 
-Rows up to rms_norm.py's one-pass widths only (rms_norm.MAX_FUSED forward, _MAX_FUSED_BWD_DRES
-backward with a residual gradient): in the same tiles (rows a tile, block, warps) as rms_norm.py's
+Rows up to 8192 elements forward (``_MAX_FWD``) and rms_norm.py's one-pass widths backward
+(_MAX_FUSED_BWD_DRES with a residual gradient): in the same tiles (rows a tile, block, warps) as rms_norm.py's
 kernels, so that each row's sums reduce in the same order, and in a persistent grid that walks them.
 Wider rows run rms_norm.py's kernels and give amax None: the GEMM then takes its own maxima.
 
@@ -38,6 +38,9 @@ from .rms_norm import _dx_rows, _norm_bwd, _norm_fwd, _row_input, _rstd, norm_co
 # an H200 at 8192 × 2048 (run 136), and still slower than the plain kernel plus the amax pass, so
 # modules.fp8._NORM_PRODUCERS leaves these kernels off.
 _FWD_PER_SM = 2
+# Past 8192 elements a row the forward's register tile (x, w and the column maxima, 16384 wide) spills 96
+# bytes a thread on sm_80 and sm_90 (benchmarks/triton_resources.py): those rows take the plain kernel.
+_MAX_FWD = 8192
 
 
 @triton.jit
@@ -124,7 +127,7 @@ def _fp8_fwd(x, r, s, weight, eps, offset, out_dtype):
     n = x.shape[-1]
     block, rows, one_pass, warps = norm_config(n, False, target_of(x))
     x2, m, sx = rows_of(x, n)
-    if not one_pass or m == 0:
+    if not one_pass or n > _MAX_FWD or m == 0:
         return (*_norm_fwd(x, r, s, weight, eps, offset, out_dtype), None)
     r2, _, sr = rows_of(r, n) if r is not None else (x2, m, sx)
     y = torch.empty(x.shape, dtype=out_dtype or (x.dtype if s is None else s.dtype), device=x.device)
@@ -138,13 +141,13 @@ def _fp8_fwd(x, r, s, weight, eps, offset, out_dtype):
 
 
 def rms_norm_fp8_fwd(x, weight, eps, offset, out_dtype=None):
-    """rms_norm_fwd's (y, rstd), and y's maxima both ways (None past the one-pass widths)."""
+    """rms_norm_fwd's (y, rstd), and y's maxima both ways (None past ``_MAX_FWD``)."""
     check_dtypes("rms_norm", x=x, weight=weight)
     return _fp8_fwd(x, None, None, weight, eps, offset, out_dtype)
 
 
 def add_rms_norm_fp8_fwd(x, r, weight, eps, offset, out_dtype=None):
-    """add_rms_norm_fwd's (s, y, rstd), and y's maxima both ways (None past the one-pass widths)."""
+    """add_rms_norm_fwd's (s, y, rstd), and y's maxima both ways (None past ``_MAX_FWD``)."""
     return with_sum(_fp8_fwd, x, r, weight, eps, offset, out_dtype)
 
 
