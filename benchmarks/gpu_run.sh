@@ -5,9 +5,9 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tf-out}; mkdir -p "$OUT/prof"
-if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python packages for comparisons (liger-kernel)
+if ls .whl/*.whl >/dev/null 2>&1; then  # packages for comparisons (liger-kernel; Unsloth: benchmarks/unsloth_wheels.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
+    && export PYTHONPATH=$PWD:/tmp/site || echo "gpu_run.sh: installing .whl failed: the peers' variants will be skipped"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 ts=benchmarks/train_step.py fc=benchmarks/fsdp_check.py
@@ -76,6 +76,12 @@ for stage in "$@"; do
               --variants ${VARIANTS:-eager torchfuser} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-lora.jsonl" ;;
     ft-lora-long) timeout 300 python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
               --grad-checkpointing --variants ${VARIANTS:-eager torchfuser} --out "$OUT/train-step-lora-16k.jsonl" ;;
+    # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast
+    # on the tiny Llama (import, load, both variants' steps, the first-step loss against PEFT's), then llama8b LoRA.
+    unsloth-smoke) timeout ${SMOKE_S:-150} python3 $ts --models tiny --precision bf16 --lora 16 --batch 2 --seq 128 --warmup 1 --steps 2 \
+              --variants ${VARIANTS:-unsloth unsloth-offload} --out "$OUT/train-step-unsloth-smoke.jsonl" ;;
+    unsloth) timeout ${UNSLOTH_S:-420} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
+              --variants ${VARIANTS:-eager torchfuser torchfuser-graphs unsloth} --out "$OUT/train-step-lora-unsloth.jsonl" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;
     moe-capture) timeout 120 python3 benchmarks/probes/moe_block_capture_probe.py ;;
     moe-train) timeout ${MOE_S:-500} python3 $ts --models ${MODELS:-qwen3moe olmoe} --variants ${VARIANTS:-torchfuser torchfuser-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-moe.jsonl" ;;

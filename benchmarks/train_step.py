@@ -13,7 +13,9 @@ TORCHFUSER_COMPILED_ELEMENTWISE set to --compiled-elementwise, default "inductor
 compile-torchfuser (torch.compile(backend="torchfuser")), torchfuser+compile-torchfuser (both),
 compile-cudagraphs and torchfuser+compile-cudagraphs (torch.compile(..., mode="reduce-overhead"):
 Inductor's CUDA graphs), liger (Liger-Kernel, when installed; it patches transformers classes
-globally, so it runs last for each model). Each variant builds the model
+globally, so it runs last for each model), unsloth and unsloth-offload (Unsloth's FastLanguageModel
+with LoRA, without and with its offloaded checkpointing, each in a process of its own, with the first
+step's loss against PEFT's: benchmarks/unsloth_variant.py). Each variant builds the model
 afresh from the same seed, trains on the same random tokens under bf16 autocast (CUDA) with fp32
 parameters (``--precision bf16``: bf16 parameters and no autocast, as ``model.to(torch.bfloat16)``
 training runs), and reports ms/step (median of the timed steps), tokens/s, peak memory and the
@@ -50,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
+import unsloth_variant  # noqa: E402
 import workloads  # noqa: E402
 from profiling import idle_gaps, profiled, write_tables  # noqa: E402
 
@@ -67,7 +70,7 @@ VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs",
             "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
             *FP8_VARIANTS, "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
-            "liger")
+            "liger", *unsloth_variant.VARIANTS)
 
 
 def build(recipe: str, device: torch.device, seed: int, dtype: torch.dtype = torch.float32):
@@ -128,7 +131,7 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
                          cuda_graphs=end == "-graphs", **({"fp8_lm_head": True} if "head" in opts else {}),
                          **({"fp8_weights": "per_step"} if "per-step" in opts else {}))
         return torch.compile(fused) if end == "+compile" else fused
-    if variant == "eager":
+    if variant == "eager" or variant in unsloth_variant.VARIANTS:  # Unsloth's model comes patched from its loader
         return model
     if variant == "compile":
         return torch.compile(model)
@@ -175,10 +178,14 @@ def run_variant(recipe, variant, args, device):
     from torchfuser.compiler import inductor_pass
 
     bf16_params = args.precision == "bf16"
-    model = build(recipe, device, args.seed, torch.bfloat16 if bf16_params else torch.float32)
-    if args.lora:
+    unsloth = variant in unsloth_variant.VARIANTS  # in its worker process (unsloth_variant.run_isolated)
+    if unsloth:
+        model = unsloth_variant.load(variant, args)
+    else:
+        model = build(recipe, device, args.seed, torch.bfloat16 if bf16_params else torch.float32)
+    if args.lora and not unsloth:
         model = workloads.add_lora(model, args.lora, args.seed)
-    if args.grad_checkpointing:  # HF's, non-reentrant, on every decoder layer (before optimize, as users do)
+    if args.grad_checkpointing and not unsloth:  # HF's, non-reentrant, on every decoder layer (before optimize, as users do)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     passes_before = len(inductor_pass.RECENT)
     step_fn = prepare(variant, model, args.backend, args.compiled_elementwise, args.exclude)
@@ -186,9 +193,7 @@ def run_variant(recipe, variant, args, device):
         variant = f"{variant}-no-{'-'.join(args.exclude)}"
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-4, fused=device.type == "cuda")
-    # A new length every step for `varying`; the others cycle through a few batches.
-    n = args.warmup + args.steps if args.workload == "varying" else 4
-    batches = workloads.batches(args.workload, n, model.config.vocab_size, args.batch, args.seq, args.seed, device)
+    batches = run_batches(args, model.config.vocab_size, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" and not bf16_params)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     losses, times, tokens = [], [], []
@@ -216,7 +221,7 @@ def run_variant(recipe, variant, args, device):
     ms = statistics.median(times) * 1e3
     row = {
         "model": recipe, "variant": variant, "precision": args.precision, "workload": args.workload, "lora": args.lora,
-        "grad_checkpointing": args.grad_checkpointing,
+        "grad_checkpointing": unsloth_variant.CHECKPOINTING[variant] if unsloth else args.grad_checkpointing,
         "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
@@ -230,8 +235,29 @@ def run_variant(recipe, variant, args, device):
         row["inductor_pass"] = passes
     if variant.endswith("-ew"):
         row["compiled_elementwise"] = args.compiled_elementwise
+    if unsloth:  # unsloth_variant.run_isolated adds PEFT's losses of the same first step
+        row["loss_first_step"] = {"unsloth": losses[0]}
     del model, step_fn, opt
     return row
+
+
+def run_batches(args, vocab: int, device) -> list[dict]:
+    """The run's batches: a new length every step for `varying`; the others cycle through a few."""
+    n = args.warmup + args.steps if args.workload == "varying" else 4
+    return workloads.batches(args.workload, n, vocab, args.batch, args.seq, args.seed, device)
+
+
+def run_unsloth(recipe, variant, args, device):
+    """An unsloth variant's row, from a process of its own (Unsloth patches transformers and PEFT
+    globally), or the reason it is skipped."""
+    from transformers import AutoConfig
+
+    fields = json.loads((ROOT / "recipes" / f"{recipe}.json").read_text())
+    reason = unsloth_variant.skip_reason(AutoConfig.for_model(fields.pop("model_type"), **fields), args, device)
+    if reason:
+        print(f"{recipe} {variant}: skipped: {reason}", flush=True)
+        return {"model": recipe, "variant": variant, "skipped": reason}
+    return unsloth_variant.run_isolated(recipe, variant, args, device, build, run_batches)
 
 
 def profile(step_fn, opt, inputs, autocast, device, path):
@@ -270,31 +296,36 @@ def environment(device):
         import triton
 
         env["triton"] = triton.__version__
-    try:
-        import liger_kernel  # noqa: F401
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        env["liger_kernel"] = version("liger-kernel")
-    except ImportError:
-        pass
+    for name in ("liger-kernel", "unsloth", "unsloth_zoo"):  # the peers, when installed (not imported here)
+        try:
+            env[name.replace("-", "_")] = version(name)
+        except PackageNotFoundError:
+            pass
     return env
 
 
 def table(rows):
     lines = [f"{'model':10} {'variant':30} {'ms/step':>9} {'tok/s':>9} {'peak GiB':>9} {'vs eager':>9} {'vs compile':>10} {'loss first→last':>18}"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"{r['model']:10} {r['variant']:30} failed: {r['error'][:80]}")
+        if "error" in r or "skipped" in r:
+            what = f"failed: {r['error'][:80]}" if "error" in r else f"skipped: {r['skipped'][:80]}"
+            lines.append(f"{r['model']:10} {r['variant']:30} {what}")
             continue
-        base = {v: x for x in rows if x["model"] == r["model"] and "error" not in x for v in [x["variant"]]}
+        base = {v: x for x in rows if x["model"] == r["model"] and "ms_per_step" in x for v in [x["variant"]]}
         ratio = lambda v: f"{base[v]['ms_per_step'] / r['ms_per_step']:.2f}×" if v in base else "-"
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         lines.append(f"{r['model']:10} {r['variant']:30} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9,d} {peak:>9} "
                      f"{ratio('eager'):>9} {ratio('compile'):>10} {r['first_loss']:8.3f}→{r['last_loss']:<8.3f}")
+        if "loss_parity" in r:  # unsloth variants: the first step's loss against PEFT's, same weights and batch
+            f, p = r["loss_first_step"], r["loss_parity"]
+            lines.append(f"{'':41} first-step loss {f['unsloth']:.4f}, PEFT {f['peft_eager_bf16']:.4f}, fp32 "
+                         f"{f['reference_fp32']:.4f}: {'within' if p['within_rule'] else 'NOT within'} the bf16 rule")
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["llama1b", "qwen05b"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
@@ -315,7 +346,7 @@ def main():
     parser.add_argument("--exclude", nargs="*", default=[], help="patterns the torchfuser variants leave out (an A/B)")
     parser.add_argument("--out", help="append JSON lines here")
     parser.add_argument("--profile-dir", help="write a profiler table per variant here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     env = environment(device)
     print(json.dumps({"environment": env}), flush=True)
@@ -323,7 +354,10 @@ def main():
     for recipe in args.models:
         for variant in sorted(args.variants, key=lambda v: v == "liger"):
             try:
-                row = run_variant(recipe, variant, args, device)
+                if variant in unsloth_variant.VARIANTS:
+                    row = run_unsloth(recipe, variant, args, device)
+                else:
+                    row = run_variant(recipe, variant, args, device)
             except Exception as err:  # one failing variant must not hide the others' numbers
                 traceback.print_exc()
                 row = {"model": recipe, "variant": variant, "error": f"{type(err).__name__}: {err}"}
@@ -334,6 +368,7 @@ def main():
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
+    unsloth_variant.cleanup()
     print(table(rows))
     if args.out:
         with open(args.out, "a") as f:
