@@ -79,7 +79,7 @@ for stage in "$@"; do
     # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast
     # on the tiny Llama (import, load, both variants' steps, the first-step loss against PEFT's), then llama8b LoRA.
     unsloth-smoke) timeout ${SMOKE_S:-150} python3 $ts --models tiny --precision bf16 --lora 16 --batch 2 --seq 128 --warmup 1 --steps 2 \
-              --variants ${VARIANTS:-unsloth unsloth-offload} --out "$OUT/train-step-unsloth-smoke.jsonl" ;;
+              --variants ${SMOKE_VARIANTS:-unsloth unsloth-offload} --out "$OUT/train-step-unsloth-smoke.jsonl" ;;
     unsloth) timeout ${UNSLOTH_S:-420} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
               --variants ${VARIANTS:-eager torchfuser torchfuser-graphs unsloth} --out "$OUT/train-step-lora-unsloth.jsonl" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;

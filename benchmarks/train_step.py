@@ -320,8 +320,9 @@ def table(rows):
                      f"{ratio('eager'):>9} {ratio('compile'):>10} {r['first_loss']:8.3f}→{r['last_loss']:<8.3f}")
         if "loss_parity" in r:  # unsloth variants: the first step's loss against PEFT's, same weights and batch
             f, p = r["loss_first_step"], r["loss_parity"]
+            verdict = {True: "within", False: "NOT within", None: "no fp32 reference for"}[p["within_rule"]]
             lines.append(f"{'':41} first-step loss {f['unsloth']:.4f}, PEFT {f['peft_eager_bf16']:.4f}, fp32 "
-                         f"{f['reference_fp32']:.4f}: {'within' if p['within_rule'] else 'NOT within'} the bf16 rule")
+                         f"{f['reference_fp32'] or float('nan'):.4f}: {verdict} the bf16 rule")
     return "\n".join(lines)
 
 

@@ -132,11 +132,12 @@ def prepare_checkpoint(recipe, args, device, build, batches):
     losses = {}
     with torch.no_grad():
         losses["peft_eager_bf16"] = model(**inputs, use_cache=False).loss.item()
-        model.float()  # the same (bf16-rounded) weights; the adapters are fp32 already
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
-        try:
-            losses["reference_fp32"] = model(**inputs, use_cache=False).loss.item()
+        try:  # the same (bf16-rounded) weights in fp32 (the adapters are fp32 already): 2× the memory
+            losses["reference_fp32"] = model.float()(**inputs, use_cache=False).loss.item()
+        except torch.cuda.OutOfMemoryError:
+            losses["reference_fp32"] = None
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
     del model, inputs
@@ -150,6 +151,8 @@ def prepare_checkpoint(recipe, args, device, build, batches):
 def parity(unsloth_loss: float, losses: dict) -> dict:
     """docs/numerics.md's rule on the first step's loss: |unsloth − ref| ≤ 2·|PEFT bf16 − ref| + atol."""
     ref = losses["reference_fp32"]
+    if ref is None:  # the fp32 reference did not fit
+        return {"within_rule": None}
     err, base = abs(unsloth_loss - ref), abs(losses["peft_eager_bf16"] - ref)
     return {"unsloth_error": err, "peft_error": base, "atol": BF16_ATOL, "within_rule": err <= 2 * base + BF16_ATOL}
 
