@@ -325,8 +325,8 @@ def test_tied_embeddings_given_as_inputs_embeds_or_hooked_take_the_plain_path():
 
 
 def test_the_tied_embedding_backward_without_the_heads_gradient_is_nn_embeddings():
-    """When the head's gradient has not reached the slot (another order of autograd's nodes), the
-    embedding's backward returns its own dense gradient."""
+    """When the alias of W is not used (no head's gradient reaches the node), the embedding's
+    backward returns its own dense gradient."""
     from torchfuser.modules import tied_embedding as te
 
     g = torch.Generator().manual_seed(3)
@@ -334,9 +334,31 @@ def test_the_tied_embedding_backward_without_the_heads_gradient_is_nn_embeddings
     ids = torch.tensor([[1, 4, 4, 2], [4, 0, 1, 9]])
     up = torch.randn(2, 4, 6, generator=g)
     (want,) = torch.autograd.grad(torch.nn.functional.embedding(ids, weight, padding_idx=4), [weight], up)
-    (got,) = torch.autograd.grad(te._TiedEmbedding.apply(ids, weight, te.GradSlot(), 4), [weight], up)
+    out, _alias = te._TiedEmbedding.apply(ids, weight, 4)
+    (got,) = torch.autograd.grad(out, [weight], up)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert got[4].abs().max() == 0
+
+
+def test_the_tied_embedding_node_sums_out_of_place_when_building_a_graph():
+    """create_graph: the head's gradient is a tensor of the graph being built, so the rows are added
+    out of place, and the sum is differentiable in both gradients."""
+    from torchfuser.modules import tied_embedding as te
+
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[1, 4, 4, 2], [4, 0, 1, 9]])
+    up, head = torch.randn(2, 4, 6, generator=g, dtype=torch.float64), torch.randn(11, 6, generator=g, dtype=torch.float64)
+
+    def loss(embed, alias):
+        return (embed * up).sum() + (alias.sin() * head).sum()
+
+    (want,) = torch.autograd.grad(loss(torch.nn.functional.embedding(ids, weight, padding_idx=4), weight), [weight],
+                                  create_graph=True)
+    (got,) = torch.autograd.grad(loss(*te._TiedEmbedding.apply(ids, weight, 4)), [weight], create_graph=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    (ww,), (gg,) = torch.autograd.grad(want.square().sum(), [weight]), torch.autograd.grad(got.square().sum(), [weight])
+    torch.testing.assert_close(gg, ww, rtol=0, atol=1e-12)
 
 
 def test_a_fused_forward_pickled_before_the_probe_cache_loads_and_runs(tmp_path):

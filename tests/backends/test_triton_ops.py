@@ -463,6 +463,26 @@ def test_linear_cross_entropy_backward_scales_with_the_backend_kernel(interprete
     torch.testing.assert_close(w.grad.float(), 2.5 * w2.grad.float(), rtol=1e-2, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_cross_entropy_second_backward_with_retain_graph_is_exact(interpreter, dtype):
+    """retain_graph=True: the backend's in-place scaling runs on copies of the saved gradients, so a
+    second backward reads them unchanged. The grads of 2·loss then loss: what one backward gives
+    for 2 (an exact doubling) plus what it gives for 1, taken from a backward on a fresh forward."""
+    h = _rand(37, 64).to(dtype).requires_grad_()
+    w = _rand(123, 64, scale=0.25).to(dtype).requires_grad_()
+    labels = torch.randint(0, 123, (37,)).to(DEVICE)
+    loss = F.linear_cross_entropy(h, w, labels, backend="triton")
+    (2 * loss).backward(retain_graph=True)
+    first = [h.grad.clone(), w.grad.clone()]
+    loss.backward()
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    F.linear_cross_entropy(h2, w2, labels, backend="triton").backward()
+    torch.testing.assert_close(first[0], 2 * h2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(first[1], 2 * w2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(h.grad, first[0] + h2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, first[1] + w2.grad, rtol=0, atol=0)
+
+
 def test_linear_cross_entropy_backward_traces_with_fake_tensors(interpreter):
     """The backward traced on fake tensors (make_fx; torch 2.11's AOTAutograd traces it so without
     `is_compiling()`) scales out of place instead of launching the backend's kernel on them:

@@ -91,7 +91,7 @@ class FusedLMHeadLoss:
 
     Without labels, in eval mode, or with ``logits_to_keep`` set, the original forward runs
     unchanged. Where the input embedding shares the head's weight, its gradient is added into the
-    head's in place during a fused eager call (``tied_embedding``).
+    head's in place, in one autograd node, during a fused eager call (``tied_embedding``).
 
     ``fp8`` ("rowwise" / "tensorwise", set by ``optimize(model, fp8=..., fp8_lm_head=True)``; None by
     default): the head's three products run as FP8 GEMMs (``functional.linear_cross_entropy``'s
@@ -163,7 +163,7 @@ class FusedLMHeadLoss:
                 tied_embedding.uninstall(embedding)
         self._check(out, capture)
         hidden, bias = capture.inputs[0], head.bias
-        weight = head.weight if slot is None else tied_embedding.leave_grad(head.weight, slot)
+        weight = head.weight if slot is None else tied_embedding.head_weight(head.weight, slot)
         if self.spec.logit_scale != 1.0:  # s·(h·Wᵀ + b) = (s·h)·Wᵀ + s·b: the logits are never formed
             hidden = hidden * self.spec.logit_scale
             bias = None if bias is None else bias * self.spec.logit_scale

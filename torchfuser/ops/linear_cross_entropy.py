@@ -58,7 +58,14 @@ def _setup(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.need_grad = need_grad
     ctx.backend = inputs[9]
+    ctx.scaled_in_place = False  # the saved gradients scaled by a backward: no second one
     ctx.save_for_backward(*output[1:])
+
+
+def _keep_graph() -> bool:
+    """Whether the running backward retains the graph (``retain_graph=True``, or ``create_graph``)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())  # unknown: assume retained (a copy, never a wrong gradient)
 
 
 def _backward(ctx, dloss, *_):
@@ -66,6 +73,14 @@ def _backward(ctx, dloss, *_):
         raise RuntimeError(
             "linear_cross_entropy was run without gradients (need_grad=False) but is being differentiated; "
             "call it with grad mode on"
+        )
+    if ctx.scaled_in_place:
+        raise RuntimeError(
+            "linear_cross_entropy (the fused LM head + loss): a second backward through the same graph, whose "
+            "first backward ran without retain_graph=True. This op computes its gradients in the forward and "
+            "that backward scaled them in place (to keep the peak memory low), so they are spent. Pass "
+            "retain_graph=True to every backward but the last, or run "
+            "torchfuser.optimize(model, exclude=['lm_head_loss'])"
         )
     dh, dw, db = ctx.saved_tensors
     scale = dloss.to(torch.float32)
@@ -76,10 +91,15 @@ def _backward(ctx, dloss, *_):
         # backend's kernel then met fake tensors.
         grads = [(g * scale).to(g.dtype) for g in grads]
     else:
-        # In place: a scaled copy of dweight alone would add V×H elements to the peak. A second
-        # backward through the same graph (retain_graph=True) then fails autograd's saved-tensor
-        # version check instead of scaling twice. A backend may scale faster than `mul_` with a
-        # device scalar (the Triton one: vectorised, and skipped on the device when dloss is 1).
+        # In place: a scaled copy of dweight alone would add V×H elements to the peak. Where the
+        # graph is retained (retain_graph=True: a later backward reads the saved gradients again)
+        # the copies are made, and scaled by the same kernel, so every backward is exact. A backend
+        # may scale faster than `mul_` with a device scalar (the Triton one: vectorised, and skipped
+        # on the device when dloss is 1).
+        if _keep_graph():
+            grads = [g.clone() for g in grads]
+        else:
+            ctx.scaled_in_place = True
         scale_ = getattr(kernels(ctx.backend), "linear_cross_entropy_scale_", None)
         if scale_ is not None:
             scale_(grads, scale)
