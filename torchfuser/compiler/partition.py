@@ -160,13 +160,42 @@ def _compare(sub: GraphModule, compiled, examples, single: bool) -> str | None:
     return None
 
 
+def _connected(nodes) -> list[list[Node]]:
+    """``nodes`` (one proposed partition) split into the parts that share no value, neither one
+    computed inside nor an input read from outside. The partitioner also groups computations that
+    are independent of each other; one kernel runs all of a region's outputs over one row dim, and
+    two independent parts need not have one: in the backward of ``silu(x) * y + sin(b)`` with x of
+    n × m and b of m, ``b``'s gradient (m values, from the summed output gradient) and ``x``'s
+    (n × m) shared a region, which the MLIR backend had to refuse. Parts that read one input stay
+    one region (the input is read once). No path leaves a partition and comes back into it, so the
+    parts fuse without cycles."""
+    members = list(nodes)
+    parent: dict[Node, Node] = {}
+
+    def root(n):
+        parent.setdefault(n, n)
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in members:
+        for a in n.all_input_nodes:  # inside or outside: either way the two share a value
+            parent[root(a)] = root(n)
+    parts: dict[Node, list[Node]] = {}
+    for n in members:
+        parts.setdefault(root(n), []).append(n)
+    return list(parts.values())
+
+
 def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic: bool) -> GraphModule:
-    partitions = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
+    proposed = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
+    partitions = [dict.fromkeys(part) for p in proposed for part in _connected(p.nodes)]
     if not partitions:
         return gm
     from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-    fused = fuse_by_partitions(gm, [list(p.nodes) for p in partitions], prefix=f"{which}_region_")
+    fused = fuse_by_partitions(gm, partitions, prefix=f"{which}_region_")
     compile_graph = _compile_graph()
     if compile_graph is None:
         from torchfuser.backends import unavailable_reason

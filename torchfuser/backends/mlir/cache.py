@@ -1,8 +1,11 @@
 """Compile cache: in memory (per process) and on disk (shared by processes), bounded.
 
 Key: op name, spec (eps, offset, …; a graph's code and constants), every argument's
-role/shape/dtype, chunk rows, the torch and torch-mlir versions, this backend's ``VERSION`` and
-a hash of the sources that shape a kernel (``sources()``). On disk, under
+role/shape/dtype, chunk rows, the torch and torch-mlir versions, this backend's ``VERSION``, a
+hash of the sources that shape a kernel (``sources()``) and the host CPU the JIT compiles for
+(``host_cpu()``: LLVM's host CPU name and the CPU's identity and feature flags; the JIT targets the
+host, AVX-512 included, so a cache shared between machines — an NFS home, a baked image — must not
+hand one machine's kernels to another, where they would die of SIGILL). On disk, under
 ``$TORCHFUSER_CACHE_DIR`` or ``$XDG_CACHE_HOME/torchfuser`` (``~/.cache/torchfuser``) in
 ``mlir/``: ``<key>.json`` (the kernel's signature, so a hit needs no tracing) next to
 ``<key>.so`` (the JIT's position-independent object linked by the system C compiler) or, where
@@ -14,10 +17,14 @@ file. The directory is trimmed to ``MAX_BYTES`` (least recently used first) afte
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import glob
 import hashlib
+import importlib.util
 import json
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -90,6 +97,68 @@ def torch_mlir_version() -> str:
         return "unknown"
 
 
+class _StringRef(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_size_t)]
+
+
+def _llvm_host_cpu_name() -> str | None:
+    """``llvm::sys::getHostCPUName()`` of the LLVM inside torch-mlir, the one whose ExecutionEngine
+    compiles the kernels for this CPU and its features (``JITTargetMachineBuilder::detectHost``);
+    None where that library or symbol is not found (the flags in ``host_cpu`` still key the cache)."""
+    try:
+        spec = importlib.util.find_spec("torch_mlir")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        libs = [p for d in spec.submodule_search_locations
+                for p in glob.glob(os.path.join(d, "_mlir_libs", "libTorchMLIRAggregateCAPI*"))]
+        if not libs:
+            return None
+        fn = getattr(ctypes.CDLL(sorted(libs)[0]), "_ZN4llvm3sys14getHostCPUNameEv")  # returns a StringRef
+        fn.argtypes, fn.restype = [], _StringRef
+        ref = fn()
+        if not ref.data or not 0 < ref.size < 128:
+            return None
+        name = ctypes.string_at(ref.data, ref.size).decode("ascii")
+        return name if name.isprintable() else None
+    except (OSError, AttributeError, ValueError, UnicodeDecodeError, ImportError):
+        return None
+
+
+# the /proc/cpuinfo fields that say which CPU this is and what it can execute (x86 and Arm); not
+# stepping, microcode or clocks, which differ between machines that run the same code
+_CPUINFO_FIELDS = ("vendor_id", "cpu family", "model", "model name", "CPU implementer", "CPU architecture",
+                   "CPU variant", "CPU part")
+_CPUINFO_FLAGS = ("flags", "Features")
+
+
+def _cpuinfo(path: str = "/proc/cpuinfo") -> dict:
+    try:
+        with open(path) as f:
+            first = f.read().split("\n\n", 1)[0]  # the first processor's block
+    except OSError:
+        return {}
+    info = {}
+    for line in first.splitlines():
+        name, sep, value = line.partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep:
+            continue
+        if name in _CPUINFO_FIELDS:
+            info[name] = value
+        elif name in _CPUINFO_FLAGS:
+            info["flags"] = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:16]
+    return info
+
+
+@functools.lru_cache(maxsize=None)
+def host_cpu() -> dict:
+    """What the JIT compiles for, as part of every key: LLVM's host CPU name (e.g. ``znver4``,
+    ``sapphirerapids``) and the CPU's identity and feature flags (/proc/cpuinfo, the flags hashed),
+    or the platform's processor string where there is no /proc/cpuinfo. Once per process."""
+    return {"llvm": _llvm_host_cpu_name(), "machine": platform.machine(),
+            **(_cpuinfo() or {"processor": platform.processor()})}
+
+
 def make_key(op: str, spec: dict, args: list, rows: int) -> str:
     parts = {
         "op": op,
@@ -100,6 +169,7 @@ def make_key(op: str, spec: dict, args: list, rows: int) -> str:
         "torch": torch.__version__,
         "backend": VERSION,
         "pipeline": pipeline_hash(),
+        "host": host_cpu(),
     }
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
     return f"{op}-{digest}"
@@ -228,6 +298,8 @@ def _load_disk(directory: str, key: str, load):
             meta = json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+    if meta.get("host") != host_cpu():  # compiled for another CPU (or before entries said which)
+        return None
     try:
         k = load(directory, meta)
     except Exception:  # a corrupt or foreign entry: rebuild it
@@ -242,7 +314,9 @@ def _load_disk(directory: str, key: str, load):
 
 
 def store(directory: str, key: str, meta: dict, *, so_from_obj: str | None = None, mlir_text: str | None = None) -> None:
-    """Write an entry: the code first, the json last (a json means the entry is complete)."""
+    """Write an entry: the code first, the json last (a json means the entry is complete). The json
+    says which CPU the code is for; ``get`` loads no entry written for another."""
+    meta = dict(meta, host=host_cpu())
     if so_from_obj is not None and link_shared(so_from_obj, os.path.join(directory, key + ".so")):
         meta = dict(meta, artifact="so")
     elif mlir_text is not None:
