@@ -137,3 +137,20 @@ def test_explain_says_every_region_of_issue_35s_chain_is_mlir(capsys):
     e = f.explain(_r(64, 64), _r(64, 64), _r(64), print_=False)
     assert e.regions and all(r.compiled_by == "mlir" for r in e.regions), str(e)
     assert {r.graph for r in e.regions} == {"forward", "backward"}
+
+
+def constant_for_a_matmul(x, w):
+    return torch.sigmoid(x) * 3, torch.full((8, 16), 2.0, dtype=w.dtype) @ w
+
+
+def test_independent_parts_are_regions_of_their_own_and_constants_no_region():
+    """The partitioner groups independent computations; each part with inputs is a region of its
+    own (all MLIR), and a constant that reads no input stays an ATen call, not an eager region."""
+    x, w = _r(8, 16), _r(16, 4)
+    f = torchfuser.jit(constant_for_a_matmul)
+    outs, grads = _run(f, [x, w])
+    _regions_all_mlir(f)
+    assert "torch.ops.aten.full.default" in f.records[0].graphs["forward regions"]
+    outs64, grads64 = _run(constant_for_a_matmul, _as([x, w], torch.float64))
+    for got, want in list(zip(outs, outs64)) + list(zip(grads, grads64)):
+        torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=3e-5)

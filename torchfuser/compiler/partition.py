@@ -190,7 +190,10 @@ def _connected(nodes) -> list[list[Node]]:
 
 def compile_regions(gm: GraphModule, record: CompileRecord, which: str, dynamic: bool) -> GraphModule:
     proposed = CapabilityBasedPartitioner(gm, _Support(), allows_single_node_partition=True).propose_partitions()
-    partitions = [dict.fromkeys(part) for p in proposed for part in _connected(p.nodes)]
+    parts = [dict.fromkeys(part) for p in proposed for part in _connected(p.nodes)]
+    # a part that reads nothing from outside (a constant built by aten.full for ops elsewhere) has
+    # no rows to loop over: it stays an ATen call
+    partitions = [part for part in parts if any(a not in part for n in part for a in n.all_input_nodes)]
     if not partitions:
         return gm
     from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
