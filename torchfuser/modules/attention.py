@@ -34,18 +34,26 @@ _IMPLEMENTATIONS = ("eager", "sdpa")
 _CROSS_KWARGS = ("encoder_hidden_states", "key_value_states")
 
 # mask tensor → (its version, whether some query row has every key masked). The model passes one
-# mask object to every layer, so the check runs once per forward, not once per layer.
+# mask object to every layer, so the check runs once per forward, not once per layer. Inference
+# tensors (made under torch.inference_mode) have no version counter, so a write to one in place
+# could not be told from the cached answer: they are checked on every call (inference only).
 _EMPTY_ROWS = WeakTensorKeyDictionary()
 
 
 def _has_empty_rows(mask: Tensor) -> bool:
     """Whether an additive float mask hides every key from some query (left padding does that)."""
+    if mask.is_inference():
+        return _empty_rows(mask)
     hit = _EMPTY_ROWS.get(mask)
     if hit is not None and hit[0] == mask._version:
         return hit[1]
-    empty = bool((mask.amax(dim=-1) <= torch.finfo(mask.dtype).min).any())
+    empty = _empty_rows(mask)
     _EMPTY_ROWS[mask] = (mask._version, empty)
     return empty
+
+
+def _empty_rows(mask: Tensor) -> bool:
+    return bool((mask.amax(dim=-1) <= torch.finfo(mask.dtype).min).any())
 
 
 def _record_attention_weights(original: nn.Module, out) -> None:
