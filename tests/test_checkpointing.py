@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import torchfuser
 from torchfuser.modules import FusedAttention, fallbacks
 from torchfuser.modules.residual_norm import ResidualNormForward
+
+from test_architectures import batch, make
 
 LAYERS = 2
 
@@ -141,6 +144,37 @@ def test_gradient_checkpointing_checkpoints_the_fused_layers(backend, order, ree
         _same(*runs[name][:2], *runs["unfused"][:2])
 
 
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}, {"use_reentrant": False}, "every_2nd_layer"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_gradient_checkpointing_enable_then_train(model_type, kwargs, checkpoints):
+    """What transformers' own checkpointing tests do (``gradient_checkpointing_enable``, every parameter
+    trainable, a step): every parameter gets its gradient, equal to the unfused model's, and the layers
+    transformers checkpoints (all, or every second with ``every_n_layers=2``) are checkpointed, once."""
+    ref = make(model_type, use_cache=False)
+    fused = torchfuser.optimize(copy.deepcopy(ref), backend="reference")
+    every = 2 if kwargs == "every_2nd_layer" else 1
+    grads, counts = [], []
+    for m in (ref, fused):
+        with warnings.catch_warnings():  # "gradient_checkpointing_enable is deprecated" (transformers ≥ 5.2x)
+            warnings.simplefilter("ignore", FutureWarning)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None if every > 1 else kwargs,
+                                            every_n_layers=every)
+        m.train()
+        for p in m.parameters():
+            p.requires_grad_(True)
+        ids, mask, labels = batch()
+        before = len(checkpoints)
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels).loss
+        counts.append(len(checkpoints) - before)
+        loss.backward()
+        assert all(p.grad is not None for p in m.parameters())
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+        torch.optim.SGD(m.parameters(), lr=0.01).step()
+    _same(*grads[1], *grads[0])
+    assert counts == [2 // every, 2 // every]
+    assert not fallbacks.counts(fused), fallbacks.counts(fused)
+
+
 def test_a_layer_that_falls_back_is_checkpointed_once(checkpoints):
     """A call the fused forward hands to the original (a hook on a norm) goes through transformers' own
     checkpointing of the layer: checkpointed once, not once more around it."""
@@ -197,3 +231,27 @@ def test_trainer_gradient_checkpointing_checkpoints_the_fused_layers(tmp_path, c
     assert len(checkpoints) == LAYERS
     assert not fallbacks.counts(model), fallbacks.counts(model)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels and CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_gradient_checkpointing_on_cuda(cuda_graphs, checkpoints):
+    """On the GPU (Triton kernels; with CUDA graphs, whose layers run eagerly while checkpointing is
+    on): the fused layers are checkpointed once each, save what unfused ones save, and train alike."""
+    base, ids = _model().cuda(), _ids().cuda()
+    runs = {}
+    for name in ("unfused_ckpt", "fused_ckpt"):
+        model = copy.deepcopy(base)
+        if name == "fused_ckpt":
+            torchfuser.optimize(model, cuda_graphs=cuda_graphs)
+            assert all(_fused_layers(model)) or cuda_graphs  # graphed: the stack's forward is on the instance
+        _enable(model, False)
+        meter, before = _Meter(model), len(checkpoints)
+        loss, grads = meter.step(model, ids)
+        runs[name] = (loss, grads, meter.bytes, meter.attention_calls, len(checkpoints) - before)
+    assert runs["fused_ckpt"][2] <= 1.1 * runs["unfused_ckpt"][2] + 4096, (runs["fused_ckpt"][2], runs["unfused_ckpt"][2])
+    assert runs["fused_ckpt"][3:] == runs["unfused_ckpt"][3:] == (2 * LAYERS, LAYERS)
+    loss, grads = runs["fused_ckpt"][:2]
+    torch.testing.assert_close(loss, runs["unfused_ckpt"][0], rtol=1e-4, atol=1e-5)
+    for n, g in runs["unfused_ckpt"][1].items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-3, atol=1e-5, msg=n)
