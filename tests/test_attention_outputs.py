@@ -137,3 +137,22 @@ def test_output_attentions_under_sdpa_as_unfused(model_type):
     for x, y in zip(got.attentions, want.attentions):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_output_attentions_under_torch_compile_fullgraph(model_type):
+    """Under torch.compile transformers keeps its collector outside the ContextVar, where the fused
+    attention reads it (no graph break): the maps come back, and a plain call has none."""
+    from torch._dynamo.utils import counters
+
+    ref, fused = _pair(model_type)
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        fused(input_ids=ids, attention_mask=mask, output_attentions=True)  # transformers installs its hooks (a lock: eager)
+        counters.clear()
+        compiled = torch.compile(fused, fullgraph=True, backend="eager")
+        want = ref(input_ids=ids, attention_mask=mask, output_attentions=True)
+        _same_maps(compiled(input_ids=ids, attention_mask=mask, output_attentions=True).attentions, want.attentions)
+        plain = compiled(input_ids=ids, attention_mask=mask)
+    assert plain.attentions is None and not counters["graph_break"]
+    torch.testing.assert_close(plain.logits, want.logits, rtol=1e-5, atol=1e-5)
