@@ -148,7 +148,8 @@ def test_output_attentions_under_torch_compile_fullgraph(model_type):
     ref, fused = _pair(model_type)
     ids, mask, _ = batch()
     with torch.no_grad():
-        fused(input_ids=ids, attention_mask=mask, output_attentions=True)  # transformers installs its hooks (a lock: eager)
+        # transformers installs its hooks on the first request, under a lock: eagerly
+        fused(input_ids=ids, attention_mask=mask, output_attentions=True)
         counters.clear()
         compiled = torch.compile(fused, fullgraph=True, backend="eager")
         want = ref(input_ids=ids, attention_mask=mask, output_attentions=True)

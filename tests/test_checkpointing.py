@@ -37,7 +37,7 @@ def _model(seed=0):
 
 def _enable(model, reentrant):
     kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.2x; the older name warns there
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.25; the older name warns there
         model.activation_checkpointing_enable(kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
@@ -100,8 +100,8 @@ def _ids():
 
 
 def _fused_layers(model):
-    return [isinstance(layer.__dict__.get("forward"), ResidualNormForward) and isinstance(layer.self_attn, FusedAttention)
-            for layer in model.model.layers]
+    return [isinstance(layer.__dict__.get("forward"), ResidualNormForward)
+            and isinstance(layer.self_attn, FusedAttention) for layer in model.model.layers]
 
 
 def _same(loss, grads, loss_ref, grads_ref):
@@ -155,7 +155,7 @@ def test_gradient_checkpointing_enable_then_train(model_type, kwargs, checkpoint
     every = 2 if kwargs == "every_2nd_layer" else 1
     grads, counts = [], []
     for m in (ref, fused):
-        with warnings.catch_warnings():  # "gradient_checkpointing_enable is deprecated" (transformers ≥ 5.2x)
+        with warnings.catch_warnings():  # "gradient_checkpointing_enable is deprecated" (transformers 5.25)
             warnings.simplefilter("ignore", FutureWarning)
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=None if every > 1 else kwargs,
                                             every_n_layers=every)
@@ -249,7 +249,8 @@ def test_gradient_checkpointing_on_cuda(cuda_graphs, checkpoints):
         meter, before = _Meter(model), len(checkpoints)
         loss, grads = meter.step(model, ids)
         runs[name] = (loss, grads, meter.bytes, meter.attention_calls, len(checkpoints) - before)
-    assert runs["fused_ckpt"][2] <= 1.1 * runs["unfused_ckpt"][2] + 4096, (runs["fused_ckpt"][2], runs["unfused_ckpt"][2])
+    fused_bytes, unfused_bytes = runs["fused_ckpt"][2], runs["unfused_ckpt"][2]
+    assert fused_bytes <= 1.1 * unfused_bytes + 4096, (fused_bytes, unfused_bytes)
     assert runs["fused_ckpt"][3:] == runs["unfused_ckpt"][3:] == (2 * LAYERS, LAYERS)
     loss, grads = runs["fused_ckpt"][:2]
     torch.testing.assert_close(loss, runs["unfused_ckpt"][0], rtol=1e-4, atol=1e-5)

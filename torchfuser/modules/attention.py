@@ -87,13 +87,14 @@ def _recorded_from(original: nn.Module, collected: dict) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _requested_by_class(cls: type, keys: frozenset, _registered: int) -> tuple[str, ...]:
-    """The collected keys some model records from modules of class ``cls``, "attentions" always
-    (``_registered``: the registry's size, so that a model class registered later is seen)."""
+    """The collected keys some model records from modules of class ``cls`` ("attentions" whenever collected
+    too; ``_registered``: the registry's size, so that a model class registered later is seen)."""
     found = {"attentions"} & keys
     for table in list(_capturing._CAN_RECORD_REGISTRY.values()):
         for key, specs in (table or {}).items():
             if key in keys and key != "hidden_states":
-                targets = [getattr(spec, "target_class", spec) for spec in (specs if isinstance(specs, list) else [specs])]
+                specs = specs if isinstance(specs, list) else [specs]
+                targets = [getattr(spec, "target_class", spec) for spec in specs]
                 found.update(key for t in targets if isinstance(t, type) and issubclass(cls, t))
     return tuple(sorted(found))
 

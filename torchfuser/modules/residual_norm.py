@@ -24,7 +24,7 @@ MLP is then called as itself too), and code that torch.compile
 traces (Inductor fuses the adds into its own norm kernels there). Each such call but the traced
 ones is counted with its reason (``modules.fallbacks``), and the report lists them.
 
-Gradient checkpointing: transformers ≥ 5.2x checkpoints a ``GradientCheckpointingLayer`` in a wrapper
+Gradient checkpointing: transformers 5.25 checkpoints a ``GradientCheckpointingLayer`` in a wrapper
 around its class's ``forward``, which a forward on the instance bypasses; so this forward checkpoints
 its fused computation itself, under the same conditions and through the same function
 (``layer._gradient_checkpointing_func``, set by ``gradient_checkpointing_enable``), and once: a fallback
@@ -56,7 +56,7 @@ _WARNED: set[type] = set()  # layer classes told so (once, as transformers does)
 
 def _forward_level_checkpointing() -> type | None:
     """transformers' GradientCheckpointingLayer when it checkpoints in its subclasses' ``forward``
-    (transformers ≥ 5.2x), None when it does so in ``__call__`` (5.17: around any forward) or is absent."""
+    (transformers 5.25), None when it does so in ``__call__`` (5.17: around any forward) or is absent."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # pragma: no cover - no transformers: no HF checkpointing
