@@ -154,27 +154,6 @@ def test_named_backend_that_cannot_run_fails_at_optimize():
         torchfuser.optimize(tiny_llama(), backend="triton")
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-@pytest.mark.parametrize("backend", ["reference", "auto"])
-def test_gradient_checkpointing_gives_the_unfused_gradients(backend, reentrant):
-    """HF's gradient checkpointing re-runs each layer's forward in the backward: the fused modules'
-    saved tensors must come out the same the second time."""
-    ref = tiny_llama()
-    model = torchfuser.optimize(copy.deepcopy(ref), backend=backend)
-    for m in (ref, model):
-        if hasattr(m, "activation_checkpointing_enable"):  # transformers ≥ 5.2x; the older name warns there
-            m.activation_checkpointing_enable({"use_reentrant": reentrant})
-        else:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        m.config.use_cache = False
-    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(4))
-    loss, grads = loss_and_grads(model, ids)
-    loss_ref, grads_ref = loss_and_grads(ref, ids)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
-    for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
 def test_a_pattern_that_fails_on_a_module_skips_it_with_the_reason(monkeypatch):
     """An unforeseen module (transformers' per-layer configs raise on some attribute reads) must not
     stop the optimization of the rest of the model."""

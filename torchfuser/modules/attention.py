@@ -12,6 +12,7 @@ weights, rotary tables of an unexpected width) runs the original module instead,
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,18 +35,68 @@ _IMPLEMENTATIONS = ("eager", "sdpa")
 _CROSS_KWARGS = ("encoder_hidden_states", "key_value_states")
 
 # mask tensor → (its version, whether some query row has every key masked). The model passes one
-# mask object to every layer, so the check runs once per forward, not once per layer.
+# mask object to every layer, so the check runs once per forward, not once per layer. Inference
+# tensors (made under torch.inference_mode) have no version counter, so a write to one in place
+# could not be told from the cached answer: they are checked on every call (inference only).
 _EMPTY_ROWS = WeakTensorKeyDictionary()
 
 
 def _has_empty_rows(mask: Tensor) -> bool:
     """Whether an additive float mask hides every key from some query (left padding does that)."""
+    if mask.is_inference():
+        return _empty_rows(mask)
     hit = _EMPTY_ROWS.get(mask)
     if hit is not None and hit[0] == mask._version:
         return hit[1]
-    empty = bool((mask.amax(dim=-1) <= torch.finfo(mask.dtype).min).any())
+    empty = _empty_rows(mask)
     _EMPTY_ROWS[mask] = (mask._version, empty)
     return empty
+
+
+def _empty_rows(mask: Tensor) -> bool:
+    return bool((mask.amax(dim=-1) <= torch.finfo(mask.dtype).min).any())
+
+
+try:  # transformers ≥ 5: outputs asked for at call time are collected by forward hooks, not passed down
+    from transformers.utils import output_capturing as _capturing
+except ImportError:  # pragma: no cover - other transformers versions: the flags reach the attention
+    _capturing = None
+
+
+def _collector() -> dict | None:
+    """What transformers' output-capturing hooks collect in this call ({"attentions": [...], ...}), or None.
+
+    A model decorated with ``capture_outputs`` (GPT-2, Llama, … in transformers 5) takes
+    ``output_attentions`` itself and may not pass it on to its attention modules (GPT-2 pops it):
+    the request is this collector. Under torch.compile a ContextVar cannot be traced; transformers
+    then keeps the collector in a plain attribute (``compiling``), read here alike."""
+    if _capturing is None:
+        return None
+    var = _capturing._active_collector
+    if torch.compiler.is_compiling():
+        return var.global_var if var.compiling else None
+    return var.get()
+
+
+def _recorded_from(original: nn.Module, collected: dict) -> str | None:
+    """The output the collector asks of modules of ``original``'s class ("attentions", or another key
+    of some model's ``_can_record_outputs`` whose recorder targets that class), or None."""
+    keys = _requested_by_class(type(original), frozenset(collected), len(_capturing._CAN_RECORD_REGISTRY))
+    return "attentions" if "attentions" in keys else next(iter(keys), None)
+
+
+@functools.lru_cache(maxsize=256)
+def _requested_by_class(cls: type, keys: frozenset, _registered: int) -> tuple[str, ...]:
+    """The collected keys some model records from modules of class ``cls`` ("attentions" whenever collected
+    too; ``_registered``: the registry's size, so that a model class registered later is seen)."""
+    found = {"attentions"} & keys
+    for table in list(_capturing._CAN_RECORD_REGISTRY.values()):
+        for key, specs in (table or {}).items():
+            if key in keys and key != "hidden_states":
+                specs = specs if isinstance(specs, list) else [specs]
+                targets = [getattr(spec, "target_class", spec) for spec in specs]
+                found.update(key for t in targets if isinstance(t, type) and issubclass(cls, t))
+    return tuple(sorted(found))
 
 
 def _record_attention_weights(original: nn.Module, out) -> None:
@@ -53,11 +104,7 @@ def _record_attention_weights(original: nn.Module, out) -> None:
     on modules of the attention *class*; a FusedAttention is not one, so when the hooks were
     installed after fusion nothing would be recorded and ``outputs.attentions`` would silently come
     back empty. Record the original's weights in the active collector then (transformers 5.x)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - other transformers versions: nothing to do
-        return
-    collected = _active_collector.get()
+    collected = _collector()
     if not collected or "attentions" not in collected or not isinstance(out, tuple) or len(out) < 2:
         return
     if any(getattr(h, "__name__", "") == "output_capturing_hook" for h in original._forward_hooks.values()):
@@ -186,6 +233,10 @@ class FusedAttention(FusedModule):
             return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
         if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
             return "output_attentions=True (SDPA never forms the attention weights)"
+        collected = _collector()
+        if collected and (key := _recorded_from(self.__dict__["_original"], collected)) is not None:
+            return ("output_attentions=True (SDPA never forms the attention weights)" if key == "attentions" else
+                    f"output_{key}=True (transformers records it from the original module)")
         if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
             return "called with encoder states (cross-attention)"
         if self.spec.rotary_dim:

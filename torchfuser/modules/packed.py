@@ -46,6 +46,8 @@ def segments(mask, position_ids) -> tuple[Tensor, int] | None:
     ``position_ids`` (each row made of samples whose positions run 0, 1, ...), else None."""
     if not isinstance(mask, Tensor) or not isinstance(position_ids, Tensor):
         return None
+    if mask.is_inference():  # no version counter (torch.inference_mode): an in-place write would go unseen
+        return _segments(mask, position_ids)
     hit = _SEGMENTS.get(mask)
     if hit is not None and hit[0] == mask._version and hit[1] is position_ids:
         return hit[2]

@@ -23,10 +23,19 @@ have hooks or a forward of their own (the fused path calls their kernels, not th
 MLP is then called as itself too), and code that torch.compile
 traces (Inductor fuses the adds into its own norm kernels there). Each such call but the traced
 ones is counted with its reason (``modules.fallbacks``), and the report lists them.
+
+Gradient checkpointing: transformers 5.25 checkpoints a ``GradientCheckpointingLayer`` in a wrapper
+around its class's ``forward``, which a forward on the instance bypasses; so this forward checkpoints
+its fused computation itself, under the same conditions and through the same function
+(``layer._gradient_checkpointing_func``, set by ``gradient_checkpointing_enable``), and once: a fallback
+goes through the class's wrapper, which checkpoints it. transformers 5.17 checkpoints in the layer's
+``__call__``, around this forward: nothing to do there (``_checkpoints``).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -37,6 +46,47 @@ from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
+
+_log = logging.getLogger(__name__)
+# Keywords a layer's KV cache goes by (transformers versions and families): a checkpointed layer must not
+# get one, or its recompute in the backward would write the cache a second time.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+_WARNED: set[type] = set()  # layer classes told so (once, as transformers does)
+
+
+def _forward_level_checkpointing() -> type | None:
+    """transformers' GradientCheckpointingLayer when it checkpoints in its subclasses' ``forward``
+    (transformers 5.25), None when it does so in ``__call__`` (5.17: around any forward) or is absent."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - no transformers: no HF checkpointing
+        return None
+    return None if "__call__" in vars(GradientCheckpointingLayer) else GradientCheckpointingLayer
+
+
+_CHECKPOINTED_CLASS = _forward_level_checkpointing()
+
+
+def _checkpoints(layer: nn.Module) -> bool:
+    """Whether transformers' wrapper of the layer class's ``forward`` would checkpoint this call: the
+    wrapper's own conditions (gradient checkpointing on, training, grad enabled)."""
+    return (_CHECKPOINTED_CLASS is not None and isinstance(layer, _CHECKPOINTED_CLASS)
+            and bool(layer.gradient_checkpointing) and layer.training and torch.is_grad_enabled())
+
+
+def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
+    """The keywords as transformers' checkpointing wrapper passes them on: no KV cache (the recompute
+    would update it twice) unless the layer only reads it, ``use_cache`` off."""
+    dropped = [n for n in _CACHE_KWARGS if kwargs.get(n) is not None]
+    if getattr(layer, "_can_checkpoint_with_cache", False):
+        dropped = []
+    if not dropped and not kwargs.get("use_cache"):
+        return kwargs
+    if type(layer) not in _WARNED:
+        _WARNED.add(type(layer))
+        _log.warning("torchfuser: caching is incompatible with gradient checkpointing in %s: it runs without a "
+                     "KV cache", type(layer).__name__)
+    return {**kwargs, **{n: None for n in dropped}, **({"use_cache": False} if "use_cache" in kwargs else {})}
 
 
 @dataclass(frozen=True)
@@ -88,13 +138,23 @@ class ResidualNormForward:
         layer, s = self.layer, self.spec
         if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
             return type(layer).forward(layer, *args, **kwargs)
+        checkpointing = _checkpoints(layer)
+        if checkpointing:
+            kwargs = _without_cache(layer, kwargs)
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
         call = None if x is None else self._attention_kwargs(rest)
         why = self._unfused(args, x, call)
         if why is not None:
             fallbacks.count(layer, why)
-            return type(layer).forward(layer, *args, **kwargs)
+            return type(layer).forward(layer, *args, **kwargs)  # checkpointed there, when it checkpoints
+        if checkpointing:  # x positional: reentrant checkpointing passes gradients only to those
+            return layer._gradient_checkpointing_func(partial(self._fused, call), x)
+        return self._fused(call, x)
+
+    def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
+        """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
+        layer, s = self.layer, self.spec
         norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
         low = _projection_dtype(x, attention, mlp)
