@@ -161,7 +161,11 @@ def test_cuda_autocast_dtype_and_values(family, w_dtype):
     torchfuser.optimize(block)
     for enabled in (False, True):
         with torch.autocast("cuda", dtype=BF16, enabled=enabled):
-            want, got = norm(x), block(x)
+            try:
+                want = norm(x)
+            except RuntimeError:  # a combination the original refuses
+                continue
+            got = block(x)
         assert got.dtype == want.dtype, (family, enabled, got.dtype, want.dtype)
         y64 = _ref64(family, x.double(), copy.deepcopy(norm).double())
         assert_within_rule(got, want, y64, ATOL[BF16], f"{family} autocast={enabled}")
