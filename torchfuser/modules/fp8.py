@@ -14,14 +14,21 @@ three FP8 GEMMs through
 dimensions, and per 128 × 128 block of W, backends/reference/fp8_blocks.py, its products
 ``_fp8_gemm.mm_blocks``; experimental). Scales are amax / 448 (e4m3's largest finite value),
 in fp32, and the values are multiplied by 448 / amax before the cast (backends/reference/fp8_quant.py).
-A trainable weight's two quantised copies are made at every call: fused optimizers (``AdamW(fused=True)``)
-update parameters in place without bumping their version counter, so no cache key read on the host could
-tell a stale copy (one such cache trained llama1b on step 0's
-weights). With ``fp8_weights="per_step"`` they are kept until any ``torch.optim`` optimizer steps (or the
-version moves): once per optimizer step, not per micro-batch or checkpointed recompute, at 2 bytes a
-weight kept between calls (``fp8_step``; it assumes no ``param.data`` writes). A frozen weight (LoRA's
-bases) is quantised once per version (``load_state_dict`` and other in-place copies bump it). Inside torch.compile and CUDA-graph captures every weight is quantised in
-the graph, every call (a recorded copy would go stale).
+A weight's two quantised copies are made at every call by default (``fp8_weights="per_call"``), trainable
+or frozen (LoRA's bases): nothing read on the host can tell a stale copy. Fused optimizers
+(``AdamW(fused=True)``) update parameters in place without bumping their version counter (one such cache
+trained llama1b on step 0's weights), and a write through ``param.data`` (``.data.copy_``, EMA, weight
+averaging, loading base weights, PEFT's ``merge_adapter``) goes to a version counter of its own, leaving the
+parameter's version and storage as they were (a version-keyed copy of a frozen base stayed 0.217 off). The
+cost is a pass over each weight per call (read 2 + 2, write 1 + 1 bytes a bf16 weight; for a frozen 8 B base
+≈ 48 GB a forward, ≈ 10–12 ms on an H200), which CUDA-graph and torch.compile captures paid anyway; no copy is
+held between calls (a cached frozen base held 2 bytes a weight: ≈ 13 GiB on an 8 B model).
+With ``fp8_weights="per_step"`` every weight's copies are kept until any ``torch.optim`` optimizer steps (or
+its version or storage changes: ``load_state_dict``, in-place ops, ``param.data = t``, ``swap_tensors``): once
+per optimizer step, not per micro-batch or checkpointed recompute, at 2 bytes a weight kept between calls
+(``fp8_step``). A ``param.data`` write is seen from the first call after the next optimizer step, not before
+(so per step assumes none between a step and the calls that follow it). Inside torch.compile and CUDA-graph
+captures every weight is quantised in the graph, every call (a recorded copy would go stale).
 
 On CUDA the quantisation is Triton kernels (``ops.fp8_quant``, backends/triton/fp8_quant.py; bit for
 bit the PyTorch formula the CPU runs). An operand two GEMMs take, once scaled along each of its
@@ -152,26 +159,28 @@ def producer_maxima(owner: nn.Module, t: Tensor, consumers: list[nn.Module], dty
 
 
 class _Weights:
-    """A weight's (or concatenated weights') two quantised copies: kept for frozen weights; for trainable
-    ones remade at every call, or with ``per_step`` kept until an optimizer steps (module docstring)."""
+    """A weight's (or concatenated weights') two quantised copies: remade at every call, or with
+    ``per_step`` kept until an optimizer steps, frozen weights as trainable ones (module docstring)."""
 
     __slots__ = ("key", "fwd", "bwd", "per_step")
 
     def __init__(self, per_step: bool = False):
-        self.key = None
+        self.key = self.fwd = self.bwd = None
         self.per_step = per_step
 
     def get(self, weights, recipe: str):
-        trainable = any(w.requires_grad for w in weights)
-        counted = _step.steps() if trainable and self.per_step else None
-        if _recording(weights[0]) or (trainable and counted is None):
-            # A compiled graph or a CUDA graph replays what it recorded, and a fused optimizer's step
-            # leaves the version counter as it was: either way a kept copy could go stale. (per_step with
-            # no step hook in, nothing counts the steps: per call too.)
+        counted = _step.steps() if self.per_step else None
+        if counted is None or _recording(weights[0]):
+            # Per call, frozen weights included: a write through ``param.data`` (EMA, weight averaging,
+            # loading base weights, PEFT's merge) moves neither the version nor the storage, and a fused
+            # optimizer's step leaves the version as it was, so no key read on the host could tell a stale
+            # copy. A compiled graph or a CUDA graph replays what it recorded: per call there too. (per_step
+            # with no step hook in, nothing counts the steps: per call too.)
             return _both(weights, recipe)
-        # per_step: the optimizer steps counted (fp8_step) key a trainable copy, beside the versions
+        # per_step: the optimizer steps counted (fp8_step) key every copy, beside the versions and storages
         key = (recipe, counted, *((id(w), w._version, w.data_ptr()) for w in weights))
         if key != self.key:
+            self.fwd = self.bwd = None  # the old copies freed before the new are made
             self.fwd, self.bwd = _both(weights, recipe)
             self.key = key
         return self.fwd, self.bwd

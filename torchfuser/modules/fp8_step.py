@@ -10,9 +10,13 @@ of an unrelated one only costs a requantisation). No host sync: the count is a P
 The hook is process-wide, so it is scoped: it is in while a model optimized with ``"per_step"`` lives
 and comes out with the last one's ``restore`` (or garbage collection).
 
-What ``"per_step"`` assumes (the docs repeat it): the weights change only through optimizer steps,
-``load_state_dict`` and in-place operations on the parameters themselves (they bump the version);
-not through ``param.data`` writes, which neither bumps the version nor steps an optimizer.
+Frozen weights (LoRA's bases) are kept the same way: remade after every counted step, so a write through
+``param.data`` made with a step (EMA, weight averaging after ``step()``) is seen from the next call on.
+What ``"per_step"`` assumes (the docs repeat it): between an optimizer step and the calls that follow it,
+the weights change only through ``load_state_dict``, in-place operations on the parameters themselves
+(they bump the version) or a new storage (``param.data = t``, ``swap_tensors``); not through a write into
+``param.data``'s storage, which neither bumps the version nor steps an optimizer. The default,
+``"per_call"``, assumes nothing: every weight is quantised at every call.
 """
 from __future__ import annotations
 

@@ -242,7 +242,7 @@ class _LoRALinear(torch.autograd.Function):
             x2 = xb.reshape(-1, xb.shape[-1])
             b = None if not biases else (biases[0].to(cb) if len(biases) == 1 else _cast_cat(biases, cb))
             ctx.fp8_bwd = None
-            if plan.fp8 is not None:  # the frozen (or not) bases as an FP8 GEMM, their copies cached per version
+            if plan.fp8 is not None:  # the frozen (or not) bases as an FP8 GEMM, their copies made per call (or kept per step: fp8._Weights)
                 recipe, cache = plan.fp8
                 fwd8, ctx.fp8_bwd = cache.get(list(weights), recipe)
                 y2 = fp8.mm(fp8.quantize(x2, recipe), fwd8, cb)

@@ -8,25 +8,68 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
 from torchfuser.modules.base import FusedModule, adopt
+from torchfuser.ops._call import autocast_enabled
 from torchfuser.ops.rms_norm import add_rms_norm_fp8_producer
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _at_least_fp32(d: torch.dtype) -> torch.dtype:
+    return torch.promote_types(d, torch.float32)
+
+
+# What dtype a norm returns for x's and its weight's (the pattern probes which, patterns/_dtype_probe.py):
+OUT_DTYPE_RULES = {
+    "input": lambda x, w: x,  # Gemma's (…).type_as(x), nn.LayerNorm, nn.RMSNorm
+    "promote": torch.promote_types,  # Llama's weight * x.to(input_dtype): bf16 x, fp32 weight → fp32
+    "weight": lambda x, w: w if w in _HALF else _at_least_fp32(torch.promote_types(x, w)),  # T5's
+    "float32": lambda x, w: _at_least_fp32(torch.promote_types(x, w)),  # (CUDA autocast's layer_norm)
+}
+
+
+def output_dtype(rule: str, x: torch.dtype, w: torch.dtype) -> torch.dtype:
+    return OUT_DTYPE_RULES[rule](x, w)
 
 
 @dataclass(frozen=True)
 class RMSNormSpec:
-    """y = x · rsqrt(mean(x²) + eps) · (offset + w); Gemma-style norms have offset 1."""
+    """y = x · rsqrt(mean(x²) + eps) · (offset + w); Gemma-style norms have offset 1. y's dtype: ``out_dtype``'s
+    rule (``OUT_DTYPE_RULES``) of x's and w's, or under autocast on a GPU ``autocast_out_dtype``'s where set."""
 
     eps: float
     offset: float = 0.0
     weight: str = "weight"
+    out_dtype: str = "input"
+    autocast_out_dtype: str | None = None
 
 
 @dataclass(frozen=True)
 class LayerNormSpec:
-    """y = (x − mean) · rsqrt(var + eps) · w + b; ``bias`` is None for bias-free norms."""
+    """y = (x − mean) · rsqrt(var + eps) · w + b; ``bias`` is None for bias-free norms. y's dtype as
+    ``RMSNormSpec``'s (nn.LayerNorm: x's, but fp32 under CUDA autocast)."""
 
     eps: float
     weight: str = "weight"
     bias: str | None = "bias"
+    out_dtype: str = "input"
+    autocast_out_dtype: str | None = None
+
+
+def _out_dtype(spec, x: Tensor, w: Tensor, x_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype the original norm returns for this call (``x_dtype``: the dtype of what is normed, x's by
+    default): its rule, under autocast on a GPU its autocast rule (CPU autocast changes none)."""
+    rule = spec.out_dtype
+    if spec.autocast_out_dtype is not None and x.device.type != "cpu" and autocast_enabled(x.device.type):
+        rule = spec.autocast_out_dtype
+    return OUT_DTYPE_RULES[rule](x_dtype or x.dtype, w.dtype)
+
+
+def _in_dtype(x: Tensor, out: torch.dtype) -> Tensor:
+    """x for a norm whose output is to be ``out``: x itself where the kernel's output (x's dtype) can be
+    cast to ``out`` with no loss beyond out's rounding, else x widened, so the kernel's fp32 result is
+    rounded once, to ``out`` (bf16 x with fp32 weights under Llama's rule: fp32 out, not bf16 cast up)."""
+    wide = torch.promote_types(x.dtype, out)
+    return x if wide == x.dtype else x.to(wide)
 
 
 class FusedRMSNorm(FusedModule):
@@ -36,7 +79,11 @@ class FusedRMSNorm(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        return F.rms_norm(x, getattr(self, s.weight), s.eps, offset=s.offset, backend=self.backend)
+        w = getattr(self, s.weight)
+        out = _out_dtype(s, x, w)
+        if out == x.dtype:  # the kernel as it is (bf16 in, bf16 weights: no cast anywhere)
+            return F.rms_norm(x, w, s.eps, offset=s.offset, backend=self.backend)
+        return F.rms_norm(_in_dtype(x, out), w, s.eps, offset=s.offset, backend=self.backend).to(out)
 
     def add(self, x: Tensor, residual: Tensor, out_dtype: torch.dtype | None = None,
             maxima: tuple[bool, bool] = (False, False)) -> tuple[Tensor, Tensor]:
@@ -44,6 +91,11 @@ class FusedRMSNorm(FusedModule):
         ``maxima``: whether the norm's output, and residual's gradient, hand their FP8 maxima on to the
         GEMMs that take them (plain eager; ``modules.fp8.producer_maxima`` decides)."""
         s = self.spec
+        if out_dtype is None:  # the original norm's dtype for s (x + residual's promoted dtype), where not s's
+            s_dtype = torch.promote_types(x.dtype, residual.dtype)
+            out = _out_dtype(s, x, getattr(self, s.weight), s_dtype)
+            if out != s_dtype:  # (the caller's maxima were asked for an output of s's dtype)
+                out_dtype, maxima = out, (False, False)
         if not any(maxima):
             return F.add_rms_norm(x, residual, getattr(self, s.weight), s.eps, offset=s.offset, out_dtype=out_dtype,
                                   backend=self.backend)
@@ -59,6 +111,8 @@ class FusedRMSNorm(FusedModule):
         output hands its FP8 maxima on, as in ``add``."""
         s, weight = self.spec, getattr(self, self.spec.weight)
         device = F.check_rms_norm(x, weight)
+        if out_dtype is None and (out := _out_dtype(s, x, weight)) != x.dtype:  # the original norm's dtype
+            out_dtype, maxima = out, False
         return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), F.backend_for(self.backend, device),
                                              out_dtype, maxima)
 
@@ -70,5 +124,8 @@ class FusedLayerNorm(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        bias = None if s.bias is None else getattr(self, s.bias)
-        return F.layer_norm(x, getattr(self, s.weight), bias, s.eps, backend=self.backend)
+        w, bias = getattr(self, s.weight), None if s.bias is None else getattr(self, s.bias)
+        out = _out_dtype(s, x, w)
+        if out == x.dtype:
+            return F.layer_norm(x, w, bias, s.eps, backend=self.backend)
+        return F.layer_norm(_in_dtype(x, out), w, bias, s.eps, backend=self.backend).to(out)

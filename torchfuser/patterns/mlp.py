@@ -117,6 +117,27 @@ def _in_training(module: nn.Module, spec, small: dict, fused_cls):
                 "projection (a dropout elsewhere, or another training-only step)")
 
 
+def _roles_by_shape(parts: _Parts) -> list[dict]:
+    """Every assignment of a gated MLP's projections to roles that their shapes allow, as (widths of the
+    probe's projections, layouts to try). More than one where shapes coincide: with an intermediate
+    size equal to the hidden size every projection of gate / up / down is H → H, and the probe, whose
+    widths differ, tells which is which (a wrong assignment does not even run)."""
+    proj, names = parts.proj, list(parts.proj)
+    found = []
+    if len(names) == 3:
+        for down in names:
+            a, b = [n for n in names if n != down]
+            if proj[a] == proj[b] and proj[a] == proj[down][::-1]:  # gate, up: H → I; down: I → H
+                found.append(dict(down=down, widths={a: (_H, _I), b: (_H, _I), down: (_I, _H)},
+                                  layouts=[dict(gate=a, up=b), dict(gate=b, up=a)]))
+    else:
+        for down, gate_up in (names, names[::-1]):
+            if proj[gate_up][1] == 2 * proj[down][0] and proj[down][1] == proj[gate_up][0]:
+                found.append(dict(down=down, widths={gate_up: (_H, 2 * _I), down: (_I, _H)},
+                                  layouts=[dict(gate_up=gate_up, gate_first=True), dict(gate_up=gate_up, gate_first=False)]))
+    return found
+
+
 class GatedMLPPattern(Pattern):
     name = "gated_mlp"
     description = "down(act(gate(x))·up(x)), SiLU → swiglu, tanh-GELU → geglu"
@@ -126,25 +147,9 @@ class GatedMLPPattern(Pattern):
         parts = _parts(module)
         if parts is None:
             return None
-        names = list(parts.proj)
-        if len(names) == 3:
-            downs = [n for n in names if all(parts.proj[n][0] == parts.proj[m][1] for m in names if m != n)]
-            if len(downs) != 1:
-                return None
-            down = downs[0]
-            a, b = [n for n in names if n != down]
-            hidden = parts.proj[down][1]
-            if parts.proj[a] != parts.proj[b] or parts.proj[a][0] != hidden:
-                return None
-            layouts = [dict(gate=a, up=b), dict(gate=b, up=a)]
-            widths = {a: (_H, _I), b: (_H, _I), down: (_I, _H)}
-        else:
-            first, second = names
-            down, gate_up = (first, second) if parts.proj[first][1] == parts.proj[second][0] else (second, first)
-            if parts.proj[gate_up][1] != 2 * parts.proj[down][0] or parts.proj[down][1] != parts.proj[gate_up][0]:
-                return None
-            layouts = [dict(gate_up=gate_up, gate_first=True), dict(gate_up=gate_up, gate_first=False)]
-            widths = {gate_up: (_H, 2 * _I), down: (_I, _H)}
+        roles = _roles_by_shape(parts)
+        if not roles:
+            return None
         if parts.others:
             return Skip(_unknown(module, parts.others))
         if why := _lora_problem(module, parts):
@@ -152,13 +157,24 @@ class GatedMLPPattern(Pattern):
         if parts.act_kind not in ("silu", "gelu_tanh"):
             return Skip(f"a gated MLP with {_ACT_WORDS[parts.act_kind]}: that activation has no fused gated kernel "
                         "(SiLU, as in SwiGLU, and tanh-GELU, as in GeGLU, do)")
+        skips = []
+        for role in roles:
+            found = self._probe_roles(module, parts, **role)
+            if not isinstance(found, Skip):
+                return found
+            skips.append(found)
+        # Where shapes allowed several assignments, the one whose probe ran says why (the others raised).
+        return next((s for s in skips if s.reason.startswith(_DOES_NOT)), skips[0])
+
+    @staticmethod
+    def _probe_roles(module, parts: _Parts, down: str, widths: dict, layouts: list[dict]):
         small, x, y = _probe_module(module, parts, widths, "MLPs computing down(act(gate(x))·up(x)) from x alone")
         if isinstance(y, Skip):
             return y
         act = _ACT_FNS[parts.act_kind]
         for layout in layouts:
             if "gate_up" in layout:
-                g, u = small[gate_up](x).chunk(2, dim=-1)
+                g, u = small[layout["gate_up"]](x).chunk(2, dim=-1)
                 g, u = (g, u) if layout["gate_first"] else (u, g)
             else:
                 g, u = small[layout["gate"]](x), small[layout["up"]](x)
@@ -166,7 +182,10 @@ class GatedMLPPattern(Pattern):
             if _probe.close(y, mark * small[down](act(g) * u)):
                 spec = GatedMLPSpec(activation=parts.act_kind, down=down, dropout=parts.dropout, keep=(parts.act,), **layout)
                 return _in_training(module, spec, small, FusedGatedMLP)
-        return Skip("forward does not compute down(act(gate(x))·up(x)) (then dropout)")
+        return Skip(f"{_DOES_NOT} down(act(gate(x))·up(x)) (then dropout)")
+
+
+_DOES_NOT = "forward does not compute"
 
 
 class MLPPattern(Pattern):
@@ -178,10 +197,10 @@ class MLPPattern(Pattern):
         parts = _parts(module)
         if parts is None or len(parts.proj) != 2:
             return None
-        first, second = parts.proj
-        fc_in, fc_out = (first, second) if parts.proj[first][1] == parts.proj[second][0] else (second, first)
-        (h_in, inner), (inner2, h_out) = parts.proj[fc_in], parts.proj[fc_out]
-        if inner != inner2 or h_in != h_out:
+        # fc_in: H → I, fc_out: I → H. Both ways where I = H: the probe (I ≠ H) tells which.
+        orders = [(a, b) for a, b in (tuple(parts.proj), tuple(parts.proj)[::-1])
+                  if parts.proj[a] == parts.proj[b][::-1]]
+        if not orders:
             return None
         if parts.others:
             return Skip(_unknown(module, parts.others))
@@ -190,6 +209,16 @@ class MLPPattern(Pattern):
         if parts.act_kind not in ("gelu", "gelu_tanh"):
             return Skip(f"an ungated MLP with {_ACT_WORDS[parts.act_kind]}, fc_out(act(fc_in(x))): only ungated MLPs "
                         "with GELU (erf or tanh) are fused")
+        skips = []
+        for fc_in, fc_out in orders:
+            found = self._probe_roles(module, parts, fc_in, fc_out)
+            if not isinstance(found, Skip):
+                return found
+            skips.append(found)
+        return next((s for s in skips if s.reason.startswith(_DOES_NOT)), skips[0])
+
+    @staticmethod
+    def _probe_roles(module, parts: _Parts, fc_in: str, fc_out: str):
         small, x, y = _probe_module(module, parts, {fc_in: (_H, _I), fc_out: (_I, _H)},
                                     "MLPs computing fc_out(gelu(fc_in(x))) from x alone")
         if isinstance(y, Skip):
@@ -198,7 +227,7 @@ class MLPPattern(Pattern):
         if parts.dropout is not None:
             expected = 3.0 * expected
         if not _probe.close(y, expected):
-            return Skip("forward does not compute fc_out(gelu(fc_in(x))) (then dropout)")
+            return Skip(f"{_DOES_NOT} fc_out(gelu(fc_in(x))) (then dropout)")
         approximate = "tanh" if parts.act_kind == "gelu_tanh" else "none"
         spec = MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,))
         return _in_training(module, spec, small, FusedMLP)

@@ -3,7 +3,8 @@
 A candidate is a leaf module with a 1-D weight (and maybe a 1-D bias of the same size), a
 float epsilon attribute, and no other parameters. The probe feeds it rows whose mean square
 is near eps and near 1, so that a wrong eps, a missing or extra ``1 +`` on the weight, or a
-mean subtraction all show.
+mean subtraction all show. A second probe finds which dtype it returns for each input and weight
+dtype, and under autocast (``_dtype_probe``): the fused module returns the same.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _dtype_probe, _probe
 from torchfuser.patterns.base import Pattern, Skip, further_inputs
 
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
@@ -101,7 +102,11 @@ class RMSNormPattern(Pattern):
         w = probe._parameters[weight]
         for offset in (0.0, 1.0):
             if _probe.close(y, _rms(x, w, eps, offset)):
-                return RMSNormSpec(eps=eps, offset=offset, weight=weight)
+                dtypes = _dtype_probe.out_dtypes(probe, x)
+                if isinstance(dtypes, Skip):
+                    return dtypes
+                return RMSNormSpec(eps=eps, offset=offset, weight=weight, out_dtype=dtypes[0],
+                                   autocast_out_dtype=dtypes[1])
         if _probe.close(y, _ln(x, w, None, eps)):
             return None  # a bias-free LayerNorm
         return Skip("forward does not compute x·rsqrt(mean(x²)+eps)·(offset+w)")
@@ -127,7 +132,10 @@ class LayerNormPattern(Pattern):
             return y if bias is not None else None
         b = None if bias is None else probe._parameters[bias]
         if _probe.close(y, _ln(x, probe._parameters[weight], b, eps)):
-            return LayerNormSpec(eps=eps, weight=weight, bias=bias)
+            dtypes = _dtype_probe.out_dtypes(probe, x)
+            if isinstance(dtypes, Skip):
+                return dtypes
+            return LayerNormSpec(eps=eps, weight=weight, bias=bias, out_dtype=dtypes[0], autocast_out_dtype=dtypes[1])
         if bias is None:
             return None  # RMSNorm's business
         return Skip("forward does not compute (x−mean)·rsqrt(var+eps)·w+b")
