@@ -1,12 +1,13 @@
 """The public entry points: optimize, restore, report."""
 from __future__ import annotations
 
+import copy
 import sys
 
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, settings as _settings, transaction
-from torchfuser import unwrap, walker
+from torchfuser import head_check, unwrap, walker
 from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, packed as _packed
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.modules.lm_head import FusedLMHeadLoss
@@ -218,12 +219,14 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     + loss (``FusedLMHeadLoss.fp8``, gone with ``restore``), said in one note of the report; with
     ``per_step`` the weights' copies kept per optimizer step (the step hook held for ``model``)."""
     count, gated, layers, heads = 0, 0, 0, []
+    st = walker.state(model)
+    installed = head_check.fused_heads(model, st) if st is not None else {}  # wrapped since, too (a trainer's)
     for entry in result.fused:
         module = model.get_submodule(entry.name) if entry.name else model
         # its norms are producers where they are on (modules.residual_norm._maxima)
         layers += entry.pattern == "residual_norm" and _fp8._NORM_PRODUCERS
         if entry.pattern == "lm_head_loss":
-            fused = module.__dict__.get("forward")
+            fused = installed.get(entry.name)
             if isinstance(fused, FusedLMHeadLoss):
                 fused.fp8 = recipe if lm_head else None
                 heads.append(module)
@@ -298,6 +301,8 @@ def _undo(model: nn.Module) -> None:
 
 
 _LORA_HEAD = "adapters: "
+# Notes made anew at each report: the old ones go first.
+_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD)
 
 
 def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
@@ -317,7 +322,8 @@ def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
 
 def report(model: nn.Module) -> FusionReport:
     """The FusionReport of the last ``optimize`` call(s) on ``model``, or on the model inside a wrapper
-    (PEFT, DDP / FSDP, torch.compile), with the calls that fell back to an original forward since."""
+    (PEFT, DDP / FSDP, torch.compile), with the calls that fell back to an original forward since, and
+    the LM head + loss as it runs now (bypassed where a trainer's own head computes the loss)."""
     _check_model(model)
     path, target = unwrap.optimized(model)
     if target is None:
@@ -327,8 +333,12 @@ def report(model: nn.Module) -> FusionReport:
     result = st.report if st is not None else target.__dict__[unwrap.LAST_REPORT]
     result.notes = _cuda_graphs.refresh_notes(target, result.notes)  # replays, captures, eager calls
     result.fallbacks = fallbacks.counts(target)
-    result.notes = [n for n in result.notes if not n.startswith((fallbacks.HEAD, _LORA_HEAD, _packed.HEAD))]
-    result.notes += fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target)
+    replaced, heads = head_check.check(target, st, result.entries) if st is not None else ({}, [])
+    result.notes = [n for n in result.notes if not n.startswith(_REFRESHED)]
+    result.notes += fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
+    if replaced:  # the report kept on the model stays as optimize made it; this one says what runs now
+        result = copy.copy(result)
+        result._entries = {name: replaced.get(name, e) for name, e in result._entries.items()}
     if path:
         return result.with_note(f"optimize was called on {path!r} ({type(target).__name__}) inside this "
                                 f"{type(model).__name__}: module names are relative to it")
