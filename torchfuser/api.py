@@ -7,7 +7,7 @@ import sys
 from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, settings as _settings, transaction
-from torchfuser import head_check, unwrap, walker
+from torchfuser import experts as _experts, head_check, unwrap, walker
 from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, packed as _packed
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.modules.lm_head import FusedLMHeadLoss
@@ -178,6 +178,7 @@ def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool
     _set_fp8(model, s.fp8, result, per_step, s.fp8_lm_head, s.backend)
     dropped = _set_graphs(model, result, s.cuda_graphs, graphs, changed)
     _set_autotune(model, result, s.autotune, before is not None and before.autotune and not afresh, changed)
+    _experts.note(model, result)
     _settings.keep(model, s)
     return result, dropped
 
@@ -295,6 +296,7 @@ def _undo(model: nn.Module) -> None:
     _cuda_graphs.remove(model)
     _fp8_step.release(model)
     walker.restore(model)
+    _experts.forget(model)
     inductor_pass = sys.modules.get("torchfuser.compiler.inductor_pass")  # not imported: nothing held
     if inductor_pass is not None:
         inductor_pass.release(model)
@@ -302,7 +304,7 @@ def _undo(model: nn.Module) -> None:
 
 _LORA_HEAD = "adapters: "
 # Notes made anew at each report: the old ones go first.
-_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD)
+_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED)
 
 
 def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
@@ -335,7 +337,8 @@ def report(model: nn.Module) -> FusionReport:
     result.fallbacks = fallbacks.counts(target)
     replaced, heads = head_check.check(target, st, result.entries) if st is not None else ({}, [])
     result.notes = [n for n in result.notes if not n.startswith(_REFRESHED)]
-    result.notes += fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
+    result.notes += (fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
+                     + _experts.changed(target, result))
     if replaced:  # the report kept on the model stays as optimize made it; this one says what runs now
         result = copy.copy(result)
         result._entries = {name: replaced.get(name, e) for name, e in result._entries.items()}
