@@ -249,3 +249,25 @@ def test_the_trainer_callback_keeps_what_the_user_chose(tmp_path):
     assert "forward" not in model.__dict__  # the user's exclusion
     trainer.train()
     assert isinstance(model, LlamaForCausalLM) and settings.of(model).fp8 == "rowwise"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_a_second_call_keeps_the_captured_graphs_on_a_gpu():
+    """What TorchFuserCallback does to a graphed model at train begin: nothing recaptured, the same
+    replays, the same losses as a model optimized once."""
+    from test_cuda_graphs import _step, tiny_llama as llama
+
+    once, twice = (torchfuser.optimize(llama("cuda"), cuda_graphs=True) for _ in range(2))
+    ids = torch.randint(0, 128, (2, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    for _ in range(3):
+        _step(once, ids)
+        _step(twice, ids)
+    stack = _stacks(twice)[0]
+    captures, sets = stack.captures, dict(stack.sets)
+    assert captures and sets
+    torchfuser.optimize(twice)
+    assert _stacks(twice)[0] is stack and stack.sets == sets
+    for _ in range(2):
+        (loss, grads), (want, want_grads) = _step(twice, ids), _step(once, ids)
+        torch.testing.assert_close(loss, want)
+    assert stack.captures == captures and stack.replays > 0  # replayed what it had captured
