@@ -175,7 +175,9 @@ def test_frozen_weights_are_quantised_per_call_or_kept_per_step(mode, monkeypatc
 
 def test_off_again_and_restore():
     model = torchfuser.optimize(_model(), backend="reference", fp8="rowwise")
-    torchfuser.optimize(model, backend="reference")
+    torchfuser.optimize(model, backend="reference")  # kept
+    assert any("_fp8" in m.__dict__ for m in model.modules())
+    torchfuser.optimize(model, fp8=None)
     assert not any("_fp8" in m.__dict__ for m in model.modules())
     assert not any(n.startswith("fp8: ") for n in torchfuser.report(model).notes)
     torchfuser.restore(model)

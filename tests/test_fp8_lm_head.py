@@ -274,8 +274,9 @@ def test_needs_fp8():
 
 
 def test_off_by_default_off_again_and_gone_after_restore(monkeypatch):
-    """(e) fp8 alone leaves the head bf16 (said in the note); a second optimize without fp8_lm_head turns
-    it off; restore takes it away with the fused forward, and a later optimize starts without it."""
+    """(e) fp8 alone leaves the head bf16 (said in the note); a second optimize keeps fp8_lm_head as it is
+    unless passed, fp8_lm_head=False or fp8=None turns it off; restore takes it away with the fused
+    forward, and a later optimize starts without it."""
     model = torchfuser.optimize(_model(), backend="reference", patterns=["lm_head_loss"], fp8="rowwise")
     assert _head_fp8(model) is None
     assert any("the LM head stays bf16 (fp8_lm_head=False)" in n for n in torchfuser.report(model).notes)
@@ -287,11 +288,13 @@ def test_off_by_default_off_again_and_gone_after_restore(monkeypatch):
     _step(model, ids)
     assert gemms.calls == 3
     torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"], fp8="rowwise")
+    assert _head_fp8(model) == "rowwise"  # kept
+    torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"], fp8="rowwise", fp8_lm_head=False)
     assert _head_fp8(model) is None
     _step(model, ids)
     assert gemms.calls == 3
     torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"], fp8="rowwise", fp8_lm_head=True)
-    torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"])
+    torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"], fp8=None)
     assert _head_fp8(model) is None and not any(n.startswith("fp8: ") for n in torchfuser.report(model).notes)
     torchfuser.optimize(model, backend="reference", patterns=["lm_head_loss"], fp8="tensorwise", fp8_lm_head=True)
     torchfuser.restore(model)

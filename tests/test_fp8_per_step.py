@@ -101,7 +101,7 @@ def test_the_optimizer_hook_is_scoped_to_the_models_that_keep_copies():
     assert fp8_step.holders() == 2 and len(_optim._global_optimizer_post_hooks) == len(hooks) + 1
     torchfuser.restore(a)
     assert len(_optim._global_optimizer_post_hooks) == len(hooks) + 1  # b still holds it
-    torchfuser.optimize(b, backend="reference", fp8="rowwise")  # per call again: b lets go
+    torchfuser.optimize(b, fp8_weights="per_call")  # per call again: b lets go
     assert fp8_step.holders() == 0 and dict(_optim._global_optimizer_post_hooks) == hooks
     assert not any("_fp8_per_step" in m.__dict__ for m in b.modules())
 

@@ -245,7 +245,7 @@ def test_filter_fn_chooses_blocks_and_reports_the_others():
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_filter_fn_exclusions_pass_strict_and_a_second_call_fuses_them():
+def test_filter_fn_exclusions_pass_strict_and_a_second_call_without_the_filter_fuses_them():
     model = torchfuser.optimize(tiny_llama(), backend="reference", strict=True,
                                 filter_fn=lambda name, module: not isinstance(module, type(tiny_llama().model.norm)))
     rep = torchfuser.report(model)
@@ -253,7 +253,9 @@ def test_filter_fn_exclusions_pass_strict_and_a_second_call_fuses_them():
     # The layers' residual adds run inside their norms' kernels: with the norms excluded, so are they.
     layer = next(e for e in rep.entries if e.name == "model.layers.0")
     assert layer.reason.startswith("excluded by filter_fn, through its input_layernorm and post_attention_layernorm")
-    torchfuser.optimize(model, backend="reference")
+    torchfuser.optimize(model)  # the filter is kept: nothing new
+    assert torchfuser.report(model).counts()["rms_norm"] == {"fused": 0, "skipped": 5}
+    torchfuser.optimize(model, filter_fn=None)  # dropped: the norms are fused now
     assert torchfuser.report(model).counts()["rms_norm"] == {"fused": 5, "skipped": 0}
 
 

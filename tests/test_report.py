@@ -40,7 +40,9 @@ def test_residual_norm_without_fused_norms_is_skipped_not_reported_fused():
 
 def test_residual_norm_on_norms_fused_earlier_is_fused():
     model = torchfuser.optimize(_llama(), patterns=["rms_norm"], backend="reference")
-    torchfuser.optimize(model, patterns=["residual_norm"], backend="reference")
+    norm = model.model.layers[0].input_layernorm
+    torchfuser.optimize(model, patterns=["rms_norm", "residual_norm"])  # the norms stay: the layers adopt them
+    assert model.model.layers[0].input_layernorm is norm
     assert all(isinstance(layer.__dict__.get("forward"), ResidualNormForward) for layer in model.model.layers)
     assert isinstance(model.model.layers[0].input_layernorm, FusedRMSNorm)
 

@@ -1,11 +1,13 @@
 """The public entry points: optimize, restore, report."""
 from __future__ import annotations
 
+import copy
 import sys
 
 from torch import nn
 
-from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, unwrap, walker
+from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, settings as _settings, transaction
+from torchfuser import experts as _experts, head_check, unwrap, walker
 from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, packed as _packed
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.modules.lm_head import FusedLMHeadLoss
@@ -36,28 +38,39 @@ def _check_not_flattened(model: nn.Module) -> None:
             "modules hold the original parameters, so FSDP flattens and shards them as usual)")
 
 
+_U = _settings.Unset  # an argument not passed: the earlier call's value, or the default shown
+
+
 def optimize(
     model: nn.Module,
     *,
-    backend: str = "auto",
-    patterns=None,
-    exclude=(),
-    filter_fn=None,
+    backend: str = _U("auto"),
+    patterns=_U(None),
+    exclude=_U(()),
+    filter_fn=_U(None),
     strict: bool = False,
     verbose: bool = False,
-    cuda_graphs: "bool | _cuda_graphs.GraphOptions" = False,
-    autotune: bool = False,
-    fp8: str | None = None,
-    fp8_lm_head: bool = False,
-    fp8_weights: str = "per_call",
+    cuda_graphs: "bool | _cuda_graphs.GraphOptions" = _U(False),
+    autotune: bool = _U(False),
+    fp8: str | None = _U(None),
+    fp8_lm_head: bool = _U(False),
+    fp8_weights: str = _U("per_call"),
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
-    Parameters and ``state_dict`` keys stay exactly as they were. Calling it again changes
-    nothing already fused but its backend, when another is given. ``torchfuser.report(model)``
-    says what was fused and what was skipped, and why; ``torchfuser.restore(model)`` undoes it.
-    Nothing outside ``model`` changes (every random generator comes out as it went in), and a
-    swap that fails leaves the model as it was.
+    Parameters and ``state_dict`` keys stay exactly as they were. ``torchfuser.report(model)`` says
+    what was fused and what was skipped, and why; ``torchfuser.restore(model)`` undoes it. Nothing
+    outside ``model`` changes (every random generator comes out as it went in), and a call that fails
+    anywhere leaves the model, and what it holds process-wide, as it was before the call.
+
+    Calling it again on the same model (``TorchFuserCallback`` does, on a model already optimized) keeps
+    every setting the call does not pass (the defaults below are those of a first call): a second
+    ``optimize(model)`` changes nothing, and fuses only blocks that the kept ``patterns`` / ``exclude`` /
+    ``filter_fn`` select and that are not fused yet (a module added since, say). A setting passed applies
+    to every fused block: another backend, FP8 on, off or another recipe, CUDA graphs or autotune on or
+    off, other graph options. ``patterns`` / ``exclude`` / ``filter_fn`` passed are the selection from then
+    on: blocks they add are fused; where they leave out a block already fused, the model is restored and
+    fused afresh with them. ``strict`` and ``verbose`` are about one call and not kept.
 
     backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
         ``"reference"``, ``"triton"`` or ``"mlir"``.
@@ -65,6 +78,9 @@ def optimize(
     filter_fn: ``filter_fn(qualified_name, module) -> bool`` is asked about every candidate block
         (the name as in ``model.named_modules()``; ``""`` for the model itself, the LM head + loss
         candidate); a block it refuses stays as it is and is reported skipped, "excluded by filter_fn".
+        Kept with the model for later calls (``filter_fn=None`` passed drops it); a model saved whole
+        keeps it if it pickles (a module-level function), else later calls fuse nothing new until one
+        passes ``filter_fn`` again.
     strict: raise, before changing anything, if any candidate block would be skipped (but for
         those ``filter_fn`` excludes).
     verbose: print the report.
@@ -73,7 +89,8 @@ def optimize(
         step is bound by the host. Costs memory (activations and gradients stay allocated) and
         pads each call's sequence length up to a length bucket with graphs of its own (bounded in
         number and memory: pass ``torchfuser.GraphOptions(...)`` instead of True to set the bounds);
-        see ``torchfuser.cuda_graphs`` and the report's notes.
+        see ``torchfuser.cuda_graphs`` and the report's notes. A later call that fuses more blocks or
+        changes the backend or the options captures anew; one that changes nothing keeps the graphs.
     autotune: at each fused block's first training call, time it against its original on that
         call's inputs and keep the faster, per block kind and shape (``torchfuser.autotune``).
     fp8: ``"rowwise"``, ``"tensorwise"`` or ``"blockwise"``: the fused attention and MLP blocks'
@@ -81,14 +98,15 @@ def optimize(
         or per 128-element block along each GEMM's inner dimension (128 × 128 blocks for weights;
         Hopper only, sides in multiples of 128; experimental); the LM head stays bf16 unless
         ``fp8_lm_head=True``. Needs bf16 (autocast or bf16 weights) and a GPU of compute capability
-        ≥ 8.9 (or the CPU, for tests); ``None`` (the default, and on a second call) turns it off. See
-        ``torchfuser.modules.fp8``.
+        ≥ 8.9 (or the CPU, for tests); ``None`` (the default) is off, and ``fp8=None`` passed to a later
+        call turns it off, with ``fp8_lm_head`` and ``fp8_weights`` back to their defaults unless passed
+        too. See ``torchfuser.modules.fp8``.
     fp8_lm_head: with ``fp8``, the fused LM head + loss (``lm_head_loss``) runs its three products (the
         logits, dh, dW) as FP8 GEMMs too, with the same recipe: lossy where the vocabulary is large
         (docs/usage.md#fp8); a call not in bf16, or whose tokens, hidden size or vocabulary are not
         multiples of 16, runs bf16 and is counted in the report. On the CPU it runs on the reference
-        backend (MLIR has no FP8 GEMMs). Needs ``fp8`` (else ValueError); ``False`` (the default, and
-        on a second call without it) keeps the head bf16.
+        backend (MLIR has no FP8 GEMMs). Needs ``fp8`` rowwise or tensorwise (else ValueError); ``False``
+        (the default) keeps the head bf16.
     fp8_weights: when the trainable weights' FP8 copies are made: ``"per_call"`` (the default: at every
         call, always right) or ``"per_step"``: kept until any ``torch.optim`` optimizer steps, so once per
         optimizer step rather than per micro-batch or recomputed checkpoint, at 2 bytes a weight held
@@ -98,54 +116,98 @@ def optimize(
     """
     _check_model(model)
     _check_not_flattened(model)
-    if not isinstance(cuda_graphs, (bool, _cuda_graphs.GraphOptions)):
-        raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions, got {type(cuda_graphs).__name__}")
-    backend = backends.check_name(backend)
-    if not isinstance(fp8_lm_head, bool):
-        raise TypeError(f"fp8_lm_head must be True or False, got {type(fp8_lm_head).__name__}")
-    if fp8_lm_head and fp8 == "blockwise":
-        raise ValueError("fp8_lm_head=True runs the LM head's GEMMs rowwise or tensorwise, not blockwise: pass "
-                         "fp8='rowwise' or 'tensorwise' with it, or leave fp8_lm_head off")
-    if fp8_lm_head and fp8 is None:
-        raise ValueError("fp8_lm_head=True runs the LM head's GEMMs with the projections' FP8 recipe: pass "
-                         "fp8='rowwise' or fp8='tensorwise' too")
-    fp8 = _fp8.check(fp8, next((p.device for p in model.parameters()), None))
-    per_step = _fp8.check_weights(fp8_weights, fp8)
-    chosen = _patterns.select(patterns, exclude)
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be a callable (qualified_name, module) -> bool, got {type(filter_fn).__name__}")
     root = model
     path, inner = unwrap.optimized(model)
     if inner is not None and path:  # optimized, then wrapped (PEFT, DDP): go on in the model optimize was given
         model = inner
+    before = _settings.of(model)
     st = walker.state(model)
-    rebackend = st is not None and st.backend != backend
-    result = walker.fuse(model, chosen, backend, strict, filter_fn)
-    if not walker.state(model):
-        model.__dict__["_torchfuser_last_report"] = result
+    if before is None and st is not None:  # fused and saved whole by a version that kept no settings
+        before = _settings.Settings(backend=st.backend)
+    s = _settings.merge(before, backend=backend, patterns=patterns, exclude=exclude, filter_fn=filter_fn,
+                        cuda_graphs=cuda_graphs, autotune=autotune, fp8=fp8, fp8_lm_head=fp8_lm_head,
+                        fp8_weights=fp8_weights)
+    recipe = _fp8.check(s.fp8, next((p.device for p in model.parameters()), None))
+    per_step = _fp8.check_weights(s.fp8_weights, recipe)
+    chosen = _patterns.select(s.patterns, s.exclude)
+    with transaction.atomic(model):
+        result, dropped = _apply(model, before, s, chosen, strict, per_step)
+    for stack in dropped:  # graphs no longer replayed: their memory goes back (after the call, which can no longer fail)
+        stack.sets.clear()
+    if verbose:
+        from rich.console import Console
+
+        Console().print(result)
+    return root
+
+
+def _narrows(model: nn.Module, before: _settings.Settings, s: _settings.Settings, chosen) -> bool:
+    """Whether the selection of this call leaves out blocks fused already: then the model is fused afresh."""
+    st = walker.state(model)
+    if st is None:
+        return False
+    names = {p.name for p in chosen}
+    if any(e.pattern not in names for e in st.report.fused):
+        return True
+    # A new filter can only be asked about the blocks as they were, before fusing.
+    return s.filter_fn is not None and s.filter_fn is not before.filter_fn
+
+
+def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool, per_step: bool):
+    """The body of ``optimize``, inside its transaction: (report, stacks of CUDA graphs no longer used)."""
+    graphs = _cuda_graphs.detach(model)  # the layers' own forwards while blocks are swapped; back at the end
+    afresh = before is not None and _narrows(model, before, s, chosen)
+    if afresh:
+        _undo(model)
+    st = walker.state(model)
+    swaps, rebackend = (len(st.undo), st.backend != s.backend) if st is not None else (0, False)
+    # Blocks autotune gave back to their originals stay so while it is on (its decision); off, they are fused.
+    leave = frozenset(id(a.undo.original) for a in st.undo if type(a.undo).__name__ == "_KeptOriginal") \
+        if st is not None and s.autotune else frozenset()
+    result = walker.fuse(model, chosen, s.backend, strict, s.filter_fn, leave)
+    st = walker.state(model)
+    changed = afresh or rebackend or (len(st.undo) if st is not None else 0) != swaps
+    if not st:
+        model.__dict__[unwrap.LAST_REPORT] = result
     if any(e.pattern == "attention" for e in result.fused):
         from torchfuser.compiler import inductor_pass  # imports Inductor's config: only when needed
 
         inductor_pass.hold(model)
         if _COMPILE_NOTE not in result.notes:
             result.notes.append(_COMPILE_NOTE)
-    if rebackend and _cuda_graphs.describe(model) is not None:
-        kept = _cuda_graphs.options(model)
-        _cuda_graphs.remove(model)  # the captured graphs replay the old backend's kernels: capture anew
-        cuda_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else kept
-    _set_fp8(model, fp8, result, per_step, fp8_lm_head, backend)
-    if cuda_graphs:
-        chosen_graphs = cuda_graphs if isinstance(cuda_graphs, _cuda_graphs.GraphOptions) else None
-        result.notes += [n for n in _cuda_graphs.install(model, chosen_graphs) if n not in result.notes]
-    if autotune:
-        from torchfuser import autotune as _autotune
+    _set_fp8(model, s.fp8, result, per_step, s.fp8_lm_head, s.backend)
+    dropped = _set_graphs(model, result, s.cuda_graphs, graphs, changed)
+    _set_autotune(model, result, s.autotune, before is not None and before.autotune and not afresh, changed)
+    _experts.note(model, result)
+    _settings.keep(model, s)
+    return result, dropped
 
+
+def _set_graphs(model: nn.Module, result: FusionReport, wanted, graphs, changed: bool) -> list:
+    """CUDA graphs as ``wanted``: the stacks detached at the start of the call put back where nothing they
+    captured changed, else installed anew (or not at all); returns the stacks dropped."""
+    stacks, kept = graphs if graphs is not None else ([], None)
+    same = kept is not None and (wanted is True or wanted == kept)
+    if wanted and stacks and same and not changed:
+        _cuda_graphs.reattach(model, stacks)
+        return []
+    if not wanted:
+        result.notes = [n for n in result.notes if not n.startswith(_cuda_graphs.HEAD)]
+        return stacks
+    chosen = wanted if isinstance(wanted, _cuda_graphs.GraphOptions) else kept
+    notes = _cuda_graphs.install(model, chosen)
+    result.notes = [n for n in result.notes if not n.startswith(_cuda_graphs.HEAD)] + notes
+    return stacks
+
+
+def _set_autotune(model: nn.Module, result: FusionReport, wanted: bool, was: bool, changed: bool) -> None:
+    from torchfuser import autotune as _autotune
+
+    if not wanted:
+        _autotune.stop(model)
+        result.notes = [n for n in result.notes if not n.startswith(_autotune.UNTIMED)]
+    elif not was or changed:
         _autotune.apply(model)
-    if verbose:
-        from rich.console import Console
-
-        Console().print(result)
-    return root
 
 
 _FP8_HEAD = "fp8: "
@@ -158,12 +220,14 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     + loss (``FusedLMHeadLoss.fp8``, gone with ``restore``), said in one note of the report; with
     ``per_step`` the weights' copies kept per optimizer step (the step hook held for ``model``)."""
     count, gated, layers, heads = 0, 0, 0, []
+    st = walker.state(model)
+    installed = head_check.fused_heads(model, st) if st is not None else {}  # wrapped since, too (a trainer's)
     for entry in result.fused:
         module = model.get_submodule(entry.name) if entry.name else model
         # its norms are producers where they are on (modules.residual_norm._maxima)
         layers += entry.pattern == "residual_norm" and _fp8._NORM_PRODUCERS
         if entry.pattern == "lm_head_loss":
-            fused = module.__dict__.get("forward")
+            fused = installed.get(entry.name)
             if isinstance(fused, FusedLMHeadLoss):
                 fused.fp8 = recipe if lm_head else None
                 heads.append(module)
@@ -221,17 +285,26 @@ def restore(model: nn.Module) -> nn.Module:
     _check_model(model)
     _, inner = unwrap.optimized(model)  # the model optimize was given, inside a wrapper (PEFT, DDP, compile)
     model = inner if inner is not None else model
-    model.__dict__.pop("_torchfuser_last_report", None)
-    _cuda_graphs.remove(model)
-    _fp8_step.release(model)
-    walker.restore(model)
-    inductor_pass = sys.modules.get("torchfuser.compiler.inductor_pass")  # not imported: nothing held
-    if inductor_pass is not None:
-        inductor_pass.release(model)
+    _undo(model)
+    _settings.forget(model)
+    model.__dict__.pop(unwrap.LAST_REPORT, None)
     return model
 
 
+def _undo(model: nn.Module) -> None:
+    """Every swap and hold of ``model`` undone (``restore``, or before fusing afresh)."""
+    _cuda_graphs.remove(model)
+    _fp8_step.release(model)
+    walker.restore(model)
+    _experts.forget(model)
+    inductor_pass = sys.modules.get("torchfuser.compiler.inductor_pass")  # not imported: nothing held
+    if inductor_pass is not None:
+        inductor_pass.release(model)
+
+
 _LORA_HEAD = "adapters: "
+# Notes made anew at each report: the old ones go first.
+_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED)
 
 
 def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
@@ -251,7 +324,8 @@ def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
 
 def report(model: nn.Module) -> FusionReport:
     """The FusionReport of the last ``optimize`` call(s) on ``model``, or on the model inside a wrapper
-    (PEFT, DDP / FSDP, torch.compile), with the calls that fell back to an original forward since."""
+    (PEFT, DDP / FSDP, torch.compile), with the calls that fell back to an original forward since, and
+    the LM head + loss as it runs now (bypassed where a trainer's own head computes the loss)."""
     _check_model(model)
     path, target = unwrap.optimized(model)
     if target is None:
@@ -261,8 +335,13 @@ def report(model: nn.Module) -> FusionReport:
     result = st.report if st is not None else target.__dict__[unwrap.LAST_REPORT]
     result.notes = _cuda_graphs.refresh_notes(target, result.notes)  # replays, captures, eager calls
     result.fallbacks = fallbacks.counts(target)
-    result.notes = [n for n in result.notes if not n.startswith((fallbacks.HEAD, _LORA_HEAD, _packed.HEAD))]
-    result.notes += fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target)
+    replaced, heads = head_check.check(target, st, result.entries) if st is not None else ({}, [])
+    result.notes = [n for n in result.notes if not n.startswith(_REFRESHED)]
+    result.notes += (fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
+                     + _experts.changed(target, result))
+    if replaced:  # the report kept on the model stays as optimize made it; this one says what runs now
+        result = copy.copy(result)
+        result._entries = {name: replaced.get(name, e) for name, e in result._entries.items()}
     if path:
         return result.with_note(f"optimize was called on {path!r} ({type(target).__name__}) inside this "
                                 f"{type(model).__name__}: module names are relative to it")

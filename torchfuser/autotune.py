@@ -24,7 +24,8 @@ from torchfuser.modules.residual_norm import ResidualNormForward
 from torchfuser.patterns import _probe
 from torchfuser.patterns.base import _PutBack
 
-__all__ = ["apply", "decisions", "clear"]
+__all__ = ["apply", "stop", "decisions", "clear"]
+UNTIMED = "autotune: left fused, not timed"  # the note on the blocks apply does not time
 
 _HOOKS = "_torchfuser_autotune_hooks"
 _DECISIONS: dict[tuple, "Decision"] = {}
@@ -206,6 +207,14 @@ def _residual_norms(target: nn.Module) -> set[int]:
     return ids
 
 
+def stop(model: nn.Module) -> None:
+    """No more timing: the blocks not decided yet stay fused (``optimize(model, autotune=False)``); those
+    already decided stay as decided."""
+    _, target = unwrap.optimized(model)
+    for old in (target.__dict__.pop(_HOOKS, ()) if target is not None else ()):
+        old.handle.remove()
+
+
 def apply(model: nn.Module, *, repeats: int = 5, margin: float = 0.03) -> nn.Module:
     """Time every fused block kind of an optimized ``model`` against its original at the first
     training call (forward and backward, ``repeats`` alternated runs each on the model's device),
@@ -233,7 +242,7 @@ def apply(model: nn.Module, *, repeats: int = 5, margin: float = 0.03) -> nn.Mod
     target.__dict__[_HOOKS] = tuners
     tuned = {t.name for t in tuners}
     untuned = Counter(e.pattern for e in st.report.fused if e.name not in tuned)
-    note = ("autotune: left fused, not timed (fused forwards, or norms a fused residual-add layer calls by "
+    note = (f"{UNTIMED} (fused forwards, or norms a fused residual-add layer calls by "
             f"method): {', '.join(f'{k} {n}' for k, n in sorted(untuned.items()))}")
     if untuned and note not in st.report.notes:
         st.report.notes.append(note)

@@ -73,13 +73,14 @@ def _not_plain(params) -> str | None:
     return None
 
 
-def find(model: nn.Module, patterns: list[Pattern], filter_fn=None):
+def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozenset()):
     """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order.
-    A candidate ``filter_fn(qualname, module)`` refuses is a Skip: listed, not swapped."""
+    A candidate ``filter_fn(qualname, module)`` refuses is a Skip: listed, not swapped. Modules whose
+    id is in ``leave`` are not offered (autotune's kept originals: their entries say so already)."""
     found = []
     with _probe.one_thread():
         for name, module in model.named_modules():
-            if isinstance(module, FusedModule):
+            if isinstance(module, FusedModule) or id(module) in leave:
                 continue
             for pattern in patterns:
                 try:
@@ -109,17 +110,18 @@ def _children_excluded(found):
     return out
 
 
-def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn=None) -> FusionReport:
+def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn=None,
+         leave=frozenset()) -> FusionReport:
     # Probes seed, draw and run dropouts: whatever a pattern does, the user's generators come out as they went in.
     with _probe.saved_rng():
-        return _fuse(model, patterns, backend, strict, filter_fn)
+        return _fuse(model, patterns, backend, strict, filter_fn, leave)
 
 
-def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn) -> FusionReport:
+def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn, leave) -> FusionReport:
     st = state(model)
     if st is None:
         st = _State(FusionReport(type(model).__name__), backend=backend)
-    found = find(model, patterns, filter_fn)
+    found = find(model, patterns, filter_fn, leave)
     skipped = [(n, r.reason) for n, _, _, r in found if isinstance(r, Skip) and not r.reason.startswith(EXCLUDED)]
     if strict and skipped:
         listing = "\n".join(f"  {n or '(model)'}: {why}" for n, why in skipped)

@@ -50,8 +50,10 @@ from torchfuser.cuda_graphs.signature import join_call, split_call
 from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_replicas
 from torchfuser.modules.residual_norm import ResidualNormForward  # ours on the instance: graphed, put back
 
-__all__ = ["install", "remove", "refresh_notes", "describe", "find_stacks", "split_call", "join_call", "GraphOptions", "CHURN", "options"]
+__all__ = ["install", "remove", "detach", "reattach", "refresh_notes", "describe", "find_stacks", "split_call",
+           "join_call", "GraphOptions", "CHURN", "options"]
 _ATTR = "_torchfuser_cuda_graphs"
+HEAD = "cuda graphs: "  # every report note made here starts so
 
 
 def find_stacks(model: nn.Module):
@@ -96,9 +98,7 @@ def install(model: nn.Module, options: GraphOptions | None = None) -> list[str]:
             notes.append(f"cuda graphs: not used for {name} — {why}")
             continue
         stack = Stack(name, list(layers), [layer.forward for layer in layers], options)
-        for i, layer in enumerate(layers):
-            layer.forward = partial(stack.call, i)
-            follow_replicas(layer, stack.release_replica)
+        _route(stack)
         stacks.append(stack)
         notes.append(stack.describe())
     if stacks:
@@ -109,14 +109,38 @@ def install(model: nn.Module, options: GraphOptions | None = None) -> list[str]:
     return notes
 
 
+def _route(stack: Stack) -> None:
+    for i, layer in enumerate(stack.layers):
+        layer.forward = partial(stack.call, i)
+        follow_replicas(layer, stack.release_replica)
+
+
 def remove(model: nn.Module) -> None:
-    for stack in model.__dict__.pop(_ATTR, []):
+    detached = detach(model)
+    for stack in detached[0] if detached else ():
+        stack.sets.clear()
+
+
+def detach(model: nn.Module) -> tuple[list[Stack], GraphOptions] | None:
+    """Take the stacks out of the layers, as ``remove`` does, but keep what they captured: (stacks,
+    their options) for ``reattach``, or None where none is installed."""
+    stacks = model.__dict__.pop(_ATTR, None)
+    if stacks is None:
+        return None
+    for stack in stacks:
         for layer, forward in zip(stack.layers, stack.forwards):
             layer.__dict__.pop("forward", None)
             if isinstance(forward, ResidualNormForward):
                 layer.__dict__["forward"] = forward
             unfollow_replicas(layer)
-        stack.sets.clear()
+    return stacks, stacks[0].options
+
+
+def reattach(model: nn.Module, stacks: list[Stack]) -> None:
+    """Route the layers through ``stacks`` again (``detach``'s), their captured graphs as they were."""
+    for stack in stacks:
+        _route(stack)
+    model.__dict__[_ATTR] = stacks
 
 
 def refresh_notes(model: nn.Module, notes: list[str]) -> list[str]:

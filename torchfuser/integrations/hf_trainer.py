@@ -6,6 +6,7 @@ import weakref
 
 from transformers import TrainerCallback
 
+from torchfuser import head_check, unwrap, walker
 from torchfuser.api import _check_not_flattened, optimize, report
 
 log = logging.getLogger("torchfuser")
@@ -25,6 +26,12 @@ class TorchFuserCallback(TrainerCallback):
     alike, as model_init's do), unless ``verbose=False`` or ``TrainingArguments.log_level`` is
     "error" or "critical"; it is also logged at INFO and kept in ``callback.report``. (``verbose`` is
     the callback's: optimize's own would print on every process.)
+
+    A model optimized already keeps its settings: the callback passes ``optimize`` only the keywords it
+    was given. Which LM head runs is checked again when training begins (TRL's trainers put their own
+    fused head on the model after this callback ran) and after the first training step (a trainer that
+    computes its loss without calling the model with labels never runs the fused one): where the fused
+    LM head + loss is bypassed, a warning says which head runs and the report, printed again, lists it so.
     """
 
     def __init__(self, *, verbose: bool = True, **optimize_kwargs):
@@ -33,6 +40,7 @@ class TorchFuserCallback(TrainerCallback):
         self.report = None  # of the latest model fused
         self._printed = None  # the summary printed last: a model_init run that fuses alike prints nothing new
         self._done = weakref.WeakSet()  # a Trainer with model_init builds a new model per run and trial
+        self._steps_checked = weakref.WeakSet()  # models whose fused LM head was checked after a training step
 
     def _fuse(self, model, args, state) -> None:
         if model is None or any(m in self._done for m in model.modules()):
@@ -44,6 +52,10 @@ class TorchFuserCallback(TrainerCallback):
             return
         optimize(model, **self.optimize_kwargs)
         self._done.add(model)
+        self._tell(model, args, state)
+
+    def _tell(self, model, args, state) -> None:
+        """Keep the model's report, log it, and print it where it says something new."""
         self.report = report(model)
         if state is None or state.is_world_process_zero:
             log.info("torchfuser: %s", self.report.summary())
@@ -51,6 +63,18 @@ class TorchFuserCallback(TrainerCallback):
             if self.verbose and not _quiet(args) and self._printed != self.report.summary():
                 _print(self.report)
                 self._printed = self.report.summary()
+
+    def _check_head(self, model, args, state) -> None:
+        """Say so where the fused LM head + loss no longer runs (a trainer's own head computes the loss)."""
+        if model is None or unwrap.optimized(model)[1] is None:
+            return
+        now = report(model)
+        if self.report is not None and now.summary() == self.report.summary():
+            return  # the same blocks run fused as when it was told
+        for note in now.notes if state is None or state.is_world_process_zero else ():
+            if note.startswith(head_check.HEAD + "bypassed"):
+                log.warning("torchfuser: %s", note)
+        self._tell(model, args, state)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._fuse(model, args, state)
@@ -63,6 +87,24 @@ class TorchFuserCallback(TrainerCallback):
         # A model swapped into the Trainer after __init__, or built by its model_init at each train(),
         # is fused here (the optimizer already holds its parameters: the same objects after fusing).
         self._fuse(model, args, state)
+        self._check_head(model, args, state)  # TRL's trainers put their own head on the model after __init__
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        # After the first step: a fused head that made no call is bypassed by the trainer's own loss.
+        if model is None or model in self._steps_checked or getattr(args, "torch_compile", False):
+            return  # compiled calls are not counted
+        self._steps_checked.add(model)
+        _, target = unwrap.optimized(model)
+        st = walker.state(target) if target is not None else None
+        if st is None:
+            return
+        idle = False
+        for fused in head_check.fused_heads(target, st).values():
+            if fused.calls.n == 0:
+                fused.idle_steps = state.global_step if state is not None else 1
+                idle = True
+        if idle:
+            self._check_head(model, args, state)
 
 
 def _print(report) -> None:

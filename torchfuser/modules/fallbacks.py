@@ -38,6 +38,26 @@ def clear(module: nn.Module) -> None:
     module.__dict__.pop(_ATTR, None)
 
 
+class Calls:
+    """Eager calls that ran a fused path, counted where the report must show that a block runs at all (the
+    LM head + loss, which a trainer's own head can bypass). One object shared by the shallow copies
+    nn.DataParallel makes; compiled calls are not counted (a count would make torch.compile guard on it)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def __getstate__(self):
+        return self.n
+
+    def __setstate__(self, n):
+        self.n = n
+
+    def __repr__(self) -> str:
+        return f"Calls({self.n})"
+
+
 def layer_glob(name: str) -> str:
     """A qualified name with its layer indices as * ("model.layers.*.mlp"): one line for all layers."""
     return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name) or "(model)"

@@ -110,6 +110,7 @@ class FusedLMHeadLoss:
         self.values_checked = False  # the value check syncs with the device: once per instance
         self.probes: dict = {}  # the capture head's probe logits, made once (CaptureHead)
         self.fp8: str | None = None  # the FP8 recipe of the head's GEMMs (optimize's fp8_lm_head)
+        self.calls = fallbacks.Calls()  # fused calls: the report tells a head a trainer bypasses
 
     def __setstate__(self, state: dict) -> None:
         # Unpickling. Not a lookup with a default in the forward: torch.compile cannot trace
@@ -117,6 +118,7 @@ class FusedLMHeadLoss:
         self.__dict__.update(state)
         self.__dict__.setdefault("probes", {})  # pickled by a version before the probe cache
         self.__dict__.setdefault("fp8", None)  # pickled by a version before fp8_lm_head
+        self.__dict__.setdefault("calls", fallbacks.Calls())
 
     def _original(self):
         # functools.partial, not function.__get__: torch.compile traces the former, not the latter.
@@ -150,6 +152,8 @@ class FusedLMHeadLoss:
         return self._fused(original, head, kwargs)
 
     def _fused(self, original, head: nn.Linear, kwargs):
+        if not torch.compiler.is_compiling():
+            self.calls.n += 1
         labels = kwargs.pop("labels")
         capture = CaptureHead(self.probes, head)
         embedding = self._tied_embedding(head, kwargs)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import functools
+import os
 
 import torch
 from torch import nn
@@ -148,12 +151,37 @@ def seed_cpu(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
 
 
+@functools.cache
+def _omp_set_num_threads():
+    """``omp_set_num_threads`` of the OpenMP runtime torch's CPU library runs its ops on, or None (no such
+    library or symbol: another platform or threading backend)."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        setter = ctypes.CDLL(lib).omp_set_num_threads  # looked up through libtorch_cpu's own dependencies
+    except (OSError, AttributeError):
+        return None
+    setter.argtypes, setter.restype = [ctypes.c_int], None
+    return setter
+
+
 @contextlib.contextmanager
 def one_thread():
-    """Probe matmuls are tiny: on a busy machine a thread pool makes each one ~100× slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """Ops of the calling thread run on one thread while it probes: probe matmuls are tiny, and on a busy
+    machine waking a thread pool makes each one ~100× slower (a 16-layer Llama matched in 0.15 s, not 2-4 s).
+
+    Only this thread's OpenMP setting changes (OpenMP keeps the count per thread), and it is put back:
+    ``torch.set_num_threads`` would change the process's (every thread that starts later, the thread
+    pools), and two threads optimizing at once could leave the process at one thread. Where the runtime
+    cannot be reached this way, the probes run on the threads there are."""
+    n = torch.get_num_threads()  # first: torch's per-thread initialisation would reset the count later
+    setter = _omp_set_num_threads() if n > 1 else None
+    if setter is not None:
+        setter(1)
+        if torch.get_num_threads() != 1:  # not the runtime torch runs on: leave it as it was
+            setter(n)
+            setter = None
     try:
         yield
     finally:
-        torch.set_num_threads(n)
+        if setter is not None:
+            setter(n)

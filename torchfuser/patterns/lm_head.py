@@ -112,6 +112,16 @@ class _Uninstall:
                 self.model.__dict__["forward"] = self.fused.previous
 
 
+def trl_head(forward) -> bool:
+    """Whether ``forward`` (a model's instance forward) is TRL's fused LM head (``trl.trainer.utils.
+    add_fused_lm_head``, put on the model by TRL's trainers): the calls that pass ``fused_lm_head=True``
+    run the decoder and compute per-token log-probabilities and the loss in TRL's own kernels, never
+    the model's forward. Told by its code, not its name, which ``functools.wraps`` sets to the model's."""
+    fn = getattr(forward, "__func__", forward)
+    module = getattr(fn, "__globals__", {}).get("__name__", "")
+    return module.split(".")[0] == "trl" and getattr(getattr(fn, "__code__", None), "co_name", "") == "_fused_forward"
+
+
 class LMHeadLossPattern(Pattern):
     name = "lm_head_loss"
     description = ("causal-LM loss via linear_cross_entropy, full logits never materialised (training with labels); "
@@ -124,6 +134,10 @@ class LMHeadLossPattern(Pattern):
             return None
         if isinstance(module.__dict__.get("forward"), FusedLMHeadLoss):
             return None  # already fused: optimize is idempotent
+        if trl_head(module.__dict__.get("forward")):
+            return Skip("TRL's fused LM head (trl add_fused_lm_head) is on the model: it computes the head and loss of "
+                        "the trainer's calls (fused_lm_head=True) without calling the model's forward, so a fused loss "
+                        "installed over it would never run")
         try:
             params = inspect.signature(module.forward).parameters
         except (TypeError, ValueError):
