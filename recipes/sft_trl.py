@@ -14,6 +14,8 @@ attention applies as SDPA does.
 With ``--lora`` SFTTrainer wraps the model in PEFT before the callback runs; the blocks that hold
 adapters stay fused, with the adapters running inside them (the report's notes say so).
 ``--optimize-first`` fuses the model yourself before SFTTrainer, which gives the same.
+SFTTrainer computes the LM head and loss with TRL's own fused head (``add_fused_lm_head``): TorchFuser's
+``lm_head_loss`` does not run under it, and the report lists it "bypassed" (the other blocks run fused).
 (This recipe needs ``trl``; ``--lora`` needs ``peft``.)
 """
 from __future__ import annotations

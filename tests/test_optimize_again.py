@@ -271,3 +271,18 @@ def test_a_second_call_keeps_the_captured_graphs_on_a_gpu():
         (loss, grads), (want, want_grads) = _step(twice, ids), _step(once, ids)
         torch.testing.assert_close(loss, want)
     assert stack.captures == captures and stack.replays > 0  # replayed what it had captured
+
+
+def test_a_call_passing_no_selection_keeps_the_blocks_of_a_pattern_unregistered_since():
+    """unregister_pattern: models fused already keep their fused blocks until restore, also through a
+    second optimize that passes no patterns / exclude / filter_fn."""
+    from torchfuser.patterns import PATTERNS, register_pattern, unregister_pattern
+
+    model = torchfuser.optimize(tiny_llama(), backend="reference")
+    at = list(PATTERNS).index("gated_mlp")
+    pattern = unregister_pattern("gated_mlp")
+    try:
+        torchfuser.optimize(model)
+        assert isinstance(model.model.layers[0].mlp, FusedGatedMLP)
+    finally:
+        register_pattern(pattern, before=list(PATTERNS)[at])

@@ -65,12 +65,14 @@ def test_lora_fused_trains_as_unfused():
 
 
 @_needs("accelerate", "trl")
+# 11 of the 12 blocks: SFTTrainer computes the LM head and loss with TRL's own fused head (add_fused_lm_head),
+# which bypasses lm_head_loss; the report lists it "bypassed" (tests/test_trl_report.py).
 @pytest.mark.parametrize("flags, blocks", [
-    pytest.param([], 12, id="padded"),
-    pytest.param(["--padding-free"], 12, id="padding-free"),
-    pytest.param(["--packing"], 12, id="packing"),
-    pytest.param(["--lora"], 12, id="lora"),  # SFTTrainer adds the adapters first: the blocks stay fused around them
-    pytest.param(["--lora", "--optimize-first"], 12, id="lora-optimize-first"),
+    pytest.param([], 11, id="padded"),
+    pytest.param(["--padding-free"], 11, id="padding-free"),
+    pytest.param(["--packing"], 11, id="packing"),
+    pytest.param(["--lora"], 11, id="lora"),  # SFTTrainer adds the adapters first: the blocks stay fused around them
+    pytest.param(["--lora", "--optimize-first"], 11, id="lora-optimize-first"),
 ])
 def test_sft_trl_fused_trains_as_unfused(flags, blocks):
     fused = _same_training(_run(["sft_trl.py", "--compare", "--steps", "3", *flags]), 3)

@@ -130,8 +130,10 @@ def optimize(
     recipe = _fp8.check(s.fp8, next((p.device for p in model.parameters()), None))
     per_step = _fp8.check_weights(s.fp8_weights, recipe)
     chosen = _patterns.select(s.patterns, s.exclude)
+    # Only a call that passes a selection can narrow it (a pattern unregistered since leaves its blocks fused).
+    reselect = not all(isinstance(v, _U) for v in (patterns, exclude, filter_fn))
     with transaction.atomic(model):
-        result, dropped = _apply(model, before, s, chosen, strict, per_step)
+        result, dropped = _apply(model, before, s, chosen, strict, per_step, reselect)
     for stack in dropped:  # graphs no longer replayed: their memory goes back (after the call, which can no longer fail)
         stack.sets.clear()
     if verbose:
@@ -153,10 +155,10 @@ def _narrows(model: nn.Module, before: _settings.Settings, s: _settings.Settings
     return s.filter_fn is not None and s.filter_fn is not before.filter_fn
 
 
-def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool, per_step: bool):
+def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool, per_step: bool, reselect: bool):
     """The body of ``optimize``, inside its transaction: (report, stacks of CUDA graphs no longer used)."""
     graphs = _cuda_graphs.detach(model)  # the layers' own forwards while blocks are swapped; back at the end
-    afresh = before is not None and _narrows(model, before, s, chosen)
+    afresh = reselect and before is not None and _narrows(model, before, s, chosen)
     if afresh:
         _undo(model)
     st = walker.state(model)

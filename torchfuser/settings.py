@@ -101,7 +101,7 @@ def merge(before: Settings | None, **passed) -> Settings:
     errors that say which values were kept, before anything changes."""
     given = {k: v for k, v in passed.items() if not isinstance(v, Unset)}
     base = before if before is not None else Settings()
-    if given.get("fp8", base.fp8) is None and "fp8" in given:
+    if "fp8" in given and given["fp8"] is None:
         # FP8 off: the options that refine it go back to their defaults unless passed with it.
         given.setdefault("fp8_lm_head", False)
         given.setdefault("fp8_weights", "per_call")

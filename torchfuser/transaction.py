@@ -39,7 +39,7 @@ def _reachable(model: nn.Module) -> list:
         stack = list(vars(obj).values())
         while stack:
             value = stack.pop()
-            if isinstance(value, (nn.Module,)) or _ours(value):
+            if isinstance(value, nn.Module) or _ours(value):
                 todo.append(value)
             elif isinstance(value, (list, tuple)):
                 stack.extend(value)
@@ -48,13 +48,23 @@ def _reachable(model: nn.Module) -> list:
     return list(seen.values())
 
 
+def _same(container, content) -> bool:
+    """Whether ``container`` holds what ``content`` held, object for object (values are compared by
+    identity: a tensor's ``==`` is no answer), keys in the same order."""
+    if isinstance(container, dict):
+        return list(container) == list(content) and all(container[k] is v for k, v in content.items())
+    if isinstance(container, list):
+        return len(container) == len(content) and all(a is b for a, b in zip(container, content))
+    return container == content
+
+
 class Snapshot:
     def __init__(self, model: nn.Module):
         self.model = model
         self.objects = []
         for obj in _reachable(model):
             attrs = dict(vars(obj))
-            contents = [(c, c.copy()) for c in attrs.values() if type(c) in _CONTAINERS or isinstance(c, dict)]
+            contents = [(c, c.copy()) for c in attrs.values() if isinstance(c, _CONTAINERS)]
             self.objects.append((obj, attrs, contents))
         st = walker.state(model)
         self.undo_count = len(st.undo) if st is not None else 0
@@ -75,6 +85,8 @@ class Snapshot:
                 del current[key]
             current.update(attrs)
             for container, content in contents:
+                if _same(container, content):
+                    continue
                 container.clear()
                 container.update(content) if not isinstance(container, list) else container.extend(content)
         ip = sys.modules.get("torchfuser.compiler.inductor_pass")
