@@ -13,7 +13,7 @@ log = logging.getLogger("torchfuser")
 
 
 class TorchFuserCallback(TrainerCallback):
-    """``Trainer(..., callbacks=[TorchFuserCallback(backend="auto")])``.
+    """``Trainer(..., callbacks=[TorchFuserCallback()])`` (keywords are optimize's).
 
     Optimizes the model at the end of ``Trainer.__init__``: before the optimizer is created
     and before the model is wrapped for distributed training. A model the Trainer gets later
