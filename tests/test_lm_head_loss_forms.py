@@ -45,6 +45,9 @@ def _assert_exact(ref, fused):
     for out in (a, b, c):
         out.loss.backward()
     for (n, p), q, p64 in zip(ref.named_parameters(), fused.parameters(), ref64.parameters()):
+        if p.grad is None:  # a parameter the loss does not reach (BART's encoder): none either way
+            assert q.grad is None and p64.grad is None, n
+            continue
         assert_within_rule(q.grad, p.grad, p64.grad, 1e-6, n)
 
 
