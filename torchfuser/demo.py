@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from torchfuser.api import optimize, report
+from torchfuser.modules import recompute
 
 
 LR = 3e-4  # with clipping: bf16 runs of eager and fused stay within ~1e-3 of each other
@@ -77,6 +78,7 @@ class _SavedBytes:
                 self.total += t.untyped_storage().nbytes()
             return t
 
+        setattr(pack, recompute.COUNTING, True)  # it only counts: what is made again is not counted
         self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         self._ctx.__enter__()
         return self

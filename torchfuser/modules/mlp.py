@@ -3,13 +3,14 @@ what is fused is the activation (and, for gated MLPs, the gating product, on the
 output of a fused gate_up projection or, under autocast, of gate and up run as one GEMM)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.functional import backend_for
-from torchfuser.modules import fp8, lora
+from torchfuser.modules import fp8, lora, recompute
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
 from torchfuser.modules.projections import joint, residual_linear, single
 from torchfuser.ops import gated as gated_ops
@@ -65,31 +66,39 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        return apply_dropout(self, s.dropout, single(self._gated(x), getattr(self, s.down), self))
+        h, make = self._gated(x)
+        with self._h_made_again(h, make):
+            return apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
         """``residual + self(x)``, the sum inside the down projection's GEMM where it can be
         (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on)."""
         s = self.spec
-        h = self._gated(x)
+        h, make = self._gated(x)
         epilogue = dropout_p(self, s.dropout) == 0 and fp8.recipe_of(self) is None
-        out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
-        return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
+        with self._h_made_again(h, make):
+            out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
+            return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
 
-    def _gated(self, x: Tensor) -> Tensor:
-        s = self.spec
+    def _h_made_again(self, h: Tensor, make):
+        """The down projection does not keep its input h: the backward makes it again (modules.recompute)."""
+        return recompute.made_again(h, make) if make is not None else contextlib.nullcontext()
+
+    def _gated(self, x: Tensor):
+        """(h, a function that makes h again from tensors the activation keeps for its backward, or None)."""
+        s, act, backend = self.spec, self._act, self.backend
         if s.gate_up is not None:
             packed, gate_first = single(x, getattr(self, s.gate_up), self), s.gate_first
         else:  # gate and up as one GEMM under autocast; None where that would differ
             packed, gate_first = joint(x, [getattr(self, s.gate), getattr(self, s.up)], self), True
         if packed is None:
-            h = self._act(getattr(self, s.gate)(x), getattr(self, s.up)(x), backend=self.backend)
-        elif gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
+            gate, up = getattr(self, s.gate)(x), getattr(self, s.up)(x)
+            return act(gate, up, backend=backend), lambda: act(gate, up, backend=backend)
+        if gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
             h = self._packed_act(packed, x)
-        else:
-            up, gate = packed.chunk(2, dim=-1)
-            h = self._act(gate, up, backend=self.backend)
-        return h
+            return h, (lambda: act(packed, backend=backend)) if fp8.recipe_of(self) is None else None
+        up, gate = packed.chunk(2, dim=-1)
+        return act(gate, up, backend=backend), lambda: act(gate, up, backend=backend)
 
     def _packed_act(self, packed: Tensor, x: Tensor) -> Tensor:
         """The activation on [gate | up]; with rowwise FP8, the producer of the down projection's operand
