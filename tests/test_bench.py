@@ -145,3 +145,18 @@ def test_plot_shows_both_loss_lines_integer_steps_and_every_step_time():
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_table_on_cuda_gives_peak_and_saved_under_their_names():
+    """Rows as a GPU run writes them (no GPU needed): the peak and the saved activations in their own columns,
+    n/a where CUDA graph replays leave nothing to count."""
+    rows = _rows([5.0, 4.9], {"eager": [3.0, 2.0], "torchfuser+graphs": [2.0, 1.0]})
+    for r, peak, saved in zip(rows, (3 * 2**30, 2 * 2**30), (2**29, None)):
+        r.update(peak_memory_bytes=peak, peak_memory_measure="cuda_max_memory_allocated_as_alone",
+                 saved_activation_bytes=saved, speedup_vs_reference=1.0, tokens_per_s=1.0, loss_max_rel_diff=0.0,
+                 fusion=None, notes=[])
+    console = Console(record=True, width=160)
+    bench.print_table(console, rows)
+    text = console.export_text()
+    assert "peak memory" in text and "saved act." in text
+    assert "3,072.0 MiB" in text and "512.0 MiB" in text and "n/a" in text
