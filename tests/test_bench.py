@@ -36,17 +36,17 @@ def _bench(target, *extra):
     (["bench", "missing.json", "--device", "cpu"], "no such config file"),
     (["bench", "llama", "--device", "cpu", "--steps", "0"], "--steps must be at least 1"),
 ])
-def test_bad_input_one_line(argv, message):
-    with pytest.raises(SystemExit) as err:
-        main(argv)
-    text = str(err.value)
-    assert text.startswith("torchfuser bench: ") and message in text and "\n" not in text
+def test_bad_input_one_line(argv, message, capsys):
+    """A mistake is one line on stderr and exit 2, as in the other subcommands and argparse."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("torchfuser bench: ") and message in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_cuda_without_cuda():
-    with pytest.raises(SystemExit, match="CUDA is not available"):
-        main(["bench", "llama", "--device", "cuda"])
+def test_cuda_without_cuda(capsys):
+    assert main(["bench", "llama", "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 def test_rows_json_plot(config_json, tmp_path, capsys):
@@ -57,7 +57,8 @@ def test_rows_json_plot(config_json, tmp_path, capsys):
     for r in rows:
         assert len(r["losses"]) == 2 and r["ms_per_step"] >= r["ms_per_step_min"] > 0 and r["tokens_per_s"] > 0
         assert r["speedup_vs_reference"] > 0
-        assert r["peak_memory_bytes"] > 0 and r["memory_measure"] == "saved_activation_bytes"
+        # On the CPU only the saved activations are measured: no peak is given under that name.
+        assert r["saved_activation_bytes"] > 0 and r["peak_memory_bytes"] is None and r["peak_memory_measure"] is None
         assert r["loss_max_rel_diff"] < 1e-4  # every variant trains the same model on the same batches
         assert {"device", "torch", "transformers", "date", "batch", "seq"} <= set(r)
     assert rows[0]["speedup_vs_reference"] == 1.0 and rows[0]["fusion"] is None and "blocks fused" in rows[1]["fusion"]
@@ -110,3 +111,52 @@ def test_dropout_masks_are_the_same_in_every_variant(tmp_path):
                      console=Console(quiet=True))
     assert torch.equal(torch.get_rng_state(), before)
     assert rows[1]["loss_max_rel_diff"] < 1e-5, rows[1]["losses"]
+
+
+def _rows(losses, step_ms, warmup=1):
+    common = dict(loss_reference="eager", warmup_steps=warmup, model="llama", device="cpu", batch=2, seq=8,
+                  torch="2.x", transformers="5.x", peak_memory_bytes=None, saved_activation_bytes=2**20)
+    return [dict(variant=name, losses=losses, step_ms=ms, ms_per_step=sorted(ms[warmup:])[len(ms[warmup:]) // 2], **common)
+            for name, ms in step_ms.items()]
+
+
+def test_plot_shows_both_loss_lines_integer_steps_and_every_step_time():
+    """Read from the figure's artists, not its pixels: eager's loss line drawn last and dashed over the fused one
+    (equal losses hide neither), step ticks at whole numbers, each step's time a point beside the median."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.ticker import MaxNLocator
+
+    from torchfuser.bench_plot import figure
+
+    losses = [5.0, 4.8, 4.7, 4.65]  # the same in both variants: the case where one line hid the other
+    rows = _rows(losses, {"eager": [12.0, 7.8, 9.1, 8.2], "torchfuser": [10.0, 6.0, 6.5, 6.2]})
+    fig = figure(rows)
+    ax_t, ax_m, ax_l = fig.axes[:3]
+    lines = {line.get_label(): line for line in ax_l.get_lines()}
+    eager, fused = lines["eager"], lines["torchfuser"]
+    assert eager.get_zorder() > fused.get_zorder() and eager.get_linestyle() == "--" and fused.get_linestyle() == "-"
+    assert eager.get_marker() != fused.get_marker() and list(eager.get_ydata()) == losses
+    assert isinstance(ax_l.xaxis.get_major_locator(), MaxNLocator)
+    fig.canvas.draw()
+    ticks = [t for t in ax_l.get_xticks() if ax_l.get_xlim()[0] <= t <= ax_l.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    points = sorted(float(y) for c in ax_t.collections for _, y in c.get_offsets())
+    assert points == sorted(rows[0]["step_ms"] + rows[1]["step_ms"])  # every step, warm-up included (hollow)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_table_on_cuda_gives_peak_and_saved_under_their_names():
+    """Rows as a GPU run writes them (no GPU needed): the peak and the saved activations in their own columns,
+    n/a where CUDA graph replays leave nothing to count."""
+    rows = _rows([5.0, 4.9], {"eager": [3.0, 2.0], "torchfuser+graphs": [2.0, 1.0]})
+    for r, peak, saved in zip(rows, (3 * 2**30, 2 * 2**30), (2**29, None)):
+        r.update(peak_memory_bytes=peak, peak_memory_measure="cuda_max_memory_allocated_as_alone",
+                 saved_activation_bytes=saved, speedup_vs_reference=1.0, tokens_per_s=1.0, loss_max_rel_diff=0.0,
+                 fusion=None, notes=[])
+    console = Console(record=True, width=160)
+    bench.print_table(console, rows)
+    text = console.export_text()
+    assert "peak memory" in text and "saved act." in text
+    assert "3,072.0 MiB" in text and "512.0 MiB" in text and "n/a" in text

@@ -1,4 +1,5 @@
-"""The command line: --version, a checkpoint directory for inspect, and user mistakes as one line + exit 2."""
+"""The command line: --version, a checkpoint directory for inspect, what inspect says it built, and user
+mistakes as one line + exit 2 in every subcommand."""
 from __future__ import annotations
 
 import json
@@ -24,11 +25,34 @@ def _error_line(capsys) -> str:
     return lines[0]
 
 
+def _env():
+    return {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+
+
 def test_version(capsys):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["--version"])
-    assert info.value.code == 0
+    assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.startswith(f"torchfuser {torchfuser.__version__} (torch ")
+
+
+def test_version_imports_neither_torch_nor_transformers():
+    """`torchfuser --version` as the installed command runs it: torch and transformers take seconds to import."""
+    code = ("import sys; from torchfuser.cli import main; rc = main(['--version']); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    version, heavy = done.stdout.strip().splitlines()
+    assert version.startswith(f"torchfuser {torchfuser.__version__} (torch ") and heavy == "[]", done.stdout
+
+
+def test_version_is_written_once():
+    """pyproject.toml reads the version from torchfuser/_version.py; the package and the CLI import it."""
+    from torchfuser import _version
+
+    root = Path(__file__).parents[1]
+    pyproject = (root / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'attr = "torchfuser._version.__version__"' in pyproject
+    assert "\nversion =" not in pyproject.split("[tool.setuptools.dynamic]")[0]
+    assert torchfuser.__version__ == _version.__version__ == cli.__version__
 
 
 def test_inspect_checkpoint_directory(tmp_path, capsys):
@@ -37,8 +61,37 @@ def test_inspect_checkpoint_directory(tmp_path, capsys):
     (tmp_path / "model.safetensors").write_bytes(b"not read")
     assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["model_type"] == "Qwen2ForCausalLM"
+    assert data["model_type"] == "qwen2" and data["model_class"] == "Qwen2ForCausalLM"
     assert data["counts"]["rms_norm"]["fused"] == 5 and data["counts"]["gated_mlp"]["fused"] == 2
+
+
+def test_inspect_says_what_it_built(tmp_path, capsys):
+    """The config's model type, the class, the decoder layers and the parameters (tied ones once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (tmp_path / "config.json").write_text(json.dumps(_QWEN))
+    assert cli.main(["inspect", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    fields = {k: v for k, v in _QWEN.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **fields))
+    params = sum(p.numel() for p in model.parameters())
+    assert data["num_hidden_layers"] == 2 and data["parameters"] == params and data["parameter_bytes"] == 4 * params
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("qwen2 (Qwen2ForCausalLM): 2 layers, ") and f"{params / 1e3:.2f}K parameters" in first, first
+
+
+def test_inspect_table_is_wide_and_grouped(capsys, monkeypatch):
+    """Not a terminal (here: captured): a wide table, not rich's 80 columns that folded module names; a
+    decoder layer's own residual_norm row grouped over the layers like its children's rows."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert cli.main(["inspect", "llama"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split("│")[1].strip(): line.split("│")[2:4] for line in lines if line.count("│") == 6}
+    assert rows["model.layers.*"][0].strip() == "32" and rows["model.layers.*"][1].strip() == "residual_norm", rows
+    assert rows["model.layers.*.post_attention_layernorm"][0].strip() == "32"  # whole, not folded
+    assert not any(name.startswith("model.layers.") and name[len("model.layers."):].isdigit() for name in rows)
 
 
 def test_inspect_a_named_backend_on_meta(capsys):
@@ -68,6 +121,8 @@ def _mistakes(tmp_path):
         "no causal LM": (["inspect", str(vision)], "cannot build a causal LM for 'vit'"),
         "not a device": (["demo", "--device", "gpu0"], "is not a device"),
         "short demo": (["demo", "--steps", "2"], "at least 4"),
+        "bench: unknown variant": (["bench", "llama", "--device", "cpu", "--variants", "fast"], "unknown variant 'fast'"),
+        "bench: not a model type": (["bench", "no_such_type", "--device", "cpu"], "neither a config.json"),
     }
     if not torch.cuda.is_available():
         cases["cuda without CUDA"] = (["demo", "--device", "cuda"], "no CUDA device")
@@ -78,7 +133,8 @@ def _mistakes(tmp_path):
 
 @pytest.mark.parametrize("case", ["malformed config.json", "json not an object", "nonexistent path", "hub id",
                                   "directory without config.json", "no causal LM", "not a device", "short demo",
-                                  "cuda without CUDA", "backend that cannot run"])
+                                  "cuda without CUDA", "backend that cannot run", "bench: unknown variant",
+                                  "bench: not a model type"])
 def test_mistakes_are_one_line_and_exit_2(case, tmp_path, capsys):
     cases = _mistakes(tmp_path)
     if case not in cases:
@@ -89,14 +145,37 @@ def test_mistakes_are_one_line_and_exit_2(case, tmp_path, capsys):
     assert line.startswith(f"torchfuser {argv[0]}: ") and words in line, line
 
 
-def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
-    """As a user runs it: a separate process, its exit code and stderr."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    done = subprocess.run([sys.executable, "-m", "torchfuser.cli", "inspect", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 2
-    assert done.stderr.strip() == f"torchfuser inspect: {tmp_path} has no config.json; inspect takes a checkpoint " \
-                                  "directory that has one"
+@pytest.mark.parametrize("argv, said", [
+    (["inspect", "{tmp}"], "torchfuser inspect: {tmp} has no config.json; inspect takes a checkpoint directory that has one"),
+    (["demo", "--steps", "2"], "torchfuser demo: --steps must be at least 4 (the first steps are warm-up)"),
+    (["bench", "llama", "--device", "cpu", "--variants", "fast"], "torchfuser bench: unknown variant 'fast'; choose from "),
+])
+def test_the_installed_command_exits_2_without_a_traceback(tmp_path, argv, said):
+    """As a user runs it: a separate process, its exit code and stderr; the same code in every subcommand."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    done = subprocess.run([sys.executable, "-m", "torchfuser.cli", *argv], capture_output=True, text=True,
+                          env=_env(), timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(said.format(tmp=tmp_path)), done.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "bench"])
+def test_a_config_transformers_rejects_keeps_the_reason(tmp_path, capsys, command):
+    """transformers' validation error names its validator on the first line and the reason on the next."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_QWEN, "model_type": "llama", "hidden_size": 64, "num_attention_heads": 5}))
+    argv = [command, str(path)] + (["--device", "cpu"] if command == "bench" else [])
+    assert cli.main(argv) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"torchfuser {command}: ") and "is not a valid transformers config" in line, line
+    assert "not a multiple of the number of attention heads" in line, line
+
+
+def test_said_keeps_a_few_lines_each_cut():
+    err = ValueError("Unrecognized configuration class X\nModel type should be one of " + "A, " * 500 + "\n\nmore\nand more")
+    said = cli._said(err)
+    assert said.startswith("ValueError: Unrecognized configuration class X Model type should be one of A, ")
+    assert "more" in said and said.endswith("…") and len(said) < 700 and "\n" not in said
 
 
 def test_a_subcommand_is_one_function_in_commands(capsys):

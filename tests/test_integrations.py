@@ -86,7 +86,7 @@ def test_trainer_callback_leaves_a_wrapper_of_the_fused_model():
 def test_inspect_model_type(capsys):
     assert cli.main(["inspect", "llama", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["model_type"] == "LlamaForCausalLM"
+    assert data["model_type"] == "llama" and data["model_class"] == "LlamaForCausalLM"
     assert data["counts"]["rms_norm"]["fused"] == 65  # 32 layers × 2 + final norm, built on meta
     assert data["counts"]["gated_mlp"]["fused"] == 32
 

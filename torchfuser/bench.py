@@ -18,6 +18,8 @@ from rich.table import Table
 
 from torchfuser import demo
 from torchfuser.api import optimize, report
+from torchfuser.cli import CLIError, _said
+from torchfuser.report import console as _console
 
 VARIANTS = ("eager", "torchfuser", "torchfuser-autotune", "compile", "torchfuser+compile", "torchfuser+graphs",
             "torchfuser+fp8", "torchfuser+fp8+graphs")
@@ -27,7 +29,8 @@ _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.
 
 
 def _fail(msg: str):
-    raise SystemExit(f"torchfuser bench: {msg}")
+    """A mistake in what the user asked for: ``torchfuser bench`` prints it as one line and exits 2."""
+    raise CLIError(msg)
 
 
 def small_config(model_type: str, device: str):
@@ -60,19 +63,22 @@ def load_model(target: str, device: str, seed: int):
                 model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="sdpa",
                                                              dtype=torch.float32)
             except Exception as err:  # transformers raises many error types for a bad checkpoint
-                _fail(f"cannot load the checkpoint in {target}: {type(err).__name__}: {err}")
+                _fail(f"cannot load the checkpoint in {target}: {_said(err)}")
             return model, f"{target} (its weights)"
         cfg, what = AutoConfig.from_pretrained(path, local_files_only=True), f"{target} (random weights)"
     elif path.suffix == ".json" or path.is_file():
         if not path.is_file():
             _fail(f"no such config file {target!r}")
-        data = json.loads(path.read_text())
-        if "model_type" not in data:
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            _fail(f"{target} is not valid JSON ({err})")
+        if not isinstance(data, dict) or "model_type" not in data:
             _fail(f"{target} has no 'model_type' field; it must be a transformers config.json")
         try:
             cfg = AutoConfig.for_model(data.pop("model_type"), **data)
         except Exception as err:  # transformers' validators raise their own error types
-            _fail(f"{target} is not a valid transformers config: {type(err).__name__}: {err}")
+            _fail(f"{target} is not a valid transformers config: {_said(err)}")
         what = f"{target} (random weights)"
     else:
         cfg, what = small_config(target, device), f"{target} (small default config, random weights)"
@@ -81,7 +87,7 @@ def load_model(target: str, device: str, seed: int):
     try:
         return AutoModelForCausalLM.from_config(cfg), what
     except Exception as err:
-        _fail(f"transformers cannot build a causal LM from this config: {type(err).__name__}: {err}")
+        _fail(f"transformers cannot build a causal LM from this config: {_said(err)}")
 
 
 def _add_lora(model, r: int, seed: int):
@@ -121,7 +127,8 @@ class _Variant:
     def __init__(self, name, model, device, progress, steps):
         self.name, self.model, self.device, self.progress = name, model, device, progress
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=demo.LR)
-        self.losses, self.times, self.memory = [], [], 0
+        # saved: the bytes autograd saved for the backward (largest step); peak: CUDA only, see step().
+        self.losses, self.times, self.saved, self.peak = [], [], 0, None
         self.task = progress.add_task(f"{name:<20}", total=steps)
 
     def step(self, ids):
@@ -144,7 +151,9 @@ class _Variant:
             peak = torch.cuda.max_memory_allocated(self.device) - before + _resident_bytes(self.model, self.opt)
         self.times.append(time.perf_counter() - start)
         self.losses.append(loss.item())
-        self.memory = max(self.memory, peak if cuda else saved.total)
+        self.saved = max(self.saved, saved.total)
+        if cuda:
+            self.peak = max(self.peak or 0, peak)
         self.progress.update(self.task, advance=1, description=f"{self.name:<20} loss {self.losses[-1]:.3f}")
 
 
@@ -199,10 +208,14 @@ def run(target: str, device=None, steps: int = 10, batch=None, seq=None, variant
 
 
 def _run(target, device, steps, batch, seq, variants, lora, json_path, plot_path, seed, console) -> list[dict]:
-    console = console or Console()
+    console = console or _console()
     dev = resolve_device(device)
     kind = "cuda" if dev.type == "cuda" else "cpu"
     names = check_variants(variants or DEFAULT_VARIANTS[kind], dev)
+    if plot_path:
+        from torchfuser.bench_plot import check_matplotlib
+
+        check_matplotlib()  # before the run, not after it
     base, what = load_model(target, kind, seed)
     base.to(dev).train()
     size = SimpleNamespace(vocab=base.config.vocab_size, batch=batch or demo.SIZES[kind].batch, seq=seq or demo.SIZES[kind].seq)
@@ -248,8 +261,10 @@ def _rows(runs, size, steps, lora, target, dev) -> list[dict]:
             "ms_per_step_min": min(r.times[skip:]) * 1e3,
             # Paired per step: the variants ran back to back, so a step's ratio cancels the load of that moment.
             "speedup_vs_reference": statistics.median(a / b for a, b in zip(ref.times[skip:], r.times[skip:])),
-            "peak_memory_bytes": r.memory,
-            "memory_measure": "cuda_max_memory_allocated_as_alone" if dev.type == "cuda" else "saved_activation_bytes",
+            # CUDA graph replays restore their saved tensors without the hooks: nothing to count there.
+            "saved_activation_bytes": None if r.name.endswith("+graphs") else r.saved,
+            "peak_memory_bytes": r.peak,  # measured on CUDA only; None on the CPU
+            "peak_memory_measure": "cuda_max_memory_allocated_as_alone" if r.peak is not None else None,
             "losses": r.losses, "loss_reference": ref.name,
             "loss_max_rel_diff": max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, r.losses)),
             "step_ms": [t * 1e3 for t in r.times], "warmup_steps": skip,
@@ -260,17 +275,22 @@ def _rows(runs, size, steps, lora, target, dev) -> list[dict]:
     return rows
 
 
+def _mib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
 def print_table(console: Console, rows: list[dict]) -> None:
     ref = rows[0]
-    mem = "peak memory" if ref["memory_measure"].startswith("cuda") else "saved act."
+    peak = any(r["peak_memory_bytes"] is not None for r in rows)
     table = Table(title=f"median of steps after the first {ref['warmup_steps']}", title_justify="left")
-    for col in ("variant", "ms/step", "speed-up", "tokens/s", mem, "loss Δ"):
+    columns = ("variant", "ms/step", "speed-up", "tokens/s", *(("peak memory",) if peak else ()), "saved act.", "loss Δ")
+    for col in columns:
         table.add_column(col, justify="left" if col == "variant" else "right",
                          min_width=max(len(r["variant"]) for r in rows) if col == "variant" else None)
     for r in rows:
         table.add_row(r["variant"], f"{r['ms_per_step']:.1f}", f"{r['speedup_vs_reference']:.2f}×",
-                      f"{r['tokens_per_s']:,.0f}", f"{r['peak_memory_bytes'] / 2**20:,.1f} MiB",
-                      f"{r['loss_max_rel_diff']:.1e}")
+                      f"{r['tokens_per_s']:,.0f}", *((_mib(r["peak_memory_bytes"]),) if peak else ()),
+                      _mib(r["saved_activation_bytes"]), f"{r['loss_max_rel_diff']:.1e}")
     console.print(table)
     console.print(f"speed-up: the median over steps of {ref['loss_reference']}'s step time / the variant's in the same round; "
                   f"loss Δ: the largest relative difference of a step's loss from {ref['loss_reference']}'s")
@@ -279,9 +299,11 @@ def print_table(console: Console, rows: list[dict]) -> None:
             console.print(f"{r['variant']}: {r['fusion']}")
         for note in r["notes"]:
             console.print(f"{r['variant']}: {note}")
-    if mem == "saved act.":
-        console.print("saved act.: bytes autograd saved for the backward in a step (activations, each storage once; "
-                      "under torch.compile what the compiled graph saves)")
+    if peak:
+        console.print("peak memory: the variant's largest CUDA allocation in a step as if it were alone on the device "
+                      "(its parameters, gradients and optimizer state, plus what the step allocated)")
+    console.print("saved act.: bytes autograd saved for the backward in a step (activations, each storage once; "
+                  "under torch.compile what the compiled graph saves; n/a under CUDA graphs)")
 
 
 def add_arguments(parser) -> None:

@@ -3,7 +3,16 @@
 A subcommand is a function ``add(sub)`` that adds its parser to argparse's subparsers ``sub`` and
 sets ``run=`` (a function of the parsed arguments that returns the exit code); it is listed in
 ``COMMANDS``. A mistake of the user's is raised as ``CLIError``: ``main`` prints it as one line on
-stderr and returns 2, as argparse does for its own errors; anything else is a bug and keeps its traceback.
+stderr; anything else is a bug and keeps its traceback.
+
+Exit codes, the same for every subcommand:
+
+- 0: done;
+- 2: a usage or input mistake (a bad option, a model or config that cannot be read or built, a device
+  or backend this machine lacks): one line on stderr, as argparse does for its own errors;
+- 1: the run itself failed (an unexpected error, with its traceback).
+
+``torchfuser --version`` is answered before anything heavy is imported (no torch, no transformers).
 """
 from __future__ import annotations
 
@@ -12,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from torchfuser.backends import VALID_BACKENDS
+from torchfuser._version import __version__
 
 
 class CLIError(Exception):
@@ -46,13 +55,18 @@ def check_backend(backend: str, device) -> None:
         raise CLIError(f"--backend {backend}: {err}") from None
 
 
-def _said(err: Exception) -> str:
-    """A third-party error in one line: transformers' messages run on (lists of every config class)."""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{type(err).__name__}: {first}"
+def _said(err: Exception, lines: int = 3, width: int = 300) -> str:
+    """A third-party error on one line, with its reason. transformers' messages run on (lists of every
+    config class) but put the cause on a later line (a validation error names the validator first,
+    then the ValueError that failed): the first ``lines`` non-empty lines, each cut at ``width``."""
+    said = [line.strip() for line in str(err).splitlines() if line.strip()]
+    cut = [line if len(line) <= width else line[:width - 1] + "…" for line in said[:lines]]
+    return f"{type(err).__name__}: {' '.join(cut)}" + (" …" if len(said) > lines else "")
 
 
 def _add_demo(sub) -> None:
+    from torchfuser.backends import VALID_BACKENDS
+
     demo = sub.add_parser("demo", help="train a small Llama-style model with and without TorchFuser, side by side")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     demo.add_argument("--steps", type=int, default=30)
@@ -73,6 +87,8 @@ def _run_demo(args) -> int:
 
 
 def _add_inspect(sub) -> None:
+    from torchfuser.backends import VALID_BACKENDS
+
     insp = sub.add_parser("inspect", help="show what would be fused in a model, built on the meta device (no weights)")
     insp.add_argument("model", help="a local checkpoint directory (with config.json), a config.json path, "
                                     "or a transformers model type (llama, qwen2, gpt2, ...)")
@@ -120,12 +136,29 @@ def _config(target: str):
                        "model type (e.g. llama, qwen2, gpt2)") from None
 
 
+def _model_facts(cfg, model) -> dict:
+    """What inspect built: the config's model type, the class, its decoder layers and parameters."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    params = list(model.parameters())  # each shared (tied) parameter once
+    return {"model_type": cfg.model_type, "model_class": type(model).__name__,
+            "num_hidden_layers": getattr(text, "num_hidden_layers", None),
+            "parameters": sum(p.numel() for p in params),
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in params)}
+
+
+def _size(n: float, units=("", "K", "M", "B", "T"), step=1000.0) -> str:
+    for unit in units:
+        if abs(n) < step or unit == units[-1]:
+            return f"{n:.0f}{unit}" if unit == units[0] else f"{n:.2f}{unit}"
+        n /= step
+
+
 def _run_inspect(args) -> int:
     import torch
-    from rich.console import Console
     from transformers import AutoModelForCausalLM
 
     from torchfuser.api import optimize, report
+    from torchfuser.report import console
 
     cfg = _config(args.model)
     with torch.device("meta"):  # no memory, no weights: only the module structure
@@ -137,12 +170,20 @@ def _run_inspect(args) -> int:
         except (TypeError, AttributeError, KeyError) as err:  # a default config transformers itself cannot build
             raise CLIError(f"transformers could not build {cfg.model_type!r} from this config "
                            f"({_said(err)}); pass a config.json with the model's sizes instead") from None
+    facts = _model_facts(cfg, model)
     optimize(model, backend=args.backend)
     rep = report(model)
     if args.json:
-        print(json.dumps(rep.to_dict(), indent=2))
+        data = rep.to_dict()
+        data.pop("model_type")  # the report's is the class name: model_class here, and the config's type
+        print(json.dumps({**facts, **data}, indent=2))
     else:
-        Console().print(rep)
+        out = console()
+        layers = f"{facts['num_hidden_layers']} layers, " if facts["num_hidden_layers"] is not None else ""
+        out.print(f"[bold]{facts['model_type']}[/] ({facts['model_class']}): {layers}"
+                  f"{_size(facts['parameters'])} parameters, {facts['parameter_bytes'] / 2**30:,.2f} GiB of weights "
+                  f"as built (on the meta device: nothing allocated)")
+        out.print(rep)
     return 0
 
 
@@ -158,16 +199,27 @@ COMMANDS = [_add_demo, _add_inspect, _add_bench]
 
 
 def _version() -> str:
-    import torch
+    """From the installed distributions' metadata: importing torch and transformers takes seconds."""
+    from importlib import metadata
 
-    from torchfuser import __version__
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
 
-    return f"torchfuser {__version__} (torch {torch.__version__})"
+    return f"torchfuser {__version__} (torch {installed('torch')}, transformers {installed('transformers')})"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="torchfuser", description="Fused, compiled kernels for transformer training.")
-    parser.add_argument("--version", action="version", version=_version())
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["--version"], ["-V"]):  # before the subcommands' parsers, which import torch
+        print(_version())
+        return 0
+    parser = argparse.ArgumentParser(prog="torchfuser", description="Fused, compiled kernels for transformer training.",
+                                     epilog="exit codes: 0 done, 2 a usage or input mistake (one line on stderr), "
+                                            "1 the run failed")
+    parser.add_argument("-V", "--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)
@@ -180,4 +232,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as `python -m torchfuser.cli`, this file is __main__: the imported module's main, so that the
+    # CLIError a subcommand module imports (torchfuser.cli.CLIError) is the class caught there.
+    from torchfuser.cli import main as _main
+
+    sys.exit(_main())

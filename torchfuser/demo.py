@@ -13,6 +13,7 @@ from rich.table import Table
 
 from torchfuser.api import optimize, report
 from torchfuser.modules import recompute
+from torchfuser.report import console as _console
 
 
 LR = 3e-4  # with clipping: bf16 runs of eager and fused stay within ~1e-3 of each other
@@ -137,7 +138,7 @@ def run(device: str | None = None, steps: int = 30, backend: str = "auto", seed:
         console: Console | None = None) -> dict:
     """Train the demo model eagerly and with TorchFuser (on a GPU also with its decoder layers as
     CUDA graphs), print the report and a side-by-side table; returns each variant's numbers."""
-    console = console or Console()
+    console = console or _console()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     size = SIZES["cuda" if dev.type == "cuda" else "cpu"]
     base = build_model(size, seed).to(dev)

@@ -2,9 +2,25 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
+
+
+WIDE = 200  # columns when the output is not a terminal (a pipe, a file, a CI log): no folding at 80
+
+
+def console(**kwargs):
+    """A rich Console as wide as the terminal it writes to. Not a terminal: rich would take 80 columns and
+    fold the report's module names; ``WIDE`` instead, unless ``COLUMNS`` says otherwise (a notebook keeps
+    rich's own width)."""
+    from rich.console import Console
+
+    out = Console(**kwargs)
+    if "width" not in kwargs and not out.is_terminal and not out.is_jupyter and not os.environ.get("COLUMNS"):
+        out.width = WIDE
+    return out
 
 
 @dataclass(frozen=True)
@@ -94,14 +110,17 @@ class FusionReport:
         """Rows that differ only in layer index, merged: [(name with * for indices, count, row)]."""
         groups: dict[tuple, list[str]] = {}
         for row in self._rows():
-            key = (re.sub(r"\.\d+\.", ".*.", row[0]),) + row[1:]
+            # An index anywhere in the name, the last part too: a decoder layer's own row (residual_norm's
+            # "model.layers.3") groups like its children's ("model.layers.3.mlp").
+            key = (re.sub(r"\.\d+(?=\.|$)", ".*", row[0]),) + row[1:]
             groups.setdefault(key, []).append(row[0])
         return [(key[0], len(names), key) for key, names in groups.items()]
 
     def __rich__(self):
         from rich.table import Table
 
-        table = Table(title=self.summary(), title_justify="left", caption="\n".join(self.notes) or None)
+        table = Table(title=self.summary(), title_justify="left", caption="\n".join(self.notes) or None,
+                      caption_justify="left")
         for col in ("module", "n", "pattern", "block", "backend / reason"):
             table.add_column(col, overflow="fold", justify="right" if col == "n" else "left")
         for name, count, row in self.grouped():
