@@ -17,8 +17,8 @@ from torchfuser import settings
 from test_architectures import batch, make
 
 
-def pair(model_type="llama", **optimize_kwargs):
-    ref = make(model_type)
+def pair(model_type="llama", tied=False, **optimize_kwargs):
+    ref = make(model_type, tie_word_embeddings=tied)
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference", patterns=["lm_head_loss"], **optimize_kwargs)
     return ref.train(), fused.train()
@@ -54,9 +54,10 @@ def test_an_output_without_logits_reads_as_any_model_output_with_a_none_field():
     out.loss.backward()  # the loss is the fused one, with its gradient
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
-def test_keep_logits_returns_the_originals_logits_and_the_fused_loss(model_type):
-    ref, fused = pair(model_type, keep_logits=True)
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("llama", True), ("gemma2", True)])
+def test_keep_logits_returns_the_originals_logits_and_the_fused_loss(model_type, tied):
+    ref, fused = pair(model_type, tied, keep_logits=True)
+    assert (fused.lm_head.weight is fused.get_input_embeddings().weight) == tied
     ids, mask, labels = batch()
     a = ref(input_ids=ids, attention_mask=mask, labels=labels)
     b = fused(input_ids=ids, attention_mask=mask, labels=labels)

@@ -291,3 +291,13 @@ def test_filter_fn_refusing_every_block_in_the_new_order_is_not_an_error():
     rep = torchfuser.report(model)
     assert not rep.fused and all(e.reason == "excluded by filter_fn" or e.reason.startswith("excluded by filter_fn")
                                  for e in rep.skipped)
+
+
+def test_a_kept_filter_fn_asked_only_about_blocks_it_refused_is_not_taken_for_the_old_order():
+    """A second call asks the kept filter about the blocks not fused: all refused, and a filter
+    ``not isinstance(module, ...)`` would accept them the other way round; that is no sign of the old order."""
+    mlp = type(tiny_llama().model.layers[0].mlp)
+    model = torchfuser.optimize(tiny_llama(), backend="reference", patterns=["gated_mlp", "rms_norm"],
+                                filter_fn=lambda module, fqn: not isinstance(module, mlp))
+    torchfuser.optimize(model)  # only the two MLPs are offered again, and refused
+    assert torchfuser.report(model).counts()["gated_mlp"] == {"fused": 0, "skipped": 2}

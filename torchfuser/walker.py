@@ -106,8 +106,11 @@ def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozen
     A candidate ``filter_fn(module, qualname)`` refuses is a Skip: listed, not swapped. Modules whose
     id is in ``leave`` are not offered (autotune's kept originals: their entries say so already).
     A filter in the old order (qualified_name, module) is told apart where it raises on a module or
-    refuses every candidate but would accept one the other way round: a TypeError says so."""
-    found, asked, refused = [], [], 0
+    refuses every candidate but would accept one the other way round: a TypeError says so. The latter is
+    judged on a model with nothing fused yet (a new filter always fuses afresh): on a later call with the
+    filter kept, the candidates left are those it refused, and ``not isinstance(module, ...)`` would pass.
+    """
+    found, asked, refused, fresh = [], [], 0, state(model) is None
     with _probe.one_thread():
         for name, module in model.named_modules():
             if isinstance(module, FusedModule) or id(module) in leave:
@@ -131,7 +134,7 @@ def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozen
                     break
     if filter_fn is None:
         return found
-    if asked and refused == len(asked) and _old_order(filter_fn, asked):
+    if fresh and asked and refused == len(asked) and _old_order(filter_fn, asked):
         raise TypeError(f"filter_fn refused all {len(asked)} candidate blocks, and would accept some with its arguments "
                         f"the other way round. {_ORDER}")
     return _children_excluded(found)
