@@ -225,7 +225,7 @@ def test_a_fused_training_step_never_waits_for_the_gpu(cuda_graphs, tied, monkey
 def test_filter_fn_chooses_blocks_and_reports_the_others():
     model, seen = tiny_llama(), []
 
-    def not_layer_0(name, module):
+    def not_layer_0(module, name):  # torchao's order: the module, then its qualified name
         seen.append((name, module))
         return not name.startswith("model.layers.0.")
 
@@ -247,7 +247,7 @@ def test_filter_fn_chooses_blocks_and_reports_the_others():
 
 def test_filter_fn_exclusions_pass_strict_and_a_second_call_without_the_filter_fuses_them():
     model = torchfuser.optimize(tiny_llama(), backend="reference", strict=True,
-                                filter_fn=lambda name, module: not isinstance(module, type(tiny_llama().model.norm)))
+                                filter_fn=lambda module, fqn: not isinstance(module, type(tiny_llama().model.norm)))
     rep = torchfuser.report(model)
     assert rep.counts()["rms_norm"] == {"fused": 0, "skipped": 5}
     # The layers' residual adds run inside their norms' kernels: with the norms excluded, so are they.
@@ -262,3 +262,42 @@ def test_filter_fn_exclusions_pass_strict_and_a_second_call_without_the_filter_f
 def test_filter_fn_must_be_callable():
     with pytest.raises(TypeError, match="filter_fn must be a callable"):
         torchfuser.optimize(tiny_llama(), filter_fn="model.layers.0")
+
+
+def test_filter_fn_in_torchaos_order_fuses_what_it_accepts():
+    mlp = type(tiny_llama().model.layers[0].mlp)
+    model = torchfuser.optimize(tiny_llama(), backend="reference", filter_fn=lambda module, fqn: isinstance(module, mlp))
+    counts = torchfuser.report(model).counts()
+    assert counts["gated_mlp"]["fused"] == 2 and counts["rms_norm"]["fused"] == 0
+    assert isinstance(model.model.layers[0].mlp, FusedGatedMLP)
+
+
+@pytest.mark.parametrize("old", [
+    lambda name, module: not name.startswith("model.layers.0."),  # AttributeError: a module has no startswith
+    lambda name, module: "mlp" in name,  # TypeError: a module is not iterable
+    lambda name, module: isinstance(module, type(tiny_llama().model.layers[0].mlp)),  # False for every block
+], ids=["raises_attribute_error", "raises_type_error", "refuses_everything"])
+def test_filter_fn_in_the_old_order_is_refused_with_the_new_order_named(old):
+    model = tiny_llama()
+    before = {n: type(m) for n, m in model.named_modules()}
+    with pytest.raises(TypeError, match=r"filter_fn takes \(module, fqn\)"):
+        torchfuser.optimize(model, backend="reference", filter_fn=old)
+    assert {n: type(m) for n, m in model.named_modules()} == before  # nothing changed
+    assert "forward" not in model.__dict__
+
+
+def test_filter_fn_refusing_every_block_in_the_new_order_is_not_an_error():
+    model = torchfuser.optimize(tiny_llama(), backend="reference", filter_fn=lambda module, fqn: False)
+    rep = torchfuser.report(model)
+    assert not rep.fused and all(e.reason == "excluded by filter_fn" or e.reason.startswith("excluded by filter_fn")
+                                 for e in rep.skipped)
+
+
+def test_a_kept_filter_fn_asked_only_about_blocks_it_refused_is_not_taken_for_the_old_order():
+    """A second call asks the kept filter about the blocks not fused: all refused, and a filter
+    ``not isinstance(module, ...)`` would accept them the other way round; that is no sign of the old order."""
+    mlp = type(tiny_llama().model.layers[0].mlp)
+    model = torchfuser.optimize(tiny_llama(), backend="reference", patterns=["gated_mlp", "rms_norm"],
+                                filter_fn=lambda module, fqn: not isinstance(module, mlp))
+    torchfuser.optimize(model)  # only the two MLPs are offered again, and refused
+    assert torchfuser.report(model).counts()["gated_mlp"] == {"fused": 0, "skipped": 2}

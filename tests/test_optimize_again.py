@@ -186,7 +186,7 @@ def test_patterns_and_exclude_are_kept_and_a_narrower_selection_restores_what_it
 
 
 def _not_layer(i):
-    return lambda name, module: not name.startswith(f"model.layers.{i}.") and name != f"model.layers.{i}"
+    return lambda module, fqn: not fqn.startswith(f"model.layers.{i}.") and fqn != f"model.layers.{i}"
 
 
 def test_filter_fn_is_kept_none_drops_it_and_a_new_one_applies():
@@ -202,8 +202,8 @@ def test_filter_fn_is_kept_none_drops_it_and_a_new_one_applies():
     assert isinstance(layers[1].mlp, FusedGatedMLP) and not torchfuser.report(model).skipped
 
 
-def _refuse_layer_0(name, module):  # module level: pickled by name
-    return not name.startswith("model.layers.0")
+def _refuse_layer_0(module, fqn):  # module level: pickled by name
+    return not fqn.startswith("model.layers.0")
 
 
 def test_a_model_saved_whole_keeps_a_filter_that_pickles_and_refuses_new_blocks_without_one():

@@ -14,10 +14,10 @@ from torchfuser.compiler import register as _register_dynamo_backend
 
 _register_dynamo_backend()  # torch.compile(backend="torchfuser"); free when the entry point is installed
 __all__ = ["optimize", "restore", "report", "functional", "FusionReport", "PATTERNS", "Pattern", "Skip", "register_pattern",
-           "unregister_pattern", "TorchFuserCallback", "jit", "GraphOptions", "__version__"]
+           "unregister_pattern", "TorchFuserCallback", "jit", "GraphOptions", "LogitsNotKept", "__version__"]
 
 _EAGER = frozenset({"functional", "optimize", "report", "restore", "GraphOptions", "PATTERNS", "Pattern", "Skip",
-                    "register_pattern", "unregister_pattern", "FusionReport"})
+                    "register_pattern", "unregister_pattern", "FusionReport", "LogitsNotKept"})
 _loaded = False
 
 
@@ -37,7 +37,8 @@ def _load() -> None:
             restore=api.restore, GraphOptions=import_module("torchfuser.cuda_graphs.buckets").GraphOptions,
             PATTERNS=patterns.PATTERNS, Pattern=patterns.Pattern, Skip=patterns.Skip,
             register_pattern=patterns.register_pattern, unregister_pattern=patterns.unregister_pattern,
-            FusionReport=import_module("torchfuser.report").FusionReport)
+            FusionReport=import_module("torchfuser.report").FusionReport,
+            LogitsNotKept=import_module("torchfuser.modules.lm_head_output").LogitsNotKept)
     except BaseException:
         _loaded = False
         raise

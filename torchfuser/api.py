@@ -55,6 +55,7 @@ def optimize(
     fp8: str | None = _U(None),
     fp8_lm_head: bool = _U(False),
     fp8_weights: str = _U("per_call"),
+    keep_logits: bool = _U(False),
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
@@ -75,9 +76,12 @@ def optimize(
     backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
         ``"reference"``, ``"triton"`` or ``"mlir"``.
     patterns / exclude: pattern names to use / to leave out (see ``torchfuser.PATTERNS``).
-    filter_fn: ``filter_fn(qualified_name, module) -> bool`` is asked about every candidate block
-        (the name as in ``model.named_modules()``; ``""`` for the model itself, the LM head + loss
-        candidate); a block it refuses stays as it is and is reported skipped, "excluded by filter_fn".
+    filter_fn: ``filter_fn(module, fqn) -> bool``, in the order of torchao's ``quantize_``, is asked about
+        every candidate block (``fqn`` its qualified name as in ``model.named_modules()``; ``""`` for the
+        model itself, the LM head + loss candidate); a block it refuses stays as it is and is reported
+        skipped, "excluded by filter_fn". A filter written in the old order ``(qualified_name, module)``
+        is refused with a TypeError where it raises on a module, or refuses every block but would accept
+        one with its arguments swapped.
         Kept with the model for later calls (``filter_fn=None`` passed drops it); a model saved whole
         keeps it if it pickles (a module-level function), else later calls fuse nothing new until one
         passes ``filter_fn`` again.
@@ -107,6 +111,14 @@ def optimize(
         multiples of 16, runs bf16 and is counted in the report. On the CPU it runs on the reference
         backend (MLIR has no FP8 GEMMs). Needs ``fp8`` rowwise or tensorwise (else ValueError); ``False``
         (the default) keeps the head bf16.
+    keep_logits: the fused LM head + loss (``lm_head_loss``) of a training call with labels returns the
+        logits too: the model's own forward runs its head as the original does (same matmul in the
+        autocast dtype, same scale / softcap, with their gradient) and the loss stays fused. Costs one
+        more matmul and the logits' memory (still without the original's float32 copy and its gradient).
+        ``False`` (the default): the logits are never built, the output's ``logits`` field is None (not
+        among its keys, ``to_tuple()`` or ``out[i]``) and reading ``outputs.logits`` raises
+        ``torchfuser.LogitsNotKept`` (an AttributeError) saying to pass ``keep_logits=True``; a
+        ``return_dict=False`` tuple leaves the logits out. Eval mode and calls without labels are unchanged.
     fp8_weights: when the trainable weights' FP8 copies are made: ``"per_call"`` (the default: at every
         call, always right) or ``"per_step"``: kept until any ``torch.optim`` optimizer steps, so once per
         optimizer step rather than per micro-batch or recomputed checkpoint, at 2 bytes a weight held
@@ -126,7 +138,7 @@ def optimize(
         before = _settings.Settings(backend=st.backend)
     s = _settings.merge(before, backend=backend, patterns=patterns, exclude=exclude, filter_fn=filter_fn,
                         cuda_graphs=cuda_graphs, autotune=autotune, fp8=fp8, fp8_lm_head=fp8_lm_head,
-                        fp8_weights=fp8_weights)
+                        fp8_weights=fp8_weights, keep_logits=keep_logits)
     recipe = _fp8.check(s.fp8, next((p.device for p in model.parameters()), None))
     per_step = _fp8.check_weights(s.fp8_weights, recipe)
     chosen = _patterns.select(s.patterns, s.exclude)
@@ -178,11 +190,19 @@ def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool
         if _COMPILE_NOTE not in result.notes:
             result.notes.append(_COMPILE_NOTE)
     _set_fp8(model, s.fp8, result, per_step, s.fp8_lm_head, s.backend)
+    _set_keep_logits(model, s.keep_logits)
     dropped = _set_graphs(model, result, s.cuda_graphs, graphs, changed)
     _set_autotune(model, result, s.autotune, before is not None and before.autotune and not afresh, changed)
     _experts.note(model, result)
     _settings.keep(model, s)
     return result, dropped
+
+
+def _set_keep_logits(model: nn.Module, keep: bool) -> None:
+    """The fused LM heads + loss return the logits too, or not (``FusedLMHeadLoss.keep_logits``)."""
+    st = walker.state(model)
+    for fused in (head_check.fused_heads(model, st) if st is not None else {}).values():
+        fused.keep_logits = keep
 
 
 def _set_graphs(model: nn.Module, result: FusionReport, wanted, graphs, changed: bool) -> list:

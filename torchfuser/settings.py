@@ -38,7 +38,7 @@ class RefuseNew:
     function): what was fused stays fused, what the filter refused stays refused, and a block no call
     has fused yet is refused too, until a call passes ``filter_fn`` again (``None`` for none)."""
 
-    def __call__(self, name: str, module: nn.Module) -> bool:
+    def __call__(self, module: nn.Module, fqn: str) -> bool:
         return False
 
     def __repr__(self) -> str:
@@ -56,6 +56,7 @@ class Settings:
     fp8: str | None = None
     fp8_lm_head: bool = False
     fp8_weights: str = "per_call"
+    keep_logits: bool = False
 
     def __getstate__(self) -> dict:
         """A model saved whole keeps its settings; a filter that cannot be pickled becomes ``RefuseNew``."""
@@ -116,13 +117,15 @@ def merge(before: Settings | None, **passed) -> Settings:
                         f"{type(given['cuda_graphs']).__name__}")
     if "autotune" in given and not isinstance(given["autotune"], bool):
         raise TypeError(f"autotune must be True or False, got {type(given['autotune']).__name__}")
+    if "keep_logits" in given and not isinstance(given["keep_logits"], bool):
+        raise TypeError(f"keep_logits must be True or False, got {type(given['keep_logits']).__name__}")
     if "fp8_lm_head" in given and not isinstance(given["fp8_lm_head"], bool):
         raise TypeError(f"fp8_lm_head must be True or False, got {type(given['fp8_lm_head']).__name__}")
     if given.get("cuda_graphs") is True and isinstance(base.cuda_graphs, GraphOptions):
         given["cuda_graphs"] = base.cuda_graphs  # on, as it is: with the options set earlier
     fn = given.get("filter_fn")
     if fn is not None and not callable(fn):
-        raise TypeError(f"filter_fn must be a callable (qualified_name, module) -> bool, got {type(fn).__name__}")
+        raise TypeError(f"filter_fn must be a callable (module, fqn) -> bool, got {type(fn).__name__}")
     settings = dataclasses.replace(base, **given)
     kept = "" if before is None else " (kept from the earlier optimize call on this model)"
     if settings.fp8_lm_head and settings.fp8 == "blockwise":

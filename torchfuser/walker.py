@@ -73,11 +73,44 @@ def _not_plain(params) -> str | None:
     return None
 
 
+_ORDER = ("filter_fn takes (module, fqn): the module first, its qualified name second, the order of torchao's "
+          "quantize_(model, config, filter_fn=lambda module, fqn: ...); it took (qualified_name, module) before "
+          "(CHANGELOG.md). A filter written in that order needs its arguments swapped, e.g. "
+          "lambda module, fqn: not fqn.startswith('model.layers.0.')")
+
+
+def _ask(filter_fn, module: nn.Module, name: str) -> bool:
+    """``filter_fn(module, name)``; a TypeError or AttributeError from it is what a filter written in the old
+    order (qualified_name, module) raises on a module where it expects a string: the error says so."""
+    try:
+        return bool(filter_fn(module, name))
+    except (TypeError, AttributeError) as err:
+        raise TypeError(f"filter_fn(<{type(module).__name__}>, {name!r}) raised {type(err).__name__}: {err}. "
+                        f"{_ORDER}") from err
+
+
+def _old_order(filter_fn, asked) -> bool:
+    """Whether a filter that refused every candidate would accept one with its arguments the other way round
+    (qualified_name, module): then it was written in the old order (``isinstance(module, ...)`` on a string)."""
+    for name, module in asked:
+        try:
+            if filter_fn(name, module):
+                return True
+        except Exception:  # written for (module, fqn) after all: a string is not what it reads
+            continue
+    return False
+
+
 def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozenset()):
     """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order.
-    A candidate ``filter_fn(qualname, module)`` refuses is a Skip: listed, not swapped. Modules whose
-    id is in ``leave`` are not offered (autotune's kept originals: their entries say so already)."""
-    found = []
+    A candidate ``filter_fn(module, qualname)`` refuses is a Skip: listed, not swapped. Modules whose
+    id is in ``leave`` are not offered (autotune's kept originals: their entries say so already).
+    A filter in the old order (qualified_name, module) is told apart where it raises on a module or
+    refuses every candidate but would accept one the other way round: a TypeError says so. The latter is
+    judged on a model with nothing fused yet (a new filter always fuses afresh): on a later call with the
+    filter kept, the candidates left are those it refused, and ``not isinstance(module, ...)`` would pass.
+    """
+    found, asked, refused, fresh = [], [], 0, state(model) is None
     with _probe.one_thread():
         for name, module in model.named_modules():
             if isinstance(module, FusedModule) or id(module) in leave:
@@ -89,14 +122,22 @@ def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozen
                     log.warning("torchfuser: %s pattern failed on %s: %r", pattern.name, name or "(model)", err)
                     result = Skip(f"could not be examined ({type(err).__name__}: {err})")
                 if result is not None:
-                    if filter_fn is not None and not filter_fn(name, module):
-                        found.append((name, module, pattern, Skip(EXCLUDED)))
-                        break
+                    if filter_fn is not None:
+                        asked.append((name, module))
+                        if not _ask(filter_fn, module, name):
+                            refused += 1
+                            found.append((name, module, pattern, Skip(EXCLUDED)))
+                            break
                     why = _not_plain(pattern.parameters_used(module))
                     result = Skip(why) if why else result
                     found.append((name, module, pattern, result))
                     break
-    return _children_excluded(found) if filter_fn is not None else found
+    if filter_fn is None:
+        return found
+    if fresh and asked and refused == len(asked) and _old_order(filter_fn, asked):
+        raise TypeError(f"filter_fn refused all {len(asked)} candidate blocks, and would accept some with its arguments "
+                        f"the other way round. {_ORDER}")
+    return _children_excluded(found)
 
 
 def _children_excluded(found):

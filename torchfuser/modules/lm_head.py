@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.modules import fallbacks, tied_embedding
+from torchfuser.modules.lm_head_output import prepare, without_logits
 from torchfuser.ops._call import plain_eager
 
 # What the capture head hands the model's forward in place of the logits; the forward's own
@@ -50,9 +51,10 @@ class CaptureHead(nn.Module):
     per position instead of a vocabulary's worth. Any other attribute read comes from the real
     head: Mamba's forward casts its input to ``self.lm_head.weight.dtype``."""
 
-    def __init__(self, probes: dict | None = None, real: nn.Module | None = None):
+    def __init__(self, probes: dict | None = None, real: nn.Module | None = None, run: bool = False):
         super().__init__()
         self.inputs: list[Tensor] = []
+        self.run = run  # keep_logits: the real head runs (its logits returned), the input kept all the same
         self.probes = {} if probes is None else probes  # (dtype, device) → the probe logits
         self.__dict__["_real"] = real  # not a submodule: its parameters stay the model's alone
 
@@ -67,6 +69,8 @@ class CaptureHead(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         self.inputs.append(hidden)
+        if self.run:
+            return self.__dict__["_real"](hidden)
         key, keep = (hidden.dtype, hidden.device), plain_eager((hidden,))  # never keep a traced or fake tensor
         probe = self.probes.get(key) if keep else None
         if probe is None:
@@ -83,8 +87,13 @@ class FusedLMHeadLoss:
 
     In training mode with ``labels``, the decoder runs as usual, the head's input (the final
     hidden states) is captured and the loss comes from ``linear_cross_entropy``: the logits are
-    never materialised and **``output.logits`` is None** (a ``return_dict=False`` tuple leaves
-    them out, as it leaves out every None field). Labels are shifted or not, and ``ignore_index``
+    never materialised. The output's ``logits`` field is None (not among its keys, ``to_tuple()``
+    or ``out[i]``; a ``return_dict=False`` tuple leaves it out), and reading ``output.logits`` raises
+    ``LogitsNotKept``, which says why and what to pass (``lm_head_output``). With ``keep_logits``
+    (``optimize(model, keep_logits=True)``) the model's forward runs its real head, so the logits are
+    the ones the original returns (its own matmul in the autocast dtype, its own scale / softcap, with
+    their gradient), and the loss is still the fused one on the same hidden states: one more matmul and
+    the logits' memory, against the original's float32 logits and their gradient. Labels are shifted or not, and ``ignore_index``
     (default -100), ``shift_labels`` and the Trainer's ``num_items_in_batch`` (sum /
     num_items_in_batch) honoured or not, as the model's own forward does (the spec, probed);
     for most models that is ``transformers.loss.loss_utils.ForCausalLMLoss``.
@@ -107,10 +116,12 @@ class FusedLMHeadLoss:
         self.previous = model.__dict__.get("forward")
         # Keep the signature visible: generate() and the Trainer inspect model.forward's parameters.
         self.__signature__ = inspect.signature(self._original())
+        prepare(self.__signature__.return_annotation)  # the output class whose logits raise, made outside any trace
         self.values_checked = False  # the value check syncs with the device: once per instance
         self.probes: dict = {}  # the capture head's probe logits, made once (CaptureHead)
         self.fp8: str | None = None  # the FP8 recipe of the head's GEMMs (optimize's fp8_lm_head)
         self.calls = fallbacks.Calls()  # fused calls: the report tells a head a trainer bypasses
+        self.keep_logits = False  # optimize's keep_logits: the forward's own logits returned with the fused loss
 
     def __setstate__(self, state: dict) -> None:
         # Unpickling. Not a lookup with a default in the forward: torch.compile cannot trace
@@ -119,6 +130,9 @@ class FusedLMHeadLoss:
         self.__dict__.setdefault("probes", {})  # pickled by a version before the probe cache
         self.__dict__.setdefault("fp8", None)  # pickled by a version before fp8_lm_head
         self.__dict__.setdefault("calls", fallbacks.Calls())
+        self.__dict__.setdefault("keep_logits", False)  # pickled by a version before keep_logits
+        if "__signature__" in state:
+            prepare(state["__signature__"].return_annotation)
 
     def _original(self):
         # functools.partial, not function.__get__: torch.compile traces the former, not the latter.
@@ -126,7 +140,8 @@ class FusedLMHeadLoss:
 
     def __repr__(self) -> str:
         fp8 = f", fp8={self.fp8!r}" if self.fp8 else ""
-        return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'}{fp8})"
+        keep = ", keep_logits=True" if self.keep_logits else ""
+        return f"FusedLMHeadLoss(spec={self.spec}, backend={self.backend or 'auto'}{fp8}{keep})"
 
     def install_on_replica(self, replica: nn.Module) -> None:
         """Give an nn.DataParallel replica of the model this forward, bound to the replica."""
@@ -155,7 +170,8 @@ class FusedLMHeadLoss:
         if not torch.compiler.is_compiling():
             self.calls.n += 1
         labels = kwargs.pop("labels")
-        capture = CaptureHead(self.probes, head)
+        keep_logits = self.keep_logits
+        capture = CaptureHead(self.probes, head, run=keep_logits)
         embedding = self._tied_embedding(head, kwargs)
         self.model._modules[self.spec.head] = capture
         slot = None if embedding is None else tied_embedding.install(embedding)
@@ -165,7 +181,7 @@ class FusedLMHeadLoss:
             self.model._modules[self.spec.head] = head
             if embedding is not None:
                 tied_embedding.uninstall(embedding)
-        self._check(out, capture)
+        self._check(out, capture, head)
         hidden, bias = capture.inputs[0], head.bias
         weight = head.weight if slot is None else tied_embedding.head_weight(head.weight, slot)
         if self.spec.logit_scale != 1.0:  # s·(h·Wᵀ + b) = (s·h)·Wᵀ + s·b: the logits are never formed
@@ -199,9 +215,11 @@ class FusedLMHeadLoss:
                 raise RuntimeError(f"lm_head_loss: {type(self.model).__name__} returns an aux_loss but has no "
                                    "router_aux_loss_coef; run torchfuser.optimize(model, exclude=['lm_head_loss'])")
             loss = loss + coef * (aux.to(loss.device) if torch.is_tensor(aux) else aux)  # some return a plain 0
-        if isinstance(out, tuple):  # return_dict=False: HF's tuple is (loss, logits, ...); logits left out
-            return (loss,) + tuple(out[1:])
-        return dataclasses.replace(out, loss=loss, logits=None)
+        if isinstance(out, tuple):  # return_dict=False: HF's tuple is (loss, logits, ...); logits left out unless kept
+            return (loss,) + tuple(out if keep_logits else out[1:])
+        if keep_logits:
+            return dataclasses.replace(out, loss=loss)
+        return without_logits(out, loss)
 
     def _fp8_for(self, hidden: Tensor, weight: Tensor) -> str | None:
         """The FP8 recipe this call runs with: ``self.fp8``, unless the call cannot take FP8 GEMMs (then
@@ -225,20 +243,29 @@ class FusedLMHeadLoss:
         embedding = get() if callable(get) else None
         return embedding if embedding is not None and tied_embedding.routable(embedding, head) else None
 
-    def _check(self, out, capture: CaptureHead) -> None:
+    def _check(self, out, capture: CaptureHead, head: nn.Linear) -> None:
         """The forward must have called the head once and done to its output exactly what the spec
         says (its logit scale and softcap). Otherwise the fused loss would be silently wrong.
 
         The forward's code does not change between calls, so the value half of the check (which
         waits for the device) runs on the first eager call only; under torch.compile it is skipped
-        (a data-dependent check would break the graph), and on the meta device there are no values."""
+        (a data-dependent check would break the graph), and on the meta device there are no values.
+        With the real head run (keep_logits) the values checked are one position's logits."""
         logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
-        ok = len(capture.inputs) == 1 and isinstance(logits, Tensor) and logits.shape[-1] == len(PROBE_LOGITS)
+        width = head.out_features if capture.run else len(PROBE_LOGITS)
+        ok = len(capture.inputs) == 1 and isinstance(logits, Tensor) and logits.shape[-1] == width
         # Meta tensors hold no values (shape propagation): there is nothing to check.
         if ok and not self.values_checked and not torch.compiler.is_compiling() and logits.device.type != "meta":
-            want = self.spec.transform(torch.tensor(PROBE_LOGITS, dtype=torch.float64))
-            got = logits.detach().reshape(-1, len(PROBE_LOGITS)).double().cpu()
-            ok = self.values_checked = bool(torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=1e-2))
+            if capture.run:
+                with torch.no_grad():
+                    row = capture.inputs[0].detach().reshape(-1, capture.inputs[0].shape[-1])[:1]
+                    want = self.spec.transform(head(row).double()).cpu()
+                got = logits.detach().reshape(-1, width)[:1].double().cpu()
+                atol = 1e-2 * max(float(want.abs().max()), 1.0)
+            else:
+                want = self.spec.transform(torch.tensor(PROBE_LOGITS, dtype=torch.float64)).expand(1, -1)
+                got, atol = logits.detach().reshape(-1, len(PROBE_LOGITS)).double().cpu(), 1e-2
+            ok = self.values_checked = bool(torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=atol))
         if not ok:
             raise RuntimeError(
                 f"lm_head_loss: {type(self.model).__name__}.forward does not use {self.spec.head!r} the way the fused loss "

@@ -1,0 +1,131 @@
+"""Logits in training with the fused LM head + loss: ``keep_logits=True`` returns the original's logits with
+the fused loss; without it, reading ``outputs.logits`` raises a clear error (never a None that fails later),
+while every dict / tuple read the Trainer, TRL and PEFT make works as on any ModelOutput with a None field."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import torchfuser
+from torchfuser import settings
+
+from test_architectures import batch, make
+
+
+def pair(model_type="llama", tied=False, **optimize_kwargs):
+    ref = make(model_type, tie_word_embeddings=tied)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference", patterns=["lm_head_loss"], **optimize_kwargs)
+    return ref.train(), fused.train()
+
+
+def test_reading_logits_not_kept_raises_a_clear_error():
+    _, fused = pair()
+    ids, mask, labels = batch()
+    out = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    with pytest.raises(torchfuser.LogitsNotKept, match=r"keep_logits=True"):
+        out.logits.argmax(-1)
+    with pytest.raises(AttributeError, match="lm_head_loss"):  # an AttributeError: getattr's default still answers
+        out.logits
+
+
+def test_an_output_without_logits_reads_as_any_model_output_with_a_none_field():
+    _, fused = pair()
+    ids, mask, labels = batch()
+    out = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert isinstance(out, CausalLMOutputWithPast)
+    assert out[0] is out.loss and out["loss"] is out.loss and out.to_tuple()[0] is out.loss  # Trainer, TRL, PEFT
+    assert "logits" not in out and "logits" not in out.keys() and out.get("logits") is None
+    assert getattr(out, "logits", None) is None and not hasattr(out, "logits")
+    assert list(dict(out)) == list(out.keys()) and "logits=None" in repr(out)
+    with torch.no_grad():  # deepcopy and pickle take graph leaves only, as for any output
+        plain = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    for twin in (copy.copy(out), copy.deepcopy(plain), pickle.loads(pickle.dumps(plain))):
+        assert list(twin.keys()) == list(out.keys()) and torch.equal(twin.loss, out.loss)
+        with pytest.raises(torchfuser.LogitsNotKept):
+            twin.logits
+    leaves, spec = pytree.tree_flatten(out)
+    assert list(pytree.tree_unflatten(leaves, spec).keys()) == list(out.keys())
+    out.loss.backward()  # the loss is the fused one, with its gradient
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("llama", True), ("gemma2", True)])
+def test_keep_logits_returns_the_originals_logits_and_the_fused_loss(model_type, tied):
+    ref, fused = pair(model_type, tied, keep_logits=True)
+    assert (fused.lm_head.weight is fused.get_input_embeddings().weight) == tied
+    ids, mask, labels = batch()
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert "logits" in b and torch.equal(b.logits, a.logits)  # the forward's own head, scale and softcap
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    # The logits carry their gradient, as the original's do: a term of the loss on them reaches the weights.
+    (a.loss + a.logits.square().mean()).backward()
+    (b.loss + b.logits.square().mean()).backward()
+    for (n, p), q in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    assert fused.forward.calls.n == 1  # the fused path ran
+
+
+def test_keep_logits_under_autocast_gives_the_originals_dtype_and_a_tuple_keeps_them():
+    ref, fused = pair(keep_logits=True)
+    ids, mask, labels = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        b = fused(input_ids=ids, attention_mask=mask, labels=labels)
+        t = fused(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert b.logits.dtype == a.logits.dtype == torch.bfloat16 and torch.equal(b.logits, a.logits)
+    assert torch.equal(t[1], b.logits) and t[0].ndim == 0
+    torchfuser.optimize(fused, keep_logits=False)
+    short = fused(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert short[0].ndim == 0 and len(short) == len(t) - 1  # (loss, cache): the logits left out
+
+
+def test_keep_logits_is_kept_across_calls_dropped_when_passed_false_and_checked():
+    _, fused = pair(keep_logits=True)
+    ids, mask, labels = batch()
+    torchfuser.optimize(fused)  # TorchFuserCallback() does this: the setting stays
+    assert settings.of(fused).keep_logits and fused(input_ids=ids, attention_mask=mask, labels=labels).logits is not None
+    torchfuser.optimize(fused, keep_logits=False)
+    with pytest.raises(torchfuser.LogitsNotKept):
+        fused(input_ids=ids, attention_mask=mask, labels=labels).logits
+    with pytest.raises(TypeError, match="keep_logits must be True or False"):
+        torchfuser.optimize(fused, keep_logits="yes")
+    torchfuser.restore(fused)
+    torchfuser.optimize(fused, backend="reference")  # restore forgets it
+    assert not settings.of(fused).keep_logits
+
+
+def test_eval_and_calls_without_labels_return_logits_as_before():
+    ref, fused = pair()
+    ids, mask, labels = batch()
+    assert torch.equal(fused(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits)
+    ref.eval(), fused.eval()
+    assert torch.equal(fused(input_ids=ids, attention_mask=mask, labels=labels).logits,
+                       ref(input_ids=ids, attention_mask=mask, labels=labels).logits)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_first_call_under_torch_compile_raises_or_keeps_in_one_graph(monkeypatch, keep):
+    from torch._dynamo.utils import counters
+
+    from torchfuser.modules import lm_head_output
+
+    monkeypatch.setattr(lm_head_output, "_CLASSES", {})  # as in a fresh process: no eager call made the class
+    ref, fused = pair(keep_logits=keep)  # optimize makes it from the forward's return annotation
+    ids, _, labels = batch()
+    torch._dynamo.reset()
+    counters.clear()
+    b = torch.compile(fused, fullgraph=True, backend="eager")(input_ids=ids, labels=labels)
+    a = ref(input_ids=ids, labels=labels)
+    assert not counters["graph_break"]
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+    if keep:
+        assert torch.equal(b.logits, a.logits)
+    else:
+        with pytest.raises(torchfuser.LogitsNotKept):
+            b.logits
