@@ -12,7 +12,8 @@ Exit codes, the same for every subcommand:
   or backend this machine lacks): one line on stderr, as argparse does for its own errors;
 - 1: the run itself failed (an unexpected error, with its traceback).
 
-``torchfuser --version`` is answered before anything heavy is imported (no torch, no transformers).
+``torchfuser --version`` is answered before the subcommands' parsers are built; it reads the versions of torch and
+transformers from the installed packages' metadata (importing the package itself still imports torch).
 """
 from __future__ import annotations
 
