@@ -172,28 +172,32 @@ def write(path: Path, nb: dict) -> None:
 # --- comparing -------------------------------------------------------------------------------------------
 
 def render(nb: dict) -> list[str]:
-    """The outputs of ``nb`` as lines of text, as the check compares them (timings masked, images by type)."""
+    """The outputs of ``nb`` as lines of text, as the check compares them (timings masked, images by type).
+
+    Every line starts with its cell's id, so that a diff names the cell.
+    """
     lines = []
     for cell in nb["cells"]:
         if cell["cell_type"] != "code":
             continue
-        lines.append(f"=== cell {cell.get('id')}\n")
+        cell_lines = ["(cell)\n"]
         for o in cell.get("outputs", []):
             o = _map_text(json.loads(json.dumps(o)), lambda t: mask_timings(normalise(t)))
             kind = o["output_type"]
             if kind == "stream":
-                lines += [f"--- {o['name']}\n", *o["text"]]
+                cell_lines += [f"--- {o['name']}\n", *o["text"]]
             elif kind == "error":
-                lines += [f"--- error\n", f"{o['ename']}: {o['evalue']}\n"]
+                cell_lines += ["--- error\n", f"{o['ename']}: {o['evalue']}\n"]
             else:
                 for mime in sorted(o["data"]):
                     value = o["data"][mime]
                     if mime.startswith("image/"):
-                        lines.append(f"--- {kind} {mime} (an image: not compared byte by byte)\n")
+                        cell_lines.append(f"--- {kind} {mime} (an image: not compared byte by byte)\n")
                     else:
-                        lines += [f"--- {kind} {mime}\n", *(value if isinstance(value, list) else _lines(value))]
-            if lines and not lines[-1].endswith("\n"):
-                lines[-1] += "\n"
+                        cell_lines += [f"--- {kind} {mime}\n", *(value if isinstance(value, list) else _lines(value))]
+            if not cell_lines[-1].endswith("\n"):
+                cell_lines[-1] += "\n"
+        lines += [f"[{cell.get('id')}] {line}" for line in cell_lines]
     return lines
 
 

@@ -1,20 +1,22 @@
 """The notebooks stay true: every one runs, and its committed outputs are what a fresh run prints.
 
 Each notebook runs once per session, in a fresh process as in a new Jupyter kernel
-(notebooks/nbrun.py); both tests of a notebook use that one run. The outputs are compared exactly,
-but for timings (nbrun.mask_timings) and the bytes of images. When they differ, regenerate:
+(notebooks/nbrun.py), two at a time; both tests of a notebook use that one run. The outputs are
+compared exactly, but for timings (nbrun.mask_timings) and the bytes of images. When they differ, regenerate:
 ``python notebooks/make_walkthroughs.py [NAME…]``, and commit what changed.
 """
 from __future__ import annotations
 
 import base64
 import json
+import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from numerics import needs_mlir
+from numerics import _NO_MLIR, needs_mlir
 
 NB_DIR = Path(__file__).parents[1] / "notebooks"
 sys.path.insert(0, str(NB_DIR))
@@ -25,14 +27,33 @@ NOTEBOOKS = sorted(NB_DIR.glob("*.ipynb"))
 # Walkthroughs of what the MLIR backend compiles: where torch-mlir is missing they cannot run.
 NEEDS_MLIR = {"02_compiler.ipynb"}
 
-_runs: dict[Path, dict] = {}
+_runs: dict[Path, Future] = {}
+_pool: ThreadPoolExecutor | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_runs(request):
+    """Starts the runs the selected tests need, two at a time: most of a run is one process importing torch."""
+    global _pool
+    ours = [item for item in request.session.items if getattr(item, "module", None) is sys.modules[__name__]]
+    wanted = {item.callspec.params["path"] for item in ours if "path" in getattr(getattr(item, "callspec", None), "params", {})}
+    if any(item.name == "test_check_catches_a_changed_output" for item in ours):
+        wanted.add(NB_DIR / "03_llama.ipynb")
+    if _NO_MLIR is not None:
+        wanted -= {NB_DIR / n for n in NEEDS_MLIR}
+    _pool = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1))
+    for path in sorted(wanted):
+        _runs[path] = _pool.submit(nbrun.execute, path)
+    yield
+    _pool.shutdown(wait=True, cancel_futures=True)
+    _runs.clear()
 
 
 def fresh_run(path: Path) -> dict:
     """``path`` run once per session (both tests of a notebook share the run)."""
     if path not in _runs:
-        _runs[path] = nbrun.execute(path)
-    return _runs[path]
+        _runs[path] = _pool.submit(nbrun.execute, path)
+    return _runs[path].result()
 
 
 def _params(all_need_mlir=False):
@@ -127,7 +148,7 @@ def test_check_catches_a_changed_output(tmp_path):
 
     # The report's text, a count, the loss: each caught, and the diff names the cell.
     diff = changed(replace("03-03", "12 blocks fused", "11 blocks fused"))
-    assert "=== cell 03-03" in diff and "-LlamaForCausalLM: 11 blocks fused" in diff, diff
+    assert "-[03-03] LlamaForCausalLM: 11 blocks fused" in diff and "+[03-03] LlamaForCausalLM: 12 blocks fused" in diff, diff
     assert changed(replace("03-03", "rms_norm 5", "rms_norm 4"))
     assert changed(replace("03-07", "loss ", "loss 1"))
     assert changed(replace("03-01", "parameters", "parameters "))  # even a space
