@@ -207,10 +207,13 @@ def differences(committed: dict, fresh: dict) -> str:
 
 
 def environment_differs(committed: dict) -> str | None:
-    """Why this environment cannot reproduce ``committed``'s outputs (another torch, transformers, no torch-mlir), or None."""
+    """Why this environment cannot reproduce ``committed``'s outputs (another torch, transformers, no torch-mlir), or None.
+
+    Raises ValueError for a notebook that records no versions: its outputs were not made by make_walkthroughs.py.
+    """
     then, now = committed.get("metadata", {}).get("executed_with"), versions()
     if then is None:
-        return "the notebook records no versions: regenerate it"
+        raise ValueError(f"the notebook records no versions (metadata.executed_with): regenerate it ({REGENERATE})")
     keys = ("torch", "transformers", "torch-mlir", "threads")
     if any(then.get(k) != now.get(k) for k in keys):
         return (f"outputs were made with {', '.join(f'{k} {then.get(k)}' for k in keys)}; this environment has "
