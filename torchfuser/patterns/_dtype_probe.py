@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 
 import torch
 from torch import nn
@@ -63,8 +64,9 @@ def _seen(probe: nn.Module, x64: torch.Tensor, context) -> dict:
         copy = _probe.shallow_copy(probe)
         copy._parameters = {n: None if p is None else nn.Parameter(p.detach().to(wd), requires_grad=False)
                             for n, p in probe._parameters.items()}
-        try:
-            with context():
+        try:  # the probe's own warnings (PyTorch's "Mismatch dtype ... fused implementation") are not the user's
+            with context(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 y = _probe.run(copy, x64.to(xd))
         except Exception:  # a combination the original refuses (nn.LayerNorm: fp32 x, bf16 weight)
             continue
