@@ -8,12 +8,11 @@ from torchfuser.api import optimize, report, restore
 from torchfuser.cuda_graphs.buckets import GraphOptions
 from torchfuser.compiler import register as _register_dynamo_backend
 from torchfuser.patterns import PATTERNS, Pattern, Skip, register_pattern, unregister_pattern
-from torchfuser.modules.lm_head_output import LogitsNotKept
 from torchfuser.report import FusionReport
 
 _register_dynamo_backend()  # torch.compile(backend="torchfuser"); free when the entry point is installed
 __all__ = ["optimize", "restore", "report", "functional", "FusionReport", "PATTERNS", "Pattern", "Skip", "register_pattern",
-           "unregister_pattern", "TorchFuserCallback", "jit", "GraphOptions", "LogitsNotKept", "__version__"]
+           "unregister_pattern", "TorchFuserCallback", "jit", "GraphOptions", "__version__"]
 
 
 def __getattr__(name):

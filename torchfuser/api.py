@@ -115,10 +115,8 @@ def optimize(
         logits too: the model's own forward runs its head as the original does (same matmul in the
         autocast dtype, same scale / softcap, with their gradient) and the loss stays fused. Costs one
         more matmul and the logits' memory (still without the original's float32 copy and its gradient).
-        ``False`` (the default): the logits are never built, the output's ``logits`` field is None (not
-        among its keys, ``to_tuple()`` or ``out[i]``) and reading ``outputs.logits`` raises
-        ``torchfuser.LogitsNotKept`` (an AttributeError) saying to pass ``keep_logits=True``; a
-        ``return_dict=False`` tuple leaves the logits out. Eval mode and calls without labels are unchanged.
+        ``False`` (the default): the logits are never built and the output's ``logits`` is None (a
+        ``return_dict=False`` tuple leaves them out). Eval mode and calls without labels are unchanged.
     fp8_weights: when the trainable weights' FP8 copies are made: ``"per_call"`` (the default: at every
         call, always right) or ``"per_step"``: kept until any ``torch.optim`` optimizer steps, so once per
         optimizer step rather than per micro-batch or recomputed checkpoint, at 2 bytes a weight held

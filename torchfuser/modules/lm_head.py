@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.modules import fallbacks, tied_embedding
-from torchfuser.modules.lm_head_output import prepare, without_logits
 from torchfuser.ops._call import plain_eager
 
 # What the capture head hands the model's forward in place of the logits; the forward's own
@@ -87,9 +86,9 @@ class FusedLMHeadLoss:
 
     In training mode with ``labels``, the decoder runs as usual, the head's input (the final
     hidden states) is captured and the loss comes from ``linear_cross_entropy``: the logits are
-    never materialised. The output's ``logits`` field is None (not among its keys, ``to_tuple()``
-    or ``out[i]``; a ``return_dict=False`` tuple leaves it out), and reading ``output.logits`` raises
-    ``LogitsNotKept``, which says why and what to pass (``lm_head_output``). With ``keep_logits``
+    never materialised: **``output.logits`` is None** (a ``return_dict=False`` tuple leaves them out,
+    as it leaves out every None field). (An output whose ``logits`` raised on reading was tried: FSDP2
+    and other generic walkers of ``ModelOutput`` fields read every field, so it broke them.) With ``keep_logits``
     (``optimize(model, keep_logits=True)``) the model's forward runs its real head, so the logits are
     the ones the original returns (its own matmul in the autocast dtype, its own scale / softcap, with
     their gradient), and the loss is still the fused one on the same hidden states: one more matmul and
@@ -116,7 +115,6 @@ class FusedLMHeadLoss:
         self.previous = model.__dict__.get("forward")
         # Keep the signature visible: generate() and the Trainer inspect model.forward's parameters.
         self.__signature__ = inspect.signature(self._original())
-        prepare(self.__signature__.return_annotation)  # the output class whose logits raise, made outside any trace
         self.values_checked = False  # the value check syncs with the device: once per instance
         self.probes: dict = {}  # the capture head's probe logits, made once (CaptureHead)
         self.fp8: str | None = None  # the FP8 recipe of the head's GEMMs (optimize's fp8_lm_head)
@@ -131,8 +129,6 @@ class FusedLMHeadLoss:
         self.__dict__.setdefault("fp8", None)  # pickled by a version before fp8_lm_head
         self.__dict__.setdefault("calls", fallbacks.Calls())
         self.__dict__.setdefault("keep_logits", False)  # pickled by a version before keep_logits
-        if "__signature__" in state:
-            prepare(state["__signature__"].return_annotation)
 
     def _original(self):
         # functools.partial, not function.__get__: torch.compile traces the former, not the latter.
@@ -219,7 +215,7 @@ class FusedLMHeadLoss:
             return (loss,) + tuple(out if keep_logits else out[1:])
         if keep_logits:
             return dataclasses.replace(out, loss=loss)
-        return without_logits(out, loss)
+        return dataclasses.replace(out, loss=loss, logits=None)
 
     def _fp8_for(self, hidden: Tensor, weight: Tensor) -> str | None:
         """The FP8 recipe this call runs with: ``self.fp8``, unless the call cannot take FP8 GEMMs (then
