@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from torchfuser._version import __version__
+from torchfuser.backends import VALID_BACKENDS
 
 
 class CLIError(Exception):
@@ -66,8 +67,6 @@ def _said(err: Exception, lines: int = 3, width: int = 300) -> str:
 
 
 def _add_demo(sub) -> None:
-    from torchfuser.backends import VALID_BACKENDS
-
     demo = sub.add_parser("demo", help="train a small Llama-style model with and without TorchFuser, side by side")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     demo.add_argument("--steps", type=int, default=30)
@@ -88,8 +87,6 @@ def _run_demo(args) -> int:
 
 
 def _add_inspect(sub) -> None:
-    from torchfuser.backends import VALID_BACKENDS
-
     insp = sub.add_parser("inspect", help="show what would be fused in a model, built on the meta device (no weights)")
     insp.add_argument("model", help="a local checkpoint directory (with config.json), a config.json path, "
                                     "or a transformers model type (llama, qwen2, gpt2, ...)")
