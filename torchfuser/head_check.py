@@ -6,7 +6,8 @@ their own fused head on the model's forward after ``TorchFuserCallback`` ran (``
 and a trainer that calls the model without labels computes the loss from the logits itself. The report
 must not call such a head fused, so ``torchfuser.report`` asks here, each time:
 
-- the instance forward is TRL's head: bypassed (TRL's head runs);
+- the instance forward is TRL's head: bypassed, and a note says "LM head: TRL's chunked kernels run
+  (fused_lm_head=True)" (TRL's trainers call only that head; docs/performance/NOTES-trl.md);
 - the fused forward is gone from the model: bypassed;
 - the fused forward is there but made no call while the Trainer took steps (``TorchFuserCallback``
   records the steps in ``idle_steps``): bypassed (the trainer's own head and loss run);
@@ -26,6 +27,8 @@ from torchfuser.patterns.lm_head import trl_head
 from torchfuser.report import Entry
 
 HEAD = "lm_head_loss: "  # every note made here starts so, to be replaced when the report is refreshed
+# Which head runs under TRL's trainers, said in one line (docs/performance/NOTES-trl.md: why TRL's stays on).
+TRL_RUNS = "LM head: TRL's chunked kernels run (fused_lm_head=True)"
 _NOT_COUNTED = "calls traced by torch.compile are not counted"
 
 
@@ -81,6 +84,9 @@ def check(model: nn.Module, st, entries: list[Entry]) -> tuple[dict[str, Entry],
         if why is not None:
             replaced[e.name] = dataclasses.replace(e, fused=None, backend=None, reason=why)
             notes.append(f"{HEAD}{why}")
+            if trl_head(owner.__dict__.get("forward")):
+                notes.append(f"{HEAD}{TRL_RUNS}: per-token log-probs (and entropy, top-1 flags as the trainer asks) "
+                             "come from trl.kernels.chunked_logprob; the other fused blocks run TorchFuser's kernels")
             continue
         forward = owner.__dict__.get("forward")
         wrapped = "" if forward is fused else f"; the model's forward was replaced since optimize by {_what(forward)}"
