@@ -1,0 +1,110 @@
+"""Rollout speed as TRL's GRPO / RLOO make them: ``model.generate`` in training mode under ``no_grad``, TRL's
+``fused_lm_head`` wrapper on the model's forward, a batch of left-padded prompts, KV cache, greedy; unfused
+against fused (each backend asked for), interleaved rounds, median ms per generated token (one token for
+every row of the batch). The tokens must be equal, or the run fails.
+
+    python benchmarks/probes/generate_rollouts.py                                   # tiny.json, CPU
+    python benchmarks/probes/generate_rollouts.py --config qwen15b --device cuda --batch 16 --new 256
+
+On the CPU each variant's time is host time (the tiny model's kernels are microseconds): the fused
+modules' per-call checks and dispatch are what is measured there.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT)]
+
+import torchfuser  # noqa: E402
+
+
+def build(config: str, device: str, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(config) if config.endswith(".json") else ROOT / "recipes" / f"{config}.json"
+    fields = json.loads(path.read_text())
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+
+
+def prompts(batch: int, longest: int, vocab: int, device: str):
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(max(1, longest // 4), longest + 1, (batch,), generator=gen)
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths.tolist()):
+        ids[row, -n:] = torch.randint(4, vocab, (n,), generator=gen)
+        mask[row, -n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=32)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--backends", nargs="+", default=["reference", "auto"])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    from trl.trainer.utils import add_fused_lm_head
+
+    dtype = getattr(torch, args.dtype)
+    base = build(args.config, args.device, dtype)
+    models = {"unfused": base}
+    for backend in args.backends:
+        models[f"torchfuser-{backend}"] = torchfuser.optimize(copy.deepcopy(base), backend=backend)
+    for m in models.values():
+        add_fused_lm_head(m, outputs=("log_probs", "entropy"))
+        m.train()  # the Trainer's mode, which TRL's rollouts keep
+    ids, mask = prompts(args.batch, args.prompt, base.config.vocab_size, args.device)
+
+    def run(model):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
+                                  do_sample=False, pad_token_id=0, use_cache=True)
+
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    want = run(base)
+    times = {name: [] for name in models}
+    for name, m in models.items():  # warm-up (compiles) and the exactness check
+        got = run(m)
+        if not torch.equal(got, want):
+            raise SystemExit(f"{name}: greedy tokens differ from the unfused model's")
+    for _ in range(args.rounds):
+        for name, m in models.items():
+            sync()
+            t0 = time.perf_counter()
+            run(m)
+            sync()
+            times[name].append((time.perf_counter() - t0) * 1e3 / args.new)
+    base_ms = statistics.median(times["unfused"])
+    lines = []
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        line = dict(probe="generate_rollouts", variant=name, device=args.device, config=args.config, dtype=args.dtype,
+                    batch=args.batch, prompt=args.prompt, new_tokens=args.new, ms_per_token=round(ms, 4),
+                    vs_unfused=round(base_ms / ms, 3), rounds=[round(t, 4) for t in ts], torch=torch.__version__)
+        lines.append(line)
+        print(json.dumps(line))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(x) + "\n" for x in lines)
+
+
+if __name__ == "__main__":
+    main()
