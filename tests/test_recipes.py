@@ -98,3 +98,32 @@ def test_torchrun_loop_refuses_ddp_without_torchrun():
                           capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode != 0 and "torchrun" in proc.stderr
+
+
+def _same_trl_run(results: list[dict], steps: int) -> dict:
+    """The TRL post-training recipes: GRPO's loss is ~0 on-policy by construction, so the gradient norms of
+    every step (and GRPO's rewards, which depend on the rollouts) are compared too."""
+    by = {r["variant"]: r for r in results}
+    fused, unfused = by["fused"], by["unfused"]
+    assert len(fused["losses"]) == len(unfused["losses"]) == steps
+    assert fused["losses"] == pytest.approx(unfused["losses"], rel=1e-5, abs=1e-6)
+    assert len(fused["grad_norms"]) == steps and all(g > 0 for g in fused["grad_norms"]), fused["grad_norms"]
+    assert fused["grad_norms"] == pytest.approx(unfused["grad_norms"], rel=1e-4, abs=1e-6)
+    assert fused.get("rewards") == unfused.get("rewards")
+    assert fused["trl_head"] and fused["fused_blocks"] == 11  # everything but the LM head, which TRL's runs
+    return fused
+
+
+@_needs("accelerate", "trl")
+@pytest.mark.parametrize("flags", [pytest.param([], id="ref-model"),
+                                   pytest.param(["--lora", "--loss-type", "sigmoid", "sft"], id="lora-mpo")])
+def test_dpo_trl_fused_trains_as_unfused(flags):
+    _same_trl_run(_run(["dpo_trl.py", "--compare", "--steps", "2", "--backend", "reference", *flags]), 2)
+
+
+@_needs("accelerate", "trl")
+@pytest.mark.parametrize("flags", [pytest.param([], id="full"),
+                                   pytest.param(["--lora", "--beta", "0.05"], id="lora-kl")])
+def test_grpo_trl_fused_trains_as_unfused(flags):
+    fused = _same_trl_run(_run(["grpo_trl.py", "--compare", "--steps", "2", "--backend", "reference", *flags]), 2)
+    assert len(fused["rewards"]) == 2
