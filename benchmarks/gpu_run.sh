@@ -82,6 +82,17 @@ for stage in "$@"; do
               --variants ${SMOKE_VARIANTS:-unsloth unsloth-offload} --out "$OUT/train-step-unsloth-smoke.jsonl" ;;
     unsloth) timeout ${UNSLOTH_S:-420} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
               --variants ${VARIANTS:-eager torchfuser torchfuser-graphs unsloth} --out "$OUT/train-step-lora-unsloth.jsonl" ;;
+    # Issue 39, TRL's post-training trainers (docs/performance/NOTES-trl.md): carry .whl from benchmarks/fetch_trl_wheels.sh
+    # (trl 1.16, liger-kernel). trl-head: TRL's chunked log-prob head against TorchFuser's linear+CE (the head decision);
+    # trl-dpo / trl-grpo / trl-distill: whole steps, TRL alone, TRL + Liger, TRL + TorchFuserCallback (one call each).
+    trl-head) timeout ${HEAD_S:-480} python3 benchmarks/lm_head_trl.py --device cuda ${HEAD_ARGS:-} --out "$OUT/lm-head-trl.jsonl" ;;
+    trl-tests) timeout ${TESTS_S:-300} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
+              tests/test_trl_trainers.py tests/test_generate_rl.py tests/test_trl.py tests/test_trl_report.py ;;
+    trl-dpo) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload dpo ${TRL_ARGS:-} --out "$OUT/trl-dpo.jsonl" ;;
+    trl-grpo) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload grpo ${TRL_ARGS:-} --out "$OUT/trl-grpo.jsonl" ;;
+    trl-distill) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload distill ${TRL_ARGS:-} --out "$OUT/trl-distill.jsonl" ;;
+    trl-rollouts) timeout 300 python3 benchmarks/probes/generate_rollouts.py --config qwen15b --device cuda --dtype bfloat16 \
+              --batch 16 --prompt 128 --new ${NEW_TOKENS:-128} --backends auto --out "$OUT/trl-rollouts.jsonl" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;
     moe-capture) timeout 120 python3 benchmarks/probes/moe_block_capture_probe.py ;;
     moe-train) timeout ${MOE_S:-500} python3 $ts --models ${MODELS:-qwen3moe olmoe} --variants ${VARIANTS:-torchfuser torchfuser-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-moe.jsonl" ;;
