@@ -7,7 +7,8 @@ every row of the batch). The tokens must be equal, or the run fails.
     python benchmarks/probes/generate_rollouts.py --config qwen15b --device cuda --batch 16 --new 256
 
 On the CPU each variant's time is host time (the tiny model's kernels are microseconds): the fused
-modules' per-call checks and dispatch are what is measured there.
+modules' per-call checks and dispatch are what is measured there, on one thread, as the thread's CPU
+time (``time.thread_time``: on a machine shared with other work, wall time swings by 2x between runs).
 """
 from __future__ import annotations
 
@@ -78,7 +79,11 @@ def main() -> None:
             return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new, min_new_tokens=args.new,
                                   do_sample=False, pad_token_id=0, use_cache=True)
 
-    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.perf_counter if cuda else time.thread_time
+    if not cuda:
+        torch.set_num_threads(1)
     want = run(base)
     times = {name: [] for name in models}
     for name, m in models.items():  # warm-up (compiles) and the exactness check
@@ -88,16 +93,16 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, m in models.items():
             sync()
-            t0 = time.perf_counter()
+            t0 = clock()
             run(m)
             sync()
-            times[name].append((time.perf_counter() - t0) * 1e3 / args.new)
+            times[name].append((clock() - t0) * 1e3 / args.new)
     base_ms = statistics.median(times["unfused"])
     lines = []
     for name, ts in times.items():
         ms = statistics.median(ts)
         line = dict(probe="generate_rollouts", variant=name, device=args.device, config=args.config, dtype=args.dtype,
-                    batch=args.batch, prompt=args.prompt, new_tokens=args.new, ms_per_token=round(ms, 4),
+                    batch=args.batch, prompt=args.prompt, clock=clock.__name__, new_tokens=args.new, ms_per_token=round(ms, 4),
                     vs_unfused=round(base_ms / ms, 3), rounds=[round(t, 4) for t in ts], torch=torch.__version__)
         lines.append(line)
         print(json.dumps(line))

@@ -162,7 +162,9 @@ def autograd(fwd_op, setup, backward, elementwise: bool = True):
     def call(*args):
         args = for_empty(args)
         if impl is not None and plain_eager(args):
-            return Eager.apply(*args)
+            # No graph to record (generate, TRL's rollouts and reference scoring run under no_grad):
+            # the kernel alone, without the autograd Function's bookkeeping and saved tensors.
+            return impl(*args) if not torch.is_grad_enabled() else Eager.apply(*args)
         if definition is not None and inductor_fuses(args[-1], op):
             # As the kernels do: the inputs' dtypes, never autocast's.
             with torch.autocast(args[0].device.type, enabled=False):
