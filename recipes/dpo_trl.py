@@ -3,7 +3,7 @@
     python recipes/dpo_trl.py --compare                    # tiny Llama, a reference model, CPU
     python recipes/dpo_trl.py --lora --compare             # LoRA; the reference is the model, adapters off
     python recipes/dpo_trl.py --loss-type sigmoid bco_pair sft --loss-weights 0.8 0.2 1.0 --compare  # MPO
-    python recipes/dpo_trl.py --config llama8b.json --lora --batch 4 --seq 2048   # on a GPU: Llama-3-8B shapes
+    python recipes/dpo_trl.py --config recipes/llama8b.json --lora 16 --batch 4 --seq 2048  # GPU: Llama-3-8B shapes
 
 ``DPOTrainer(..., callbacks=[TorchFuserCallback()])`` fuses the policy at the end of the trainer's
 ``__init__``; the norms, attention, rotary embedding and MLPs (with LoRA adapters inside them) run

@@ -2,7 +2,7 @@
 
     python recipes/grpo_trl.py --compare                   # tiny Llama, rollouts by generate, CPU
     python recipes/grpo_trl.py --lora --beta 0.05 --compare   # LoRA; the KL reference is the model, adapters off
-    python recipes/grpo_trl.py --config qwen15b.json --batch 16 --completion 1024   # on a GPU: Qwen2.5-1.5B shapes
+    python recipes/grpo_trl.py --config recipes/qwen15b.json --batch 16 --completion 1024  # GPU: Qwen2.5-1.5B
 
 ``GRPOTrainer(..., callbacks=[TorchFuserCallback()])`` fuses the policy at the end of the trainer's
 ``__init__``. Rollouts are transformers' own ``generate`` on the fused model (training mode, KV cache,
