@@ -102,6 +102,19 @@ def _descendants(e):
         yield from _descendants(c)
 
 
+def python_calls(m, ids) -> int:
+    """Python function calls (cProfile's count, builtins included) of one training step."""
+    import cProfile
+    import pstats
+
+    m.zero_grad(set_to_none=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    m(input_ids=ids, labels=ids).loss.backward()
+    prof.disable()
+    return pstats.Stats(prof).total_calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -120,6 +133,7 @@ def main() -> None:
     print(f"{args.dtype}: one LoRA step, aten events (nested included) / top-level")
     print(f"  unfused PEFT: {a_ref} / {t_ref}")
     print(f"  fused:        {a_f} / {t_f}   ({a_f / a_ref:.2f}× / {t_f / t_ref:.2f}×)")
+    print(f"  Python calls a step: unfused {python_calls(ref, ids)}, fused {python_calls(fused, ids)}")
     for name, (calls, inside, top, by_op) in nodes.items():
         print(f"  {name}: {calls} calls, {inside} aten events ({inside / max(calls, 1):.1f} a call), "
               f"{top} top-level ({top / max(calls, 1):.1f} a call; by op below)")

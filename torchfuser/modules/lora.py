@@ -138,9 +138,10 @@ class _Plan:
     def split(self, items):
         """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
         n, k = len(self.rows), len(self.term_proj)
-        it = iter(items)
-        take = lambda count: [next(it) for _ in range(count)]  # noqa: E731
-        return take(self.n_inputs), take(n), take(n if self.has_bias else 0), take(k), take(k)
+        ends = (self.n_inputs, self.n_inputs + n, self.n_inputs + n * (1 + self.has_bias))
+        items = list(items)  # sliced, not taken one by one: a node's host cost is counted (test_lora_host_calls)
+        return (items[:ends[0]], items[ends[0]:ends[1]], items[ends[1]:ends[2]], items[ends[2]:ends[2] + k],
+                items[ends[2] + k:ends[2] + 2 * k])
 
 
 def _terms(m: nn.Module):
