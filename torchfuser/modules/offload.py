@@ -122,7 +122,7 @@ class Checkpointing:
             t = torch.empty(packed.host.size(), dtype=packed.host.dtype, device=packed.device)
             t.copy_(packed.host, non_blocking=True)
         prev = packed.prev() if packed.prev is not None else None
-        if prev is not None and prev.fetched is None:
+        if prev is not None and prev.fetched is None and prev.device == packed.device:
             self._prefetch(prev, current)
         return t
 
