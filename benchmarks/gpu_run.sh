@@ -76,12 +76,6 @@ for stage in "$@"; do
               --variants ${VARIANTS:-eager torchfuser} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-lora.jsonl" ;;
     ft-lora-long) timeout 300 python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
               --grad-checkpointing --variants ${VARIANTS:-eager torchfuser} --out "$OUT/train-step-lora-16k.jsonl" ;;
-    # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast
-    # on the tiny Llama (import, load, both variants' steps, the first-step loss against PEFT's), then llama8b LoRA.
-    unsloth-smoke) timeout ${SMOKE_S:-150} python3 $ts --models tiny --precision bf16 --lora 16 --batch 2 --seq 128 --warmup 1 --steps 2 \
-              --variants ${SMOKE_VARIANTS:-unsloth unsloth-offload} --out "$OUT/train-step-unsloth-smoke.jsonl" ;;
-    unsloth) timeout ${UNSLOTH_S:-420} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
-              --variants ${VARIANTS:-eager torchfuser torchfuser-graphs unsloth} --out "$OUT/train-step-lora-unsloth.jsonl" ;;
     # Issue 36's target tables (LoRA r=16 on all seven projections, bf16 weights; same run as Unsloth): 8B at 2 × 2048;
     # 8B at 1 × 16384 without checkpointing, then with offloaded checkpointing (ours and Unsloth's) and HF's;
     # Qwen2.5-7B and Mistral-7B shapes; qwen05b full fine-tuning, the default against CUDA graphs.
@@ -97,6 +91,12 @@ for stage in "$@"; do
               --out "$OUT/issue36-qwen05b.jsonl" ;;
     offload-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
               tests/test_offload_checkpointing.py tests/test_checkpointing.py tests/test_bench.py ;;
+    # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast
+    # on the tiny Llama (import, load, both variants' steps, the first-step loss against PEFT's), then llama8b LoRA.
+    unsloth-smoke) timeout ${SMOKE_S:-150} python3 $ts --models tiny --precision bf16 --lora 16 --batch 2 --seq 128 --warmup 1 --steps 2 \
+              --variants ${SMOKE_VARIANTS:-unsloth unsloth-offload} --out "$OUT/train-step-unsloth-smoke.jsonl" ;;
+    unsloth) timeout ${UNSLOTH_S:-420} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
+              --variants ${VARIANTS:-eager torchfuser torchfuser-graphs unsloth} --out "$OUT/train-step-lora-unsloth.jsonl" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;
     moe-capture) timeout 120 python3 benchmarks/probes/moe_block_capture_probe.py ;;
     moe-train) timeout ${MOE_S:-500} python3 $ts --models ${MODELS:-qwen3moe olmoe} --variants ${VARIANTS:-torchfuser torchfuser-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-moe.jsonl" ;;
