@@ -76,6 +76,21 @@ for stage in "$@"; do
               --variants ${VARIANTS:-eager torchfuser} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-lora.jsonl" ;;
     ft-lora-long) timeout 300 python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
               --grad-checkpointing --variants ${VARIANTS:-eager torchfuser} --out "$OUT/train-step-lora-16k.jsonl" ;;
+    # Issue 36's target tables (LoRA r=16 on all seven projections, bf16 weights; same run as Unsloth): 8B at 2 × 2048;
+    # 8B at 1 × 16384 without checkpointing, then with offloaded checkpointing (ours and Unsloth's) and HF's;
+    # Qwen2.5-7B and Mistral-7B shapes; qwen05b full fine-tuning, the default against CUDA graphs.
+    issue36-2k) timeout ${I36_S:-560} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
+              --variants ${VARIANTS:-torchfuser torchfuser-graphs torchfuser-offload unsloth unsloth-offload} --out "$OUT/issue36-llama8b-2x2048.jsonl" ;;
+    issue36-16k) timeout ${I36_S:-560} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
+              --variants ${VARIANTS:-torchfuser torchfuser-offload unsloth unsloth-offload} --out "$OUT/issue36-llama8b-1x16384.jsonl" ;;
+    issue36-16k-hf) timeout ${I36_S:-300} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
+              --grad-checkpointing --variants torchfuser --out "$OUT/issue36-llama8b-1x16384-hf-checkpointing.jsonl" ;;
+    issue36-7b) timeout ${I36_S:-560} python3 $ts --models ${MODELS:-qwen7b mistral7b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 6 \
+              --variants ${VARIANTS:-torchfuser torchfuser-graphs unsloth} --out "$OUT/issue36-7b-2x2048.jsonl" ;;
+    issue36-qwen05b) timeout ${I36_S:-300} python3 $ts --models qwen05b --variants torchfuser torchfuser-graphs \
+              --out "$OUT/issue36-qwen05b.jsonl" ;;
+    offload-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
+              tests/test_offload_checkpointing.py tests/test_checkpointing.py tests/test_bench.py ;;
     # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast
     # on the tiny Llama (import, load, both variants' steps, the first-step loss against PEFT's), then llama8b LoRA.
     unsloth-smoke) timeout ${SMOKE_S:-150} python3 $ts --models tiny --precision bf16 --lora 16 --batch 2 --seq 128 --warmup 1 --steps 2 \

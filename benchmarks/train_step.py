@@ -4,7 +4,8 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser-fp8[-tensorwise|-blockwise][-pair|-rt][-head][-per-step][-graphs|+compile] (optimize(model,
+cuda_graphs=True)), torchfuser-offload and torchfuser-recompute (optimize(model, checkpointing="offload" / True):
+each fused decoder layer keeps only its input, on the host / on the device, and runs again in the backward), torchfuser-fp8[-tensorwise|-blockwise][-pair|-rt][-head][-per-step][-graphs|+compile] (optimize(model,
 fp8="rowwise", "tensorwise" or "blockwise"; pair / rt: rowwise both-ways quantisation by the two separate
 kernels / by the rows kernel writing column partials and the tiles kernel; head:
 fp8_lm_head=True; per-step: fp8_weights="per_step"; noprod: no quantisation in the producers; FP8_VARIANTS lists them), torchao-fp8+compile, torchao-fp8-rowwise+compile and
@@ -66,7 +67,7 @@ FP8_VARIANTS = tuple("-".join(("torchfuser-fp8", *opts)) + end
                      for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"),
                                   ("blockwise", "per-step"))
                      for end in ("", "-graphs", "+compile"))
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs",
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser-offload", "torchfuser-recompute",
             "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
             *FP8_VARIANTS, "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
@@ -139,6 +140,8 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return optimize(model, backend=backend)
     if variant == "torchfuser-graphs":
         return optimize(model, backend=backend, cuda_graphs=True)
+    if variant in ("torchfuser-offload", "torchfuser-recompute"):  # each fused layer keeps its input (on the host)
+        return optimize(model, backend=backend, checkpointing="offload" if variant.endswith("offload") else True)
     if variant.startswith(("torchao-fp8", "torchfuser+torchao-fp8")):
         _torchao_float8(model, "rowwise" if "rowwise" in variant else "tensorwise")
         return torch.compile(optimize(model, backend=backend) if variant.startswith("torchfuser") else model)

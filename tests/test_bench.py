@@ -160,3 +160,21 @@ def test_table_on_cuda_gives_peak_and_saved_under_their_names():
     text = console.export_text()
     assert "peak memory" in text and "saved act." in text
     assert "3,072.0 MiB" in text and "512.0 MiB" in text and "n/a" in text
+
+
+def test_saved_bytes_per_layer_and_the_offload_variant(tmp_path, capsys):
+    """Saved activations per decoder layer in the JSON and the table: the offloaded variant's layers keep
+    only their input (batch × seq × hidden fp32), the fused ones far more; compiled variants are not counted."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(TINY, num_hidden_layers=2)))
+    out = tmp_path / "rows.jsonl"
+    assert main(_bench(path, "--variants", "eager,torchfuser,torchfuser-offload", "--json", str(out))) == 0
+    rows = {r["variant"]: r for r in map(json.loads, out.read_text().splitlines())}
+    layer_input = 2 * 8 * TINY["hidden_size"] * 4
+    assert rows["torchfuser-offload"]["saved_activation_bytes_per_layer"] == [layer_input] * 2
+    for name in ("eager", "torchfuser"):
+        assert all(b > 4 * layer_input for b in rows[name]["saved_activation_bytes_per_layer"]), rows[name]
+    assert rows["torchfuser-offload"]["loss_max_rel_diff"] < 1e-5
+    assert rows["torchfuser-offload"]["saved_activation_bytes"] < rows["torchfuser"]["saved_activation_bytes"]
+    text = capsys.readouterr().out
+    assert "saved/layer" in text and f"{layer_input / 2**10:,.1f} KiB" in text

@@ -8,7 +8,7 @@ from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, settings as _settings, transaction
 from torchfuser import experts as _experts, head_check, unwrap, walker
-from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, packed as _packed
+from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, offload as _offload, packed as _packed
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.modules.lm_head import FusedLMHeadLoss
 from torchfuser.report import FusionReport
@@ -56,6 +56,7 @@ def optimize(
     fp8_lm_head: bool = _U(False),
     fp8_weights: str = _U("per_call"),
     keep_logits: bool = _U(False),
+    checkpointing: "bool | str" = _U(False),
 ) -> nn.Module:
     """Swap the standard blocks of ``model`` for fused modules, in place; returns ``model``.
 
@@ -117,6 +118,11 @@ def optimize(
         more matmul and the logits' memory (still without the original's float32 copy and its gradient).
         ``False`` (the default): the logits are never built and the output's ``logits`` is None (a
         ``return_dict=False`` tuple leaves them out). Eval mode and calls without labels are unchanged.
+    checkpointing: ``"offload"``: each fused decoder layer keeps only its input for the backward, on the host
+        (pinned memory, copied on a side stream; on the CPU the input itself), and runs again in the backward
+        (``torchfuser.modules.offload``); ``True``: the same with the input kept where it is; ``False`` (the
+        default): off. Where Hugging Face's gradient checkpointing is enabled on a layer, it runs there instead
+        (never both). Not with ``cuda_graphs`` (ValueError) nor under torch.compile (RuntimeError).
     fp8_weights: when the trainable weights' FP8 copies are made: ``"per_call"`` (the default: at every
         call, always right) or ``"per_step"``: kept until any ``torch.optim`` optimizer steps, so once per
         optimizer step rather than per micro-batch or recomputed checkpoint, at 2 bytes a weight held
@@ -136,7 +142,7 @@ def optimize(
         before = _settings.Settings(backend=st.backend)
     s = _settings.merge(before, backend=backend, patterns=patterns, exclude=exclude, filter_fn=filter_fn,
                         cuda_graphs=cuda_graphs, autotune=autotune, fp8=fp8, fp8_lm_head=fp8_lm_head,
-                        fp8_weights=fp8_weights, keep_logits=keep_logits)
+                        fp8_weights=fp8_weights, keep_logits=keep_logits, checkpointing=checkpointing)
     recipe = _fp8.check(s.fp8, next((p.device for p in model.parameters()), None))
     per_step = _fp8.check_weights(s.fp8_weights, recipe)
     chosen = _patterns.select(s.patterns, s.exclude)
@@ -189,6 +195,8 @@ def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool
             result.notes.append(_COMPILE_NOTE)
     _set_fp8(model, s.fp8, result, per_step, s.fp8_lm_head, s.backend)
     _set_keep_logits(model, s.keep_logits)
+    _offload.set_mode([model.get_submodule(e.name) for e in result.fused if e.pattern == "residual_norm"],
+                      s.checkpointing)
     dropped = _set_graphs(model, result, s.cuda_graphs, graphs, changed)
     _set_autotune(model, result, s.autotune, before is not None and before.autotune and not afresh, changed)
     _experts.note(model, result)
@@ -324,7 +332,7 @@ def _undo(model: nn.Module) -> None:
 
 _LORA_HEAD = "adapters: "
 # Notes made anew at each report: the old ones go first.
-_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED)
+_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED, _offload.HEAD)
 
 
 def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
@@ -358,7 +366,7 @@ def report(model: nn.Module) -> FusionReport:
     replaced, heads = head_check.check(target, st, result.entries) if st is not None else ({}, [])
     result.notes = [n for n in result.notes if not n.startswith(_REFRESHED)]
     result.notes += (fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
-                     + _experts.changed(target, result))
+                     + _experts.changed(target, result) + _offload.notes(target, result, getattr(_settings.of(target), "checkpointing", False)))
     if replaced:  # the report kept on the model stays as optimize made it; this one says what runs now
         result = copy.copy(result)
         result._entries = {name: replaced.get(name, e) for name, e in result._entries.items()}

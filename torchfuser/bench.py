@@ -18,11 +18,12 @@ from rich.table import Table
 
 from torchfuser import demo
 from torchfuser.api import optimize, report
+from torchfuser.bench_saved import SavedPerLayer
 from torchfuser.cli import CLIError, _said
 from torchfuser.report import console as _console
 
 VARIANTS = ("eager", "torchfuser", "torchfuser-autotune", "compile", "torchfuser+compile", "torchfuser+graphs",
-            "torchfuser+fp8", "torchfuser+fp8+graphs")
+            "torchfuser+fp8", "torchfuser+fp8+graphs", "torchfuser-offload")
 # torch.compile on a 2-core CPU takes minutes per variant: only where a GPU is there by default.
 DEFAULT_VARIANTS = {"cpu": ("eager", "torchfuser"), "cuda": ("eager", "torchfuser", "compile", "torchfuser+compile")}
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -106,7 +107,8 @@ def build_variant(name: str, base, lora: int | None, seed: int):
 
     model = copy.deepcopy(base)
     if name.startswith("torchfuser"):
-        optimize(model, cuda_graphs=name.endswith("+graphs"), fp8="rowwise" if "+fp8" in name else None)
+        optimize(model, cuda_graphs=name.endswith("+graphs"), fp8="rowwise" if "+fp8" in name else None,
+                 checkpointing="offload" if name == "torchfuser-offload" else False)
     if lora:
         model = _add_lora(model, lora, seed)
     if name == "torchfuser-autotune":
@@ -129,6 +131,8 @@ class _Variant:
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=demo.LR)
         # saved: the bytes autograd saved for the backward (largest step); peak: CUDA only, see step().
         self.losses, self.times, self.saved, self.peak = [], [], 0, None
+        # per layer: counted in the first step only (hooks on the layers; compiled and graphed variants: never)
+        self.per_layer = None if "compile" in name or name.endswith("+graphs") else []
         self.task = progress.add_task(f"{name:<20}", total=steps)
 
     def step(self, ids):
@@ -138,8 +142,11 @@ class _Variant:
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), demo._SavedBytes() as saved:
+        counted = SavedPerLayer(self.model, per_layer=self.per_layer == [])
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), counted as saved:
             loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
+        if self.per_layer == [] and saved.layers:
+            self.per_layer = saved.layers
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
@@ -263,6 +270,8 @@ def _rows(runs, size, steps, lora, target, dev) -> list[dict]:
             "speedup_vs_reference": statistics.median(a / b for a, b in zip(ref.times[skip:], r.times[skip:])),
             # CUDA graph replays restore their saved tensors without the hooks: nothing to count there.
             "saved_activation_bytes": None if r.name.endswith("+graphs") else r.saved,
+            # the first step's, per decoder layer (None: not counted, see _Variant); the table shows the largest
+            "saved_activation_bytes_per_layer": r.per_layer or None,
             "peak_memory_bytes": r.peak,  # measured on CUDA only; None on the CPU
             "peak_memory_measure": "cuda_max_memory_allocated_as_alone" if r.peak is not None else None,
             "losses": r.losses, "loss_reference": ref.name,
@@ -279,18 +288,25 @@ def _mib(n) -> str:
     return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
+def _size(n) -> str:
+    """MiB, or KiB below one MiB (a tiny model's layer)."""
+    return _mib(n) if n is None or n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
 def print_table(console: Console, rows: list[dict]) -> None:
     ref = rows[0]
     peak = any(r["peak_memory_bytes"] is not None for r in rows)
     table = Table(title=f"median of steps after the first {ref['warmup_steps']}", title_justify="left")
-    columns = ("variant", "ms/step", "speed-up", "tokens/s", *(("peak memory",) if peak else ()), "saved act.", "loss Δ")
+    columns = ("variant", "ms/step", "speed-up", "tokens/s", *(("peak memory",) if peak else ()), "saved act.",
+               "saved/layer", "loss Δ")
     for col in columns:
         table.add_column(col, justify="left" if col == "variant" else "right",
                          min_width=max(len(r["variant"]) for r in rows) if col == "variant" else None)
     for r in rows:
         table.add_row(r["variant"], f"{r['ms_per_step']:.1f}", f"{r['speedup_vs_reference']:.2f}×",
                       f"{r['tokens_per_s']:,.0f}", *((_mib(r["peak_memory_bytes"]),) if peak else ()),
-                      _mib(r["saved_activation_bytes"]), f"{r['loss_max_rel_diff']:.1e}")
+                      _mib(r["saved_activation_bytes"]), _size(max(r.get("saved_activation_bytes_per_layer") or [None])),
+                      f"{r['loss_max_rel_diff']:.1e}")
     console.print(table)
     console.print(f"speed-up: the median over steps of {ref['loss_reference']}'s step time / the variant's in the same round; "
                   f"loss Δ: the largest relative difference of a step's loss from {ref['loss_reference']}'s")
@@ -303,7 +319,9 @@ def print_table(console: Console, rows: list[dict]) -> None:
         console.print("peak memory: the variant's largest CUDA allocation in a step as if it were alone on the device "
                       "(its parameters, gradients and optimizer state, plus what the step allocated)")
     console.print("saved act.: bytes autograd saved for the backward in a step (activations, each storage once; "
-                  "under torch.compile what the compiled graph saves; n/a under CUDA graphs)")
+                  "under torch.compile what the compiled graph saves; n/a under CUDA graphs; with checkpointing, the "
+                  "layer inputs kept on the host too); saved/layer: the part saved while one decoder layer ran, the "
+                  "largest layer, first step (n/a under torch.compile and CUDA graphs)")
 
 
 def add_arguments(parser) -> None:

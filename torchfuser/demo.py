@@ -76,7 +76,7 @@ class _SavedBytes:
             key = t.untyped_storage().data_ptr()
             if not isinstance(t, torch.nn.Parameter) and key not in self._seen:
                 self._seen.add(key)
-                self.total += t.untyped_storage().nbytes()
+                self._count(t.untyped_storage().nbytes())
             return t
 
         setattr(pack, recompute.COUNTING, True)  # it only counts: what is made again is not counted
@@ -86,6 +86,9 @@ class _SavedBytes:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+
+    def _count(self, nbytes: int) -> None:
+        self.total += nbytes
 
 
 class _Run:

@@ -57,6 +57,7 @@ class Settings:
     fp8_lm_head: bool = False
     fp8_weights: str = "per_call"
     keep_logits: bool = False
+    checkpointing: bool | str = False
 
     def __getstate__(self) -> dict:
         """A model saved whole keeps its settings; a filter that cannot be pickled becomes ``RefuseNew``."""
@@ -121,6 +122,10 @@ def merge(before: Settings | None, **passed) -> Settings:
         raise TypeError(f"keep_logits must be True or False, got {type(given['keep_logits']).__name__}")
     if "fp8_lm_head" in given and not isinstance(given["fp8_lm_head"], bool):
         raise TypeError(f"fp8_lm_head must be True or False, got {type(given['fp8_lm_head']).__name__}")
+    if "checkpointing" in given:
+        from torchfuser.modules import offload
+
+        offload.check(given["checkpointing"])
     if given.get("cuda_graphs") is True and isinstance(base.cuda_graphs, GraphOptions):
         given["cuda_graphs"] = base.cuda_graphs  # on, as it is: with the options set earlier
     fn = given.get("filter_fn")
@@ -132,6 +137,11 @@ def merge(before: Settings | None, **passed) -> Settings:
         which = kept if "fp8_lm_head" not in given else ""
         raise ValueError(f"fp8_lm_head=True{which} runs the LM head's GEMMs rowwise or tensorwise, not blockwise: "
                          "pass fp8='rowwise' or 'tensorwise' with it, or fp8_lm_head=False")
+    if settings.checkpointing and settings.cuda_graphs:
+        which = kept if not {"checkpointing", "cuda_graphs"} <= given.keys() else ""
+        raise ValueError(f"checkpointing={settings.checkpointing!r} and cuda_graphs{which} do not go together: a captured "
+                         "layer cannot copy its input to the host and recompute in the backward. Pass one of them "
+                         "(checkpointing=False or cuda_graphs=False)")
     if settings.fp8_lm_head and settings.fp8 is None:
         raise ValueError("fp8_lm_head=True runs the LM head's GEMMs with the projections' FP8 recipe: pass "
                          "fp8='rowwise' or fp8='tensorwise' too")

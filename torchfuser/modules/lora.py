@@ -138,9 +138,10 @@ class _Plan:
     def split(self, items):
         """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
         n, k = len(self.rows), len(self.term_proj)
-        it = iter(items)
-        take = lambda count: [next(it) for _ in range(count)]  # noqa: E731
-        return take(self.n_inputs), take(n), take(n if self.has_bias else 0), take(k), take(k)
+        ends = (self.n_inputs, self.n_inputs + n, self.n_inputs + n * (1 + self.has_bias))
+        items = list(items)  # sliced, not taken one by one: a node's host cost is counted (test_lora_host_calls)
+        return (items[:ends[0]], items[ends[0]:ends[1]], items[ends[1]:ends[2]], items[ends[2]:ends[2] + k],
+                items[ends[2] + k:ends[2] + 2 * k])
 
 
 def _terms(m: nn.Module):
@@ -199,7 +200,7 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
         if drop is None:
             term_input.append(0)
         else:
-            inputs.append(drop(x.to(A.dtype)))
+            inputs.append(drop(_as(x, A.dtype)))
             term_input.append(len(inputs))
     bases = [b for b, _ in parts]
     recipe = fp8.usable(x, bases, owner)
@@ -238,9 +239,9 @@ class _LoRALinear(torch.autograd.Function):
         inputs, weights, biases, As, Bs = plan.split(tensors)
         cb, cl = plan.base_dtype, plan.lora_dtype
         with torch._C._DisableAutocast():  # every cast below is explicit: autocast's own
-            xb = x.to(cb)
+            xb = _as(x, cb)
             x2 = xb.reshape(-1, xb.shape[-1])
-            b = None if not biases else (biases[0].to(cb) if len(biases) == 1 else _cast_cat(biases, cb))
+            b = None if not biases else (_as(biases[0], cb) if len(biases) == 1 else _cast_cat(biases, cb))
             ctx.fp8_bwd = None
             if plan.fp8 is not None:  # the frozen (or not) bases as an FP8 GEMM, their copies made per call (or kept per step: fp8._Weights)
                 recipe, cache = plan.fp8
@@ -250,26 +251,26 @@ class _LoRALinear(torch.autograd.Function):
                     y2 = y2 + b
                 y, w = y2.view(*xb.shape[:-1], y2.shape[-1]), weights[0]
             else:
-                w = weights[0].to(cb) if len(weights) == 1 else _cast_cat(weights, cb)
+                w = _as(weights[0], cb) if len(weights) == 1 else _cast_cat(weights, cb)
                 y = nn.functional.linear(xb, w, b)
                 y2 = y.view(-1, y.shape[-1])
-            a = [A.to(cl) for A in As]
-            bb = [B.to(cl) for B in Bs]
+            a = [_as(A, cl) for A in As]
+            bb = [_as(B, cl) for B in Bs]
             plain = [k for k, t in enumerate(plan.term_input) if t == 0]
             hs = [None] * len(As)
             a_hl = None  # the plain A's [hi; lo] (bf16), kept for dx: small, and one split fewer in the backward
             if plain:  # the A's of every adapter without a live dropout: one GEMM on x
-                a0 = torch.cat([a[k] for k in plain])
+                a0 = _cat([a[k] for k in plain], 0)
                 if plan.hilo:  # x·A_hiᵀ + x·A_loᵀ as one bf16 GEMM, fp32 out
                     a_hl = _hilo(a0, "hl", 0, cb)
                     h0 = _halves(_mm_fp32(x2, a_hl.t()), 1)
                 else:
-                    h0 = torch.mm(x2.to(cl), a0.t())
-                for k, h in zip(plain, h0.split([a[k].shape[0] for k in plain], dim=1)):
+                    h0 = torch.mm(_as(x2, cl), a0.t())
+                for k, h in zip(plain, _split(h0, [a[k].shape[0] for k in plain], 1)):
                     hs[k] = h
             for k, t in enumerate(plan.term_input):
                 if t:  # PEFT's fp32 dropped input: an fp32 GEMM ([T × d], not [T × out])
-                    xd = inputs[t - 1].reshape(-1, x2.shape[-1]).to(cl)
+                    xd = _as(inputs[t - 1].reshape(-1, x2.shape[-1]), cl)
                     hs[k] = torch.mm(xd, a[k].t())
             b3 = []
             if plan.hilo:  # saved: s·h as [hi | lo | hi] (bf16), not h; each B's [hi | hi | lo] for dh
@@ -308,7 +309,7 @@ class _LoRALinear(torch.autograd.Function):
         with torch._C._DisableAutocast():
             x2 = None if xb is None else xb.reshape(-1, xb.shape[-1])
             dy2 = dy.reshape(-1, dy.shape[-1])
-            cols = dy2.split(list(plan.rows), dim=1)
+            cols = _split(dy2, list(plan.rows), 1)
             d_a, d_bb, d_in = [None] * k, [None] * k, [None] * plan.n_inputs
             dh = [None] * k
             for j, (i, s, t) in enumerate(zip(plan.term_proj, plan.scaling, plan.term_input)):
@@ -316,11 +317,11 @@ class _LoRALinear(torch.autograd.Function):
                 if plan.hilo:  # g stays bf16: gᵀ·[h_hi | h_lo] and g·[B_hi | B_lo], fp32 out (s is in h)
                     g, r = cols[i], bb[j].shape[1]
                     if need_bb[j]:
-                        d_bb[j] = _halves(_mm_fp32(g.t(), hs[j][:, :2 * r]), 1).to(bb_dtypes[j])
+                        d_bb[j] = _as(_halves(_mm_fp32(g.t(), hs[j][:, :2 * r]), 1), bb_dtypes[j])
                     if want_dh:  # [B_hi | B_lo]: the last two thirds of the forward's [hi | hi | lo]
                         dh[j] = _halves(_mm_fp32(g, b3[j][:, r:]), 1).mul_(s)
                     continue
-                g = cols[i].to(cl)
+                g = _as(cols[i], cl)
                 if need_bb[j]:
                     d_bb[j] = _mm(g.t(), hs[j], bb_dtypes[j]).mul_(s)
                 if want_dh:
@@ -332,28 +333,28 @@ class _LoRALinear(torch.autograd.Function):
                 w = weights[0] if len(weights) == 1 else torch.cat(weights)
                 dx = _mm(dy2, w, ctx.x_dtype)
             if plain and plain_dh:
-                dh0 = torch.cat([dh[j] for j in plain], dim=1)
+                dh0 = _cat([dh[j] for j in plain], 1)
                 rows = [a[j].shape[0] for j in plain]
                 if plan.hilo:  # dh = dh_hi + dh_lo: dA from one bf16 GEMM on x, dx += in one addmm (K = 3R)
                     d3 = _hilo(dh0, "hlh", 1, cb)
                     if any(need_a[j] for j in plain):
                         da = _halves(_mm_fp32(d3[:, :2 * dh0.shape[1]].t(), x2), 0).split(rows)
                         for j, g in zip(plain, da):
-                            d_a[j] = g.to(a_dtypes[j]) if need_a[j] else None
+                            d_a[j] = _as(g, a_dtypes[j]) if need_a[j] else None
                     if need_x:  # [A_hi; A_hi; A_lo] from the forward's [A_hi; A_lo]
                         _addmm_bf16_(dx, d3, torch.cat([a_hl[:dh0.shape[1]], a_hl]))
                 else:
                     if any(need_a[j] for j in plain):
-                        da = _mm(dh0.t(), x2.to(cl), a_dtypes[plain[0]]).split(rows)
+                        da = _split(_mm(dh0.t(), _as(x2, cl), a_dtypes[plain[0]]), rows, 0)
                         for j, g in zip(plain, da):
                             d_a[j] = g if need_a[j] else None
                     if need_x:
-                        dx += _mm(dh0, torch.cat([a[j] for j in plain]), ctx.x_dtype)
+                        dx += _mm(dh0, _cat([a[j] for j in plain], 0), ctx.x_dtype)
             for j, t in enumerate(plan.term_input):
                 if t:
                     xd = inputs[t - 1]
                     if need_a[j]:
-                        d_a[j] = _mm(dh[j].t(), xd.reshape(-1, xd.shape[-1]).to(cl), a_dtypes[j])
+                        d_a[j] = _mm(dh[j].t(), _as(xd.reshape(-1, xd.shape[-1]), cl), a_dtypes[j])
                     if need_in[t - 1]:
                         d_in[t - 1] = _mm(dh[j], a[j], xd.dtype).view(xd.shape)
             d_w, d_b = [None] * n, [None] * len(need_b)
@@ -361,10 +362,24 @@ class _LoRALinear(torch.autograd.Function):
                 for i, g in enumerate(cols):
                     d_w[i] = _mm(g.t(), x2, w_dtypes[i]) if need_w[i] else None
             for i, g in enumerate(cols[:len(need_b)]):
-                d_b[i] = _column_sums(g).to(b_dtypes[i]) if need_b[i] else None
+                d_b[i] = _as(_column_sums(g), b_dtypes[i]) if need_b[i] else None
         if dx is not None:
             dx = dx.view(*dy.shape[:-1], dx.shape[-1])
         return (None, dx, *d_in, *d_w, *d_b, *d_a, *d_bb)
+
+
+# Host cost: the node runs ~50 ATen calls a step on a host-bound GPU step, so calls that do nothing are
+# left out: a cast to the dtype a tensor has, a concatenation or split of one part (same values, no copy).
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _split(t: Tensor, sizes: list[int], dim: int):
+    return (t,) if len(sizes) == 1 else t.split(sizes, dim)
 
 
 def _add_terms(y2: Tensor, plan: _Plan, hs, bb) -> None:

@@ -186,7 +186,8 @@ def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     then cast (autocast's numerics)."""
     if dtype == torch.float32 and a.dtype != dtype and _out_dtype_ok(a.device):
         return torch.mm(a, b, out_dtype=dtype)
-    return torch.mm(a, b).to(dtype)
+    out = torch.mm(a, b)
+    return out if out.dtype == dtype else out.to(dtype)  # no ATen call for a cast that does nothing
 
 
 def _cast_cat(params: list[Tensor], dtype: torch.dtype) -> Tensor:

@@ -40,7 +40,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from torchfuser.modules import fallbacks, fp8
+from torchfuser.modules import fallbacks, fp8, offload
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
@@ -136,10 +136,14 @@ class ResidualNormForward:
 
     def __call__(self, *args, **kwargs):
         layer, s = self.layer, self.spec
+        own = offload.of(layer)
         if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
+            if own is not None and own.applies(layer):  # checkpointed as asked: run eagerly, a graph break
+                return offload.eager(self, args, kwargs)  # type: ignore[misc]
             return type(layer).forward(layer, *args, **kwargs)
         checkpointing = _checkpoints(layer)
-        if checkpointing:
+        own = own if own is not None and own.applies(layer) else None  # HF's checkpointing wins where it is on
+        if checkpointing or own is not None:
             kwargs = _without_cache(layer, kwargs)
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
@@ -150,6 +154,8 @@ class ResidualNormForward:
             return type(layer).forward(layer, *args, **kwargs)  # checkpointed there, when it checkpoints
         if checkpointing:  # x positional: reentrant checkpointing passes gradients only to those
             return layer._gradient_checkpointing_func(partial(self._fused, call), x)
+        if own is not None:  # optimize(checkpointing=...): the input kept (on the host), the rest made again
+            return own.run(partial(self._fused, call), x)
         return self._fused(call, x)
 
     def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
@@ -259,5 +265,6 @@ class Uninstall:
     def __call__(self) -> None:
         if isinstance(self.layer.__dict__.get("forward"), ResidualNormForward):
             del self.layer.__dict__["forward"]
+        self.layer.__dict__.pop(offload.KEY, None)
         fallbacks.clear(self.layer)
         unfollow_replicas(self.layer)
