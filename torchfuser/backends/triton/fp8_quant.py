@@ -36,7 +36,7 @@ so CUDA graphs capture them):
   u is read twice, q written once; the transposition goes through shared memory as fp8 (1 byte).
 - ``fp8_quantize_both(t, tensorwise)``: ``fp8_quantize(t, tw, False)`` and ``fp8_quantize(t, tw, True)``
   at once, for an operand two GEMMs need scaled along each dimension (x, dy, the weights).
-  Rowwise, ``_ROWWISE_BOTH`` picks among three paths, bit for bit the same:
+  Rowwise, the switch ``fp8_rowwise_both`` (``torchfuser.switches``) picks among three paths, bit for bit the same:
   "atomic" (the default) and tensorwise: ``_fp8_amax_both_kernel`` + ``_fp8_quant_both_kernel`` on the
   same grid over u. The first maxes each tile's row and column maxima of |u| into one zeroed int32
   vector (A row entries, then B column ones; one entry tensorwise) with atomic integer max on the bit
@@ -63,6 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torchfuser.switches import SWITCHES
+
 from . import targets as _targets
 from ._common import (
     CPU, Launcher, Target, _live_sms, cdiv, check_dtypes, next_pow2, sms_of_index, target_of, warps_as_threads, warps_for,
@@ -85,11 +87,9 @@ _BOTH_WRITER = (32, 4, 32)  # (rows a step, warps, programs a SM), 16-bit input
 _BOTH_WRITER_FP32 = (64, 16, 4)
 _BOTH_AMAX_WARPS = 4
 _BLOCK_P = 16  # partial rows reduced a step (per-column scales)
-# fp8_quantize_both rowwise: "atomic" (the both-ways kernels: the faster whole steps), "pair" (the two
-# separate calls) or "rows+tiles" (rows kernel with column partials, then the transposed tiles kernel).
-# The probe (benchmarks/probes/fp8_quant_probe.py) times all three alone; train_step.py's
-# torchfuser-fp8-pair variant runs whole steps with the pair.
-_ROWWISE_BOTH = "atomic"
+# fp8_quantize_both rowwise: torchfuser.switches' fp8_rowwise_both, "atomic" (the both-ways kernels: the
+# faster whole steps), "pair" (the two separate calls) or "rows+tiles" (rows kernel with column partials,
+# then the transposed tiles kernel); train_step.py's torchfuser-fp8-pair variant runs whole steps with the pair.
 # Row programs a SM of that first pass: more keeps more loads in flight, fewer means fewer partial rows
 # for each tiles program to reduce (progs_a × programs × B fp32 read from L2 in all). Not yet timed.
 _ROW_PROGRAMS_PER_SM = 2
@@ -443,7 +443,7 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     check_dtypes("fp8_quantize_both", t=t)
     if t.dim() != 2:
         raise ValueError(f"fp8_quantize_both: t must be 2-D, got shape {tuple(t.shape)}")
-    if not tensorwise and _ROWWISE_BOTH == "pair":
+    if not tensorwise and SWITCHES.fp8_rowwise_both == "pair":
         return fp8_quantize(t, False, False), fp8_quantize(t, False, True)
     m, k = t.shape
     dev = t.device
@@ -464,7 +464,7 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     target = target_of(t)
     per_prog, progs_a, warps = tiles_config(a, b, _sms(t), target)
     grid = (progs_a, cdiv(b, _BLOCK_B))
-    if not tensorwise and _ROWWISE_BOTH == "rows+tiles":
+    if not tensorwise and SWITCHES.fp8_rowwise_both == "rows+tiles":
         # u rowwise as fp8_quantize does, each program also writing its rows' column maxima; then u's
         # transposed quantisation reducing those partials, as fp8_quantize's own amax kernel's.
         block, rows, one_pass, rwarps, rows_per_prog, row_progs = rows_partials_config(a, b, _sms(t), target)
