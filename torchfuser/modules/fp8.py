@@ -21,7 +21,7 @@ trained llama1b on step 0's weights), and a write through ``param.data`` (``.dat
 averaging, loading base weights, PEFT's ``merge_adapter``) goes to a version counter of its own, leaving the
 parameter's version and storage as they were (a version-keyed copy of a frozen base stayed 0.217 off). The
 cost is a pass over each weight per call (read 2 + 2, write 1 + 1 bytes a bf16 weight; for a frozen 8 B base
-≈ 48 GB a forward, ≈ 10–12 ms on an H200), which CUDA-graph and torch.compile captures paid anyway; no copy is
+≈ 48 GB a forward), which CUDA-graph and torch.compile captures paid anyway; no copy is
 held between calls (a cached frozen base held 2 bytes a weight: ≈ 13 GiB on an 8 B model).
 With ``fp8_weights="per_step"`` every weight's copies are kept until any ``torch.optim`` optimizer steps (or
 its version or storage changes: ``load_state_dict``, in-place ops, ``param.data = t``, ``swap_tensors``): once

@@ -43,17 +43,16 @@ so CUDA graphs capture them):
   patterns: order-free, so the bits do not depend on the programs' order, and NaN propagates as above.
   The second reads each tile once and writes both q (row-major, per-row scales) and qᵀ (transposed as
   fp8 through shared memory, per-column scales), with the scales. t is read twice in all, where the two
-  calls read it three times; each e4m3 copy is written once. In the geometry swept in run 132 (``both_config``)
-  its rowwise form runs, alone with L2 flushed, at 1.12–1.33× the pair's speed (0.89–1.03× before), and
-  whole llama1b steps ran faster with it even then: 117.2 ms graphed (run 122) against the pair's 119.1
-  (run 125). A producer that took t's maxima as it wrote t (gated_fp8.py) leaves only the writer to run
+  calls read it three times; each e4m3 copy is written once. In the swept geometry (``both_config``) its
+  rowwise form is faster than the pair, alone and in whole llama1b steps (docs/performance/NOTES-fp8.md:
+  the both-ways writer). A producer that took t's maxima as it wrote t (gated_fp8.py) leaves only the writer to run
   (``fp8_quantize_both_amax``). Tensorwise fp32 input (the
   master weights) takes one amax pass and a tiles pass for each copy instead (the Triton 3.6 fault at
   ``fp8_quantize_both``).
   "pair": the two separate calls.
   "rows+tiles": the rows kernel with PARTIALS (q and its scales, and the column partials), then
   ``_fp8_quant_tiles_kernel`` (PER_COLUMN, TRANSPOSE) reducing them into qᵀ's scales and writing qᵀ:
-  t read twice, q and qᵀ written once, no memset, no atomics; alone 0.75–1.0× the pair's speed (run 124).
+  t read twice, q and qᵀ written once, no memset, no atomics; alone no faster than the pair (NOTES-fp8.md).
 """
 from __future__ import annotations
 
@@ -79,10 +78,10 @@ _TILE = 4096  # elements a program in the one-pass rowwise case: short rows are 
 _BLOCK_A = 128
 _BLOCK_B = 64
 _PROGRAMS_PER_SM = 4
-# The both-ways kernels' geometry, swept on an H200 (run 132, benchmarks/probes/fp8_both_ways_sweep_probe.py):
-# the writer from 16-bit input in 32 × 64 tiles at 4 warps, 32 programs a SM (many small programs hide the
-# transposing stores' latency: 1.2-1.4x faster than 64-row tiles at 16 warps, 4 a SM, which fp32 input
-# keeps: no faster there); the amax pass in 128 × 64 tiles at 4 warps (1.1-1.2x faster than at 16).
+# The both-ways kernels' geometry, swept on an H200 (benchmarks/probes/fp8_both_ways_sweep_probe.py, timings in
+# docs/performance/NOTES-fp8.md): the writer from 16-bit input in 32 × 64 tiles at 4 warps, 32 programs a SM
+# (many small programs hide the transposing stores' latency; fp32 input keeps 64-row tiles at 16 warps, 4 a
+# SM: no faster there); the amax pass in 128 × 64 tiles at 4 warps.
 _BOTH_WRITER = (32, 4, 32)  # (rows a step, warps, programs a SM), 16-bit input
 _BOTH_WRITER_FP32 = (64, 16, 4)
 _BOTH_AMAX_WARPS = 4
