@@ -475,7 +475,7 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
         return (q, s), (qt, st)
     if tensorwise and t.dtype == torch.float32:
         # One tile stored both as it is and transposed came out wrong from fp32 input on an H200
-        # (Triton 3.6: a quarter of qᵀ's values, bf16 input right, the interpreter right; runs 124-125,
+        # (Triton 3.6: a quarter of qᵀ's values, bf16 input right, the interpreter right; NOTES-fp8.md;
         # a second cast of the tile did not help). So fp32 (the master weights) takes fp8_quantize's
         # kernels: one amax pass, then a pass for each copy (t read three times, not two).
         partials = torch.empty(progs_a * grid[1], dtype=torch.float32, device=dev)
