@@ -54,7 +54,8 @@ Producers of ours take the maxima as they write an operand (``producer_maxima``)
 (the down projection's x) and backward (the gate/up projection's dy), so that operand's both-ways call is
 the writer alone (ops.fp8_quant.attach_amax, backends/triton/gated_fp8.py). A fused decoder layer's norms
 can be producers too (the q/k/v and gate/up projections' x, the output projection's dy; norm_fp8.py),
-but are not by default: measured slower than the pass they replace (the switch ``fp8_norm_producers``, ``torchfuser.switches``). The
+but are not by default: measured slower than the pass they replace (the switch ``fp8_norm_producers``,
+``torchfuser.switches``). The
 operand is still written in bf16 and read once more: the transposed copy needs every token's column
 maximum before its first value is cast. It runs where ``torch._scaled_mm`` does: CUDA GPUs of compute
 capability 8.9 or newer, and the CPU (slow, for tests).

@@ -34,8 +34,8 @@ llama8b's shapes: docs/performance/NOTES-lora.md). The split and the dropped lo�
 largest value, PEFT's fp32 ones ≈ 2⁻²²), far below the bf16 roundings of y, dy and x that make PEFT's
 own error in a bf16 model: there the repository's rule (max|fused − ref64| ≤ 2·max|peft − ref64| +
 atol) holds for the loss, the output and every gradient; the rounding is no longer PEFT's bit for bit.
-The switch ``lora_split_bf16`` off (``torchfuser.switches``) runs PEFT's dtypes literally instead (fp32 copies of y's columns, of dy, of
-x). fp16 keeps PEFT's dtypes: fp16's range would underflow the lo parts of small gradients.
+The switch ``lora_split_bf16`` off (``torchfuser.switches``) runs PEFT's dtypes literally instead (fp32
+copies of y's columns, of dy, of x). fp16 keeps PEFT's dtypes: fp16's range would underflow the lo parts of small gradients.
 
 A LoRA layer this cannot reproduce (a DoRA or other variant, merged weights, a LoRA bias, hooks,
 an in-place dropout) makes the caller run each projection as itself, counted in
@@ -202,7 +202,8 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
     bases = [b for b, _ in parts]
     recipe = fp8.usable(x, bases, owner)
     eight = None if recipe is None else (recipe, fp8.weights_cache(owner, bases))
-    hilo = _SWITCHES.lora_split_bf16 and bool(terms) and base_dtype == torch.bfloat16 and lora_dtype == torch.float32
+    hilo = (_SWITCHES.lora_split_bf16 and bool(terms) and base_dtype == torch.bfloat16
+            and lora_dtype == torch.float32)
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
                  tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype,
                  eight, hilo)
@@ -367,8 +368,8 @@ class _LoRALinear(torch.autograd.Function):
 
 def _add_terms(y2: Tensor, plan: _Plan, hs, bb) -> None:
     """y_i += s·h·Bᵀ per term, in place on y's columns. Where the LoRA dtype differs from the base's
-    (fp32 adapters on a fp16 base, or the switch ``lora_split_bf16`` off) PEFT sums in the promoted dtype and rounds
-    once to the base's: the same here, per projection."""
+    (fp32 adapters on a fp16 base, or the switch ``lora_split_bf16`` off) PEFT sums in the promoted dtype
+    and rounds once to the base's: the same here, per projection."""
     starts = [sum(plan.rows[:i]) for i in range(len(plan.rows))]
     if plan.lora_dtype == plan.base_dtype:
         for i, s, h, b in zip(plan.term_proj, plan.scaling, hs, bb):
