@@ -12,8 +12,8 @@ projection GEMM under autocast (``FusedGatedMLP.add_to``). Under autocast the no
 where the blocks after them only project it (``_projection_dtype``). With rowwise FP8 on the blocks
 the norms can be the producers of three FP8 GEMM operands (``_maxima``; off by default, measured slower:
 the switch ``fp8_norm_producers``, ``torchfuser.switches``): norm_in's output (the q/k/v projections'
-input), norm_mid's (the gate/up projections'), and the gradient norm_mid's backward hands the attention's output (the output
-projection's dy) carry their maxima to the GEMMs.
+input), norm_mid's (the gate/up projections'), and the gradient norm_mid's backward hands the
+attention's output (the output projection's dy) carry their maxima to the GEMMs.
 
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
