@@ -97,12 +97,10 @@ def _torchao_float8(model, recipe: str):
 def _rowwise_both(path: str | None) -> None:
     """fp8_quantize_both's rowwise path for the variants to come (None: the default): the -pair variants
     run the two separate kernels, to compare whole steps with the default's."""
-    try:
-        from torchfuser.backends.triton import fp8_quant
-    except ImportError:  # no Triton: nothing to choose
-        return
-    _DEFAULT_BOTH.setdefault("path", fp8_quant._ROWWISE_BOTH)
-    fp8_quant._ROWWISE_BOTH = path or _DEFAULT_BOTH["path"]
+    from torchfuser.switches import SWITCHES
+
+    _DEFAULT_BOTH.setdefault("path", SWITCHES.fp8_rowwise_both)
+    SWITCHES.fp8_rowwise_both = path or _DEFAULT_BOTH["path"]
 
 
 _DEFAULT_BOTH: dict = {}
@@ -124,9 +122,9 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
     _rowwise_both(None if not fp8 else "pair" if "pair" in fp8[0] else "rows+tiles" if "rt" in fp8[0] else None)
     if fp8 is not None:
         opts, end = fp8
-        from torchfuser.modules import fp8 as fp8_module
+        from torchfuser.switches import SWITCHES
 
-        fp8_module._PRODUCERS = "noprod" not in opts
+        SWITCHES.fp8_producers = "noprod" not in opts
         recipe = next((r for r in ("tensorwise", "blockwise") if r in opts), "rowwise")
         fused = optimize(model, backend=backend, fp8=recipe,
                          cuda_graphs=end == "-graphs", **({"fp8_lm_head": True} if "head" in opts else {}),

@@ -148,18 +148,20 @@ _REWROTE_TWO = ["causal mask: 2 scaled_dot_product_attention call(s) take is_cau
                 "repeated per query head"]
 
 
-def test_optimized_model_under_plain_torch_compile(no_compile_caches):
+def test_optimized_model_under_plain_torch_compile(no_compile_caches, monkeypatch):
     """torch.compile(optimize(model)) with Inductor: optimize's pre-grad pass gives the fused attention
-    its causal kernels; a padding mask is kept."""
+    its causal kernels; a padding mask is kept. The report notes the pass once it has run, not before."""
     from torchfuser.compiler import inductor_pass
 
+    monkeypatch.setattr(inductor_pass, "RECENT", [])  # as in a fresh process: nothing compiled yet
     model, model64, ids = _tiny_llama_and_float64_twin()
     torchfuser.optimize(model, backend="reference")
     assert inductor_pass.installed()
-    before = len(inductor_pass.RECENT)
+    assert not any("Inductor" in n for n in torchfuser.report(model).notes), "the note before any compile"
     loss = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
-    assert len(inductor_pass.RECENT) == before + 1 and inductor_pass.RECENT[-1].rewrites == _REWROTE_TWO
+    assert len(inductor_pass.RECENT) == 1 and inductor_pass.RECENT[-1].rewrites == _REWROTE_TWO
+    assert sum(n.startswith("torch.compile with Inductor") for n in torchfuser.report(model).notes) == 1
     _check_loss_and_grads(loss, model, model64, ids)
     torch._dynamo.reset()
     mask = torch.ones_like(ids)

@@ -20,6 +20,7 @@ import torchfuser
 from torchfuser.backends.reference import fp8_quant as R
 from torchfuser.modules import fp8
 from torchfuser.ops import fp8_quant as Q
+from torchfuser.switches import SWITCHES
 
 triton = pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).parent / "backends"))
@@ -153,7 +154,7 @@ class _Uses:
 @pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("norms", [False, True], ids=["default", "norm-producers"])
 def test_a_model_with_the_producers_computes_what_it_does_without(act, norms, monkeypatch):
-    monkeypatch.setattr(fp8, "_NORM_PRODUCERS", norms)
+    monkeypatch.setattr(SWITCHES, "fp8_norm_producers", norms)
     torch.manual_seed(0)
     model = torchfuser.optimize(LlamaForCausalLM(LlamaConfig(**CFG, hidden_act=act)), backend="reference",
                                 fp8="rowwise")
@@ -179,7 +180,7 @@ def test_a_model_with_the_producers_computes_what_it_does_without(act, norms, mo
                     reason="needs a GPU with FP8 GEMMs (compute capability 8.9 or newer)")
 def test_a_gpu_model_with_the_producers_computes_what_it_does_without(monkeypatch):
     """The Triton producers, compiled: a model's loss and every gradient the same bits with them as without."""
-    monkeypatch.setattr(fp8, "_NORM_PRODUCERS", True)
+    monkeypatch.setattr(SWITCHES, "fp8_norm_producers", True)
     torch.manual_seed(0)
     cfg = dict(CFG, hidden_size=256, intermediate_size=512)
     model = torchfuser.optimize(LlamaForCausalLM(LlamaConfig(**cfg)).cuda(), backend="triton", fp8="rowwise")

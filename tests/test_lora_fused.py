@@ -14,6 +14,7 @@ import torchfuser
 from torchfuser import demo
 from torchfuser.modules import FusedAttention, FusedGatedMLP, fallbacks, lora
 from torchfuser.modules.base import FusedModule
+from torchfuser.switches import SWITCHES
 from numerics import assert_within_rule
 
 peft = pytest.importorskip("peft")
@@ -473,10 +474,10 @@ def test_bf16_node_bound_fails_without_the_lo_parts(monkeypatch):
 
 
 def test_bf16_node_peft_dtypes_switch(monkeypatch):
-    """``_SPLIT_BF16 = False``: PEFT's fp32 products literally: y bit for bit, the adapters' gradients to
+    """The switch ``lora_split_bf16`` off: PEFT's fp32 products literally: y bit for bit, the adapters' gradients to
     fp32 rounding; dx within the rule (one bf16 rounding of the projections' sum, not one per projection)."""
     model, x, dy = _node(**_NODE_CASES["two-adapters-both-active"])
-    monkeypatch.setattr(lora, "_SPLIT_BF16", False)
+    monkeypatch.setattr(SWITCHES, "lora_split_bf16", False)
     (ys, dxs, gs), (yf, dxf, gf) = _node_run(model, x, dy, False), _node_run(model, x, dy, True)
     torch.testing.assert_close(yf, ys, rtol=0, atol=0)
     assert_within_rule(dxf, dxs, _node_run(copy.deepcopy(model).double(), x.double(), dy.double(), False)[1], 1e-6)

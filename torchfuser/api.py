@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import warnings
 
 from torch import nn
 
@@ -22,6 +23,13 @@ _COMPILE_NOTE = (
     "torch._inductor.config.pre_grad_custom_pass, active while a fused model lives: restore() of the last one "
     "takes it out, torchfuser.compiler.inductor_pass.uninstall() at once)"
 )
+
+
+def _compiled_with_inductor() -> bool:
+    """Whether Inductor has run optimize's pre-grad pass on a graph with fused attention in this process:
+    the note on that pass is said only then (the pass is process-wide, so it applies to every fused model)."""
+    inductor_pass = sys.modules.get("torchfuser.compiler.inductor_pass")
+    return inductor_pass is not None and bool(inductor_pass.RECENT)
 
 
 def _check_model(model) -> None:
@@ -143,7 +151,9 @@ def optimize(
     s = _settings.merge(before, backend=backend, patterns=patterns, exclude=exclude, filter_fn=filter_fn,
                         cuda_graphs=cuda_graphs, autotune=autotune, fp8=fp8, fp8_lm_head=fp8_lm_head,
                         fp8_weights=fp8_weights, keep_logits=keep_logits, checkpointing=checkpointing)
-    recipe = _fp8.check(s.fp8, next((p.device for p in model.parameters()), None))
+    device = next((p.device for p in model.parameters()), None)
+    recipe = _fp8.check(s.fp8, device)
+    _warn_idle(device, before, fp8=(fp8, s.fp8), cuda_graphs=(cuda_graphs, s.cuda_graphs))
     per_step = _fp8.check_weights(s.fp8_weights, recipe)
     chosen = _patterns.select(s.patterns, s.exclude)
     # Only a call that passes a selection can narrow it (a pattern unregistered since leaves its blocks fused).
@@ -157,6 +167,27 @@ def optimize(
 
         Console().print(result)
     return root
+
+
+_IDLE_ON_CPU = {
+    "fp8": "the FP8 rounding is emulated on the CPU (for tests): no FP8 GEMMs, no speed or memory saving; "
+           "FP8 GEMMs run on CUDA GPUs of compute capability 8.9 or newer",
+    "cuda_graphs": "CUDA graphs are captured only where the layers run on a CUDA device (here they run as "
+                   "usual); a model moved to a GPU before its first training step gets them",
+}
+
+
+def _warn_idle(device, before, **given) -> None:
+    """One UserWarning for each option that does nothing useful on the model's device (the CPU), when this
+    call turns it on: a later call that keeps it (TorchFuserCallback's) says nothing again."""
+    if device is None or device.type != "cpu":
+        return
+    for name, (passed, value) in given.items():
+        if isinstance(passed, _U) or value in (None, False) or (before is not None and getattr(before, name) == value):
+            continue
+        shown = "True" if value is True else repr(value) if isinstance(value, str) else type(value).__name__ + "(...)"
+        warnings.warn(f"optimize({name}={shown}) on a model on the CPU: {_IDLE_ON_CPU[name]}", UserWarning,
+                      stacklevel=3)
 
 
 def _narrows(model: nn.Module, before: _settings.Settings, s: _settings.Settings, chosen) -> bool:
@@ -191,8 +222,6 @@ def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool
         from torchfuser.compiler import inductor_pass  # imports Inductor's config: only when needed
 
         inductor_pass.hold(model)
-        if _COMPILE_NOTE not in result.notes:
-            result.notes.append(_COMPILE_NOTE)
     _set_fp8(model, s.fp8, result, per_step, s.fp8_lm_head, s.backend)
     _set_keep_logits(model, s.keep_logits)
     _offload.set_mode([model.get_submodule(e.name) for e in result.fused if e.pattern == "residual_norm"],
@@ -253,7 +282,7 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     for entry in result.fused:
         module = model.get_submodule(entry.name) if entry.name else model
         # its norms are producers where they are on (modules.residual_norm._maxima)
-        layers += entry.pattern == "residual_norm" and _fp8._NORM_PRODUCERS
+        layers += entry.pattern == "residual_norm" and _fp8._SWITCHES.fp8_norm_producers
         if entry.pattern == "lm_head_loss":
             fused = installed.get(entry.name)
             if isinstance(fused, FusedLMHeadLoss):
@@ -364,9 +393,12 @@ def report(model: nn.Module) -> FusionReport:
     result.notes = _cuda_graphs.refresh_notes(target, result.notes)  # replays, captures, eager calls
     result.fallbacks = fallbacks.counts(target)
     replaced, heads = head_check.check(target, st, result.entries) if st is not None else ({}, [])
-    result.notes = [n for n in result.notes if not n.startswith(_REFRESHED)]
+    result.notes = [n for n in result.notes if not n.startswith(_REFRESHED) and n != _COMPILE_NOTE]
+    if _compiled_with_inductor() and any(e.pattern == "attention" for e in result.fused):
+        result.notes.append(_COMPILE_NOTE)
     result.notes += (fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
-                     + _experts.changed(target, result) + _offload.notes(target, result, getattr(_settings.of(target), "checkpointing", False)))
+                     + _experts.changed(target, result)
+                     + _offload.notes(target, result, getattr(_settings.of(target), "checkpointing", False)))
     if replaced:  # the report kept on the model stays as optimize made it; this one says what runs now
         result = copy.copy(result)
         result._entries = {name: replaced.get(name, e) for name, e in result._entries.items()}

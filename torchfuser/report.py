@@ -118,14 +118,16 @@ class FusionReport:
 
     def __rich__(self):
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=self.summary(), title_justify="left", caption="\n".join(self.notes) or None,
-                      caption_justify="left")
+        # Text, not markup: reasons and notes quote brackets (`pip install ".[mlir]"`) that rich would eat.
+        table = Table(title=Text(self.summary()), title_justify="left",
+                      caption=Text("\n".join(self.notes)) if self.notes else None, caption_justify="left")
         for col in ("module", "n", "pattern", "block", "backend / reason"):
             table.add_column(col, overflow="fold", justify="right" if col == "n" else "left")
         for name, count, row in self.grouped():
-            status = row[3] if not row[3].startswith("skipped") else f"[yellow]{row[3]}[/]"
-            table.add_row(name, str(count), row[1], row[2], status)
+            status = Text(row[3], style="yellow" if row[3].startswith("skipped") else "")
+            table.add_row(Text(name), str(count), Text(row[1]), Text(row[2]), status)
         return table
 
     def to_dict(self) -> dict:

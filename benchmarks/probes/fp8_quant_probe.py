@@ -19,7 +19,7 @@ One JSON line per measurement:
   old path's ``amax / 448.0`` multiplies by fp32(1/448), so its scales may differ by one ulp; counted
   as old_scale_diffs / old_q_diffs), e4m3 rounding ties, NaN/inf rows; ``ok`` must be true;
 - ``what: "both"``: operand, shape, tensorwise, pair_ms (the rowwise then the rowwise-t kernels,
-  fp8_quant._ROWWISE_BOTH = "pair"), and per one-call path its ms, speedup over the pair and
+  the switch fp8_rowwise_both = "pair"), and per one-call path its ms, speedup over the pair and
   GB/s = (2 reads of t + 2 e4m3 copies written) / time, against copy_gbps: rowwise rows_tiles_* and
   atomic_*, tensorwise both_*; so one run says which rowwise path to keep;
 - ``what: "projection"``: one FP8 projection (the fused module's autograd Function) forward + backward,
@@ -54,6 +54,7 @@ from _emit import emitter  # noqa: E402
 from ops import graphed  # noqa: E402  (fn captured in a CUDA graph: its replay times the GPU's work alone)
 
 from torchfuser.backends.reference.fp8_quant import rounding_cases  # noqa: E402
+from torchfuser.switches import SWITCHES  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 MODES = {"rowwise": (False, False), "rowwise-t": (False, True), "tensorwise": (True, False), "tensorwise-t": (True, True)}
@@ -173,14 +174,10 @@ def check_blocks(emit, device) -> bool:
 @contextlib.contextmanager
 def _rowwise_both(path):
     """Within: fp8_quantize_both's rowwise path is ``path`` (None: left as it is)."""
-    from torchfuser.backends.triton import fp8_quant as K
+    from torchfuser.switches import switched
 
-    old = K._ROWWISE_BOTH
-    K._ROWWISE_BOTH = path or old
-    try:
+    with switched(fp8_rowwise_both=path or SWITCHES.fp8_rowwise_both):
         yield
-    finally:
-        K._ROWWISE_BOTH = old
 
 
 def _bench(fn, device):
@@ -219,7 +216,7 @@ def time_quant(emit, device, inductor: bool):
         for tw in (False, True):
             pair_ms = _bench(lambda: (K.fp8_quantize(t, tw, False), K.fp8_quantize(t, tw, True)), device)
             row = dict(what="both", operand=name, shape=[m, k], tensorwise=tw, pair_ms=round(pair_ms, 4),
-                       copy_gbps=round(copy_gbps, 1), default=K._ROWWISE_BOTH if not tw else "both-kernels")
+                       copy_gbps=round(copy_gbps, 1), default=SWITCHES.fp8_rowwise_both if not tw else "both-kernels")
             # rowwise: each one-call path ("pair" is pair_ms); tensorwise: its both-ways kernels
             for path in (("rows+tiles", "atomic") if not tw else (None,)):
                 with _rowwise_both(path):

@@ -4,7 +4,7 @@ the e4m3 values and the fp32 scales: rowwise, rowwise of the transpose (dW's ope
 both ways; fp32 / bf16 / fp16; a single row, 123×123, rows of 8192 and 20000 (the looped kernel),
 row-strided and transposed inputs; NaN and inf; values on every e4m3 rounding tie. The pair that
 quantises a tensor both ways from two reads (``fp8_quantize_both``) against the two reference calls
-it replaces, bit for bit, on the same cases, rowwise by each of its paths (_ROWWISE_BOTH: the rows
+it replaces, bit for bit, on the same cases, rowwise by each of its paths (the switch fp8_rowwise_both: the rows
 kernel writing column partials + the tiles kernel, the default; the atomic both-ways kernels), with
 row programs of one and of several steps, one-pass and looped rows. Run by Triton's
 interpreter on the CPU (TRITON_INTERPRET=1, with its e4m3 cast fixed to round as the GPU does:
@@ -18,6 +18,7 @@ import torch
 
 from test_triton_ops import DEVICE, interpreter  # noqa: F401  (module fixture: the interpreted backend)
 from torchfuser.backends.reference import fp8_quant as R
+from torchfuser.switches import SWITCHES
 
 pytest.importorskip("triton")
 
@@ -131,7 +132,7 @@ def _check_both(interpreter, t, tensorwise, what=""):
 
 def _set_rowwise_path(k, path, monkeypatch):
     """fp8_quantize_both's rowwise path set to ``path``; off "atomic" the atomic kernels must not run."""
-    monkeypatch.setattr(k, "_ROWWISE_BOTH", path)
+    monkeypatch.setattr(SWITCHES, "fp8_rowwise_both", path)
     if path != "atomic":
         def refuse(*args, **kwargs):
             raise AssertionError(f"the atomic both-ways kernels ran on the {path} path")
@@ -156,7 +157,7 @@ def tensorwise(request, interpreter, monkeypatch):
 
 
 def test_both_rowwise_default_path(interpreter):
-    assert interpreter.fp8_quant._ROWWISE_BOTH == "atomic"  # the faster whole steps measured (see fp8_quant.py)
+    assert SWITCHES.fp8_rowwise_both == "atomic"  # the faster whole steps measured (see fp8_quant.py)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (16, 16), (64, 128)])

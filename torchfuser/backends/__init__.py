@@ -62,7 +62,8 @@ def unavailable_reason(name: str, device_type: str) -> str | None:
         if device_type != "cpu":
             return f"the MLIR backend runs on CPU tensors only, not {device_type!r}"
         if not _has_module("torch_mlir"):
-            return 'torch-mlir is not installed; install it with pip install -e ".[mlir]"'
+            return ('torch-mlir is not installed: the mlir extra brings it (pip install ".[mlir]" in the repository; '
+                    'it pins torch 2.13)')
         return None
     raise ValueError(f"unknown backend {name!r}")
 

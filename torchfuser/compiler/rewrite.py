@@ -194,8 +194,8 @@ def in_pointwise_region(m: Match) -> bool:
     """Whether the match reads or feeds other pointwise ops, i.e. would sit inside a larger region.
 
     On the CPU the fused kernel is then a kernel boundary in the middle of what the region compiler
-    builds as one loop: 1024×4096 silu(x)·y + 0.5·sin(b), forward + backward, 15.6 ms rewritten vs
-    12.7 ms left to the region (NOTES-compiler.md). A SwiGLU between matmuls (an MLP) keeps it."""
+    builds as one loop: silu(x)·y + 0.5·sin(b) ran slower rewritten than left to the region
+    (docs/performance/NOTES-compiler.md). A SwiGLU between matmuls (an MLP) keeps it."""
     from torchfuser.compiler.partition import fusible
 
     outs = [m.output, *(n for n, _ in m.extra_outputs)]

@@ -21,7 +21,7 @@ trained llama1b on step 0's weights), and a write through ``param.data`` (``.dat
 averaging, loading base weights, PEFT's ``merge_adapter``) goes to a version counter of its own, leaving the
 parameter's version and storage as they were (a version-keyed copy of a frozen base stayed 0.217 off). The
 cost is a pass over each weight per call (read 2 + 2, write 1 + 1 bytes a bf16 weight; for a frozen 8 B base
-≈ 48 GB a forward, ≈ 10–12 ms on an H200), which CUDA-graph and torch.compile captures paid anyway; no copy is
+≈ 48 GB a forward), which CUDA-graph and torch.compile captures paid anyway; no copy is
 held between calls (a cached frozen base held 2 bytes a weight: ≈ 13 GiB on an 8 B model).
 With ``fp8_weights="per_step"`` every weight's copies are kept until any ``torch.optim`` optimizer steps (or
 its version or storage changes: ``load_state_dict``, in-place ops, ``param.data = t``, ``swap_tensors``): once
@@ -54,7 +54,8 @@ Producers of ours take the maxima as they write an operand (``producer_maxima``)
 (the down projection's x) and backward (the gate/up projection's dy), so that operand's both-ways call is
 the writer alone (ops.fp8_quant.attach_amax, backends/triton/gated_fp8.py). A fused decoder layer's norms
 can be producers too (the q/k/v and gate/up projections' x, the output projection's dy; norm_fp8.py),
-but are not by default: measured slower than the pass they replace (``_NORM_PRODUCERS``). The
+but are not by default: measured slower than the pass they replace (the switch ``fp8_norm_producers``,
+``torchfuser.switches``). The
 operand is still written in bf16 and read once more: the transposed copy needs every token's column
 maximum before its first value is cast. It runs where ``torch._scaled_mm`` does: CUDA GPUs of compute
 capability 8.9 or newer, and the CPU (slow, for tests).
@@ -70,6 +71,7 @@ from torchfuser.modules import fallbacks, fp8_selfcheck as _selfcheck, fp8_step 
 from torchfuser.modules.base import hooked
 from torchfuser.ops import fp8_quant as _quant
 from torchfuser.ops._call import plain_eager
+from torchfuser.switches import SWITCHES as _SWITCHES
 
 RECIPES = ("rowwise", "tensorwise", "blockwise")
 BLOCK = 128  # blockwise: the elements a scale covers along a GEMM's inner dimension (128 × 128 for weights)
@@ -136,15 +138,8 @@ def quantize_both(t: Tensor, recipe: str, amax: Tensor | None = None) -> tuple[t
     return quantize(t, recipe), quantize(t, recipe, transpose=True)
 
 
-# Producers of ours hand their outputs' maxima on (off: every operand by the separate passes; the
-# benchmarks' torchfuser-fp8-noprod variants compare whole steps both ways).
-_PRODUCERS = True
-# The decoder layers' norms among them (modules/residual_norm.py, backends/triton/norm_fp8.py): off. On an
-# H200 at 8192 tokens × 2048 each took longer than its plain kernel plus the amax pass it replaces
-# (forward 0.048 ms against 0.023 + 0.022, backward 0.102 against 0.079 + 0.022; run 136,
-# benchmarks/probes/fp8_norm_producer_probe.py): the plain norms already run at the copy bandwidth, and
-# taking a 2048-wide row's column maxima costs more than a second read of the row.
-_NORM_PRODUCERS = False
+# Producers of ours hand their outputs' maxima on (torchfuser.switches: fp8_producers, on; the decoder
+# layers' norms among them, fp8_norm_producers, off: measured slower, docs/performance/NOTES-fp8.md).
 
 
 def producer_maxima(owner: nn.Module, t: Tensor, consumers: list[nn.Module], dtype: torch.dtype | None = None) -> bool:
@@ -152,7 +147,7 @@ def producer_maxima(owner: nn.Module, t: Tensor, consumers: list[nn.Module], dty
     shape in ``dtype``) should take its maxima and hand them on to the FP8 GEMMs of ``consumers``, which
     take it both ways: rowwise FP8 on ``owner``, plain eager autograd (nothing is attached under
     torch.compile), bf16 and not empty, a trainable plain nn.Linear."""
-    return (_PRODUCERS and recipe_of(owner) == "rowwise" and torch.is_grad_enabled()
+    return (_SWITCHES.fp8_producers and recipe_of(owner) == "rowwise" and torch.is_grad_enabled()
             and (dtype or t.dtype) == torch.bfloat16 and t.numel() > 0
             and all(type(m) is nn.Linear for m in consumers) and any(m.weight.requires_grad for m in consumers)
             and plain_eager((t,)))

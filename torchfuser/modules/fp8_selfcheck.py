@@ -4,7 +4,7 @@ product of their dequantised operands.
 
 A kernel can be miscompiled for one target and be right everywhere else. Triton 3.6 wrote a quarter of
 qᵀ wrong on an H200 when a tile stored both ways came from fp32 input; the interpreter was right there.
-Training would then run on wrong weight copies until the loss went NaN (run 125). So ``optimize`` (a
+Training would then run on wrong weight copies until the loss went NaN (docs/performance/NOTES-fp8.md). So ``optimize`` (a
 model already on the GPU) or the first FP8 call on a device runs this first, and raises with what
 differs instead of training on it. The values come from ``sin`` and powers of two, not a random
 generator, so no generator moves. The reference runs on the CPU, where its divisions are true ones.

@@ -34,8 +34,8 @@ llama8b's shapes: docs/performance/NOTES-lora.md). The split and the dropped lo�
 largest value, PEFT's fp32 ones ≈ 2⁻²²), far below the bf16 roundings of y, dy and x that make PEFT's
 own error in a bf16 model: there the repository's rule (max|fused − ref64| ≤ 2·max|peft − ref64| +
 atol) holds for the loss, the output and every gradient; the rounding is no longer PEFT's bit for bit.
-``_SPLIT_BF16 = False`` runs PEFT's dtypes literally instead (fp32 copies of y's columns, of dy, of
-x). fp16 keeps PEFT's dtypes: fp16's range would underflow the lo parts of small gradients.
+The switch ``lora_split_bf16`` off (``torchfuser.switches``) runs PEFT's dtypes literally instead (fp32
+copies of y's columns, of dy, of x). fp16 keeps PEFT's dtypes: fp16's range would underflow the lo parts of small gradients.
 
 A LoRA layer this cannot reproduce (a DoRA or other variant, merged weights, a LoRA bias, hooks,
 an in-place dropout) makes the caller run each projection as itself, counted in
@@ -51,14 +51,12 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser.modules import fallbacks, fp8
+from torchfuser.switches import SWITCHES as _SWITCHES
 from torchfuser.modules.base import hooked
 from torchfuser.modules.projections import _cast_cat, _column_sums, _mm, _out_dtype_ok
 from torchfuser.ops._call import autocast_enabled, plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)
-# bf16 base, fp32 adapters, no autocast: the adapter products as bf16 hi/lo GEMMs (module docstring);
-# False: PEFT's fp32 products literally (benchmarks/probes/lora_node_probe.py times both).
-_SPLIT_BF16 = True
 
 
 def _lora_linear_type():
@@ -205,7 +203,8 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
     bases = [b for b, _ in parts]
     recipe = fp8.usable(x, bases, owner)
     eight = None if recipe is None else (recipe, fp8.weights_cache(owner, bases))
-    hilo = _SPLIT_BF16 and bool(terms) and base_dtype == torch.bfloat16 and lora_dtype == torch.float32
+    hilo = (_SWITCHES.lora_split_bf16 and bool(terms) and base_dtype == torch.bfloat16
+            and lora_dtype == torch.float32)
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
                  tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype,
                  eight, hilo)
@@ -384,8 +383,8 @@ def _split(t: Tensor, sizes: list[int], dim: int):
 
 def _add_terms(y2: Tensor, plan: _Plan, hs, bb) -> None:
     """y_i += s·h·Bᵀ per term, in place on y's columns. Where the LoRA dtype differs from the base's
-    (fp32 adapters on a fp16 base, or ``_SPLIT_BF16`` off) PEFT sums in the promoted dtype and rounds
-    once to the base's: the same here, per projection."""
+    (fp32 adapters on a fp16 base, or the switch ``lora_split_bf16`` off) PEFT sums in the promoted dtype
+    and rounds once to the base's: the same here, per projection."""
     starts = [sum(plan.rows[:i]) for i in range(len(plan.rows))]
     if plan.lora_dtype == plan.base_dtype:
         for i, s, h, b in zip(plan.term_proj, plan.scaling, hs, bb):

@@ -11,9 +11,9 @@ bf16 attention output one more. The last add, ``s + MLP(…)``, happens inside t
 projection GEMM under autocast (``FusedGatedMLP.add_to``). Under autocast the norms write bf16
 where the blocks after them only project it (``_projection_dtype``). With rowwise FP8 on the blocks
 the norms can be the producers of three FP8 GEMM operands (``_maxima``; off by default, measured slower:
-``modules.fp8._NORM_PRODUCERS``): norm_in's output (the q/k/v projections' input), norm_mid's (the
-gate/up projections'), and the gradient norm_mid's backward hands the attention's output (the output
-projection's dy) carry their maxima to the GEMMs.
+the switch ``fp8_norm_producers``, ``torchfuser.switches``): norm_in's output (the q/k/v projections'
+input), norm_mid's (the gate/up projections'), and the gradient norm_mid's backward hands the
+attention's output (the output projection's dy) carry their maxima to the GEMMs.
 
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
@@ -244,7 +244,7 @@ def _maxima(block: nn.Module, which: str, t: torch.Tensor, dtype: torch.dtype | 
     norm's backward hands the attention's output t (``"out"``) should carry its FP8 maxima to ``block``'s
     projections that take it (``modules.fp8.producer_maxima``: the kernels are the layer's norms, the
     recipe the block's)."""
-    if not fp8._NORM_PRODUCERS or fp8.recipe_of(block) is None:
+    if not fp8._SWITCHES.fp8_norm_producers or fp8.recipe_of(block) is None:
         return False
     linears = _projections(block, which)
     return bool(linears) and fp8.producer_maxima(block, t, linears, dtype)

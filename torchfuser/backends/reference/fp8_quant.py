@@ -4,7 +4,7 @@
 For s = tᵀ if ``transpose`` else t, in fp32: amax over each row of s (or all of s, ``tensorwise``),
 scale = max(amax, 1e-12) / 448 (the GEMM's dequantisation scale), inv = 448 / max(amax, 1e-12) (both true
 divisions, one a row), q = e4m3(clamp(s · inv, −448, 448)); q row-major. A multiply an element, not a
-division: the Triton writer ran 1.4-2× faster so (run 136), and the bits differ from s / scale's in about
+division: the Triton writer ran faster so (NOTES-triton.md), and the bits differ from s / scale's in about
 one value in 4000 (a rounding tie of e4m3 moved by an fp32 ulp).
 ``fp8_quantize_both``: both orientations of t at once (the two calls, composed). ``fp8_amax_both``: the
 maxima those take, as int32 bit patterns (what a producer kernel hands on), and ``fp8_quantize_both_amax``

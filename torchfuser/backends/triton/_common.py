@@ -68,7 +68,7 @@ PROGRAMS_PER_SM = 2
 # flight while this one is reduced. Measured on an H200 (benchmarks/probes/norm_bwd_probe.py,
 # NOTES-triton.md): at 32768×4096 bf16, 3 stages take rms_norm's backward from 78% to 90% of the
 # copy bandwidth and layer_norm's from 61% to 91%; with 2-row tiles it pays at ~16 tiles per
-# program too (bf16 rms_norm at 8192×896: 35 → 28 µs; 8192×2048: 47 → 42 µs). The staged tiles
+# program too. The staged tiles
 # live in shared memory: capped below.
 BWD_STAGES = 3
 _MIN_TILES_TO_PIPELINE = 8

@@ -159,7 +159,7 @@ def _scenarios(hiddens, dtypes, tokens):
                 i=i, e=e: moe.moe_experts_bwd(x, x, w, idx, gu, gub, dn, dnb, e_(s, 2 * i), torch.empty(
                     s, dtype=torch.int64, device=meta), torch.empty(e, dtype=torch.int32, device=meta), *a)
     # An FP8 GEMM operand quantised both ways from two reads (x, dy, the weights; after the MoE ones, for
-    # the same reason): rowwise by the atomic both-ways kernels (fp8_quant._ROWWISE_BOTH = "atomic", the
+    # the same reason): rowwise by the atomic both-ways kernels (the switch fp8_rowwise_both = "atomic", the
     # default, recorded under this label first) and tensorwise.
     for dt in dtypes:
         for n in hiddens:
@@ -214,14 +214,11 @@ def _scenarios(hiddens, dtypes, tokens):
 
 
 def _rowwise_both(path, fn, *args):
-    """fn(*args) with fp8_quant._ROWWISE_BOTH = path."""
-    from . import fp8_quant
+    """fn(*args) with the switch fp8_rowwise_both = path."""
+    from torchfuser.switches import switched
 
-    old, fp8_quant._ROWWISE_BOTH = fp8_quant._ROWWISE_BOTH, path
-    try:
+    with switched(fp8_rowwise_both=path):
         return fn(*args)
-    finally:
-        fp8_quant._ROWWISE_BOTH = old
 
 
 # Label → (experts, top-k, hidden, intermediate, scoring, renorm, correction, activation, halves, biases,

@@ -86,7 +86,7 @@ def _fp8_quant_weight_blocks_kernel(
     scale, inv = _scales(_as_float(tl.max(tl.max(bits, axis=1), axis=0)))
     # qᵀ gets a cast of its own, not q's e4m3 tile transposed: one e4m3 tile stored both as it is and
     # transposed came out wrong from fp32 input on an H200 (Triton 3.6, fp8_quant.py's tensorwise
-    # both-ways writer, run 124: a quarter of qᵀ), where two casts by different multipliers (its rowwise
+    # both-ways writer: a quarter of qᵀ; NOTES-fp8.md), where two casts by different multipliers (its rowwise
     # form) were right. Compiled for sm_90 from fp32, the two forms' PTX differ there only: the faulty one
     # sends the registers q is stored from through shared memory too. A second cast by the same scale, or
     # by the same reduction recomputed, is merged into the first (CSE: 16 e4m3x2 conversions a thread, not

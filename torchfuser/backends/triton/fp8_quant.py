@@ -36,24 +36,23 @@ so CUDA graphs capture them):
   u is read twice, q written once; the transposition goes through shared memory as fp8 (1 byte).
 - ``fp8_quantize_both(t, tensorwise)``: ``fp8_quantize(t, tw, False)`` and ``fp8_quantize(t, tw, True)``
   at once, for an operand two GEMMs need scaled along each dimension (x, dy, the weights).
-  Rowwise, ``_ROWWISE_BOTH`` picks among three paths, bit for bit the same:
+  Rowwise, the switch ``fp8_rowwise_both`` (``torchfuser.switches``) picks among three paths, bit for bit the same:
   "atomic" (the default) and tensorwise: ``_fp8_amax_both_kernel`` + ``_fp8_quant_both_kernel`` on the
   same grid over u. The first maxes each tile's row and column maxima of |u| into one zeroed int32
   vector (A row entries, then B column ones; one entry tensorwise) with atomic integer max on the bit
   patterns: order-free, so the bits do not depend on the programs' order, and NaN propagates as above.
   The second reads each tile once and writes both q (row-major, per-row scales) and qᵀ (transposed as
   fp8 through shared memory, per-column scales), with the scales. t is read twice in all, where the two
-  calls read it three times; each e4m3 copy is written once. In the geometry swept in run 132 (``both_config``)
-  its rowwise form runs, alone with L2 flushed, at 1.12–1.33× the pair's speed (0.89–1.03× before), and
-  whole llama1b steps ran faster with it even then: 117.2 ms graphed (run 122) against the pair's 119.1
-  (run 125). A producer that took t's maxima as it wrote t (gated_fp8.py) leaves only the writer to run
+  calls read it three times; each e4m3 copy is written once. In the swept geometry (``both_config``) its
+  rowwise form is faster than the pair, alone and in whole llama1b steps (docs/performance/NOTES-fp8.md:
+  the both-ways writer). A producer that took t's maxima as it wrote t (gated_fp8.py) leaves only the writer to run
   (``fp8_quantize_both_amax``). Tensorwise fp32 input (the
   master weights) takes one amax pass and a tiles pass for each copy instead (the Triton 3.6 fault at
   ``fp8_quantize_both``).
   "pair": the two separate calls.
   "rows+tiles": the rows kernel with PARTIALS (q and its scales, and the column partials), then
   ``_fp8_quant_tiles_kernel`` (PER_COLUMN, TRANSPOSE) reducing them into qᵀ's scales and writing qᵀ:
-  t read twice, q and qᵀ written once, no memset, no atomics; alone 0.75–1.0× the pair's speed (run 124).
+  t read twice, q and qᵀ written once, no memset, no atomics; alone no faster than the pair (NOTES-fp8.md).
 """
 from __future__ import annotations
 
@@ -62,6 +61,8 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+
+from torchfuser.switches import SWITCHES
 
 from . import targets as _targets
 from ._common import (
@@ -77,19 +78,17 @@ _TILE = 4096  # elements a program in the one-pass rowwise case: short rows are 
 _BLOCK_A = 128
 _BLOCK_B = 64
 _PROGRAMS_PER_SM = 4
-# The both-ways kernels' geometry, swept on an H200 (run 132, benchmarks/probes/fp8_both_ways_sweep_probe.py):
-# the writer from 16-bit input in 32 × 64 tiles at 4 warps, 32 programs a SM (many small programs hide the
-# transposing stores' latency: 1.2-1.4x faster than 64-row tiles at 16 warps, 4 a SM, which fp32 input
-# keeps: no faster there); the amax pass in 128 × 64 tiles at 4 warps (1.1-1.2x faster than at 16).
+# The both-ways kernels' geometry, swept on an H200 (benchmarks/probes/fp8_both_ways_sweep_probe.py, timings in
+# docs/performance/NOTES-fp8.md): the writer from 16-bit input in 32 × 64 tiles at 4 warps, 32 programs a SM
+# (many small programs hide the transposing stores' latency; fp32 input keeps 64-row tiles at 16 warps, 4 a
+# SM: no faster there); the amax pass in 128 × 64 tiles at 4 warps.
 _BOTH_WRITER = (32, 4, 32)  # (rows a step, warps, programs a SM), 16-bit input
 _BOTH_WRITER_FP32 = (64, 16, 4)
 _BOTH_AMAX_WARPS = 4
 _BLOCK_P = 16  # partial rows reduced a step (per-column scales)
-# fp8_quantize_both rowwise: "atomic" (the both-ways kernels: the faster whole steps), "pair" (the two
-# separate calls) or "rows+tiles" (rows kernel with column partials, then the transposed tiles kernel).
-# The probe (benchmarks/probes/fp8_quant_probe.py) times all three alone; train_step.py's
-# torchfuser-fp8-pair variant runs whole steps with the pair.
-_ROWWISE_BOTH = "atomic"
+# fp8_quantize_both rowwise: torchfuser.switches' fp8_rowwise_both, "atomic" (the both-ways kernels: the
+# faster whole steps), "pair" (the two separate calls) or "rows+tiles" (rows kernel with column partials,
+# then the transposed tiles kernel); train_step.py's torchfuser-fp8-pair variant runs whole steps with the pair.
 # Row programs a SM of that first pass: more keeps more loads in flight, fewer means fewer partial rows
 # for each tiles program to reduce (progs_a × programs × B fp32 read from L2 in all). Not yet timed.
 _ROW_PROGRAMS_PER_SM = 2
@@ -443,7 +442,7 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     check_dtypes("fp8_quantize_both", t=t)
     if t.dim() != 2:
         raise ValueError(f"fp8_quantize_both: t must be 2-D, got shape {tuple(t.shape)}")
-    if not tensorwise and _ROWWISE_BOTH == "pair":
+    if not tensorwise and SWITCHES.fp8_rowwise_both == "pair":
         return fp8_quantize(t, False, False), fp8_quantize(t, False, True)
     m, k = t.shape
     dev = t.device
@@ -464,7 +463,7 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
     target = target_of(t)
     per_prog, progs_a, warps = tiles_config(a, b, _sms(t), target)
     grid = (progs_a, cdiv(b, _BLOCK_B))
-    if not tensorwise and _ROWWISE_BOTH == "rows+tiles":
+    if not tensorwise and SWITCHES.fp8_rowwise_both == "rows+tiles":
         # u rowwise as fp8_quantize does, each program also writing its rows' column maxima; then u's
         # transposed quantisation reducing those partials, as fp8_quantize's own amax kernel's.
         block, rows, one_pass, rwarps, rows_per_prog, row_progs = rows_partials_config(a, b, _sms(t), target)
@@ -476,7 +475,7 @@ def fp8_quantize_both(t: torch.Tensor, tensorwise: bool) -> tuple[tuple[torch.Te
         return (q, s), (qt, st)
     if tensorwise and t.dtype == torch.float32:
         # One tile stored both as it is and transposed came out wrong from fp32 input on an H200
-        # (Triton 3.6: a quarter of qᵀ's values, bf16 input right, the interpreter right; runs 124-125,
+        # (Triton 3.6: a quarter of qᵀ's values, bf16 input right, the interpreter right; NOTES-fp8.md;
         # a second cast of the tile did not help). So fp32 (the master weights) takes fp8_quantize's
         # kernels: one amax pass, then a pass for each copy (t read three times, not two).
         partials = torch.empty(progs_a * grid[1], dtype=torch.float32, device=dev)

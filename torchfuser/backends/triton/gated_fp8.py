@@ -15,10 +15,9 @@ Tiles of BLOCK_A rows × BLOCK_B columns, a grid of (row chunk, column block) pr
 chunk's rows: one atomic max a row a tile, one a column a program. Nothing is saved for a backward
 beyond what gated.py's ops save (the [gate | up] input).
 
-Geometry, swept on an H200 at 8192 tokens × 8192 (run 132, benchmarks/probes/fp8_both_ways_sweep_probe.py):
-the forward in 64 × 64 tiles at 4 warps, 4 programs a SM, 0.114 ms against the plain kernel's 0.099; the
-backward (three tiles in, two out) in 16 × 64 at 4 warps, 32 a SM, 0.194 against 0.161. The amax pass
-they replace took 0.053 and 0.084 ms.
+Geometry, swept on an H200 (benchmarks/probes/fp8_both_ways_sweep_probe.py; the times against the plain
+kernels and the amax pass they replace are in docs/performance/NOTES-fp8.md): the forward in 64 × 64 tiles at
+4 warps, 4 programs a SM; the backward (three tiles in, two out) in 16 × 64 at 4 warps, 32 a SM.
 """
 from __future__ import annotations
 

@@ -51,15 +51,13 @@ from .fp8_quant import fp8_quantize, fp8_quantize_both
 # EXTRA_BYTES; a chunk's logits get at least MIN_CHUNK_BYTES. Measured on an H200
 # (benchmarks/probes/lce_probe.py, NOTES-triton.md): chunks of 1024–2048 tokens run at the same speed,
 # token counts that are not a multiple of 512 (1408, 1664) up to 10% slower, and fewer than
-# ~1000 tokens per chunk slower again. At 8192×2048×128256 bf16 this gives 1536-token chunks and
-# 0.9 GiB; at 8192×896×151936, 2048-token chunks and 0.86 GiB.
+# ~1000 tokens per chunk slower again (the chunks this gives at the benchmark models' heads: NOTES-triton.md).
 EXTRA_BYTES = 960 << 20
 MIN_CHUNK_BYTES = 128 << 20
 # FP8's chunks: at least this many tokens (each chunk adds its V × H dW product into dW, and its GEMMs run
 # below their rate at a few hundred rows).
 FP8_MIN_CHUNK = 1024
-# The CE kernel's block and warps: 3.5–3.7 TB/s of reads + writes on an H200, where 4096 columns
-# and 8 or 16 warps ran at 3.3–3.5 (lce-ce-configs, run 99).
+# The CE kernel's block and warps: the fastest of the configurations swept on an H200 (NOTES-triton.md).
 _BLOCK_V = 1024
 _WARPS = 4
 # How far (in nats) a row's logits may exceed its reference m before m is raised: q ≤ e^32 and
@@ -273,7 +271,7 @@ def linear_cross_entropy_scale_(grads, scale):
     """The backward's scaling of the saved gradients by dloss (a device scalar), in place: one
     vectorised pass each, none when dloss is 1 (read on the device, no host sync). PyTorch's
     ``g.mul_(scale)`` broadcasts the 0-dim tensor through a non-vectorised kernel at about half the
-    copy bandwidth (0.27 ms for qwen05b's 151936×896 bf16 dW on an H200, every step)."""
+    copy bandwidth (measured on qwen05b's dW: NOTES-triton.md)."""
     for g in grads:
         if g.numel() == 0:
             continue
@@ -341,8 +339,8 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         if bias is not None:
             db = torch.zeros(v, dtype=torch.float32, device=dev)
     # (With FP8, W's e4m3 copies and a chunk's dW product are a fixed cost of FP8, not counted against
-    # the chunks: counted, they left 128 MB a chunk at llama1b's 128k × 2k head, 43 chunks of 190 tokens
-    # a step, whose small GEMMs and V × H additions took 35 ms more than bf16's 6 chunks, run 127.)
+    # the chunks: counted, they left llama1b's head dozens of small chunks, whose small GEMMs and V × H
+    # additions were far slower than bf16's few; NOTES-triton.md.)
     grad_bytes = dh.nbytes + db.nbytes + (weight.nbytes if need_grad else 0)
     tensorwise = fp8 == "tensorwise"
     if fp8 is not None:

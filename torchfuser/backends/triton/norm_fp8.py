@@ -18,9 +18,9 @@ Rows up to 8192 elements forward (``_MAX_FWD``) and rms_norm.py's one-pass width
 kernels, so that each row's sums reduce in the same order, and in a persistent grid that walks them.
 Wider rows run rms_norm.py's kernels and give amax None: the GEMM then takes its own maxima.
 
-Measured (H200, 8192 × 2048, run 136, benchmarks/probes/fp8_norm_producer_probe.py): no gain. The forward
-0.048 ms against the plain 0.023 + the amax pass 0.022; the backward 0.102 against 0.079 + 0.022. So they
-are off in the models (modules.fp8._NORM_PRODUCERS), kept tested for wider rows and other hardware.
+Measured on an H200 (benchmarks/probes/fp8_norm_producer_probe.py; the numbers in
+docs/performance/NOTES-fp8.md): slower than the plain kernels plus the amax pass they replace. So they
+are off in the models (the switch fp8_norm_producers, torchfuser.switches), kept tested for wider rows and other hardware.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from .fp8_quant import _abs_bits, _sms
 from .rms_norm import _dx_rows, _norm_bwd, _norm_fwd, _row_input, _rstd, norm_config, sum_partials, with_sum
 
 # The forward's persistent programs a SM (the backward's grid is rms_norm.py's): 2 the fastest of 1-16 on
-# an H200 at 8192 × 2048 (run 136), and still slower than the plain kernel plus the amax pass, so
-# modules.fp8._NORM_PRODUCERS leaves these kernels off.
+# an H200 (NOTES-fp8.md), and still slower than the plain kernel plus the amax pass, so
+# the switch fp8_norm_producers leaves these kernels off.
 _FWD_PER_SM = 2
 # Past 8192 elements a row the forward's register tile (x, w and the column maxima, 16384 wide) spills 96
 # bytes a thread on sm_80 and sm_90 (benchmarks/triton_resources.py): those rows take the plain kernel.

@@ -45,8 +45,7 @@ _BWD_CHUNK = 8192  # looped backwards: 8192-element chunks beat 4096 at 12288-16
 def norm_config(n: int, backward: bool = False, target: Target = CPU, dres: bool = False) -> tuple[int, int, bool, int]:
     """(BLOCK_N, ROWS, ONE_PASS, num_warps) for rows of n elements; shared with layer_norm (``dres``:
     a backward that also adds the residual's gradient). The backwards' tiles hold at most _BWD_ROWS
-    rows: at 8192×896 (a decoder layer's fp32 residual stream) the backward took 54 µs in 4-row
-    tiles, pipelined or not, and 41 µs in pipelined 2-row tiles (H200,
+    rows: at a decoder layer's fp32 residual stream pipelined 2-row tiles were the fastest (H200,
     benchmarks/probes/norm_bwd_probe.py, NOTES-triton.md)."""
     if n <= (_MAX_FUSED_BWD_DRES if backward and dres else MAX_FUSED):
         block = next_pow2(n)
@@ -221,7 +220,7 @@ def _sum_partials_kernel(P, OUT, Q, OUT_Q, G, N, TWO: tl.constexpr, BLOCK_G: tl.
 _fwd = Launcher(_rms_norm_fwd_kernel)
 _bwd = Launcher(_rms_norm_bwd_kernel)
 _sum_partials = Launcher(_sum_partials_kernel)
-# Narrow column blocks: more programs share the reduction (264×896: 16.2 → 6.9 µs, H200).
+# Narrow column blocks: more programs share the reduction (faster on an H200: NOTES-triton.md).
 _SUM_BLOCK_N = 16
 _SUM_BLOCK_G = 64
 

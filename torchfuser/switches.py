@@ -1,0 +1,74 @@
+"""Process-wide switches: which of two exact ways some fused paths compute, for the whole process.
+
+Users leave them as they are: each default is the way measured faster (docs/performance/ says where),
+and the other way computes the same result (bit for bit, or within the repository's accuracy rule, as
+each says). They exist so that a benchmark can time both ways in one process and a test can check the
+other way, without flipping module privates:
+
+    from torchfuser import switches
+
+    with switches.switched(lora_split_bf16=False):   # the old values come back at the end
+        ...
+
+``switches.SWITCHES`` holds the values in use (read at each call, not at ``optimize``). Unlike
+``optimize``'s options they belong to no model: set them around the calls they are for. This module
+imports nothing of torchfuser, so any layer may read it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+ROWWISE_BOTH_PATHS = ("atomic", "pair", "rows+tiles")
+
+
+@dataclasses.dataclass
+class Switches:
+    # LoRA on a bf16 base with fp32 adapters, no autocast (modules/lora.py): the adapter products as bf16
+    # hi/lo GEMMs, no [tokens × out_features] fp32 tensor (True); False runs PEFT's fp32 products literally.
+    # Both within the accuracy rule (tests/test_lora_fused.py); why the split: NOTES-lora.md.
+    lora_split_bf16: bool = True
+    # FP8 (rowwise): our SwiGLU / GeGLU kernels hand the maxima of the operands they write on to the FP8
+    # GEMMs (modules/fp8.py, producer_maxima), so no separate pass reads them again; False: every operand
+    # by the separate passes. Bit for bit the same (tests/test_fp8_producers.py); NOTES-fp8.md.
+    fp8_producers: bool = True
+    # FP8 (rowwise): a fused decoder layer's norms as producers too (modules/residual_norm.py,
+    # backends/triton/norm_fp8.py). Off: measured slower than the pass they replace (NOTES-fp8.md, the
+    # norm producers); bit for bit the same when on (tests/test_fp8_producers.py).
+    fp8_norm_producers: bool = False
+    # FP8 rowwise, both ways on CUDA (backends/triton/fp8_quant.py): which kernels make an operand's two
+    # quantised copies, "atomic" (one pass, column maxima by atomics), "pair" (two kernels) or
+    # "rows+tiles"; bit for bit the same (tests/backends/); timed in NOTES-fp8.md.
+    fp8_rowwise_both: str = "atomic"
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in {f.name for f in dataclasses.fields(self)}:
+            raise AttributeError(f"torchfuser.switches has no switch {name!r}; they are: {', '.join(_names())}")
+        if name == "fp8_rowwise_both" and value not in ROWWISE_BOTH_PATHS:
+            raise ValueError(f"fp8_rowwise_both must be one of {ROWWISE_BOTH_PATHS}, got {value!r}")
+        if name != "fp8_rowwise_both" and not isinstance(value, bool):
+            raise TypeError(f"switch {name} takes True or False, got {value!r}")
+        super().__setattr__(name, value)
+
+
+def _names() -> list[str]:
+    return [f.name for f in dataclasses.fields(Switches)]
+
+
+SWITCHES = Switches()
+
+
+@contextlib.contextmanager
+def switched(**values) -> Iterator[Switches]:
+    """The switches named set to ``values`` inside the block, back to what they were after it (an
+    unknown name or a bad value raises before any is changed)."""
+    Switches(**{**dataclasses.asdict(SWITCHES), **values})  # checks every name and value first
+    old = {name: getattr(SWITCHES, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(SWITCHES, name, value)
+        yield SWITCHES
+    finally:
+        for name, value in old.items():
+            setattr(SWITCHES, name, value)
