@@ -149,7 +149,7 @@ class _Plan:
     lora_dtype: torch.dtype
     fp8: tuple | None = None  # (recipe, the bases' quantised-weight cache): the base products as FP8 GEMMs
     hilo: bool = False  # bf16 base, fp32 adapters: the adapter products as bf16 hi/lo GEMMs (module docstring)
-    quant: tuple | None = None  # (the quantised base layers, their GEMM's dtype, backend): dequantised per GEMM
+    quant: tuple | None = None  # (quantised base layers, compute dtype, GEMM dtype, backend): dequantised per GEMM
 
     def split(self, items):
         """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
@@ -203,6 +203,8 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
         why = _quant_problem(x, [b for b, _ in parts])
     elif why is None:
         why = _dtype_problem(x, parts)
+    if why is None and quant and autocast_enabled(x.device.type) and x.dtype not in _AUTOCAST_CASTS:
+        why = "float64 under autocast"
     if why is None and not plain_eager((x, *(t for b, ts in parts for t in (_weight(b), *(a for a, *_ in ts))))):
         why = "not plain eager mode (tracing, a dispatch mode, functorch or a tensor subclass)"
     if why is not None:
@@ -224,7 +226,10 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
     recipe = None if quant else fp8.usable(x, bases, owner)
     eight = None if recipe is None else (recipe, fp8.weights_cache(owner, bases))
     backend = getattr(owner, "backend", None)
-    quant = (tuple(bases), quantized_base.compute_dtype(bases[0], x), backend) if quant else None
+    if quant:  # (layers, bnb's compute dtype, the GEMM's: autocast's where on, backend); the output in x's dtype
+        cd = quantized_base.compute_dtype(bases[0], x)
+        quant = (tuple(bases), cd, base_dtype if autocast_enabled(device) else cd, backend)
+        base_dtype = x.dtype  # bitsandbytes returns x's dtype; under autocast PEFT adds the adapters' products to it
     hilo = _SPLIT_BF16 and bool(terms) and base_dtype == torch.bfloat16 and lora_dtype == torch.float32
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
                  tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype,
@@ -285,11 +290,7 @@ class _LoRALinear(torch.autograd.Function):
                     y2 = y2 + b
                 y, w = y2.view(*xb.shape[:-1], y2.shape[-1]), weights[0]
             elif plan.quant is not None:  # Ŵ dequantised for this GEMM only (modules.quantized_base)
-                layers, cd, backend = plan.quant
-                wq = quantized_base.joint_weight(layers, cd, backend)
-                bq = None if not biases else (biases[0].to(cd) if len(biases) == 1 else _cast_cat(biases, cd))
-                y = nn.functional.linear(xb.to(cd), wq, bq).to(cb)
-                del wq
+                y = quantized_base.linear(xb, plan.quant, biases).to(cb)
                 y2, w = y.view(-1, y.shape[-1]), weights[0]
             else:
                 w = weights[0].to(cb) if len(weights) == 1 else _cast_cat(weights, cb)
@@ -371,8 +372,8 @@ class _LoRALinear(torch.autograd.Function):
             if need_x and ctx.fp8_bwd is not None:
                 dx = fp8.mm(fp8.quantize(dy2, plan.fp8[0]), ctx.fp8_bwd, ctx.x_dtype)
             elif need_x and plan.quant is not None:  # Ŵ dequantised again, not kept from the forward
-                layers, cd, backend = plan.quant
-                dx = _mm(dy2.to(cd), quantized_base.joint_weight(layers, cd, backend), ctx.x_dtype)
+                layers, cd, gemm, backend = plan.quant
+                dx = _mm(dy2.to(gemm), quantized_base.joint_weight(layers, cd, backend).to(gemm), ctx.x_dtype)
             elif need_x:
                 w = weights[0] if len(weights) == 1 else torch.cat(weights)
                 dx = _mm(dy2, w, ctx.x_dtype)

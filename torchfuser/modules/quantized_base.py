@@ -12,6 +12,9 @@ Recognised by what the layer holds, not by its class name or the model:
   quantisation (``nested``) or not. The layer's forward computes, bit for bit what this does:
   ``linear(x.to(cd), Ŵ_cd, b.to(cd)).to(x.dtype)`` with cd its ``compute_dtype`` and Ŵ_cd the fp32
   product code·absmax rounded once to cd (ops/dequant_4bit.py: reference and Triton kernels).
+Under autocast the base GEMM runs in autocast's dtype on those casts (as autocast runs bitsandbytes'
+dequantise-then-``linear``), its output cast back to x's dtype, and the adapters' autocast products added
+to it in x's dtype, as PEFT's bnb LoRA layers add them.
 - 8-bit: an int8 weight with row scales ``SCB`` (``Int8Params``) on a layer whose ``state`` says the
   weights are frozen int8 (``has_fp16_weights=False``). Ŵ = CB.to(x.dtype)·(SCB/127), in x's dtype:
   what bitsandbytes' training matmul computes on the CPU and XPU (``MatMul8bitFp``). Elsewhere (CUDA,
@@ -99,9 +102,6 @@ def unsupported(layer: nn.Module) -> str | None:
 
 def call_problem(layer: nn.Module, x: Tensor) -> str | None:
     """Why this call of the quantised base ``layer`` must run as bitsandbytes' own layer, or None."""
-    if torch.is_autocast_enabled(x.device.type):
-        return ("a quantised base under autocast (bitsandbytes returns x's dtype from an autocast GEMM: "
-                "not reproduced yet)")
     if kind(layer) == "int8":
         if not layer.training or x.device.type not in ("cpu", "xpu"):
             return ("an 8-bit base on {} {}: bitsandbytes' LLM.int8() matmul quantises the activations too "
@@ -158,6 +158,15 @@ def joint_weight(layers, dtype: torch.dtype, backend: str | None = None) -> Tens
     for rows, m in zip(out.split([m.out_features for m in layers]), layers):
         rows.copy_(dequantize(m, dtype, backend))
     return out
+
+
+def linear(x: Tensor, quant: tuple, biases) -> Tensor:
+    """The bases' joint x·Ŵᵀ + b as bitsandbytes' layers compute each: x and b cast to the compute dtype, then
+    (under autocast) to autocast's, Ŵ dequantised in the compute dtype (then cast likewise). Ŵ is freed here."""
+    layers, cd, gemm, backend = quant
+    w = joint_weight(layers, cd, backend).to(gemm)
+    b = None if not biases else torch.cat([t.to(cd) for t in biases]).to(gemm)
+    return nn.functional.linear(x.to(cd).to(gemm), w, b)
 
 
 def describe(layers) -> str | None:
