@@ -230,6 +230,8 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
         cd = quantized_base.compute_dtype(bases[0], x)
         quant = (tuple(bases), cd, base_dtype if autocast_enabled(device) else cd, backend)
         base_dtype = x.dtype  # bitsandbytes returns x's dtype; under autocast PEFT adds the adapters' products to it
+    else:
+        quant = None
     hilo = _SPLIT_BF16 and bool(terms) and base_dtype == torch.bfloat16 and lora_dtype == torch.float32
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
                  tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype,
