@@ -9,12 +9,9 @@ between steps only the quantised bytes exist. Peak extra memory: one joint Ŵ in
 
 Recognised by what the layer holds, not by its class name or the model:
 - 4-bit: a weight with a ``quant_state`` (bitsandbytes' ``Params4bit``) of type nf4 / fp4, double
-  quantisation (``nested``) or not. The layer's forward computes, bit for bit what this does:
+  quantisation (``nested``) or not. The layer's forward computes, as this does bit for bit:
   ``linear(x.to(cd), Ŵ_cd, b.to(cd)).to(x.dtype)`` with cd its ``compute_dtype`` and Ŵ_cd the fp32
   product code·absmax rounded once to cd (ops/dequant_4bit.py: reference and Triton kernels).
-Under autocast the base GEMM runs in autocast's dtype on those casts (as autocast runs bitsandbytes'
-dequantise-then-``linear``), its output cast back to x's dtype, and the adapters' autocast products added
-to it in x's dtype, as PEFT's bnb LoRA layers add them.
 - 8-bit: an int8 weight with row scales ``SCB`` (``Int8Params``) on a layer whose ``state`` says the
   weights are frozen int8 (``has_fp16_weights=False``). Ŵ = CB.to(x.dtype)·(SCB/127), in x's dtype:
   what bitsandbytes' training matmul computes on the CPU and XPU (``MatMul8bitFp``). Elsewhere (CUDA,
@@ -22,6 +19,11 @@ to it in x's dtype, as PEFT's bnb LoRA layers add them.
   columns above ``threshold``: not reproduced, so such a call runs as PEFT's layer (counted).
 Anything else bitsandbytes-like (not quantised yet, a CPU-packed 4-bit weight, trainable int8 weights)
 is refused with the reason.
+
+Under autocast the base GEMM runs in autocast's dtype on those casts (as autocast runs bitsandbytes'
+dequantise-then-``linear``), its output cast back to x's dtype, and the adapters' autocast products added
+to it in x's dtype, as PEFT's bnb LoRA layers add them. Peak extra memory is the joint Ŵ plus one base's
+(each base is dequantised, then copied into its rows of the joint operand).
 """
 from __future__ import annotations
 
