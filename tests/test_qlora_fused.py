@@ -54,7 +54,7 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _load(path, quant, compute=F32, dtype=F32, prepare=True, **lora_kw):
+def _load(path, quant, compute=F32, dtype=F32, prepare=True, checkpointing=False, **lora_kw):
     kw = dict(QUANTS[quant])
     if "load_in_4bit" in kw:
         kw["bnb_4bit_compute_dtype"] = compute
@@ -63,7 +63,7 @@ def _load(path, quant, compute=F32, dtype=F32, prepare=True, **lora_kw):
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**kw),
                                                      device_map="cpu", dtype=dtype)
         if prepare:
-            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing)
     torch.manual_seed(1)
     model = peft.get_peft_model(model, peft.LoraConfig(**dict(_LORA, **lora_kw)))
     return model.train()
@@ -129,6 +129,28 @@ def test_fused_and_exact_in_fp32(kind, quant, checkpoints, monkeypatch):
     layer = fused.base_model.model.model.layers[0]
     assert not any(isinstance(m, FusedModule) for m in fused.modules())
     assert quantized_base.kind(layer.mlp.up_proj.base_layer) == fmt and list(fused.state_dict()) == list(ref.state_dict())
+
+
+def test_optimize_first_then_peft_and_prepares_checkpointing(checkpoints, monkeypatch):
+    """optimize on the quantised model, then prepare_model_for_kbit_training with its default gradient
+    checkpointing and get_peft_model: the blocks stay fused and the step is PEFT's (the other order with
+    checkpointing included)."""
+    ref = _load(checkpoints["llama"], "nf4", checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], device_map="cpu", dtype=F32,
+                                                     quantization_config=BitsAndBytesConfig(**QUANTS["nf4"]))
+        model = peft.prepare_model_for_kbit_training(torchfuser.optimize(model, backend="reference"))
+    torch.manual_seed(1)
+    fused = peft.get_peft_model(model, peft.LoraConfig(**_LORA)).train()
+    assert fused.is_gradient_checkpointing and ref.is_gradient_checkpointing
+    spy = _Spy(monkeypatch)
+    (lf, gf), (lr, gr) = _step(fused), _step(ref)
+    assert spy.calls == 16 and not fallbacks.counts(fused)  # 8 nodes, run again by the checkpointed backward
+    torch.testing.assert_close(lf, lr, rtol=1e-5, atol=1e-6)
+    assert list(gf) == list(gr)
+    for n in gr:
+        torch.testing.assert_close(gf[n], gr[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def _float64_twin(path, kind, ref):
