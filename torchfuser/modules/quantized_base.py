@@ -22,8 +22,9 @@ is refused with the reason.
 
 Under autocast the base GEMM runs in autocast's dtype on those casts (as autocast runs bitsandbytes'
 dequantise-then-``linear``), its output cast back to x's dtype, and the adapters' autocast products added
-to it in x's dtype, as PEFT's bnb LoRA layers add them. Peak extra memory is the joint Ŵ plus one base's
-(each base is dequantised, then copied into its rows of the joint operand).
+to it in x's dtype, as PEFT's bnb LoRA layers add them. 4-bit bases of whole blocks are dequantised into
+the joint operand in one launch (their bytes concatenated first: a quarter of its size); others one by one
+into its rows.
 """
 from __future__ import annotations
 
@@ -136,25 +137,48 @@ def _int8_scales(layer: nn.Module) -> Tensor | None:
     return scb if scb is not None else getattr(layer.weight, "SCB", None)
 
 
+def _absmax(qs) -> Tensor:
+    """The fp32 block scales; double quantisation's are 8-bit blockwise codes plus an offset."""
+    if not qs.nested:
+        return qs.absmax.float()
+    s2 = qs.state2
+    return dequantize_blockwise_8bit_fwd(qs.absmax, s2.absmax, s2.code, s2.blocksize) + qs.offset
+
+
 def dequantize(layer: nn.Module, dtype: torch.dtype, backend: str | None = None) -> Tensor:
     """Ŵ [out_features × in_features] in ``dtype``, bitsandbytes' dequantisation bit for bit (a new tensor)."""
     w = layer.weight
     if kind(layer) == "int8":  # bitsandbytes' MatMul8bitFp: the int8 rows cast, times SCB/127 (fp32), in place
         return w.data.to(dtype).mul_(_int8_scales(layer).unsqueeze(1).mul(1.0 / 127.0))
     qs = w.quant_state
-    absmax = qs.absmax
-    if qs.nested:  # the scales are themselves 8-bit blockwise codes, plus an offset
-        s2 = qs.state2
-        absmax = dequantize_blockwise_8bit_fwd(absmax, s2.absmax, s2.code, s2.blocksize) + qs.offset
     rows, cols = qs.shape
-    return dequantize_4bit(w.data, absmax.float(), qs.code, qs.blocksize, rows, cols, dtype,
-                           backend_for(backend, w.device))
+    return dequantize_4bit(w.data, _absmax(qs), qs.code, qs.blocksize, rows, cols, dtype, backend_for(backend, w.device))
+
+
+def _one_launch(layers) -> bool:
+    """Whether the 4-bit bases' bytes and scales, concatenated, are the joint weight's: one format and block
+    size, whole blocks per base (so no block straddles two), one input width."""
+    states = [getattr(m.weight, "quant_state", None) for m in layers]
+    if any(qs is None for qs in states):
+        return False
+    first = states[0]
+    return all(qs.quant_type == first.quant_type and qs.blocksize == first.blocksize and qs.shape[1] == first.shape[1]
+               and (qs.shape[0] * qs.shape[1]) % qs.blocksize == 0 and torch.equal(qs.code, first.code) for qs in states)
 
 
 def joint_weight(layers, dtype: torch.dtype, backend: str | None = None) -> Tensor:
-    """The bases dequantised and concatenated (rows in the layers' order): one transient operand."""
+    """The bases dequantised and concatenated (rows in the layers' order): one transient operand. 4-bit bases
+    of whole blocks: their bytes (a quarter of the bf16 result's size) and scales concatenated, then one
+    dequantisation writes the joint operand (no per-base copy); else each base dequantised into its rows."""
     if len(layers) == 1:
         return dequantize(layers[0], dtype, backend)
+    if _one_launch(layers):
+        qs = layers[0].weight.quant_state
+        packed = torch.cat([m.weight.data.reshape(-1).view(torch.uint8) for m in layers])
+        absmax = torch.cat([_absmax(m.weight.quant_state) for m in layers])
+        rows = sum(m.weight.quant_state.shape[0] for m in layers)
+        return dequantize_4bit(packed, absmax, qs.code, qs.blocksize, rows, qs.shape[1], dtype,
+                               backend_for(backend, packed.device))
     out = torch.empty((sum(m.out_features for m in layers), layers[0].in_features), dtype=dtype,
                       device=layers[0].weight.device)
     for rows, m in zip(out.split([m.out_features for m in layers]), layers):
