@@ -19,6 +19,15 @@ QUANTS = ("nf4", "fp4", "int8")
 _FOLDERS: dict = {}  # (recipe, seed) → checkpoint folder
 
 
+def _scratch(nbytes: int) -> str | None:
+    """/dev/shm where it holds the weights with room to spare (seconds to write 16 GB, not the disk's half
+    minute), else the default temporary folder."""
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > nbytes + (8 << 30) else None
+    except OSError:
+        return None
+
+
 def checkpoint(recipe: str, seed: int, device, build) -> str:
     """The folder of ``recipe``'s model at ``seed`` in bf16 (written once per run)."""
     import torch
@@ -26,8 +35,7 @@ def checkpoint(recipe: str, seed: int, device, build) -> str:
     key = (recipe, seed)
     if key not in _FOLDERS:
         model = build(recipe, torch.device("cpu") if device.type != "cuda" else device, seed, torch.bfloat16)
-        folder = tempfile.mkdtemp(prefix=f"tf-qlora-{recipe}-", dir="/dev/shm" if shutil.disk_usage("/dev/shm").free >
-                                  sum(p.numel() * 2 for p in model.parameters()) + (8 << 30) else None)
+        folder = tempfile.mkdtemp(prefix=f"tf-qlora-{recipe}-", dir=_scratch(sum(p.numel() * 2 for p in model.parameters())))
         atexit.register(shutil.rmtree, folder, True)
         model.save_pretrained(folder)
         del model
