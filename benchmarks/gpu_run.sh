@@ -108,6 +108,16 @@ for stage in "$@"; do
     trl-distill) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload distill ${TRL_ARGS:-} --out "$OUT/trl-distill.jsonl" ;;
     trl-rollouts) timeout 300 python3 benchmarks/probes/generate_rollouts.py --config qwen15b --device cuda --dtype bfloat16 \
               --batch 16 --prompt 128 --new ${NEW_TOKENS:-128} --backends auto --out "$OUT/trl-rollouts.jsonl" ;;
+    # QLoRA (issue 37): NF4 llama8b, PEFT vs TorchFuser vs Unsloth at 2 × 2048; then the longest context (batch 1, steps of
+    # 16384 tokens until OOM) with QLoRA and with a bf16 base (CTX_S: seconds; each length is a process of its own).
+    qlora) timeout ${QLORA_S:-480} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --quant ${QUANT:-nf4} --batch 2 --seq 2048 \
+              --steps 8 --variants ${VARIANTS:-eager torchfuser unsloth} --out "$OUT/train-step-qlora.jsonl" ;;
+    qlora-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" tests/test_qlora_fused.py tests/backends/test_dequant_4bit.py ;;
+    qlora-convergence) timeout 300 python3 benchmarks/qlora_convergence.py --device cuda --config ${MODELS:-llama1b} --steps 200 \
+              --out "$OUT/qlora-convergence-${MODELS:-llama1b}" ;;
+    qlora-probe) timeout 150 python3 benchmarks/probes/dequant_probe.py --out "$OUT/dequant-probe.jsonl" ;;
+    context-qlora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py --quant nf4 ${CTX_ARGS:-} --out "$OUT/context-length-qlora.jsonl" ;;
+    context-lora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py ${CTX_ARGS:-} --out "$OUT/context-length-lora.jsonl" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;
     moe-capture) timeout 120 python3 benchmarks/probes/moe_block_capture_probe.py ;;
     moe-train) timeout ${MOE_S:-500} python3 $ts --models ${MODELS:-qwen3moe olmoe} --variants ${VARIANTS:-torchfuser torchfuser-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-moe.jsonl" ;;

@@ -29,6 +29,9 @@ adapters of rank R on every attention and MLP projection instead of the whole mo
 ``--precision bf16``: frozen bf16 weights, as LoRA fine-tuning runs).
 
     python benchmarks/train_step.py --models llama8b --precision bf16 --lora 16 --variants eager torchfuser
+    python benchmarks/train_step.py --models llama8b --precision bf16 --lora 16 --quant nf4 --variants eager torchfuser unsloth
+
+``--quant nf4|fp4|int8`` (with ``--lora R``): QLoRA, the adapters on a bitsandbytes base (benchmarks/qlora.py).
     python benchmarks/train_step.py --models qwen05b --workload varying --variants eager torchfuser torchfuser-graphs
 """
 from __future__ import annotations
@@ -53,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
+import qlora  # noqa: E402
 import unsloth_variant  # noqa: E402
 import workloads  # noqa: E402
 from profiling import idle_gaps, profiled, write_tables  # noqa: E402
@@ -182,6 +186,8 @@ def run_variant(recipe, variant, args, device):
     unsloth = variant in unsloth_variant.VARIANTS  # in its worker process (unsloth_variant.run_isolated)
     if unsloth:
         model = unsloth_variant.load(variant, args)
+    elif getattr(args, "quant", None):  # QLoRA: the recipe's weights quantised by bitsandbytes (benchmarks/qlora.py)
+        model = qlora.load(recipe, args, device, build, torch.bfloat16 if bf16_params else torch.float32)
     else:
         model = build(recipe, device, args.seed, torch.bfloat16 if bf16_params else torch.float32)
     if args.lora and not unsloth:
@@ -222,6 +228,7 @@ def run_variant(recipe, variant, args, device):
     ms = statistics.median(times) * 1e3
     row = {
         "model": recipe, "variant": variant, "precision": args.precision, "workload": args.workload, "lora": args.lora,
+        "quant": getattr(args, "quant", None),
         "grad_checkpointing": unsloth_variant.CHECKPOINTING[variant] if unsloth else args.grad_checkpointing,
         "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
@@ -336,6 +343,8 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=2048, help="tokens a row (varying: the longest; packed: the longest sample)")
     parser.add_argument("--workload", choices=workloads.WORKLOADS, default="fixed")
     parser.add_argument("--lora", type=int, default=0, metavar="R", help="train LoRA adapters of rank R only")
+    parser.add_argument("--quant", choices=qlora.QUANTS, help="QLoRA: LoRA (--lora R) on a bitsandbytes base "
+                        "(benchmarks/qlora.py); the unsloth variants load it with load_in_4bit / load_in_8bit")
     parser.add_argument("--grad-checkpointing", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -349,6 +358,8 @@ def main(argv=None):
     parser.add_argument("--out", help="append JSON lines here")
     parser.add_argument("--profile-dir", help="write a profiler table per variant here")
     args = parser.parse_args(argv)
+    if args.quant and not args.lora:
+        parser.error("--quant trains LoRA adapters on the quantised base: pass --lora R too")
     device = torch.device(args.device)
     env = environment(device)
     print(json.dumps({"environment": env}), flush=True)

@@ -298,7 +298,7 @@ def test_node_gradcheck(bias):
 
 
 def test_other_peft_layers_leave_the_block_with_the_reason():
-    """A tuner layer other than plain LoRA (LoHa here; bnb's Linear4bit takes the same branch)."""
+    """A tuner layer other than plain LoRA (LoHa here; LoRA over bitsandbytes bases: tests/test_qlora_fused.py)."""
     cfg = peft.LoHaConfig(r=4, target_modules=["q_proj", "gate_proj"], init_weights=False)
     ref = peft.get_peft_model(_base(), cfg)
     fused = torchfuser.optimize(copy.deepcopy(ref), backend="reference")

@@ -64,6 +64,13 @@ def test_lora_fused_trains_as_unfused():
     _same_training(_run(["lora_peft.py", "--compare", "--steps", "3", "--seq", "64"]), 3)
 
 
+@_needs("accelerate", "peft", "bitsandbytes")
+@pytest.mark.parametrize("flags", [[], ["--quant", "int8"]], ids=["nf4", "int8"])
+def test_qlora_fused_trains_as_unfused(flags):
+    fused = _same_training(_run(["qlora_peft.py", "--compare", "--steps", "3", "--seq", "64", *flags]), 3)
+    assert fused["fused_blocks"] == 4  # both layers' attention and MLP, over their quantised bases
+
+
 @_needs("accelerate", "trl")
 # 11 of the 12 blocks: SFTTrainer computes the LM head and loss with TRL's own fused head (add_fused_lm_head),
 # which bypasses lm_head_loss; the report lists it "bypassed" (tests/test_trl_report.py).

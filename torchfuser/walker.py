@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchfuser import backends
+from torchfuser.modules import quantized_base
 from torchfuser.modules.base import FusedModule
 from torchfuser.patterns import Applied, Pattern, Skip, _probe
 from torchfuser.report import Entry, FusionReport
@@ -64,6 +65,8 @@ def _fused_label(fused: nn.Module, label: str) -> str:
 def _not_plain(params) -> str | None:
     """Why fused kernels cannot take these parameters, or None when they are plain tensors."""
     for name, p in params:
+        if quantized_base.frozen_bytes(p):  # a bitsandbytes base: its layer runs it, or the LoRA node dequantises it
+            continue
         if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
             kind = type(p).__name__
             if kind == "DTensor":

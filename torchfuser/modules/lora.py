@@ -37,10 +37,14 @@ atol) holds for the loss, the output and every gradient; the rounding is no long
 The switch ``lora_split_bf16`` off (``torchfuser.switches``) runs PEFT's dtypes literally instead (fp32
 copies of y's columns, of dy, of x). fp16 keeps PEFT's dtypes: fp16's range would underflow the lo parts of small gradients.
 
+Quantised bases (QLoRA: bitsandbytes NF4 / FP4 / int8 under PEFT's bnb LoRA layers): the base weights
+are dequantised into a transient operand right before the joint GEMM and again for dx in the backward,
+never kept (``modules.quantized_base``).
+
 A LoRA layer this cannot reproduce (a DoRA or other variant, merged weights, a LoRA bias, hooks,
 an in-place dropout) makes the caller run each projection as itself, counted in
-``modules.fallbacks``; a quantised base (bnb) or another PEFT method leaves the block unfused at
-``optimize`` (``unsupported``).
+``modules.fallbacks``; another PEFT method or a quantised base of another kind leaves the block unfused
+at ``optimize`` (``unsupported``).
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from torchfuser.modules import fallbacks, fp8
+from torchfuser.modules import fallbacks, fp8, quantized_base
 from torchfuser.switches import SWITCHES as _SWITCHES
 from torchfuser.modules.base import hooked
 from torchfuser.modules.projections import _cast_cat, _column_sums, _mm, _out_dtype_ok
@@ -63,6 +67,11 @@ def _lora_linear_type():
     """peft's lora.Linear, or None when peft was never imported (then no model holds one)."""
     layer = sys.modules.get("peft.tuners.lora.layer")
     return getattr(layer, "Linear", None)
+
+
+def _lora_types() -> tuple[type, ...]:
+    """PEFT's plain LoRA layer and its LoRA layers over bitsandbytes bases (QLoRA)."""
+    return (_lora_linear_type(), *quantized_base.peft_layer_types())
 
 
 def _tuner_layer(m: nn.Module) -> bool:
@@ -86,12 +95,14 @@ def unsupported(name: str, m: nn.Module) -> str | None:
     if not _tuner_layer(m):
         return None
     base = m.get_base_layer()
-    if type(m) is not _lora_linear_type():
+    if type(m) not in _lora_types():
         where = type(m).__module__.removeprefix("peft.tuners.")  # e.g. 'loha.layer', 'lora.bnb'
         return (f"{name} is PEFT's {where}.{type(m).__name__} over "
                 f"{type(base).__name__} (a quantised base or another PEFT method): the fused block computes "
                 "plain LoRA on an nn.Linear base only")
-    if type(base) is not nn.Linear and type(base).__name__ != "Conv1D":
+    if why := quantized_base.unsupported(base):
+        return f"{name}'s LoRA adapter wraps {why}"
+    if type(base) is not nn.Linear and type(base).__name__ != "Conv1D" and quantized_base.kind(base) is None:
         return f"{name}'s LoRA adapter wraps a {type(base).__name__}, not an nn.Linear"
     variants = getattr(m, "lora_variant", {})
     if variants:
@@ -102,12 +113,14 @@ def unsupported(name: str, m: nn.Module) -> str | None:
 
 
 def summary(module: nn.Module, names) -> str | None:
-    """'LoRA r=16' (the ranks of the active adapters on the projections ``names``), None without any."""
-    ranks, active = set(), set()
+    """'LoRA r=16' (the ranks of the active adapters on the projections ``names``; 'LoRA r=16 over NF4
+    base' where they wrap quantised bases), None without any."""
+    ranks, active, bases = set(), set(), []
     for n in names:
         m = module._modules.get(n) if n else None
-        if m is None or type(m) is not _lora_linear_type() or m.disable_adapters:
+        if m is None or type(m) not in _lora_types() or m.disable_adapters:
             continue
+        bases.append(m.get_base_layer())
         for a in m.active_adapters:
             if a in m.lora_A:
                 ranks.add(m.r[a])
@@ -115,6 +128,8 @@ def summary(module: nn.Module, names) -> str | None:
     if not ranks:
         return None
     text = f"LoRA r={'/'.join(str(r) for r in sorted(ranks))}"
+    if quant := quantized_base.describe(bases):
+        text += f" over {quant} base"
     return text if active == {"default"} else f"{text} (adapters {', '.join(sorted(active))})"
 
 
@@ -132,6 +147,7 @@ class _Plan:
     lora_dtype: torch.dtype
     fp8: tuple | None = None  # (recipe, the bases' quantised-weight cache): the base products as FP8 GEMMs
     hilo: bool = False  # bf16 base, fp32 adapters: the adapter products as bf16 hi/lo GEMMs (module docstring)
+    quant: tuple | None = None  # (quantised base layers, compute dtype, GEMM dtype, backend): dequantised per GEMM
 
     def split(self, items):
         """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
@@ -146,10 +162,10 @@ def _terms(m: nn.Module):
     """(base nn.Linear, [(A, B, scaling, dropout or None)]) of a projection, or why it must run as itself."""
     if type(m) is nn.Linear:
         return m, []
-    if type(m) is not _lora_linear_type():
+    if type(m) not in _lora_types():
         return f"{type(m).__name__} is not a LoRA layer on an nn.Linear"
     base = m.base_layer
-    if type(base) is not nn.Linear:
+    if type(base) is not nn.Linear and (quantized_base.kind(base) is None or quantized_base.unsupported(base)):
         return f"a LoRA layer on a {type(base).__name__}"
     if m.merged:
         return "merged LoRA weights (PEFT's merge(); its forward unmerges them when adapters are disabled)"
@@ -181,9 +197,14 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
     counted on ``owner``)."""
     parts = [_terms(m) for m in linears]
     why = next((p for p in parts if isinstance(p, str)), None)
-    if why is None:
+    quant = why is None and any(quantized_base.kind(b) for b, _ in parts)
+    if quant:
+        why = _quant_problem(x, [b for b, _ in parts])
+    elif why is None:
         why = _dtype_problem(x, parts)
-    if why is None and not plain_eager((x, *(t for b, ts in parts for t in (b.weight, *(a for a, *_ in ts))))):
+    if why is None and quant and autocast_enabled(x.device.type) and x.dtype not in _AUTOCAST_CASTS:
+        why = "float64 under autocast"
+    if why is None and not plain_eager((x, *(t for b, ts in parts for t in (_weight(b), *(a for a, *_ in ts))))):
         why = "not plain eager mode (tracing, a dispatch mode, functorch or a tensor subclass)"
     if why is not None:
         if owner is not None:
@@ -201,16 +222,37 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
             inputs.append(drop(_as(x, A.dtype)))
             term_input.append(len(inputs))
     bases = [b for b, _ in parts]
-    recipe = fp8.usable(x, bases, owner)
+    recipe = None if quant else fp8.usable(x, bases, owner)
     eight = None if recipe is None else (recipe, fp8.weights_cache(owner, bases))
+    backend = getattr(owner, "backend", None)
+    if quant:  # (layers, bnb's compute dtype, the GEMM's: autocast's where on, backend); the output in x's dtype
+        cd = quantized_base.compute_dtype(bases[0], x)
+        quant = (tuple(bases), cd, base_dtype if autocast_enabled(device) else cd, backend)
+        base_dtype = x.dtype  # bitsandbytes returns x's dtype; under autocast PEFT adds the adapters' products to it
+    else:
+        quant = None
     hilo = (_SWITCHES.lora_split_bf16 and bool(terms) and base_dtype == torch.bfloat16
             and lora_dtype == torch.float32)
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
                  tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype,
-                 eight, hilo)
+                 eight, hilo, quant)
     biases = [b.bias for b in bases] if plan.has_bias else []
-    return _LoRALinear.apply(plan, x, *inputs, *(b.weight for b in bases), *biases,
+    return _LoRALinear.apply(plan, x, *inputs, *(_weight(b) for b in bases), *biases,
                              *(t[1] for t in terms), *(t[2] for t in terms))
+
+
+def _weight(base: nn.Module) -> Tensor:
+    """What the node takes as a base's weight: the parameter, or a quantised base's bytes as a plain tensor."""
+    return quantized_base.packed(base) if quantized_base.kind(base) else base.weight
+
+
+def _quant_problem(x: Tensor, bases) -> str | None:
+    """Why a call over quantised bases must run as PEFT's layers, or None (``modules.quantized_base``)."""
+    if not all(quantized_base.kind(b) for b in bases):
+        return "quantised and unquantised bases in one joint projection"
+    if len({quantized_base.compute_dtype(b, x) for b in bases}) > 1 or len({b.bias is None for b in bases}) > 1:
+        return "quantised bases of different compute dtypes, or some with a bias and some without"
+    return next(filter(None, (quantized_base.call_problem(b, x) for b in bases)), None)
 
 
 def _dtype_problem(x: Tensor, parts) -> str | None:
@@ -249,6 +291,9 @@ class _LoRALinear(torch.autograd.Function):
                 if b is not None:
                     y2 = y2 + b
                 y, w = y2.view(*xb.shape[:-1], y2.shape[-1]), weights[0]
+            elif plan.quant is not None:  # Ŵ dequantised for this GEMM only (modules.quantized_base)
+                y = quantized_base.linear(xb, plan.quant, biases).to(cb)
+                y2, w = y.view(-1, y.shape[-1]), weights[0]
             else:
                 w = _as(weights[0], cb) if len(weights) == 1 else _cast_cat(weights, cb)
                 y = nn.functional.linear(xb, w, b)
@@ -328,6 +373,9 @@ class _LoRALinear(torch.autograd.Function):
             dx = None
             if need_x and ctx.fp8_bwd is not None:
                 dx = fp8.mm(fp8.quantize(dy2, plan.fp8[0]), ctx.fp8_bwd, ctx.x_dtype)
+            elif need_x and plan.quant is not None:  # Ŵ dequantised again, not kept from the forward
+                layers, cd, gemm, backend = plan.quant
+                dx = _mm(dy2.to(gemm), quantized_base.joint_weight(layers, cd, backend).to(gemm), ctx.x_dtype)
             elif need_x:
                 w = weights[0] if len(weights) == 1 else torch.cat(weights)
                 dx = _mm(dy2, w, ctx.x_dtype)

@@ -1,4 +1,5 @@
 """The reference backend: plain PyTorch. The numerical oracle and the fallback on any device."""
+from .dequant_4bit import dequantize_4bit_fwd
 from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
@@ -14,5 +15,5 @@ __all__ = [
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
-    "moe_experts_bwd",
+    "moe_experts_bwd", "dequantize_4bit_fwd",
 ]

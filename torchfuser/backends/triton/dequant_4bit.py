@@ -1,0 +1,50 @@
+"""4-bit blockwise dequantisation (bitsandbytes' NF4 / FP4 layout) in Triton.
+
+For the packed bytes P (two codes a byte, the first element in the high nibble), the 16-entry code
+table C (fp32) and one fp32 scale per block of ``blocksize`` elements:
+
+    W[2i]   = dtype(C[P[i] >> 4] · absmax[2i // blocksize])
+    W[2i+1] = dtype(C[P[i] & 15] · absmax[(2i+1) // blocksize])
+
+The product in fp32, rounded once to ``dtype`` (round to nearest even): bitsandbytes' own kernels
+compute the same, so the result is theirs bit for bit. Nothing is saved (a frozen weight, no backward).
+One program per BLOCK bytes (2·BLOCK elements): the code table is 64 bytes, read from L1; each output
+element is written once, the pair of a byte as one contiguous [BLOCK, 2] tile.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv
+
+_BLOCK = 1024  # bytes a program: 2048 elements, 4 KiB of bf16 out
+
+
+@triton.jit
+def _dequantize_4bit_fwd_kernel(P, ABSMAX, CODE, OUT, n, n_bytes, blocksize, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    i = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    byte = tl.load(P + i, mask=i < n_bytes, other=0).to(tl.int32)
+    hi = tl.load(CODE + (byte >> 4))
+    lo = tl.load(CODE + (byte & 15))
+    e = tl.join(2 * i, 2 * i + 1)  # [BLOCK, 2]: each byte's two elements side by side, as in memory
+    v = tl.join(hi, lo)
+    m = e < n
+    scale = tl.load(ABSMAX + e // blocksize, mask=m, other=0.0)
+    tl.store(OUT + e, (v * scale).to(OUT.dtype.element_ty), mask=m)
+
+
+def dequantize_4bit_fwd(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, rows: int,
+                        cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows × cols] in ``dtype`` (the reference backend's twin: backends/reference/dequant_4bit.py)."""
+    n = rows * cols
+    p = packed.reshape(-1).view(torch.uint8)
+    out = torch.empty((rows, cols), dtype=dtype, device=p.device)
+    if n == 0:
+        return out
+    n_bytes = (n + 1) // 2
+    _dequantize_4bit_fwd_kernel[(cdiv(n_bytes, _BLOCK),)](
+        p, absmax.float().contiguous(), code.float().contiguous(), out, n, n_bytes, blocksize, BLOCK=_BLOCK)
+    return out

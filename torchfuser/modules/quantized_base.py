@@ -1,0 +1,201 @@
+"""Quantised base layers (bitsandbytes) under PEFT LoRA adapters, for the fused LoRA node (modules/lora.py).
+
+A QLoRA projection is y = x·Ŵᵀ (+ b) + Σ s·(x·Aᵀ)·Bᵀ where Ŵ is the frozen base weight as bitsandbytes
+dequantises it. The node dequantises each base into a transient Ŵ right before its GEMM (the bases of
+q/k/v or gate/up concatenated, so the joint GEMM stays one), and again in the backward for dx = dy·Ŵ:
+no dequantised weight outlives its GEMM, nothing is saved for the base (it gets no gradient), and
+between steps only the quantised bytes exist. Peak extra memory: one joint Ŵ in the compute dtype
+(gate/up of llama8b in bf16: 2 × 14336 × 4096 × 2 B = 235 MB, freed after the GEMM).
+
+Recognised by what the layer holds, not by its class name or the model:
+- 4-bit: a weight with a ``quant_state`` (bitsandbytes' ``Params4bit``) of type nf4 / fp4, double
+  quantisation (``nested``) or not. The layer's forward computes, as this does bit for bit:
+  ``linear(x.to(cd), Ŵ_cd, b.to(cd)).to(x.dtype)`` with cd its ``compute_dtype`` and Ŵ_cd the fp32
+  product code·absmax rounded once to cd (ops/dequant_4bit.py: reference and Triton kernels).
+- 8-bit: an int8 weight with row scales ``SCB`` (``Int8Params``) on a layer whose ``state`` says the
+  weights are frozen int8 (``has_fp16_weights=False``). Ŵ = CB.to(x.dtype)·(SCB/127), in x's dtype:
+  what bitsandbytes' training matmul computes on the CPU and XPU (``MatMul8bitFp``). Elsewhere (CUDA,
+  or out of training mode) its LLM.int8() matmul quantises the activations too, with fp16 outlier
+  columns above ``threshold``: not reproduced, so such a call runs as PEFT's layer (counted).
+Anything else bitsandbytes-like (not quantised yet, a CPU-packed 4-bit weight, trainable int8 weights)
+is refused with the reason.
+
+Under autocast the base GEMM runs in autocast's dtype on those casts (as autocast runs bitsandbytes'
+dequantise-then-``linear``), its output cast back to x's dtype, and the adapters' autocast products added
+to it in x's dtype, as PEFT's bnb LoRA layers add them. 4-bit bases of whole blocks are dequantised into
+the joint operand in one launch (their bytes concatenated first: a quarter of its size); others one by one
+into its rows.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor, nn
+
+from torchfuser.backends.reference.dequant_4bit import dequantize_blockwise_8bit_fwd
+from torchfuser.functional import backend_for
+from torchfuser.ops.dequant_4bit import dequantize_4bit
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def peft_layer_types() -> tuple[type, ...]:
+    """PEFT's LoRA layers over bitsandbytes bases (absent when peft never imported its bnb module)."""
+    bnb = sys.modules.get("peft.tuners.lora.bnb")
+    return tuple(t for n in ("Linear4bit", "Linear8bitLt") if (t := getattr(bnb, n, None)) is not None)
+
+
+def _is_bnb(layer: nn.Module) -> bool:
+    return type(layer).__module__.startswith("bitsandbytes") or type(getattr(layer, "weight", None)).__module__.startswith(
+        "bitsandbytes")
+
+
+def kind(layer: nn.Module) -> str | None:
+    """'NF4', 'FP4' or 'int8' for a quantised base this module dequantises, else None."""
+    w = getattr(layer, "weight", None)
+    qs = getattr(w, "quant_state", None)
+    if qs is not None and getattr(qs, "quant_type", None) in ("nf4", "fp4"):
+        return qs.quant_type.upper()
+    if isinstance(w, Tensor) and w.dtype == torch.int8 and hasattr(w, "SCB") and hasattr(layer, "state"):
+        return "int8"
+    return None
+
+
+def frozen_bytes(p: Tensor) -> bool:
+    """Whether ``p`` is a frozen quantised bitsandbytes weight (Params4bit with its quant_state, Int8Params):
+    fused blocks never hand it to a kernel; its layer runs it, or the LoRA node dequantises it."""
+    if p.requires_grad or not _is_bnb_tensor(p):
+        return False
+    return getattr(p, "quant_state", None) is not None or (p.dtype == torch.int8 and hasattr(p, "SCB"))
+
+
+def _is_bnb_tensor(p: Tensor) -> bool:
+    return type(p).__module__.startswith("bitsandbytes")
+
+
+def unsupported(layer: nn.Module) -> str | None:
+    """Why the base ``layer`` is not a quantised base the node reproduces; None where it is, or where it
+    is no bitsandbytes layer at all (the caller's own checks apply then)."""
+    k = kind(layer)
+    if k is None:
+        if _is_bnb(layer):
+            return (f"a bitsandbytes {type(layer).__name__} whose weight is not quantised (yet: bitsandbytes "
+                    "quantises on .to(device)), or of a format the fused path does not dequantise")
+        return None
+    if not isinstance(layer, nn.Linear):
+        return f"a quantised {type(layer).__name__}, not a linear projection"
+    if k == "int8":
+        if getattr(layer.state, "has_fp16_weights", True):
+            return "an 8-bit bitsandbytes layer with trainable weights (has_fp16_weights=True)"
+        scb = _int8_scales(layer)
+        if scb is None or tuple(layer.weight.shape) != (layer.out_features, layer.in_features):
+            return "an 8-bit bitsandbytes layer without its row scales (SCB)"
+        return None
+    qs = layer.weight.quant_state
+    if getattr(qs, "packing_format_for_cpu", False):
+        return ("a 4-bit weight repacked for bitsandbytes' CPU inference kernel (it repacks on an eval call "
+                "without gradients); quantise it again or keep the model in training mode")
+    if tuple(qs.shape) != (layer.out_features, layer.in_features):
+        return f"a 4-bit weight quantised as {list(qs.shape)}, not [out_features, in_features]"
+    if qs.nested and (qs.state2 is None or qs.offset is None):
+        return "a double-quantised 4-bit weight without its second-level state"
+    return None
+
+
+def call_problem(layer: nn.Module, x: Tensor) -> str | None:
+    """Why this call of the quantised base ``layer`` must run as bitsandbytes' own layer, or None."""
+    if kind(layer) == "int8":
+        if not layer.training or x.device.type not in ("cpu", "xpu"):
+            return ("an 8-bit base on {} {}: bitsandbytes' LLM.int8() matmul quantises the activations too "
+                    "(outliers above threshold={} in fp16), which dequantise-then-GEMM does not reproduce").format(
+                        x.device.type, "in training" if layer.training else "in eval mode", layer.state.threshold)
+        if x.dtype not in _FLOATS:
+            return f"an 8-bit base with {x.dtype} input"
+        return None
+    cd = compute_dtype(layer, x)
+    if cd not in _FLOATS:
+        return f"a 4-bit base computing in {cd}"
+    return None
+
+
+def compute_dtype(layer: nn.Module, x: Tensor) -> torch.dtype:
+    """The dtype of the base's GEMM: a 4-bit layer's ``compute_dtype`` (x's where unset), x's for 8-bit."""
+    if kind(layer) == "int8":
+        return x.dtype
+    return getattr(layer, "compute_dtype", None) or x.dtype
+
+
+def packed(layer: nn.Module) -> Tensor:
+    """The quantised bytes as a plain tensor (bitsandbytes' parameter classes are tensor subclasses)."""
+    return layer.weight.data
+
+
+def _int8_scales(layer: nn.Module) -> Tensor | None:
+    """The int8 rows' scales: bitsandbytes moves them from the weight to ``layer.state`` on the first call."""
+    scb = getattr(layer.state, "SCB", None)
+    return scb if scb is not None else getattr(layer.weight, "SCB", None)
+
+
+def _absmax(qs) -> Tensor:
+    """The fp32 block scales; double quantisation's are 8-bit blockwise codes plus an offset."""
+    if not qs.nested:
+        return qs.absmax.float()
+    s2 = qs.state2
+    return dequantize_blockwise_8bit_fwd(qs.absmax, s2.absmax, s2.code, s2.blocksize) + qs.offset
+
+
+def dequantize(layer: nn.Module, dtype: torch.dtype, backend: str | None = None) -> Tensor:
+    """Ŵ [out_features × in_features] in ``dtype``, bitsandbytes' dequantisation bit for bit (a new tensor)."""
+    w = layer.weight
+    if kind(layer) == "int8":  # bitsandbytes' MatMul8bitFp: the int8 rows cast, times SCB/127 (fp32), in place
+        return w.data.to(dtype).mul_(_int8_scales(layer).unsqueeze(1).mul(1.0 / 127.0))
+    qs = w.quant_state
+    rows, cols = qs.shape
+    return dequantize_4bit(w.data, _absmax(qs), qs.code, qs.blocksize, rows, cols, dtype, backend_for(backend, w.device))
+
+
+def _one_launch(layers) -> bool:
+    """Whether the 4-bit bases' bytes and scales, concatenated, are the joint weight's: one format and block
+    size, whole blocks per base (so no block straddles two), one input width."""
+    states = [getattr(m.weight, "quant_state", None) for m in layers]
+    if any(qs is None for qs in states):
+        return False
+    first = states[0]
+    return all(qs.quant_type == first.quant_type and qs.blocksize == first.blocksize and qs.shape[1] == first.shape[1]
+               and (qs.shape[0] * qs.shape[1]) % qs.blocksize == 0 and torch.equal(qs.code, first.code) for qs in states)
+
+
+def joint_weight(layers, dtype: torch.dtype, backend: str | None = None) -> Tensor:
+    """The bases dequantised and concatenated (rows in the layers' order): one transient operand. 4-bit bases
+    of whole blocks: their bytes (a quarter of the bf16 result's size) and scales concatenated, then one
+    dequantisation writes the joint operand (no per-base copy); else each base dequantised into its rows."""
+    if len(layers) == 1:
+        return dequantize(layers[0], dtype, backend)
+    if _one_launch(layers):
+        qs = layers[0].weight.quant_state
+        packed = torch.cat([m.weight.data.reshape(-1).view(torch.uint8) for m in layers])
+        absmax = torch.cat([_absmax(m.weight.quant_state) for m in layers])
+        rows = sum(m.weight.quant_state.shape[0] for m in layers)
+        return dequantize_4bit(packed, absmax, qs.code, qs.blocksize, rows, qs.shape[1], dtype,
+                               backend_for(backend, packed.device))
+    out = torch.empty((sum(m.out_features for m in layers), layers[0].in_features), dtype=dtype,
+                      device=layers[0].weight.device)
+    for rows, m in zip(out.split([m.out_features for m in layers]), layers):
+        rows.copy_(dequantize(m, dtype, backend))
+    return out
+
+
+def linear(x: Tensor, quant: tuple, biases) -> Tensor:
+    """The bases' joint x·Ŵᵀ + b as bitsandbytes' layers compute each: x and b cast to the compute dtype, then
+    (under autocast) to autocast's, Ŵ dequantised in the compute dtype (then cast likewise). Ŵ is freed here."""
+    layers, cd, gemm, backend = quant
+    w = joint_weight(layers, cd, backend).to(gemm)
+    b = None if not biases else torch.cat([t.to(cd) for t in biases]).to(gemm)
+    return nn.functional.linear(x.to(cd).to(gemm), w, b)
+
+
+def describe(layers) -> str | None:
+    """'NF4' (or 'FP4/int8' when mixed) for the quantised bases among ``layers``, None without any."""
+    kinds = sorted({k for m in layers if (k := kind(m))})
+    return "/".join(kinds) or None
