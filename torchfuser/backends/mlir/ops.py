@@ -247,3 +247,26 @@ def rope_fwd(q, k, cos, sin):
 
 def rope_bwd(dq, dk, cos, sin):
     return _rope("rope_bwd", dq, dk, cos, sin)
+
+
+# ---- residual add + layer_norm ---------------------------------------------------------------
+# The add (forward) and the residual gradient's add (backward) run on the host around this backend's
+# layer_norm kernels: torch's add and type promotion, then the compiled norm. Exact as the reference
+# for fp32; for bf16 dx is rounded before dres is added (one more rounding than the Triton kernel).
+
+def add_layer_norm_fwd(x, r, weight, bias, eps):
+    check_dtypes("add_layer_norm", x, r, weight, bias)
+    if x.shape != r.shape:
+        raise ValueError(f"add_layer_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
+                         f"and {tuple(r.shape)}")
+    s = torch.add(x, r).contiguous()
+    return (s, *layer_norm_fwd(s, weight, bias, eps))
+
+
+def layer_norm_res_bwd(dy, x, weight, bias, mean, rstd, eps, dres=None):
+    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps)
+    if dres is None:
+        return dx, dw, db
+    if dres.shape != x.shape:
+        raise ValueError(f"layer_norm_bwd: dres must have x's shape {tuple(x.shape)}, got {tuple(dres.shape)}")
+    return (dx.float() + dres.float()).to(x.dtype) if x.dtype != torch.float32 else dx + dres, dw, db
