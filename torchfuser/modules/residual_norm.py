@@ -1,6 +1,8 @@
-"""A pre-norm decoder layer with its residual adds fused into its RMSNorms.
+"""A pre-norm decoder layer with its residual adds fused into its norms (RMSNorm or LayerNorm).
 
-    x ─ norm_in ─ attention ─ (+ x) ─ s ─ norm_mid ─ MLP ─ (+ s) ─ out
+    x ─ norm_in ─ attention ─ (+ x) ─ s ─ norm_mid ─ MLP ─ (+ s) ─ out          (sequential)
+    out = x + attention(norm_in(x)) + MLP(norm_mid(x))                         (``parallel``: GPT-NeoX,
+          with norm_mid = norm_in where one norm feeds both (GPT-J, Phi, Cohere))
 
 ``s = x + attention(…)`` and ``norm_mid(s)`` run as one kernel forward and one backward
 (``add_rms_norm``; the backward sums s's gradients from the MLP branch and from ``out`` inside
@@ -44,7 +46,7 @@ from torchfuser.modules import fallbacks, fp8
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
-from torchfuser.modules.norms import FusedRMSNorm
+from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
 
 _log = logging.getLogger(__name__)
@@ -112,7 +114,11 @@ class ResidualNormSpec:
     attention: str = "self_attn"
     mlp: str = "mlp"
     norm_in: str = "input_layernorm"
-    norm_mid: str = "post_attention_layernorm"
+    norm_mid: str = "post_attention_layernorm"  # = norm_in: one norm feeds both blocks (parallel only)
+    parallel: bool = False  # out = x + attention(norm_in(x)) + mlp(norm_mid(x))
+    # Parameters the original forward does not hand to the attention and that must be at their default
+    # (None) for the fused path (GPT-2's encoder_hidden_states); any other value runs the original forward.
+    at_default: tuple[str, ...] = ()
 
 
 class ResidualNormForward:
@@ -125,6 +131,8 @@ class ResidualNormForward:
     def _attention_kwargs(self, kwargs: dict) -> dict | None:
         """The keywords the original forward would pass to the attention, or None if unsure."""
         s = self.spec
+        if any(kwargs.pop(name, None) is not None for name in s.at_default):
+            return None
         call = {key: kwargs.pop(name, default) for name, key, default in s.arguments}
         for old, key in s.renames:
             if old in kwargs:
@@ -157,9 +165,14 @@ class ResidualNormForward:
         layer, s = self.layer, self.spec
         norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
-        low = _projection_dtype(x, attention, mlp)
+        low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
-        a = attention(**{s.attention_input: y}, **call)[0]
+        a = (attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call))[0]
+        if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
+            y = y if s.norm_mid == s.norm_in else norm_mid(x)
+            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
+                return mlp.add_to(x + a, y)
+            return x + a + mlp(y)
         maxima = (_maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
         h, y = norm_mid.add(x, a, low, maxima)
         return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
@@ -189,8 +202,8 @@ class ResidualNormForward:
 
 def _unfused_norms(*norms: nn.Module) -> str | None:
     """Why the fused path cannot use these norms' kernels in place of calling them, or None."""
-    if not all(isinstance(n, FusedRMSNorm) for n in norms):
-        return "its norms are no longer fused RMSNorms"
+    if not all(isinstance(n, (FusedRMSNorm, FusedLayerNorm)) for n in norms):
+        return "its norms are no longer fused RMSNorms or LayerNorms"
     if not _as_class(*norms):
         return "hooks (or a forward of their own) on its norms: the fused path would skip them"
     return None
