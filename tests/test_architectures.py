@@ -61,13 +61,13 @@ EXPECTED = {
     "gemma3_text": {"rms_norm": 13, "gated_mlp": 2},  # four norms a layer, q/k norms, final
     "exaone4": {"rms_norm": 9, "gated_mlp": 2},
     "seed_oss": {"rms_norm": 5, "gated_mlp": 2, "residual_norm": 2},
-    "stablelm": {"layer_norm": 5, "gated_mlp": 2},
-    "starcoder2": {"layer_norm": 5, "mlp": 2},
+    "stablelm": {"layer_norm": 5, "gated_mlp": 2, "residual_norm": 2},
+    "starcoder2": {"layer_norm": 5, "mlp": 2, "residual_norm": 2},
     "opt": {"layer_norm": 5},  # its MLP is two Linear children of the decoder layer: no MLP module to swap
-    "gpt2": {"layer_norm": 5, "mlp": 2},
-    "gpt_neox": {"layer_norm": 5, "mlp": 2},
-    "gptj": {"layer_norm": 3, "mlp": 2},  # attention and MLP in parallel after one norm
-    "codegen": {"layer_norm": 3, "mlp": 2},
+    "gpt2": {"layer_norm": 5, "mlp": 2, "residual_norm": 2},
+    "gpt_neox": {"layer_norm": 5, "mlp": 2, "residual_norm": 2},  # parallel residual
+    "gptj": {"layer_norm": 3, "mlp": 2, "residual_norm": 2},  # attention and MLP in parallel after one norm
+    "codegen": {"layer_norm": 3, "mlp": 2, "residual_norm": 2},
 }
 # Gemma-2's attention softcaps its logits: skipped, with the reason.
 SKIPPED_ATTENTION = {"gemma2": "softcapping"}

@@ -119,6 +119,7 @@ class ResidualNormSpec:
     # Parameters the original forward does not hand to the attention and that must be at their default
     # (None) for the fused path (GPT-2's encoder_hidden_states); any other value runs the original forward.
     at_default: tuple[str, ...] = ()
+    drops_extra: bool = False  # it takes **kwargs and hands them to no child (StableLM): ignored here too
 
 
 class ResidualNormForward:
@@ -137,6 +138,8 @@ class ResidualNormForward:
         for old, key in s.renames:
             if old in kwargs:
                 call[key] = kwargs.pop(old)
+        if kwargs and s.drops_extra:
+            kwargs = {}
         if kwargs and not s.passes_extra:
             return None
         call.update(kwargs)

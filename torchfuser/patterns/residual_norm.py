@@ -98,6 +98,7 @@ class _Probe:
         }
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
         self.module, self.roles = module, roles
+        self.last_calls: dict = {}
 
     def dropouts(self) -> tuple[list[str], list[str]]:
         """(nn.Dropout children, float dropout attributes) of the layer itself."""
@@ -122,6 +123,7 @@ class _Probe:
         stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention") for r in dict.fromkeys(self.roles)
                  if r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"]}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
+        self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
         with torch.no_grad(), _probe.saved_rng():
             out = type(self.module).forward(probe, self.x, **kwargs)
         return out, {r: s.calls for r, s in stand.items()}
@@ -169,6 +171,12 @@ def _run_markers(probe: _Probe, params, extra: bool):
     return (*probe.run(**ms), ms, tuple(defaulted))
 
 
+def _saw_input(probe: _Probe, calls: dict) -> bool:
+    """Whether a norm stand-in was called first with the layer's own input (a pre-norm layer's mark)."""
+    firsts = [c[0][0] for r in ("norm_in", "norm_mid") for c in calls.get(r, [])[:1] if c[0]]
+    return any(isinstance(t, torch.Tensor) and t.shape == probe.x.shape and torch.equal(t, probe.x) for t in firsts)
+
+
 def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
@@ -182,9 +190,13 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             children, floats = probe.dropouts()
             dropouts = (tuple(children), tuple(floats))
     except Exception as err:
+        if not _saw_input(probe, probe.last_calls):
+            return None
         first_line = str(err).splitlines()[0] if str(err) else ""
         return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
                     f"stand-ins for them it raised {type(err).__name__}: {first_line})")
+    if not _saw_input(probe, calls):
+        return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     kind = probe.kind(out)
     if kind is None:
         return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)), nor their parallel "
@@ -201,8 +213,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         return Skip("its forward does not pass the attention its input")
     attention_input = inputs[0] if not pos else ""
     by_marker = {id(v): k for k, v in kw.items() if isinstance(v, _Marker)}
-    if len(by_marker) + len(inputs) != len(kw) or (extra and kw.get(_EXTRA) is not markers[_EXTRA]):
+    if len(by_marker) + len(inputs) != len(kw) or (extra and kw.get(_EXTRA) not in (None, markers[_EXTRA])):
         return Skip("its forward passes the attention arguments of its own making")
+    drops_extra = extra and _EXTRA not in kw  # takes **kwargs and ignores them (StableLM)
     arguments = tuple((n, by_marker[id(markers[n])], d) for n, d in params if n in markers and id(markers[n]) in by_marker)
     renames = []
     for alias in (a for a in _CACHE_ALIASES if a not in markers and a not in defaulted):
@@ -216,8 +229,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         landed = [k for k, v in kw.items() if isinstance(v, _Marker)]
         if landed and landed != [alias]:
             renames.append((alias, landed[0]))
-    return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra, *dropouts, **roles,
-                            parallel=kind == "parallel", at_default=defaulted)
+    return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
+                            **roles, parallel=kind == "parallel", at_default=defaulted, drops_extra=drops_extra)
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool):
@@ -227,16 +240,16 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
         for norm_in, norm_mid in (itertools.permutations(norms) if len(norms) == 2 else [(norms[0], norms[0])]):
             roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
             found = _study_roles(module, roles, first, params, extra)
-            if not isinstance(found, Skip):
+            if found is not None and not isinstance(found, Skip):
                 return found
             skips.append(found)
-    return skips[0]
+    return next((s for s in skips if s is not None), None)
 
 
 def _attention_like(m: nn.Module) -> bool:
-    """A block that may be the layer's attention: a fused one, or one with two or more projections whose
-    forward takes an attention mask or whose class says attention."""
-    if isinstance(m, FusedAttention):
+    """A block that may be the layer's attention: a fused one, one whose class says attention, or one with
+    two or more projections whose forward takes an attention mask."""
+    if isinstance(m, FusedAttention) or any(w in type(m).__name__.lower() for w in ("attention", "attn")):
         return True
     from torchfuser.modules import lora
 
@@ -247,7 +260,7 @@ def _attention_like(m: nn.Module) -> bool:
         names = inspect.signature(type(m).forward).parameters
     except (TypeError, ValueError):
         names = {}
-    return "attention" in type(m).__name__.lower() or "attention_mask" in names
+    return "attention_mask" in names
 
 
 def _norm_kind(m: nn.Module) -> str | None:
@@ -300,6 +313,8 @@ class ResidualNormPattern(Pattern):
         if isinstance(sig, Skip):
             return sig
         spec = _study(module, blocks, norms, *sig)
+        if spec is None:
+            return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
         if on:  # it would fuse only calls with them off: in training, none
             return Skip(f"dropout between its blocks ({', '.join(on)}) is on, and the fused forward has none "
