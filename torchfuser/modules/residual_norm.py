@@ -119,6 +119,7 @@ class ResidualNormSpec:
     # Parameters the original forward does not hand to the attention and that must be at their default
     # (None) for the fused path (GPT-2's encoder_hidden_states); any other value runs the original forward.
     at_default: tuple[str, ...] = ()
+    positional: tuple[str, ...] = ()  # the forward's parameters after the hidden states that may come positionally
     drops_extra: bool = False  # it takes **kwargs and hands them to no child (StableLM): ignored here too
 
 
@@ -149,6 +150,9 @@ class ResidualNormForward:
         layer, s = self.layer, self.spec
         if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
             return type(layer).forward(layer, *args, **kwargs)
+        if len(args) > 1 and len(args) - 1 <= len(s.positional) and not any(n in kwargs for n in s.positional[:len(args) - 1]):
+            # as keywords, the names its forward gives them (GPT2Model passes cache, mask, encoder states so)
+            kwargs, args = {**kwargs, **dict(zip(s.positional, args[1:]))}, args[:1]
         checkpointing = _checkpoints(layer)
         if checkpointing:
             kwargs = _without_cache(layer, kwargs)

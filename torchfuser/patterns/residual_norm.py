@@ -229,8 +229,11 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         landed = [k for k, v in kw.items() if isinstance(v, _Marker)]
         if landed and landed != [alias]:
             renames.append((alias, landed[0]))
+    sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
+    positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
-                            **roles, parallel=kind == "parallel", at_default=defaulted, drops_extra=drops_extra)
+                            **roles, parallel=kind == "parallel", at_default=defaulted, positional=positional,
+                            drops_extra=drops_extra)
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool):
