@@ -308,10 +308,12 @@ class ResidualNormPattern(Pattern):
             return None if all(fused) else Skip(
                 "its forward is already replaced on the instance (by accelerate's hooks?), which a fused forward "
                 "would bypass")
-        if not all(fused) and not {kinds[n] for n in norms} <= self.fused_kinds:
+        missing = {kinds[n] for n in norms} - self.fused_kinds
+        if not all(fused) and missing:
             # Its fused forward calls the norms' kernels: with plain norms every call would run the original.
-            return Skip("its norms are left unfused (the rms_norm or layer_norm pattern is not selected), and the "
-                        "residual adds are fused into the norms' kernels: select it to fuse this layer")
+            words, pattern = ("RMSNorms", "rms_norm") if "rms" in missing else ("LayerNorms", "layer_norm")
+            return Skip(f"its {words} are left unfused (the {pattern} pattern is not selected), and the residual adds "
+                        f"are fused into the norms' kernels: select {pattern} to fuse this layer")
         sig = _signature(module)
         if isinstance(sig, Skip):
             return sig
