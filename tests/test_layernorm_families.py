@@ -150,3 +150,13 @@ def test_what_stays_unfused_says_why(model_type, overrides, reason):
     torchfuser.optimize(model, backend="reference")
     skipped = [e for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
     assert len(skipped) == 2 and all(reason in e.reason for e in skipped), skipped
+
+
+def test_a_norm_excluded_by_filter_fn_leaves_its_layer_unfused_with_the_reason():
+    """The layer's fused forward runs its norms' kernels: with GPT-2's ln_1 excluded, the block is skipped,
+    named through its own norm (not Llama's child names)."""
+    model = make("gpt2")
+    torchfuser.optimize(model, backend="reference", filter_fn=lambda m, fqn: not fqn.endswith("h.0.ln_1"))
+    entries = {e.name: e for e in torchfuser.report(model).entries if e.pattern == "residual_norm"}
+    assert entries["transformer.h.0"].reason.startswith("excluded by filter_fn, through its ln_1")
+    assert entries["transformer.h.1"].is_fused
