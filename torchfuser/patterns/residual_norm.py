@@ -199,8 +199,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     kind = probe.kind(out)
     if kind is None and isinstance(out, tuple):
-        return Skip("its forward returns a tuple (the hidden states and more: GPT-J's attention weights in "
-                    "transformers 5.17), and the fused forward returns the hidden states alone")
+        return Skip("its forward returns a tuple (the hidden states and more, such as attention weights: GPT-Neo, "
+                    "GPT-J in transformers 5.17), and the fused forward returns the hidden states alone")
     if kind is None:
         return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)), nor their parallel "
                     "sum: something sits between the blocks (a residual scale, a post-norm, a gate)")
