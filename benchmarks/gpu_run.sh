@@ -163,6 +163,14 @@ for stage in "$@"; do
     # The communication overlap: where a fused step waits on a collective (FSDP2 here; FSDP1 is fsdp1-profile).
     x2-overlap) timeout 220 $tr2 $fc --recipe qwen05b --wrap fsdp2 --precision mp-bf16 --profile-dir "$OUT/prof" \
               --out "$OUT/x2-qwen05b-fsdp2-profiled.json" ;;
+    # issue 38's broadened set: every family recipe with eager, torch.compile, Liger (where it has a patch) and
+    # TorchFuser in one run, one model a process; MODELS / VARIANTS narrow it (a 10-minute device call holds 2-3 models).
+    families) for m in ${MODELS:-gpt2_medium pythia1b4 qwen3_1_7b gemma2b starcoder2_3b phi3mini}; do
+              timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-eager compile torchfuser liger} \
+                ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-families.jsonl"; done ;;
+    families-compose) for m in ${MODELS:-gpt2_medium pythia1b4 qwen3_1_7b gemma2b starcoder2_3b phi3mini}; do
+              timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-torchfuser+compile} \
+                --out "$OUT/train-step-families.jsonl"; done ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
 done

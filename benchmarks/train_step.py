@@ -179,6 +179,18 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
     raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
 
 
+def liger_missing(recipe: str) -> str | None:
+    """Why the liger variant cannot run on ``recipe``'s model type (not installed, or no patch for it), or None."""
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError:
+        return "liger-kernel is not installed"
+    model_type = json.loads((ROOT / "recipes" / f"{recipe}.json").read_text())["model_type"]
+    if not hasattr(liger, f"apply_liger_kernel_to_{model_type}"):
+        return f"Liger-Kernel has no patch for {model_type}"
+    return None
+
+
 def run_variant(recipe, variant, args, device):
     from torchfuser.compiler import inductor_pass
 
@@ -367,7 +379,10 @@ def main(argv=None):
     for recipe in args.models:
         for variant in sorted(args.variants, key=lambda v: v == "liger"):
             try:
-                if variant in unsloth_variant.VARIANTS:
+                if variant == "liger" and (why := liger_missing(recipe)):
+                    print(f"{recipe} {variant}: skipped: {why}", flush=True)
+                    row = {"model": recipe, "variant": variant, "skipped": why}
+                elif variant in unsloth_variant.VARIANTS:
                     row = run_unsloth(recipe, variant, args, device)
                 else:
                     row = run_variant(recipe, variant, args, device)

@@ -213,7 +213,8 @@ notebook("06_gpt2.ipynb", "GPT-2",
                          attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                          bos_token_id=1, eos_token_id=2)''',
     "## LayerNorm, Conv1D, packed QKV\n\nThe MLP is `c_fc → gelu → c_proj` (`mlp`, not `gated_mlp`); the attention "
-    "splits the packed `c_attn` output; the norms are `layer_norm`.",
+    "splits the packed `c_attn` output; the norms are `layer_norm`, and each block's residual adds run inside "
+    "them (`residual_norm`, the block's forward replaced on the instance).",
     '''
 counts = rep.counts()
 print(counts)
@@ -221,6 +222,7 @@ block = model.transformer.h[0]
 print(type(block.attn).__name__, block.attn.spec.layout, "| c_attn is", type(block.attn.c_attn).__name__)
 assert not rep.skipped
 assert counts["layer_norm"]["fused"] == 2 * cfg.n_layer + 1 and counts["mlp"]["fused"] == cfg.n_layer
+assert counts["residual_norm"]["fused"] == cfg.n_layer
 ''')
 
 notebook("07_mixtral_moe.ipynb", "Mixtral (mixture of experts)",

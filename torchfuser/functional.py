@@ -138,7 +138,8 @@ def gelu(x: Tensor, approximate: str = "none", *, backend: str | None = None) ->
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None = None) -> tuple[Tensor, Tensor]:
     """Rotary embedding in Hugging Face layout, rotate-half convention.
 
-    q: B×Hq×S×D, k: B×Hk×S×D, cos and sin: B×S×D (or 1×S×D), shared by all heads.
+    q: B×Hq×S×D, k: B×Hk×S×D, cos and sin: B×S×R (or 1×S×R), shared by all heads; R < D rotates the
+    first R channels of each head and passes the rest through (partial rotary).
     cos and sin are constants: rope does not differentiate through them.
     """
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
@@ -151,8 +152,10 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None 
         raise ValueError(f"rope: k must be B×Hk×S×D matching q {tuple(q.shape)}, got {tuple(k.shape)}")
     if d % 2:
         raise ValueError(f"rope: head dim must be even, got {d}")
-    if cos.shape != sin.shape or cos.shape[1:] != (s, d) or cos.shape[0] not in (1, b):
-        raise ValueError(f"rope: cos and sin must be {b}×{s}×{d} or 1×{s}×{d}, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    r = cos.shape[-1] if cos.dim() == 3 else d  # r < d: partial rotary (the first r channels rotate)
+    if cos.shape != sin.shape or cos.shape[1:] != (s, r) or cos.shape[0] not in (1, b) or r % 2 or not 0 < r <= d:
+        raise ValueError(f"rope: cos and sin must be {b}×{s}×R or 1×{s}×R with R even and at most the head dim {d}, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if q.dtype != k.dtype:
         raise TypeError(f"rope: q and k must have the same dtype, got {q.dtype} and {k.dtype}")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):

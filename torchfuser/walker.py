@@ -19,9 +19,9 @@ from torchfuser.report import Entry, FusionReport
 log = logging.getLogger("torchfuser")
 _STATE = "_torchfuser_state"
 EXCLUDED = "excluded by filter_fn"  # a user's choice, not a failure: strict=True lets it pass
-# Patterns whose fused block calls the kernels of these children: with a child left plain by
-# filter_fn, every call would fall back to the original forward.
-_NEEDS_FUSED = {"residual_norm": ("input_layernorm", "post_attention_layernorm")}
+# Patterns whose fused block calls the kernels of these children (the names its spec holds in these fields):
+# with a child left plain by filter_fn, every call would fall back to the original forward.
+_NEEDS_FUSED = {"residual_norm": ("norm_in", "norm_mid")}
 
 
 @dataclass
@@ -147,7 +147,8 @@ def _children_excluded(found):
     excluded = {n for n, *_, r in found if r == Skip(EXCLUDED)}
     out = []
     for name, module, pattern, result in found:
-        kids = [k for k in _NEEDS_FUSED.get(pattern.name, ()) if f"{name}.{k}".lstrip(".") in excluded]
+        needs = dict.fromkeys(getattr(result, f, None) for f in _NEEDS_FUSED.get(pattern.name, ()))
+        kids = [k for k in needs if isinstance(k, str) and f"{name}.{k}".lstrip(".") in excluded]
         if kids and not isinstance(result, Skip):
             result = Skip(f"{EXCLUDED}, through its {' and '.join(kids)} (its fused form runs their kernels)")
         out.append((name, module, pattern, result))

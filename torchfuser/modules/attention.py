@@ -277,11 +277,8 @@ class FusedAttention(FusedModule):
             if rd == q.shape[-1]:
                 return qr, kr
             return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
-        if rd == q.shape[-1]:
-            return F.rope(q, k, cos, sin, backend=self.backend)
-        # Partial rotary: rope on the leading rd channels, the rest pass through.
-        qr, kr = F.rope(q[..., :rd], k[..., :rd], cos, sin, backend=self.backend)
-        return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
+        # Partial rotary too (rd < head dim): the kernel copies the channels past rd through, no slices or cat.
+        return F.rope(q, k, cos, sin, backend=self.backend)
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         s = self.spec

@@ -129,3 +129,36 @@ class FusedLayerNorm(FusedModule):
         if out == x.dtype:
             return F.layer_norm(x, w, bias, s.eps, backend=self.backend)
         return F.layer_norm(_in_dtype(x, out), w, bias, s.eps, backend=self.backend).to(out)
+
+    def _wb(self):
+        s = self.spec
+        return getattr(self, s.weight), None if s.bias is None else getattr(self, s.bias)
+
+    def add(self, x: Tensor, residual: Tensor, out_dtype: torch.dtype | None = None,
+            maxima: tuple[bool, bool] = (False, False)) -> tuple[Tensor, Tensor]:
+        """(x + residual, this norm of it), the add inside the norm's kernel forward and backward
+        (``ops.add_layer_norm``); the norm in ``out_dtype`` (default: the original norm's dtype for s).
+        ``maxima`` is FusedRMSNorm's interface; LayerNorms produce no FP8 maxima."""
+        w, b = self._wb()
+        F.check_add_rms_norm(x, residual, w, out_dtype)  # the same checks: floats, shapes, one device
+        if b is not None:
+            F._check_vector("layer_norm", "bias", b, x.shape[-1])
+        s_dtype = torch.promote_types(x.dtype, residual.dtype)
+        out = out_dtype or _out_dtype(self.spec, x, w, s_dtype)
+        if torch.promote_types(s_dtype, out) != s_dtype:  # a wider output than s (CUDA autocast, bf16 s): plain path
+            s = x + residual
+            return s, self(s).to(out)
+        s, y = ops.add_layer_norm(x, residual, w, b, float(self.spec.eps), F.backend_for(self.backend, x.device))
+        return s, (y if out == y.dtype else y.to(out))
+
+    def opening_residual(self, x: Tensor, out_dtype: torch.dtype | None = None,
+                         maxima: bool = False) -> tuple[Tensor, Tensor]:
+        """(this norm of x, x) for a block that adds x back: x's two gradients are summed in the norm's
+        backward kernel (``ops.layer_norm_opening_residual``)."""
+        w, b = self._wb()
+        out = out_dtype or _out_dtype(self.spec, x, w)
+        if out != x.dtype and torch.promote_types(x.dtype, out) != x.dtype:  # a wider output: the plain path
+            return self(x).to(out), x
+        device = F.check_rms_norm(x, w)
+        y, x = ops.layer_norm_opening_residual(x, w, b, float(self.spec.eps), F.backend_for(self.backend, device))
+        return (y if out == y.dtype else y.to(out)), x

@@ -1,6 +1,8 @@
-"""A pre-norm decoder layer with its residual adds fused into its RMSNorms.
+"""A pre-norm decoder layer with its residual adds fused into its norms (RMSNorm or LayerNorm).
 
-    x ─ norm_in ─ attention ─ (+ x) ─ s ─ norm_mid ─ MLP ─ (+ s) ─ out
+    x ─ norm_in ─ attention ─ (+ x) ─ s ─ norm_mid ─ MLP ─ (+ s) ─ out          (sequential)
+    out = x + attention(norm_in(x)) + MLP(norm_mid(x))                         (``parallel``: GPT-NeoX,
+          with norm_mid = norm_in where one norm feeds both (GPT-J, Phi, Cohere))
 
 ``s = x + attention(…)`` and ``norm_mid(s)`` run as one kernel forward and one backward
 (``add_rms_norm``; the backward sums s's gradients from the MLP branch and from ``out`` inside
@@ -44,7 +46,7 @@ from torchfuser.modules import fallbacks, fp8, offload
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
-from torchfuser.modules.norms import FusedRMSNorm
+from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
 
 _log = logging.getLogger(__name__)
@@ -112,7 +114,13 @@ class ResidualNormSpec:
     attention: str = "self_attn"
     mlp: str = "mlp"
     norm_in: str = "input_layernorm"
-    norm_mid: str = "post_attention_layernorm"
+    norm_mid: str = "post_attention_layernorm"  # = norm_in: one norm feeds both blocks (parallel only)
+    parallel: bool = False  # out = x + attention(norm_in(x)) + mlp(norm_mid(x))
+    # Parameters the original forward does not hand to the attention and that must be at their default
+    # (None) for the fused path (GPT-2's encoder_hidden_states); any other value runs the original forward.
+    at_default: tuple[str, ...] = ()
+    positional: tuple[str, ...] = ()  # the forward's parameters after the hidden states that may come positionally
+    drops_extra: bool = False  # it takes **kwargs and hands them to no child (StableLM): ignored here too
 
 
 class ResidualNormForward:
@@ -125,10 +133,14 @@ class ResidualNormForward:
     def _attention_kwargs(self, kwargs: dict) -> dict | None:
         """The keywords the original forward would pass to the attention, or None if unsure."""
         s = self.spec
+        if any(kwargs.pop(name, None) is not None for name in s.at_default):
+            return None
         call = {key: kwargs.pop(name, default) for name, key, default in s.arguments}
         for old, key in s.renames:
             if old in kwargs:
                 call[key] = kwargs.pop(old)
+        if kwargs and s.drops_extra:
+            kwargs = {}
         if kwargs and not s.passes_extra:
             return None
         call.update(kwargs)
@@ -141,6 +153,9 @@ class ResidualNormForward:
             if own is not None and own.applies(layer):  # checkpointed as asked: run eagerly, a graph break
                 return offload.eager(self, args, kwargs)  # type: ignore[misc]
             return type(layer).forward(layer, *args, **kwargs)
+        if len(args) > 1 and len(args) - 1 <= len(s.positional) and not any(n in kwargs for n in s.positional[:len(args) - 1]):
+            # as keywords, the names its forward gives them (GPT2Model passes cache, mask, encoder states so)
+            kwargs, args = {**kwargs, **dict(zip(s.positional, args[1:]))}, args[:1]
         checkpointing = _checkpoints(layer)
         own = own if own is not None and own.applies(layer) else None  # HF's checkpointing wins where it is on
         if checkpointing or own is not None:
@@ -163,9 +178,14 @@ class ResidualNormForward:
         layer, s = self.layer, self.spec
         norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
-        low = _projection_dtype(x, attention, mlp)
+        low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
-        a = attention(**{s.attention_input: y}, **call)[0]
+        a = (attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call))[0]
+        if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
+            y = y if s.norm_mid == s.norm_in else norm_mid(x)
+            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
+                return mlp.add_to(x + a, y)
+            return x + a + mlp(y)
         maxima = (_maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
         h, y = norm_mid.add(x, a, low, maxima)
         return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
@@ -195,8 +215,8 @@ class ResidualNormForward:
 
 def _unfused_norms(*norms: nn.Module) -> str | None:
     """Why the fused path cannot use these norms' kernels in place of calling them, or None."""
-    if not all(isinstance(n, FusedRMSNorm) for n in norms):
-        return "its norms are no longer fused RMSNorms"
+    if not all(isinstance(n, (FusedRMSNorm, FusedLayerNorm)) for n in norms):
+        return "its norms are no longer fused RMSNorms or LayerNorms"
     if not _as_class(*norms):
         return "hooks (or a forward of their own) on its norms: the fused path would skip them"
     return None

@@ -64,8 +64,10 @@ def select(include=None, exclude=()) -> list[Pattern]:
             raise ValueError(f"unknown pattern name(s) {unknown}; valid patterns are {', '.join(PATTERNS)}")
     chosen = PATTERNS if include is None else {n: PATTERNS[n] for n in PATTERNS if n in include}
     chosen = [p for n, p in chosen.items() if n not in set(exclude or ())]
-    if not any(p.name == "rms_norm" for p in chosen):  # residual_norm runs fused only on fused norms
-        chosen = [ResidualNormPattern(norms_fused=False) if p.name == "residual_norm" else p for p in chosen]
+    rms, layer = (any(p.name == n for p in chosen) for n in ("rms_norm", "layer_norm"))
+    if not (rms and layer):  # residual_norm runs fused only on fused norms
+        chosen = [ResidualNormPattern(norms_fused=rms, layer_norms_fused=layer) if p.name == "residual_norm" else p
+                  for p in chosen]
     return chosen
 
 

@@ -1,38 +1,46 @@
-"""Pre-norm decoder layers whose residual adds can go into their RMSNorms.
+"""Pre-norm decoder layers whose residual adds can go into their norms (RMSNorm or LayerNorm).
 
-A candidate has an attention, an MLP and two RMSNorm children under Llama's names. Its forward
-is probed with stand-ins for the four children: simple random maps that record how they are
-called. The layer qualifies when its output is exactly
+A candidate has an attention (a block with projections that takes an attention mask), an MLP (any
+other block with parameters) and one or two norm children, under any names. Its forward is probed
+with stand-ins for them: simple random maps that record how they are called. The layer qualifies
+when its output is exactly one of
 
-    s = x + attention(norm_in(x))[0];   out = s + mlp(norm_mid(s))
+    s = x + attention(norm_in(x))[0];   out = s + mlp(norm_mid(s))        (sequential: Llama, GPT-2)
+    out = x + attention(norm_in(x))[0] + mlp(norm_mid(x))                 (parallel: GPT-NeoX)
+    out = x + attention(norm(x))[0] + mlp(norm(x))                        (parallel, one norm: GPT-J, Phi)
 
 (in training mode, every dropout of the layer at p = 0.5, so that one between the blocks shows; if
 one does, the layer still qualifies when the formula holds with them at 0, and its fused forward
 runs only while they are off: ``ResidualNormSpec.dropouts``), and when the attention receives
-norm_in's output by keyword and each of the forward's other arguments unchanged, which the probe
-tells apart with a marker object per argument. What the probe learns is the ``ResidualNormSpec``.
+norm_in's output (by keyword, or as its one positional argument) and each of the forward's other
+arguments unchanged, which the probe tells apart with a marker object per argument. An argument
+whose marker makes the forward raise (GPT-2's encoder_hidden_states) must stay at its default for
+the fused path (``at_default``). What the probe learns is the ``ResidualNormSpec``.
 """
 from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import warnings
 
 import torch
 from torch import nn
 
 from torchfuser.modules import residual_norm
-from torchfuser.modules.norms import FusedRMSNorm
+from torchfuser.modules.attention import FusedAttention
+from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
 from torchfuser.patterns import _probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
-from torchfuser.patterns.norms import RMSNormPattern
+from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 
-_CHILDREN = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_ROLES = ("attention", "mlp", "norm_in", "norm_mid")
 # Keywords transformers' decorators have accepted in place of a layer's cache argument.
 _CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
 _EXTRA = "_torchfuser_probe_extra"
 _WIDTH = 8
+_KINDS = ("sequential", "parallel")
 
 
 class _Marker:
@@ -77,19 +85,20 @@ def _signature(module: nn.Module):
 
 
 class _Probe:
-    """The layer's forward run on stand-in children, in training mode."""
+    """The layer's forward run on stand-in children, in training mode. ``roles``: role → child name."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, roles: dict[str, str]):
         gen = _probe.generator(5)
         a, m = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
         self.fns = {
-            "input_layernorm": lambda x: 1.5 * x + 0.25,
-            "self_attn": lambda x: torch.tanh(x) @ a,
-            "post_attention_layernorm": lambda x: 0.5 - 0.75 * x,
+            "norm_in": lambda x: 1.5 * x + 0.25,
+            "attention": lambda x: torch.tanh(x) @ a,
+            "norm_mid": lambda x: 0.5 - 0.75 * x,
             "mlp": lambda x: torch.sin(x) @ m,
         }
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
-        self.module = module
+        self.module, self.roles = module, roles
+        self.last_calls: dict = {}
 
     def dropouts(self) -> tuple[list[str], list[str]]:
         """(nn.Dropout children, float dropout attributes) of the layer itself."""
@@ -97,12 +106,13 @@ class _Probe:
         return children, _probe.float_dropouts(self.module)
 
     def run(self, p: float = 0.5, **kwargs):
-        """(output, the stand-ins' calls by child name), every dropout of the layer at ``p``."""
+        """(output, the stand-ins' calls by role), every dropout of the layer at ``p``."""
         probe = _probe.shallow_copy(self.module)
         probe.training = True
         children, floats = self.dropouts()
+        names = set(self.roles.values())
         for name, child in self.module._modules.items():
-            if name not in _CHILDREN and child is not None and not any(True for _ in child.parameters()):
+            if name not in names and child is not None and not any(True for _ in child.parameters()):
                 visible = copy.copy(child)  # in training, whatever it is
                 visible.training = True
                 if name in children:
@@ -110,65 +120,166 @@ class _Probe:
                 probe._modules[name] = visible
         for name in floats:
             setattr(probe, name, p)
-        stand = {n: _StandIn(fn, tuple_out=n == "self_attn") for n, fn in self.fns.items()}
-        probe._modules.update(stand)
+        stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention") for r in dict.fromkeys(self.roles)
+                 if r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"]}
+        probe._modules.update({self.roles[r]: s for r, s in stand.items()})
+        self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
         with torch.no_grad(), _probe.saved_rng():
             out = type(self.module).forward(probe, self.x, **kwargs)
-        return out, {n: s.calls for n, s in stand.items()}
+        return out, {r: s.calls for r, s in stand.items()}
 
-    def expected(self) -> torch.Tensor:
-        f = self.fns
-        s = self.x + f["self_attn"](f["input_layernorm"](self.x))
-        return s + f["mlp"](f["post_attention_layernorm"](s))
+    def expected(self, kind: str) -> torch.Tensor:
+        f, x = self.fns, self.x
+        mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
+        if kind == "parallel":
+            return x + f["attention"](f["norm_in"](x)) + f["mlp"](mid(x))
+        s = x + f["attention"](f["norm_in"](x))
+        return s + f["mlp"](mid(s))
+
+    def kind(self, out) -> str | None:
+        """Which formula ``out`` is, or None."""
+        kinds = _KINDS if self.roles["norm_mid"] != self.roles["norm_in"] else ("parallel",)
+        if not isinstance(out, torch.Tensor):
+            return None
+        return next((k for k in kinds if _probe.close(out, self.expected(k))), None)
 
 
-def _study(module: nn.Module, first: str, params, extra: bool):
-    """The ResidualNormSpec the probe finds, or a Skip."""
-    probe = _Probe(module)
-    markers = {name: _Marker(name) for name, _ in params}
-    if extra:
-        markers[_EXTRA] = _Marker(_EXTRA)
+def _run_markers(probe: _Probe, params, extra: bool):
+    """(output, calls, markers, names left at their default): every argument gets a marker; where that
+    makes the forward raise, each argument alone tells which ones must stay at their default."""
+    def markers_for(names):
+        ms = {n: _Marker(n) for n in names}
+        if extra:
+            ms[_EXTRA] = _Marker(_EXTRA)
+        return ms
+
+    names = [n for n, _ in params]
     try:
-        out, calls = probe.run(**markers)
+        ms = markers_for(names)
+        return (*probe.run(**ms), ms, ())
+    except Exception:
+        pass
+    defaulted = []
+    for n in names:
+        try:
+            probe.run(**markers_for([n]))
+        except Exception:
+            defaulted.append(n)
+    if len(defaulted) == len(names):  # nothing to blame on an argument: the forward itself raises
+        defaulted = []
+    ms = markers_for([n for n in names if n not in defaulted])
+    return (*probe.run(**ms), ms, tuple(defaulted))
+
+
+def _saw_input(probe: _Probe, calls: dict) -> bool:
+    """Whether a norm stand-in was called first with the layer's own input (a pre-norm layer's mark)."""
+    firsts = [c[0][0] for r in ("norm_in", "norm_mid") for c in calls.get(r, [])[:1] if c[0]]
+    return any(isinstance(t, torch.Tensor) and t.shape == probe.x.shape and torch.equal(t, probe.x) for t in firsts)
+
+
+def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
+    """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
+    probe = _Probe(module, roles)
+    try:
+        out, calls, markers, defaulted = _run_markers(probe, params, extra)
         dropouts = ()
-        if isinstance(out, torch.Tensor) and not _probe.close(out, probe.expected()):
+        if isinstance(out, torch.Tensor) and probe.kind(out) is None:
             # Maybe a dropout between the blocks (Phi-3's resid_*_dropout): the fused forward serves
             # the calls where every dropout of the layer is off, and only if the forward is exact then.
             out, calls = probe.run(0.0, **markers)
             children, floats = probe.dropouts()
             dropouts = (tuple(children), tuple(floats))
     except Exception as err:
-        first = str(err).splitlines()[0] if str(err) else ""
+        if not _saw_input(probe, probe.last_calls):
+            return None
+        first_line = str(err).splitlines()[0] if str(err) else ""
         return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
-                    f"stand-ins for them it raised {type(err).__name__}: {first})")
-    if not isinstance(out, torch.Tensor) or not _probe.close(out, probe.expected()):
-        return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)): something sits "
-                    "between the blocks (a residual scale, a post-norm, a parallel branch)")
+                    f"stand-ins for them it raised {type(err).__name__}: {first_line})")
+    if not _saw_input(probe, calls):
+        return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
+    kind = probe.kind(out)
+    if kind is None and isinstance(out, tuple):
+        return Skip("its forward returns a tuple (the hidden states and more, such as attention weights: GPT-Neo, "
+                    "GPT-J in transformers 5.17), and the fused forward returns the hidden states alone")
+    if kind is None:
+        return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)), nor their parallel "
+                    "sum: something sits between the blocks (a residual scale, a post-norm, a gate)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
-    if any(len(calls[n][0][0]) != 1 or calls[n][0][1] for n in _CHILDREN if n != "self_attn"):
+    if any(len(calls[r][0][0]) != 1 or calls[r][0][1] for r in calls if r != "attention"):
         return Skip("its forward passes its MLP or norms more than their input")
-    (pos, kw) = calls["self_attn"][0]
+    (pos, kw) = calls["attention"][0]
     inputs = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
-    if pos or len(inputs) != 1:
-        return Skip("its forward does not pass the attention its input by keyword")
+    if pos and (len(pos) != 1 or inputs or not isinstance(pos[0], torch.Tensor)):
+        return Skip("its forward passes the attention positional arguments besides its input")
+    if not pos and len(inputs) != 1:
+        return Skip("its forward does not pass the attention its input")
+    attention_input = inputs[0] if not pos else ""
     by_marker = {id(v): k for k, v in kw.items() if isinstance(v, _Marker)}
-    if len(by_marker) + 1 != len(kw) or (extra and kw.get(_EXTRA) is not markers[_EXTRA]):
+    if len(by_marker) + len(inputs) != len(kw) or (extra and kw.get(_EXTRA) not in (None, markers[_EXTRA])):
         return Skip("its forward passes the attention arguments of its own making")
-    arguments = tuple((n, by_marker[id(markers[n])], d) for n, d in params if id(markers[n]) in by_marker)
+    drops_extra = extra and _EXTRA not in kw  # takes **kwargs and ignores them (StableLM)
+    arguments = tuple((n, by_marker[id(markers[n])], d) for n, d in params if n in markers and id(markers[n]) in by_marker)
     renames = []
-    for alias in (a for a in _CACHE_ALIASES if a not in markers):
+    for alias in (a for a in _CACHE_ALIASES if a not in markers and a not in defaulted):
         try:
             with warnings.catch_warnings():  # "`past_key_values` is deprecated…"
                 warnings.simplefilter("ignore")
                 _, calls = probe.run(**{alias: _Marker(alias)})
         except Exception:
             continue
-        kw = calls["self_attn"][0][1]
+        kw = calls["attention"][0][1]
         landed = [k for k, v in kw.items() if isinstance(v, _Marker)]
         if landed and landed != [alias]:
             renames.append((alias, landed[0]))
-    return ResidualNormSpec(first, inputs[0], arguments, tuple(renames), extra, *dropouts)
+    sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
+    positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
+    return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
+                            **roles, parallel=kind == "parallel", at_default=defaulted, positional=positional,
+                            drops_extra=drops_extra)
+
+
+def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool):
+    """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip."""
+    skips = []
+    for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not _attention_like(module._modules[p[0]])):
+        for norm_in, norm_mid in (itertools.permutations(norms) if len(norms) == 2 else [(norms[0], norms[0])]):
+            roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
+            found = _study_roles(module, roles, first, params, extra)
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
+    return next((s for s in skips if s is not None), None)
+
+
+def _attention_like(m: nn.Module) -> bool:
+    """A block that may be the layer's attention: a fused one, one whose class says attention, or one with
+    two or more projections whose forward takes an attention mask."""
+    if isinstance(m, FusedAttention) or any(w in type(m).__name__.lower() for w in ("attention", "attn")):
+        return True
+    from torchfuser.modules import lora
+
+    projs = [n for n, c in m._modules.items() if c is not None and _probe.projection_dims(lora.base_of(c))]
+    if len(projs) < 2:
+        return False
+    try:
+        names = inspect.signature(type(m).forward).parameters
+    except (TypeError, ValueError):
+        names = {}
+    return "attention_mask" in names
+
+
+def _norm_kind(m: nn.Module) -> str | None:
+    """"rms" or "layer" for a fused or fusable norm child, else None."""
+    if isinstance(m, FusedRMSNorm):
+        return "rms"
+    if isinstance(m, FusedLayerNorm):
+        return "layer"
+    if m._modules or not m._parameters:
+        return None
+    if isinstance(RMSNormPattern().match(m), RMSNormSpec):
+        return "rms"
+    return "layer" if isinstance(LayerNormPattern().match(m), LayerNormSpec) else None
 
 
 def _p(module: nn.Module, name: str) -> float:
@@ -178,34 +289,40 @@ def _p(module: nn.Module, name: str) -> float:
 
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
-    description = "pre-norm decoder layer: residual adds inside its RMSNorms (forward and backward)"
+    description = "pre-norm decoder layer (sequential or parallel): residual adds inside its norms (forward and backward)"
 
-    def __init__(self, norms_fused: bool = True):
-        self.norms_fused = norms_fused  # whether the rms_norm pattern runs in the same optimize call
+    def __init__(self, norms_fused: bool = True, layer_norms_fused: bool = True):
+        # whether the rms_norm / layer_norm patterns run in the same optimize call
+        self.fused_kinds = {k for k, on in (("rms", norms_fused), ("layer", layer_norms_fused)) if on}
 
     def match(self, module: nn.Module):
         if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
             return None  # already fused: optimize is idempotent
-        kids = module._modules
-        if not all(isinstance(kids.get(n), nn.Module) for n in _CHILDREN):
+        blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+        if not 3 <= len(blocks) <= 4:
             return None
-        if any(n not in _CHILDREN and m is not None and any(True for _ in m.parameters()) for n, m in kids.items()):
-            return None  # more blocks than one attention, one MLP and two norms (Gemma-2's four norms)
-        norms = [kids[n] if isinstance(kids[n], FusedRMSNorm) else RMSNormPattern().match(kids[n]) for n in _CHILDREN[2:]]
-        if any(n is None or isinstance(n, Skip) for n in norms):
-            return None  # LayerNorms: only residual adds next to RMSNorms are fused
+        kinds = {n: _norm_kind(module._modules[n]) for n in blocks}
+        norms = [n for n in blocks if kinds[n]]
+        blocks = [n for n in blocks if not kinds[n]]
+        if len(blocks) != 2 or not any(_attention_like(module._modules[n]) for n in blocks):
+            return None  # more blocks than one attention, one MLP and one or two norms (Gemma-2's four norms)
+        fused = [isinstance(module._modules[n], (FusedRMSNorm, FusedLayerNorm)) for n in norms]
         if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
-            return None if all(isinstance(n, FusedRMSNorm) for n in norms) else Skip(
+            return None if all(fused) else Skip(
                 "its forward is already replaced on the instance (by accelerate's hooks?), which a fused forward "
                 "would bypass")
-        if not self.norms_fused and not all(isinstance(n, FusedRMSNorm) for n in norms):
+        missing = {kinds[n] for n in norms} - self.fused_kinds
+        if not all(fused) and missing:
             # Its fused forward calls the norms' kernels: with plain norms every call would run the original.
-            return Skip("its RMSNorms are left unfused (the rms_norm pattern is not selected), and the residual "
-                        "adds are fused into the norms' kernels: select rms_norm to fuse this layer")
+            words, pattern = ("RMSNorms", "rms_norm") if "rms" in missing else ("LayerNorms", "layer_norm")
+            return Skip(f"its {words} are left unfused (the {pattern} pattern is not selected), and the residual adds "
+                        f"are fused into the norms' kernels: select {pattern} to fuse this layer")
         sig = _signature(module)
         if isinstance(sig, Skip):
             return sig
-        spec = _study(module, *sig)
+        spec = _study(module, blocks, norms, *sig)
+        if spec is None:
+            return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
         if on:  # it would fuse only calls with them off: in training, none
             return Skip(f"dropout between its blocks ({', '.join(on)}) is on, and the fused forward has none "

@@ -224,7 +224,7 @@ def _rope_halves(transpose: bool):
 def _rope(op: str, q, k, cos, sin):
     check_dtypes("rope", q, k, cos, sin)
     b, hq, s, d = q.shape
-    hk, h = k.shape[1], d // 2
+    hk, h = k.shape[1], cos.shape[-1] // 2  # 2h < d: partial rotary, the rest copied through on the host
     kern = kernel_for(
         op, {}, _rope_halves(op == "rope_bwd"),
         [ArgSpec(ROW, (b, hq, h), q.dtype)] * 2 + [ArgSpec(ROW, (b, hk, h), k.dtype)] * 2
@@ -234,10 +234,13 @@ def _rope(op: str, q, k, cos, sin):
 
     def halves(t):  # B×H×S×D (or B×S×D) → the two halves of S×B×H×D (S×B×D)
         t = t.permute(2, 0, 1, 3) if t.dim() == 4 else t.expand(b, -1, -1).permute(1, 0, 2)
-        return t[..., :h], t[..., h:]
+        return t[..., :h], t[..., h:2 * h]
 
     (o1, o2), (p1, p2) = halves(qo), halves(ko)
     kern(*halves(q), *halves(k), *halves(cos), *halves(sin), out=[o1, o2, p1, p2])
+    if 2 * h < d:
+        qo[..., 2 * h:].copy_(q[..., 2 * h:])
+        ko[..., 2 * h:].copy_(k[..., 2 * h:])
     return qo, ko
 
 
@@ -247,3 +250,26 @@ def rope_fwd(q, k, cos, sin):
 
 def rope_bwd(dq, dk, cos, sin):
     return _rope("rope_bwd", dq, dk, cos, sin)
+
+
+# ---- residual add + layer_norm ---------------------------------------------------------------
+# The add (forward) and the residual gradient's add (backward) run on the host around this backend's
+# layer_norm kernels: torch's add and type promotion, then the compiled norm. Exact as the reference
+# for fp32; for bf16 dx is rounded before dres is added (one more rounding than the Triton kernel).
+
+def add_layer_norm_fwd(x, r, weight, bias, eps):
+    check_dtypes("add_layer_norm", x, r, weight, bias)
+    if x.shape != r.shape:
+        raise ValueError(f"add_layer_norm: x and r must have the same shape (no broadcasting), got {tuple(x.shape)} "
+                         f"and {tuple(r.shape)}")
+    s = torch.add(x, r).contiguous()
+    return (s, *layer_norm_fwd(s, weight, bias, eps))
+
+
+def layer_norm_res_bwd(dy, x, weight, bias, mean, rstd, eps, dres=None):
+    dx, dw, db = layer_norm_bwd(dy, x, weight, bias, mean, rstd, eps)
+    if dres is None:
+        return dx, dw, db
+    if dres.shape != x.shape:
+        raise ValueError(f"layer_norm_bwd: dres must have x's shape {tuple(x.shape)}, got {tuple(dres.shape)}")
+    return (dx.float() + dres.float()).to(x.dtype) if x.dtype != torch.float32 else dx + dres, dw, db

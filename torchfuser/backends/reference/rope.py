@@ -12,7 +12,12 @@ def _rotate_half(t):
 
 
 def rope(q, k, cos, sin):
-    """q: B×Hq×S×D, k: B×Hk×S×D, cos/sin: (B or 1)×S×D shared by every head."""
+    """q: B×Hq×S×D, k: B×Hk×S×D, cos/sin: (B or 1)×S×R shared by every head; R < D: partial rotary, the
+    first R channels rotate and the rest pass through unchanged."""
+    rd = cos.shape[-1]
+    if rd < q.shape[-1]:
+        qr, kr = rope(q[..., :rd], k[..., :rd], cos, sin)
+        return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
     ct = compute_dtype(q, k)
     c, s = cos.to(ct).unsqueeze(1), sin.to(ct).unsqueeze(1)
     qf, kf = q.to(ct), k.to(ct)

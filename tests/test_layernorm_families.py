@@ -1,0 +1,162 @@
+"""LayerNorm-based families with their residual adds fused (patterns/residual_norm.py): sequential
+pre-norm layers (GPT-2, StarCoder2, NeoX without parallel residual), parallel attention + MLP residuals
+with two norms (GPT-NeoX) or one (GPT-J, Phi, Cohere). One training step fused vs unfused: loss and
+every gradient (fp32 tight; bf16 by the numerics rule against float64), restore, state_dict keys; what
+stays unfused says why (Falcon, BLOOM, active dropout)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import torchfuser
+from torchfuser.modules import fallbacks
+from torchfuser.modules.residual_norm import ResidualNormForward
+
+from numerics import assert_within_rule
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_GPT = dict(n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+# name → (model_type, config overrides, attention implementation, the layers' form: sequential, parallel or shared)
+FAMILIES = {
+    "gpt2": ("gpt2", dict(_GPT), "eager", "sequential"),
+    "gpt2-sdpa-tanh": ("gpt2", dict(_GPT, activation_function="gelu_new"), "sdpa", "sequential"),
+    "gptj": ("gptj", dict(_GPT, rotary_dim=4, n_positions=64), "eager", "shared"),
+    "neox": ("gpt_neox", dict(_SMALL, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0), "sdpa", "parallel"),
+    "neox-sequential": ("gpt_neox", dict(_SMALL, rotary_pct=0.25, hidden_dropout=0.0, attention_dropout=0.0,
+                                         use_parallel_residual=False), "sdpa", "sequential"),
+    "phi": ("phi", dict(_SMALL, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+            "sdpa", "shared"),
+    "starcoder2": ("starcoder2", dict(_SMALL, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0,
+                                      use_bias=True), "sdpa", "sequential"),
+    "cohere": ("cohere", dict(_SMALL, num_key_value_heads=2), "sdpa", "shared"),
+    "stablelm": ("stablelm", dict(_SMALL, num_key_value_heads=2), "sdpa", "sequential"),
+}
+
+
+def make(name: str, **overrides):
+    model_type, extra, impl, _ = FAMILIES[name]
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **extra, **overrides})
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float().train()
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def step(model, dtype=None):
+    ids, mask = batch()
+    torch.manual_seed(0)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    return loss.detach()
+
+
+def layers(model):
+    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_one_training_step_fused_matches_unfused(name):
+    ref = make(name)
+    fused = copy.deepcopy(ref)
+    keys = list(ref.state_dict())
+    torchfuser.optimize(fused, backend="reference")
+    fused_layers = layers(fused)
+    if any("returns a tuple" in e.reason for e in torchfuser.report(fused).skipped):
+        pytest.skip("this transformers' layer returns a tuple (GPT-J in 5.17): left unfused, with that reason")
+    assert len(fused_layers) == 2, str(torchfuser.report(fused))
+    spec = fused_layers[0].forward.spec
+    form = FAMILIES[name][3]
+    assert spec.parallel == (form != "sequential") and (spec.norm_mid == spec.norm_in) == (form == "shared"), spec
+    assert list(fused.state_dict()) == keys
+    loss_ref, loss = step(ref), step(fused)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), n
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert not fallbacks.counts(fused), fallbacks.counts(fused)  # every call ran fused
+    torchfuser.restore(fused)
+    assert not layers(fused) and list(fused.state_dict()) == keys
+
+
+@pytest.mark.parametrize("name", ["gpt2", "neox"])
+def test_bf16_within_the_rule(name):
+    """bf16 weights and activations: the fused model's loss and every gradient no further from the float64
+    model's than twice the unfused bf16 model's error (+ a small atol)."""
+    ref64 = make(name).double()
+    plain = copy.deepcopy(ref64).to(torch.bfloat16)
+    fused = copy.deepcopy(plain)
+    torchfuser.optimize(fused, backend="reference")
+    assert len(layers(fused)) == 2
+    losses = [step(m) for m in (fused, plain, ref64)]
+    assert_within_rule(losses[0].reshape(1), losses[1].reshape(1), losses[2].reshape(1), 1e-2, "loss")
+    for (n, f), (_, p), (_, r) in zip(fused.named_parameters(), plain.named_parameters(), ref64.named_parameters()):
+        scale = max(1.0, r.grad.abs().max().item())
+        assert_within_rule(f.grad, p.grad, r.grad, 1e-2 * scale, n)
+
+
+def test_active_dropout_between_the_blocks_is_left_unfused_with_the_reason():
+    model = make("neox", hidden_dropout=0.1)
+    torchfuser.optimize(model, backend="reference")
+    skipped = [e for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
+    assert len(skipped) == 2 and all("dropout between its blocks" in e.reason for e in skipped)
+
+
+def test_dropout_turned_on_after_fusing_runs_the_original_forward():
+    """Fused with the dropouts at 0, then turned on: every call runs the original forward (PyTorch's
+    dropout, the same random stream), counted as a fallback."""
+    ref = make("phi")
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    for m in (ref, fused):
+        for layer in m.model.layers:
+            layer.resid_dropout.p = 0.3
+    torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)  # the same dropout masks
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert "dropout between the blocks" in str(torchfuser.report(fused).fallbacks)
+
+
+def test_gpt2_cross_attention_inputs_run_the_original_forward():
+    """GPT-2's block raises when given encoder states without cross-attention layers: an argument the
+    fused forward does not take (``at_default``) runs the original, which raises as it did."""
+    model = make("gpt2")
+    torchfuser.optimize(model, backend="reference")
+    block = model.transformer.h[0]
+    assert "encoder_hidden_states" in block.forward.spec.at_default
+    x = torch.randn(1, 3, 32)
+    with pytest.raises(ValueError, match="cross-attention"):
+        block(x, encoder_hidden_states=torch.randn(1, 3, 32))
+
+
+@pytest.mark.parametrize("model_type, overrides, reason", [
+    ("falcon", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), "(it has no default)"),
+    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "requires 'alibi'"),
+])
+def test_what_stays_unfused_says_why(model_type, overrides, reason):
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    torchfuser.optimize(model, backend="reference")
+    skipped = [e for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
+    assert len(skipped) == 2 and all(reason in e.reason for e in skipped), skipped
+
+
+def test_a_norm_excluded_by_filter_fn_leaves_its_layer_unfused_with_the_reason():
+    """The layer's fused forward runs its norms' kernels: with GPT-2's ln_1 excluded, the block is skipped,
+    named through its own norm (not Llama's child names)."""
+    model = make("gpt2")
+    torchfuser.optimize(model, backend="reference", filter_fn=lambda m, fqn: not fqn.endswith("h.0.ln_1"))
+    entries = {e.name: e for e in torchfuser.report(model).entries if e.pattern == "residual_norm"}
+    assert entries["transformer.h.0"].reason.startswith("excluded by filter_fn, through its ln_1")
+    assert entries["transformer.h.1"].is_fused
