@@ -12,7 +12,8 @@ from torch.optim import optimizer as _optim
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import torchfuser
-from torchfuser.modules import fp8, fp8_step
+from torchfuser.modules import fp8
+from torchfuser.modules.fp8 import step as fp8_step
 
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2)

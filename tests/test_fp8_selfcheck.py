@@ -1,4 +1,4 @@
-"""The once-per-GPU check of the FP8 quantisers (modules/fp8_selfcheck.py): bit-exact kernels pass, a kernel
+"""The once-per-GPU check of the FP8 quantisers (modules/fp8/selfcheck.py): bit-exact kernels pass, a kernel
 off by one bit is found and named, and the check draws from no random generator. On the CPU the reference
 code runs on both sides, so a wrong kernel is stood in for by a patched quantiser."""
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchfuser.modules import fp8, fp8_selfcheck as check
+from torchfuser.modules import fp8
+from torchfuser.modules.fp8 import selfcheck as check
 from torchfuser.ops import fp8_quant
 
 CPU = torch.device("cpu")

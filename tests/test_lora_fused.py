@@ -1,4 +1,4 @@
-"""PEFT LoRA inside the fused blocks (torchfuser/modules/lora.py): with adapters added before or after
+"""PEFT LoRA inside the fused blocks (torchfuser/modules/adapters/lora.py): with adapters added before or after
 optimize the blocks stay fused and run q/k/v and gate/up, bases and adapters, as one node each; loss
 and every adapter gradient are PEFT's unfused model's (fp32: rtol 1e-5; bf16: DESIGN.md's rule)."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import torchfuser
 from torchfuser import demo
-from torchfuser.modules import FusedAttention, FusedGatedMLP, fallbacks, lora
+from torchfuser.modules import FusedAttention, FusedGatedMLP, fallbacks
+from torchfuser.modules.adapters import lora
 from torchfuser.modules.base import FusedModule
 from torchfuser.switches import SWITCHES
 from numerics import assert_within_rule
@@ -391,7 +392,7 @@ def test_bf16_base_keeps_each_projection_input_once_in_bf16():
 
 
 # The node on its own, bf16 base and fp32 adapters (PEFT's default), no autocast: its hi/lo bf16
-# GEMMs (modules/lora.py's docstring) against PEFT's layers, both against float64. x and dy are exact
+# GEMMs (modules/adapters/lora.py's docstring) against PEFT's layers, both against float64. x and dy are exact
 # bf16 here, so PEFT's fp32 adapter gradients are fp32-accurate: the node's are held to the split's own
 # bound, 2⁻¹⁵ of each gradient's largest value (measured ≈ 2⁻¹⁸), which products of bf16-rounded adapters
 # (no lo parts: ≈ 2⁻⁹) fail. y and dx are bf16 and held to the rule proper.

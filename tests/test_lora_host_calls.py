@@ -1,4 +1,4 @@
-"""The host cost of the fused LoRA node (modules/lora.py), counted, not timed: ATen calls are
+"""The host cost of the fused LoRA node (modules/adapters/lora.py), counted, not timed: ATen calls are
 deterministic, so an upper bound on the calls one training step's nodes dispatch is a legitimate test.
 Top-level calls only (those not made inside another ATen op: the CPU kernels' own nested calls are
 PyTorch's, not ours). Tiny Llama, PEFT LoRA r=8 on all seven projections, fp32 and a bf16 base with fp32
@@ -13,7 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import torchfuser
-from torchfuser.modules import lora
+from torchfuser.modules.adapters import lora
 
 peft = pytest.importorskip("peft")
 

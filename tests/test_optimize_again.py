@@ -15,7 +15,8 @@ from transformers import LlamaForCausalLM
 import torchfuser
 from test_optimize import loss_and_grads, tiny_llama
 from torchfuser import autotune, cuda_graphs, settings, walker
-from torchfuser.modules import fp8, fp8_step
+from torchfuser.modules import fp8
+from torchfuser.modules.fp8 import step as fp8_step
 from torchfuser.modules.base import FusedModule
 from torchfuser.modules.mlp import FusedGatedMLP
 from torchfuser.modules.norms import FusedRMSNorm

@@ -13,7 +13,7 @@ import torch
 import torchfuser
 from test_optimize import tiny_llama
 from torchfuser import autotune, cuda_graphs, walker
-from torchfuser.modules import fp8_step
+from torchfuser.modules.fp8 import step as fp8_step
 
 FIRST = dict(backend="reference", fp8="rowwise", fp8_lm_head=True, exclude=["gated_mlp"])
 # Every setting changed at once: each step after the swaps has work to do.

@@ -12,7 +12,7 @@ from torch import nn
 import torchfuser
 from numerics import ATOL, assert_within_rule
 from torchfuser.modules import FusedAttention
-from torchfuser.modules import projections
+from torchfuser.modules import gemm, projections
 from torchfuser.modules.projections import project
 
 from test_architectures import batch, make
@@ -39,7 +39,7 @@ def _run(linears, x, joint: bool):
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_gemm_matches_float64_within_rule(bias, large, monkeypatch):
     if large:
-        monkeypatch.setattr(projections, "_SMALL_BYTES", 0)
+        monkeypatch.setattr(gemm, "_SMALL_BYTES", 0)
     linears = _linears(bias)
     x = torch.randn(2, 7, 32)
     ref = _run(copy.deepcopy(linears).double(), x.double(), joint=False)
@@ -103,8 +103,8 @@ def test_one_node_computes_only_the_gradients_asked_for(monkeypatch):
     """Frozen weights get no product for their gradients; an input without grad gets no dx; a
     frozen projection beside a trained one gets None while the other gets its slice."""
     products = []
-    real = projections._mm
-    monkeypatch.setattr(projections, "_mm", lambda a, b, dtype: products.append(tuple(a.shape)) or real(a, b, dtype))
+    real = gemm.mm
+    monkeypatch.setattr(gemm, "mm", lambda a, b, dtype: products.append(tuple(a.shape)) or real(a, b, dtype))
     a, b = _linears(True, sizes=(24, 8))
     x = torch.randn(5, 32, requires_grad=True)
 

@@ -1,4 +1,4 @@
-"""QLoRA inside the fused blocks (modules/quantized_base.py, modules/lora.py): tiny Llama and Qwen2 (q/k/v
+"""QLoRA inside the fused blocks (modules/adapters/quantized_base.py, modules/adapters/lora.py): tiny Llama and Qwen2 (q/k/v
 biases) checkpoints quantised by transformers' BitsAndBytesConfig on the CPU (NF4, FP4, double
 quantisation, int8), prepare_model_for_kbit_training + PEFT LoRA on all seven projections. One training
 step fused vs PEFT's unfused model: the loss and every adapter gradient (fp32 compute: rtol 1e-5; bf16
@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import torchfuser
-from torchfuser.modules import FusedAttention, FusedGatedMLP, fallbacks, lora, quantized_base
+from torchfuser.modules import FusedAttention, FusedGatedMLP, fallbacks
+from torchfuser.modules.adapters import lora, quantized_base
 from torchfuser.modules.base import FusedModule
 from numerics import assert_within_rule
 

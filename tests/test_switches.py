@@ -39,7 +39,8 @@ def test_bad_names_and_values_raise_before_any_change(values, error):
 
 
 def test_the_modules_read_the_switches_not_privates_of_their_own():
-    from torchfuser.modules import fp8, lora
+    from torchfuser.modules import fp8
+    from torchfuser.modules.adapters import lora
 
     for module, private in ((lora, "_SPLIT_BF16"), (fp8, "_PRODUCERS"), (fp8, "_NORM_PRODUCERS")):
         assert not hasattr(module, private), f"{module.__name__}.{private} is back: use torchfuser.switches"

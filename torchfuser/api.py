@@ -9,7 +9,8 @@ from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, settings as _settings, transaction
 from torchfuser import experts as _experts, head_check, unwrap, walker
-from torchfuser.modules import fallbacks, fp8 as _fp8, fp8_step as _fp8_step, offload as _offload, packed as _packed
+from torchfuser.modules import fallbacks, fp8 as _fp8, offload as _offload, packed as _packed
+from torchfuser.modules.fp8 import step as _fp8_step
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.modules.lm_head import FusedLMHeadLoss
 from torchfuser.report import FusionReport
@@ -136,7 +137,7 @@ def optimize(
         optimizer step rather than per micro-batch or recomputed checkpoint, at 2 bytes a weight held
         between calls. It assumes the weights change only through optimizer steps, ``load_state_dict``
         or in-place ops on the parameters, never by writes to ``param.data``. See
-        ``torchfuser.modules.fp8_step``.
+        ``torchfuser.modules.fp8.step``.
     """
     _check_model(model)
     _check_not_flattened(model)

@@ -25,12 +25,12 @@ ROWWISE_BOTH_PATHS = ("atomic", "pair", "rows+tiles")
 
 @dataclasses.dataclass
 class Switches:
-    # LoRA on a bf16 base with fp32 adapters, no autocast (modules/lora.py): the adapter products as bf16
+    # LoRA on a bf16 base with fp32 adapters, no autocast (modules/adapters/lora.py): the adapter products as bf16
     # hi/lo GEMMs, no [tokens × out_features] fp32 tensor (True); False runs PEFT's fp32 products literally.
     # Both within the accuracy rule (tests/test_lora_fused.py); why the split: NOTES-lora.md.
     lora_split_bf16: bool = True
     # FP8 (rowwise): our SwiGLU / GeGLU kernels hand the maxima of the operands they write on to the FP8
-    # GEMMs (modules/fp8.py, producer_maxima), so no separate pass reads them again; False: every operand
+    # GEMMs (modules/fp8/__init__.py, producer_maxima), so no separate pass reads them again; False: every operand
     # by the separate passes. Bit for bit the same (tests/test_fp8_producers.py); NOTES-fp8.md.
     fp8_producers: bool = True
     # FP8 (rowwise): a fused decoder layer's norms as producers too (modules/residual_norm.py,

@@ -17,7 +17,7 @@ import sys
 from torch import nn
 
 from torchfuser import walker
-from torchfuser.modules import fp8_step
+from torchfuser.modules.fp8 import step as fp8_step
 
 _CONTAINERS = (dict, list, set)
 

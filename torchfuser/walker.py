@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torchfuser import backends
-from torchfuser.modules import quantized_base
+from torchfuser.modules.adapters import quantized_base
 from torchfuser.modules.base import FusedModule
 from torchfuser.patterns import Applied, Pattern, Skip, _probe
 from torchfuser.report import Entry, FusionReport

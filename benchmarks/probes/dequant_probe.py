@@ -1,5 +1,5 @@
 """NF4 dequantisation on llama8b's joint projections (q/k/v, gate/up, o, down), bf16 out: bitsandbytes'
-``dequantize_4bit`` per base, TorchFuser's joint dequantisation (modules/quantized_base.py: bytes
+``dequantize_4bit`` per base, TorchFuser's joint dequantisation (modules/adapters/quantized_base.py: bytes
 concatenated, one Triton launch), and the bf16 GEMM it feeds at 4096 tokens (2 × 2048) for scale; GB/s
 of the dequantisation (4-bit read + bf16 written). Issue 37: is dequantise-then-GEMM a small enough part
 of the step, or does a GEMM with the dequantisation in its prologue pay (docs/performance/NOTES-qlora.md)?
@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from torchfuser.modules import quantized_base  # noqa: E402
+from torchfuser.modules.adapters import quantized_base  # noqa: E402
 
 H, I, KV, TOKENS = 4096, 14336, 1024, 4096
 GROUPS = {"qkv": [(H, H), (KV, H), (KV, H)], "gate_up": [(I, H), (I, H)], "o": [(H, H)], "down": [(H, I)]}

@@ -1,5 +1,5 @@
 """FP8 quantisation of the GEMM operands: the Triton kernels (backends/triton/fp8_quant.py) against the
-PyTorch passes modules/fp8.py ran before them (t.float(), abs, amax, clamp_min, two divisions, clamp_,
+PyTorch passes modules/fp8/__init__.py ran before them (t.float(), abs, amax, clamp_min, two divisions, clamp_,
 .to(e4m3); plus ``t.t().contiguous()`` for dW's operands), at llama1b-like training shapes (4 × 2048
 tokens, hidden 2048, intermediate 8192, GQA 32/8 heads of 64), and the four FP8 projections' forward +
 backward with the old and the new quantisation. ``fp8_quantize_both`` (an operand both ways from two
@@ -67,7 +67,7 @@ SMALL = {"a": (64, 128), "b": (123, 123), "c": (48, 8192), "d": (1, 64)}
 
 
 def old_quantize(t, tensorwise: bool, transpose: bool):
-    """modules/fp8.py's quantisation before the kernels, verbatim (its dW operands: transposed copies)."""
+    """modules/fp8/__init__.py's quantisation before the kernels, verbatim (its dW operands: transposed copies)."""
     if transpose:
         t = t.t().contiguous()
     t32 = t.float()

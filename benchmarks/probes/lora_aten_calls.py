@@ -1,5 +1,5 @@
 """ATen calls of one LoRA training step on the CPU, fused against PEFT's unfused model, and per fused LoRA
-node (``modules.lora._LoRALinear``: forward with ``joint``'s glue, and backward), by op name.
+node (``modules.adapters.lora._LoRALinear``: forward with ``joint``'s glue, and backward), by op name.
 
 A tiny Llama (2 layers, hidden 64), PEFT LoRA r=8 on all seven projections, one step (forward, backward),
 fp32 or a bf16 base (fp32 adapters, the hi/lo split path); counted with torch.profiler (every ``aten::`` event,
@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import torchfuser
-from torchfuser.modules import lora
+from torchfuser.modules.adapters import lora
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

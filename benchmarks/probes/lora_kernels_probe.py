@@ -124,7 +124,7 @@ def kernels_bwd(g, x, h, a, b, dx, s):
 
 
 def torch_fwd(x, a, b, y, s):
-    """What the fused LoRA node runs today (modules/lora.py): fp32 casts and GEMMs, fp32 add, rounded."""
+    """What the fused LoRA node runs today (modules/adapters/lora.py): fp32 casts and GEMMs, fp32 add, rounded."""
     h = torch.mm(x.to(torch.float32), a.t())
     y.copy_(y.to(torch.float32) + torch.mm(h, b.t()).mul_(s))
     return h

@@ -1,5 +1,5 @@
 """The fused LoRA node on a bf16 base with fp32 adapters (PEFT's default), no autocast: its hi/lo bf16
-GEMMs (modules/lora.py) against the same node with PEFT's dtypes (the switch ``lora_split_bf16`` off, ``torchfuser.switches``: fp32
+GEMMs (modules/adapters/lora.py) against the same node with PEFT's dtypes (the switch ``lora_split_bf16`` off, ``torchfuser.switches``: fp32
 copies of y's columns, dy and x, fp32 SIMT GEMMs), PEFT's own layers and the frozen bases alone.
 
     python benchmarks/probes/lora_node_probe.py [--tokens 4096] [--rank 16] [--out probe.jsonl]   # GPU
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from torchfuser.modules import lora  # noqa: E402
+from torchfuser.modules.adapters import lora  # noqa: E402
 from torchfuser.switches import switched  # noqa: E402
 
 GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),

@@ -21,15 +21,15 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from torchfuser.modules import projections  # noqa: E402
+from torchfuser.modules import gemm, projections  # noqa: E402
 
 H, I, KV = 896, 4864, 128  # qwen05b: hidden, intermediate, k/v width
 
 
 def autocast_joint(x, linears):
     """What modules/projections.py did before the single node: cast, concatenate, one F.linear."""
-    weight = projections._cast_cat([m.weight for m in linears], torch.bfloat16)
-    bias = None if linears[0].bias is None else projections._cast_cat([m.bias for m in linears], torch.bfloat16)
+    weight = gemm.cast_cat([m.weight for m in linears], torch.bfloat16)
+    bias = None if linears[0].bias is None else gemm.cast_cat([m.bias for m in linears], torch.bfloat16)
     with torch.autocast("cuda", enabled=False):
         return nn.functional.linear(x.to(torch.bfloat16), weight, bias)
 

@@ -1,4 +1,4 @@
-"""``torch._scaled_mm`` as the FP8 GEMMs of modules/fp8.py (the projections) and of the LM head's loss call
+"""``torch._scaled_mm`` as the FP8 GEMMs of modules/fp8/__init__.py (the projections) and of the LM head's loss call
 it: a·bᵀ (+ bias) from two quantised row-major operands, with each torch build's limits probed once
 (fp32 outputs, a bias in the epilogue, per-row scales on the CPU) and the CPU's missing kernels emulated
 in fp32, where e4m3 values are exact. Blockwise-scaled operands (``fp8="blockwise"``) go through

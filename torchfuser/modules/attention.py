@@ -24,7 +24,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
                                      keep_dropout)
-from torchfuser.modules import fallbacks, lora, packed
+from torchfuser.modules import fallbacks, packed
+from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and

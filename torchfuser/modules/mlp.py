@@ -10,7 +10,8 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.functional import backend_for
-from torchfuser.modules import fp8, lora, recompute
+from torchfuser.modules import fp8, recompute
+from torchfuser.modules.adapters import lora
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
 from torchfuser.modules.projections import joint, residual_linear, single
 from torchfuser.ops import gated as gated_ops

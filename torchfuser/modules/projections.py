@@ -10,7 +10,7 @@ traffic, one saved copy of the input instead of one per projection, and ``dx`` n
 
 Only plain ``nn.Linear`` children without hooks qualify (a quantised layer, a hook, an FSDP-wrapped
 child must each be called as itself; PEFT LoRA layers have a joint node of their own in
-``modules.lora``), and only under autocast: without it the concatenated weights would be an extra
+``modules.adapters.lora``), and only under autocast: without it the concatenated weights would be an extra
 copy to save for the backward.
 
 In plain eager mode the joint product and its backward are one autograd node (``_AutocastLinear``):
@@ -29,12 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser.backends._gemm import fp32_out_ok as _out_dtype_ok
-from torchfuser.modules import fp8
+from torchfuser.modules import fp8, gemm
+from torchfuser.modules.adapters import lora
 from torchfuser.modules.base import hooked
 from torchfuser.ops._call import autocast_enabled, plain_eager
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
-_SMALL_BYTES = 32 << 20
 
 
 def _plain(linears) -> bool:
@@ -45,13 +45,12 @@ def _plain(linears) -> bool:
 def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -> Tensor | None:
     """``torch.cat([m(x) for m in linears], -1)`` as one GEMM, under autocast; None where that
     would not give the same result (see the module docstring): then call each projection.
-    Projections carrying PEFT LoRA adapters go to ``modules.lora`` (with or without autocast),
+    Projections carrying PEFT LoRA adapters go to ``modules.adapters.lora`` (with or without autocast),
     which counts on ``owner`` why a call could not run there. With FP8 on (``owner._fp8``), FP8 GEMMs
     (``modules.fp8``)."""
     if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, linears, owner)) is not None:
         return y
     if len(linears) > 1 and not all(type(m) is nn.Linear for m in linears):
-        from torchfuser.modules import lora  # here, not at the top: lora builds on this module
         return lora.joint(x, linears, owner) if any(map(lora.is_lora, linears)) else None
     device = x.device.type
     if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not autocast_enabled(device)
@@ -62,21 +61,19 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
     biases = [] if linears[0].bias is None else [m.bias for m in linears]
     if plain_eager((x, *weights, *biases)):
         return _AutocastLinear.apply(x, dtype, len(weights), *weights, *biases)
-    weight = _cast_cat(weights, dtype)
-    bias = None if not biases else _cast_cat(biases, dtype)
+    weight = gemm.cast_cat(weights, dtype)
+    bias = None if not biases else gemm.cast_cat(biases, dtype)
     with torch.autocast(device, enabled=False):
         return nn.functional.linear(x.to(dtype), weight, bias)
 
 
 def single(x: Tensor, linear: nn.Module, owner: nn.Module | None = None) -> Tensor:
-    """``linear(x)``; a PEFT LoRA layer runs as the fused LoRA node (``modules.lora``), which keeps x
+    """``linear(x)``; a PEFT LoRA layer runs as the fused LoRA node (``modules.adapters.lora``), which keeps x
     once in its own dtype for the backward where PEFT's adapter keeps an fp32 copy of it (on a bf16
     base: twice the bytes of every adapted output and down projection's input). With FP8 on, FP8 GEMMs."""
     if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, [linear], owner)) is not None:
         return y
     if type(linear) is not nn.Linear:  # plain projections (and traced code) take the call as it is
-        from torchfuser.modules import lora  # here, not at the top: lora builds on this module
-
         if lora.is_lora(linear):
             y = lora.joint(x, [linear], owner)
             if y is not None:
@@ -101,8 +98,8 @@ class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dtype, n_weights, *params):
         weights, biases = params[:n_weights], params[n_weights:]
-        w = _cast_cat(weights, dtype)
-        b = _cast_cat(biases, dtype) if biases else None
+        w = gemm.cast_cat(weights, dtype)
+        b = gemm.cast_cat(biases, dtype) if biases else None
         xc = x.to(dtype)
         ctx.save_for_backward(xc, w)
         ctx.x_dtype, ctx.n_weights = x.dtype, n_weights
@@ -116,13 +113,13 @@ class _AutocastLinear(torch.autograd.Function):
         n = ctx.n_weights
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3:3 + n], ctx.needs_input_grad[3 + n:]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = _mm(dy2, w, ctx.x_dtype).view(xc.shape) if need_x else None
+        dx = gemm.mm(dy2, w, ctx.x_dtype).view(xc.shape) if need_x else None
         dws, dbs = [None] * n, [None] * len(need_b)
         if any(need_w):
-            dw = _mm(dy2.t(), xc.reshape(-1, xc.shape[-1]), ctx.dtypes[0]).split(ctx.rows)
+            dw = gemm.mm(dy2.t(), xc.reshape(-1, xc.shape[-1]), ctx.dtypes[0]).split(ctx.rows)
             dws = [g if want else None for g, want in zip(dw, need_w)]
         if any(need_b):
-            db = _column_sums(dy2).to(ctx.dtypes[n]).split(ctx.rows)
+            db = gemm.column_sums(dy2).to(ctx.dtypes[n]).split(ctx.rows)
             dbs = [g if want else None for g, want in zip(db, need_b)]
         return (dx, None, None, *dws, *dbs)
 
@@ -158,8 +155,8 @@ class _ResidualLinear(torch.autograd.Function):
     def backward(ctx, dout):
         xc, w = ctx.saved_tensors
         g = dout.reshape(-1, dout.shape[-1]).to(w.dtype)
-        dx = _mm(g, w, ctx.x_dtype).view(xc.shape) if ctx.needs_input_grad[1] else None
-        dw = _mm(g.t(), xc.reshape(-1, xc.shape[-1]), ctx.w_dtype) if ctx.needs_input_grad[3] else None
+        dx = gemm.mm(g, w, ctx.x_dtype).view(xc.shape) if ctx.needs_input_grad[1] else None
+        dw = gemm.mm(g.t(), xc.reshape(-1, xc.shape[-1]), ctx.w_dtype) if ctx.needs_input_grad[3] else None
         return dout, dx, None, dw
 
 
@@ -169,38 +166,3 @@ def _addmm_fp32(r: Tensor, a: Tensor, b: Tensor) -> Tensor:
     if _out_dtype_ok(a.device):
         return torch.addmm(r, a, b, out_dtype=torch.float32)
     return r + torch.mm(a, b)
-
-
-def _column_sums(g: Tensor) -> Tensor:
-    """Σ over the rows of g, in fp32: as a product with a row of ones where cuBLAS writes fp32 from
-    low-precision operands (a bias gradient of 8192×1152 bf16 on an H200: 14 µs, against 22 µs for
-    the column reduction kernel of ``sum``; the same fp32 accumulation of exact values), else ``sum``."""
-    if g.dtype != torch.float32 and _out_dtype_ok(g.device):
-        return torch.mm(g.new_ones(1, g.shape[0]), g, out_dtype=torch.float32)[0]
-    return g.sum(0, dtype=torch.float32)
-
-
-def _mm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """a·b in ``dtype``: written in fp32 by cuBLAS from its fp32 accumulator where supported (fp32
-    is the one out_dtype it takes for bf16/fp16 operands), else rounded to the operands' dtype and
-    then cast (autocast's numerics)."""
-    if dtype == torch.float32 and a.dtype != dtype and _out_dtype_ok(a.device):
-        return torch.mm(a, b, out_dtype=dtype)
-    out = torch.mm(a, b)
-    return out if out.dtype == dtype else out.to(dtype)  # no ATen call for a cast that does nothing
-
-
-def _cast_cat(params: list[Tensor], dtype: torch.dtype) -> Tensor:
-    """The parameters cast to ``dtype`` and concatenated. Small ones: concatenate, then cast (two
-    launches, one cast back in the backward). Large ones: cast each into its rows of the result (fewer
-    bytes: the fp32 concatenation of an MLP's 2 × 16M weights would move 268 MB more)."""
-    if sum(p.numel() for p in params) * params[0].element_size() <= _SMALL_BYTES:
-        return torch.cat(params).to(dtype)
-    if torch.is_grad_enabled():
-        return torch.cat([p.to(dtype) for p in params])
-    # Without autograd to record it (inside _AutocastLinear): each cast written straight into its rows,
-    # one read and one write per element instead of a cast and then a concatenation of the casts.
-    out = params[0].new_empty((sum(p.shape[0] for p in params), *params[0].shape[1:]), dtype=dtype)
-    for rows, p in zip(out.split([p.shape[0] for p in params]), params):
-        rows.copy_(p)
-    return out

@@ -1,5 +1,5 @@
 """4-bit blockwise dequantisation (bitsandbytes' NF4 / FP4 layout) as a custom op: the transient base
-weight of a QLoRA projection (modules/quantized_base.py). No autograd: the base is frozen. Backends:
+weight of a QLoRA projection (modules/adapters/quantized_base.py). No autograd: the base is frozen. Backends:
 reference (PyTorch; also what ``mlir`` runs: a gather and a product leave nothing to fuse) and triton."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ of s = t or, with ``transpose``, s = tᵀ, scaled per row of s or, ``tensorwise`
 operand two GEMMs need, one row-scaled and one column-scaled (``torchfuser::fp8_quantize_both``:
 both of those at once, t read twice in all instead of three or four times). The formula is
 backends/reference/fp8_quant.py's; the Triton kernels give its bits exactly. Not differentiated: the
-FP8 GEMMs' autograd (modules/fp8.py) calls it on detached operands.
+FP8 GEMMs' autograd (modules/fp8/__init__.py) calls it on detached operands.
 
 Which code runs:
 - CUDA (Triton installed): the Triton kernels, through the custom op (eagerly, straight to them).

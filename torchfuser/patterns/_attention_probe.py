@@ -11,7 +11,7 @@ import inspect
 import torch
 from torch import nn
 
-from torchfuser.modules import lora
+from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import AttentionSpec, FusedAttention, split_concat
 from torchfuser.patterns import _probe
 

@@ -21,7 +21,7 @@ import math
 
 from torch import nn
 
-from torchfuser.modules import lora
+from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from torchfuser.modules import lora
+from torchfuser.modules.adapters import lora
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP, GatedMLPSpec, MLPSpec
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns.base import Pattern, Skip

@@ -257,7 +257,7 @@ def _attention_like(m: nn.Module) -> bool:
     two or more projections whose forward takes an attention mask."""
     if isinstance(m, FusedAttention) or any(w in type(m).__name__.lower() for w in ("attention", "attn")):
         return True
-    from torchfuser.modules import lora
+    from torchfuser.modules.adapters import lora
 
     projs = [n for n, c in m._modules.items() if c is not None and _probe.projection_dims(lora.base_of(c))]
     if len(projs) < 2:

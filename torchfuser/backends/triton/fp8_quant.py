@@ -1,4 +1,4 @@
-"""FP8 (e4m3) quantisation with current scaling, in Triton: the operands of modules/fp8.py's GEMMs.
+"""FP8 (e4m3) quantisation with current scaling, in Triton: the operands of modules/fp8/__init__.py's GEMMs.
 
 For a 2-D s (bf16 / fp16 / fp32), every step in fp32:
     amax  = max |s| over each row of s (rowwise) or over all of s (tensorwise)
@@ -8,7 +8,7 @@ For a 2-D s (bf16 / fp16 / fp32), every step in fp32:
 and ``fp8_quantize(t, tensorwise, transpose)`` returns (q row-major, scale: rows × 1 fp32, or ()),
 for s = t or, with ``transpose``, s = tᵀ: the dW GEMM's operands dyᵀ and xᵀ, scaled per column of
 dy and x, written transposed straight from t, no ``t.t().contiguous()`` copy. Nothing is saved for
-a backward: quantisation is not differentiated (the FP8 GEMMs' autograd is modules/fp8.py's).
+a backward: quantisation is not differentiated (the FP8 GEMMs' autograd is modules/fp8/__init__.py's).
 
 Bit for bit the PyTorch code it replaces (``t.float()``, abs, amax, clamp_min, two divisions, a multiply,
 clamp, ``.to(torch.float8_e4m3fn)`` on the CPU): the divisions are ``div_rn`` (IEEE, as PyTorch's

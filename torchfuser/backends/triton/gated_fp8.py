@@ -1,6 +1,6 @@
 """The packed gated activations (gated.py's formulas) as producers of an FP8 GEMM's operand: each kernel
 writes its output as gated.py's does, bit for bit, and also takes that output's maxima for the GEMM's
-rowwise quantisation both ways (modules/fp8.py), so no separate amax pass reads it again.
+rowwise quantisation both ways (modules/fp8/__init__.py), so no separate amax pass reads it again.
 
     swiglu_packed_fp8_fwd(gu) = (h, amax)      h = act(g)·u, the down projection's input
     swiglu_packed_fp8_bwd(dh, gu) = (d, amax)  d = [dg | du], the gate/up projection's output gradient

@@ -1,6 +1,6 @@
 """The RMSNorms (rms_norm.py's formulas) as producers of an FP8 GEMM's operand: each kernel writes what
 rms_norm.py's does, bit for bit, and also takes the maxima of the output a GEMM takes both ways
-(modules/fp8.py), as gated_fp8.py's kernels do, so no separate amax pass reads it again.
+(modules/fp8/__init__.py), as gated_fp8.py's kernels do, so no separate amax pass reads it again.
 
     rms_norm_fp8_fwd(x, w, ...) = (y, rstd, amax)                  y: the q/k/v projection's input
     add_rms_norm_fp8_fwd(x, r, w, ...) = (s, y, rstd, amax)         y: the gate/up projection's input

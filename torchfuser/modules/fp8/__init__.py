@@ -2,7 +2,7 @@
 
 Each projection y = x·Wᵀ (+ b) of a fused block (the joint q/k/v, the output projection, the joint
 gate/up, the down projection; with LoRA adapters, the bases' products in the fused LoRA node,
-``modules.lora``; the LM head only with ``fp8_lm_head=True``, in backends/*/linear_cross_entropy.py) runs
+``modules.adapters.lora``; the LM head only with ``fp8_lm_head=True``, in backends/*/linear_cross_entropy.py) runs
 three FP8 GEMMs through
 ``torch._scaled_mm``, every operand in e4m3 with current (dynamic) scaling, no state that could go stale:
 
@@ -26,7 +26,7 @@ held between calls (a cached frozen base held 2 bytes a weight: ≈ 13 GiB on an
 With ``fp8_weights="per_step"`` every weight's copies are kept until any ``torch.optim`` optimizer steps (or
 its version or storage changes: ``load_state_dict``, in-place ops, ``param.data = t``, ``swap_tensors``): once
 per optimizer step, not per micro-batch or checkpointed recompute, at 2 bytes a weight kept between calls
-(``fp8_step``). A ``param.data`` write is seen from the first call after the next optimizer step, not before
+(``fp8.step``). A ``param.data`` write is seen from the first call after the next optimizer step, not before
 (so per step assumes none between a step and the calls that follow it). Inside torch.compile and CUDA-graph
 captures every weight is quantised in the graph, every call (a recorded copy would go stale).
 
@@ -67,7 +67,8 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser.backends._fp8_gemm import _CPU_ROWWISE, _cpu_rowwise, mm  # noqa: F401 (tests patch them here)
-from torchfuser.modules import fallbacks, fp8_selfcheck as _selfcheck, fp8_step as _step
+from torchfuser.modules import fallbacks
+from torchfuser.modules.fp8 import selfcheck as _selfcheck, step as _step
 from torchfuser.modules.base import hooked
 from torchfuser.ops import fp8_quant as _quant
 from torchfuser.ops._call import plain_eager
@@ -172,7 +173,7 @@ class _Weights:
             # copy. A compiled graph or a CUDA graph replays what it recorded: per call there too. (per_step
             # with no step hook in, nothing counts the steps: per call too.)
             return _both(weights, recipe)
-        # per_step: the optimizer steps counted (fp8_step) key every copy, beside the versions and storages
+        # per_step: the optimizer steps counted (fp8.step) key every copy, beside the versions and storages
         key = (recipe, counted, *((id(w), w._version, w.data_ptr()) for w in weights))
         if key != self.key:
             self.fwd = self.bwd = None  # the old copies freed before the new are made

@@ -1,4 +1,4 @@
-"""Quantised base layers (bitsandbytes) under PEFT LoRA adapters, for the fused LoRA node (modules/lora.py).
+"""Quantised base layers (bitsandbytes) under PEFT LoRA adapters, for the fused LoRA node (modules/adapters/lora.py).
 
 A QLoRA projection is y = x·Ŵᵀ (+ b) + Σ s·(x·Aᵀ)·Bᵀ where Ŵ is the frozen base weight as bitsandbytes
 dequantises it. The node dequantises each base into a transient Ŵ right before its GEMM (the bases of

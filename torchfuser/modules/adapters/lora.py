@@ -39,7 +39,7 @@ copies of y's columns, of dy, of x). fp16 keeps PEFT's dtypes: fp16's range woul
 
 Quantised bases (QLoRA: bitsandbytes NF4 / FP4 / int8 under PEFT's bnb LoRA layers): the base weights
 are dequantised into a transient operand right before the joint GEMM and again for dx in the backward,
-never kept (``modules.quantized_base``).
+never kept (``modules.adapters.quantized_base``).
 
 A LoRA layer this cannot reproduce (a DoRA or other variant, merged weights, a LoRA bias, hooks,
 an in-place dropout) makes the caller run each projection as itself, counted in
@@ -54,11 +54,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from torchfuser.modules import fallbacks, fp8, quantized_base
-from torchfuser.switches import SWITCHES as _SWITCHES
+from torchfuser.modules import fallbacks, fp8, gemm
+from torchfuser.modules.adapters import quantized_base
 from torchfuser.modules.base import hooked
-from torchfuser.modules.projections import _cast_cat, _column_sums, _mm, _out_dtype_ok
 from torchfuser.ops._call import autocast_enabled, plain_eager
+from torchfuser.switches import SWITCHES as _SWITCHES
 
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -247,7 +247,7 @@ def _weight(base: nn.Module) -> Tensor:
 
 
 def _quant_problem(x: Tensor, bases) -> str | None:
-    """Why a call over quantised bases must run as PEFT's layers, or None (``modules.quantized_base``)."""
+    """Why a call over quantised bases must run as PEFT's layers, or None (``modules.adapters.quantized_base``)."""
     if not all(quantized_base.kind(b) for b in bases):
         return "quantised and unquantised bases in one joint projection"
     if len({quantized_base.compute_dtype(b, x) for b in bases}) > 1 or len({b.bias is None for b in bases}) > 1:
@@ -282,7 +282,7 @@ class _LoRALinear(torch.autograd.Function):
         with torch._C._DisableAutocast():  # every cast below is explicit: autocast's own
             xb = _as(x, cb)
             x2 = xb.reshape(-1, xb.shape[-1])
-            b = None if not biases else (_as(biases[0], cb) if len(biases) == 1 else _cast_cat(biases, cb))
+            b = None if not biases else (_as(biases[0], cb) if len(biases) == 1 else gemm.cast_cat(biases, cb))
             ctx.fp8_bwd = None
             if plan.fp8 is not None:  # the frozen (or not) bases as an FP8 GEMM, their copies made per call (or kept per step: fp8._Weights)
                 recipe, cache = plan.fp8
@@ -291,11 +291,11 @@ class _LoRALinear(torch.autograd.Function):
                 if b is not None:
                     y2 = y2 + b
                 y, w = y2.view(*xb.shape[:-1], y2.shape[-1]), weights[0]
-            elif plan.quant is not None:  # Ŵ dequantised for this GEMM only (modules.quantized_base)
+            elif plan.quant is not None:  # Ŵ dequantised for this GEMM only (modules.adapters.quantized_base)
                 y = quantized_base.linear(xb, plan.quant, biases).to(cb)
                 y2, w = y.view(-1, y.shape[-1]), weights[0]
             else:
-                w = _as(weights[0], cb) if len(weights) == 1 else _cast_cat(weights, cb)
+                w = _as(weights[0], cb) if len(weights) == 1 else gemm.cast_cat(weights, cb)
                 y = nn.functional.linear(xb, w, b)
                 y2 = y.view(-1, y.shape[-1])
             a = [_as(A, cl) for A in As]
@@ -367,18 +367,19 @@ class _LoRALinear(torch.autograd.Function):
                     continue
                 g = _as(cols[i], cl)
                 if need_bb[j]:
-                    d_bb[j] = _mm(g.t(), hs[j], bb_dtypes[j]).mul_(s)
+                    d_bb[j] = gemm.mm(g.t(), hs[j], bb_dtypes[j]).mul_(s)
                 if want_dh:
                     dh[j] = torch.mm(g, bb[j]).mul_(s)
             dx = None
             if need_x and ctx.fp8_bwd is not None:
                 dx = fp8.mm(fp8.quantize(dy2, plan.fp8[0]), ctx.fp8_bwd, ctx.x_dtype)
             elif need_x and plan.quant is not None:  # Ŵ dequantised again, not kept from the forward
-                layers, cd, gemm, backend = plan.quant
-                dx = _mm(dy2.to(gemm), quantized_base.joint_weight(layers, cd, backend).to(gemm), ctx.x_dtype)
+                layers, cd, gemm_dtype, backend = plan.quant
+                w_hat = quantized_base.joint_weight(layers, cd, backend).to(gemm_dtype)
+                dx = gemm.mm(dy2.to(gemm_dtype), w_hat, ctx.x_dtype)
             elif need_x:
                 w = weights[0] if len(weights) == 1 else torch.cat(weights)
-                dx = _mm(dy2, w, ctx.x_dtype)
+                dx = gemm.mm(dy2, w, ctx.x_dtype)
             if plain and plain_dh:
                 dh0 = _cat([dh[j] for j in plain], 1)
                 rows = [a[j].shape[0] for j in plain]
@@ -392,24 +393,24 @@ class _LoRALinear(torch.autograd.Function):
                         _addmm_bf16_(dx, d3, torch.cat([a_hl[:dh0.shape[1]], a_hl]))
                 else:
                     if any(need_a[j] for j in plain):
-                        da = _split(_mm(dh0.t(), _as(x2, cl), a_dtypes[plain[0]]), rows, 0)
+                        da = _split(gemm.mm(dh0.t(), _as(x2, cl), a_dtypes[plain[0]]), rows, 0)
                         for j, g in zip(plain, da):
                             d_a[j] = g if need_a[j] else None
                     if need_x:
-                        dx += _mm(dh0, _cat([a[j] for j in plain], 0), ctx.x_dtype)
+                        dx += gemm.mm(dh0, _cat([a[j] for j in plain], 0), ctx.x_dtype)
             for j, t in enumerate(plan.term_input):
                 if t:
                     xd = inputs[t - 1]
                     if need_a[j]:
-                        d_a[j] = _mm(dh[j].t(), _as(xd.reshape(-1, xd.shape[-1]), cl), a_dtypes[j])
+                        d_a[j] = gemm.mm(dh[j].t(), _as(xd.reshape(-1, xd.shape[-1]), cl), a_dtypes[j])
                     if need_in[t - 1]:
-                        d_in[t - 1] = _mm(dh[j], a[j], xd.dtype).view(xd.shape)
+                        d_in[t - 1] = gemm.mm(dh[j], a[j], xd.dtype).view(xd.shape)
             d_w, d_b = [None] * n, [None] * len(need_b)
             if any(need_w):
                 for i, g in enumerate(cols):
-                    d_w[i] = _mm(g.t(), x2, w_dtypes[i]) if need_w[i] else None
+                    d_w[i] = gemm.mm(g.t(), x2, w_dtypes[i]) if need_w[i] else None
             for i, g in enumerate(cols[:len(need_b)]):
-                d_b[i] = _as(_column_sums(g), b_dtypes[i]) if need_b[i] else None
+                d_b[i] = _as(gemm.column_sums(g), b_dtypes[i]) if need_b[i] else None
         if dx is not None:
             dx = dx.view(*dy.shape[:-1], dx.shape[-1])
         return (None, dx, *d_in, *d_w, *d_b, *d_a, *d_bb)
@@ -496,7 +497,7 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     """a·b of bf16 operands with fp32 accumulation, written in fp32: cuBLAS's ``out_dtype`` GEMM where
     there is one (CUDA); elsewhere (the CPU has no such overload) the same math as fp32 operands: the
     products of bf16 values are exact in fp32 either way, so the CPU tests check the GPU's algorithm."""
-    if _out_dtype_ok(a.device):
+    if gemm.fp32_out_ok(a.device):
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 
@@ -504,7 +505,7 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
 def _addmm_bf16_(y: Tensor, a: Tensor, b: Tensor) -> None:
     """y += a·b in place, all bf16: cuBLAS adds y to the fp32 accumulator and rounds once; elsewhere
     the same math spelled in fp32 (a CPU bf16 addmm may round the product before adding)."""
-    if _out_dtype_ok(a.device):
+    if gemm.fp32_out_ok(a.device):
         y.addmm_(a, b)
     else:
         y.copy_(torch.addmm(y.float(), a.float(), b.float()))

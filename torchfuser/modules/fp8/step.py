@@ -1,6 +1,6 @@
 """Optimizer steps, counted for ``optimize(model, fp8=..., fp8_weights="per_step")``.
 
-A trainable weight's quantised FP8 copies (modules/fp8.py) may be kept from one call to the next only
+A trainable weight's quantised FP8 copies (modules/fp8/__init__.py) may be kept from one call to the next only
 while the weight cannot have changed. Its version counter does not say so: fused optimizers
 (``AdamW(fused=True)``) update parameters in place without bumping it. So with ``"per_step"`` a kept copy
 is also keyed on the number of optimizer steps taken in the process, which a step post-hook of
