@@ -4,7 +4,7 @@ Each op has a fake implementation (for torch.compile and the meta device) and re
 autograd, and dispatches to the backend named in its last argument. Every backend returns
 contiguous outputs with exactly the shapes and dtypes the fake implementations give.
 """
-from .gated import gelu, geglu, geglu_packed, swiglu, swiglu_packed
+from .gated import gelu, geglu, geglu_erf, geglu_erf_packed, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .moe import moe_experts, moe_route
@@ -13,5 +13,5 @@ from .rope import rope
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed",
-    "geglu_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",
+    "geglu_packed", "geglu_erf", "geglu_erf_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",
 ]

@@ -1,6 +1,6 @@
 """The reference backend: plain PyTorch. The numerical oracle and the fallback on any device."""
 from .gated import (
-    gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
+    gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
 from .layer_norm import layer_norm_bwd, layer_norm_fwd
@@ -13,6 +13,7 @@ __all__ = [
     "rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
+    "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
     "moe_experts_bwd",
 ]
