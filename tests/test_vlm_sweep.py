@@ -71,3 +71,11 @@ def test_readme_table_is_generated(results):
     if found is None or found.group(1) != transformers.__version__:
         pytest.skip(f"the README's VLM table is for another transformers than {transformers.__version__}")
     assert vlm_sweep.table(results) in text, "the README's VLM table is stale: run `python tests/vlm_sweep.py --readme`"
+
+
+def test_vision_attention_with_q_and_k_norms_fused():
+    """InternVL's vision attention: RMS q/k norms over all heads (use_qk_norm), or Identity when off."""
+    for vision in ({"use_qk_norm": True}, {}):
+        r = vlm_sweep.run_one("internvl", vision)
+        assert r.kind == "fused", (vision, r.kind, r.detail)
+        assert r.towers.get("vision", {}).get("attention") == 2, (vision, r.skipped.get("attention"))

@@ -281,12 +281,15 @@ def _fail(res, kind, detail):
     return res
 
 
-def run_one(model_type: str) -> Result:
+def run_one(model_type: str, vision: dict | None = None) -> Result:
+    """The sweep of one type; ``vision``: fields set on its tiny vision config (a variant's switches)."""
     short, where = arch_sweep._short, arch_sweep._where
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         try:
             cfg = tiny_config(model_type)
+            for key, value in (vision or {}).items():
+                setattr(_vision(cfg), key, value)
             torch.manual_seed(0)
             ref = _model_class(model_type)._from_config(cfg).float().train()
         except Exception as err:
