@@ -40,7 +40,8 @@ _TOKEN_ID = re.compile(r"(_token_id|_token_index|_token_ids)$")
 # Vision fields tied to the number of patches a side: tokens after pooling (Gemma 3), image sequence lengths.
 _PER_IMAGE = ("mm_tokens_per_image",)
 # Widths of what a vision tower hands the language model: the text width.
-_TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim")
+_TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim",
+            "vision_output_dim", "projector_input_dim", "projector_output_dim")
 
 
 @dataclass
@@ -72,11 +73,26 @@ def _images(values: dict) -> dict:
     if isinstance(patch, int) and isinstance(values.get("image_size"), (int, list, tuple)):
         size = patch * PATCHES
         out["image_size"] = [size, size] if isinstance(values["image_size"], (list, tuple)) else size
+    if isinstance(values.get("image_grid_pinpoints"), list):  # any-resolution tiling: one tile of the tiny size
+        vis = values.get("vision_config") or {}
+        p, s = vis.get("patch_size", 14), vis.get("image_size")
+        side = (p[0] if isinstance(p, list) else p) * PATCHES if isinstance(p, (int, list)) and s else None
+        if side:
+            out["image_grid_pinpoints"] = [[side, side]]
+    for key, value in values.items():  # hidden-state taps (LLaVA's vision_feature_layer(s)) within the tiny depth
+        if key.endswith(("feature_layer", "feature_layers")):
+            if isinstance(value, int) and not -3 <= value < 3:
+                out[key] = -1
+            elif isinstance(value, list) and all(isinstance(i, int) for i in value):
+                out[key] = sorted({max(-3, min(2, i)) for i in value})
     if isinstance(values.get("depth"), int) and values["depth"] > 2:  # vision layers (Qwen-VL's towers)
         out["depth"] = 2
         for key, value in values.items():  # layer indices (full-attention layers, deepstack taps) → the two kept
             if key.endswith(("indexes", "indices")) and isinstance(value, list) and all(isinstance(i, int) for i in value):
                 out[key] = sorted({min(i, 1) for i in value})
+    ratio = values.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
+        out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)
     for key in _TO_TEXT:
         if isinstance(values.get(key), int):
             out[key] = arch_sweep._SIZE["hidden_size"]
@@ -86,13 +102,14 @@ def _images(values: dict) -> dict:
     return out
 
 
-def _sections(values: dict) -> dict:
-    """Multimodal rotary sections (``mrope_section``, in any nested dict) rescaled to the tiny half head width."""
+def _sections(values: dict, factor: float = 1.0) -> dict:
+    """Multimodal rotary sections (``mrope_section``, in any nested dict) rescaled to the tiny half rotary width."""
     out = {}
-    half = arch_sweep._SIZE["head_dim"] // 2
+    factor = values.get("partial_rotary_factor") if isinstance(values.get("partial_rotary_factor"), float) else factor
+    half = int(arch_sweep._SIZE["head_dim"] * factor) // 2
     for key, value in values.items():
         if isinstance(value, dict):
-            inner = _sections(value)
+            inner = _sections(value, factor)
             if inner:
                 out[key] = {**value, **inner}
         elif isinstance(key, str) and key.endswith("section") and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
@@ -136,7 +153,8 @@ def tiny_config(model_type: str):
         rope = getattr(sub, "rope_parameters", None)
         # Multimodal rotary sections the model defaults when the config names none (sized for head_dim 128).
         if "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
-            rope.setdefault("mrope_section", _sections({"mrope_section": [16, 24, 24]})["mrope_section"])
+            default = {"mrope_section": [16, 24, 24], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
+            rope.setdefault("mrope_section", _sections(default)["mrope_section"])
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
                 setattr(sub, name, 0)
@@ -174,7 +192,7 @@ def pixel_candidates(model, n_images: int):
         yield {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
                "image_grid_thw": torch.tensor([[1, side, side]] * n_images)}
     extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
-    for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size)):
+    for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size), (n_images, 2, channels, size, size)):
         pixels = torch.randn(*shape, generator=gen)
         yield {"pixel_values": pixels}
         if extra:
@@ -216,14 +234,15 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     text = model.config.get_text_config()
     width = getattr(text, "hidden_size", None)
     fn = _get_image_features(model)
+    image = _image_token(model.config)
     if fn is None or not isinstance(width, int):
-        raise ValueError("no get_image_features to count the image tokens by")
-    kwargs = {k: v for k, v in pixels.items() if k in inspect.signature(fn).parameters}
-    with torch.no_grad():
-        n = _feature_rows(fn(**kwargs), width)
+        n = rows  # cross-attention to the image (Mllama): one image token a row marks it
+    else:
+        kwargs = {k: v for k, v in pixels.items() if k in inspect.signature(fn).parameters}
+        with torch.no_grad():
+            n = _feature_rows(fn(**kwargs), width)
     if n % rows:
         raise ValueError(f"{n} image features do not split into {rows} images")
-    image = _image_token(model.config)
     gen = torch.Generator().manual_seed(1)
     specials = {v for v in range(VOCAB - 16, VOCAB)}
     body = [t for t in range(3, VOCAB) if t not in specials]
