@@ -79,3 +79,18 @@ def test_vision_attention_with_q_and_k_norms_fused():
         r = vlm_sweep.run_one("internvl", vision)
         assert r.kind == "fused", (vision, r.kind, r.detail)
         assert r.towers.get("vision", {}).get("attention") == 2, (vision, r.skipped.get("attention"))
+
+
+def test_vision_attention_with_unbatched_2d_rotary_tables_fused():
+    """Mistral 3 (Pixtral's vision tower): rotary tables S × D from 2-D patch positions, shared by the batch;
+    its gated MLP uses exact (erf) GELU."""
+    r = vlm_sweep.run_one("mistral3")
+    assert r.kind == "fused", (r.kind, r.detail)
+    vision = r.towers.get("vision", {})
+    assert vision.get("attention") == 2 and vision.get("gated_mlp") == 2, (vision, r.skipped)
+
+
+def test_vision_attention_over_cu_seqlens_fused():
+    """Qwen2.5-VL: windowed and full vision layers over cu_seqlens, on variable-length attention."""
+    r = vlm_sweep.run_one("qwen2_5_vl")
+    assert r.kind == "fused" and r.towers.get("vision", {}).get("varlen_attention") == 2, (r.towers, r.skipped)
