@@ -134,7 +134,9 @@ def _special_ids(values: dict, taken: list[int]) -> dict:
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        # Sub-configs merge field by field; any other dict (a per-layer table) is replaced whole.
+        sub = isinstance(v, dict) and isinstance(out.get(k), dict) and ("model_type" in v or str(k).endswith("_config"))
+        out[k] = _merge(out[k], v) if sub else v
     return out
 
 
