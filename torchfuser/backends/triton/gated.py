@@ -62,7 +62,7 @@ def _gelu_erf(x):
 
 @triton.jit
 def _gated_fwd_kernel(G, U, Y, M, N, sg, su, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # GELU picks the activation at compile time: 0 swiglu (silu), 1 geglu (tanh-GELU), 2 geglu_erf (erf GELU).
+    # GELU picks the activation at compile time: False swiglu (silu), True geglu (tanh-GELU), 2 geglu_erf (erf GELU).
     r, c, mask = _tile(M, N, ROWS, BLOCK_N)
     g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
@@ -139,7 +139,7 @@ def _layout(n: int, *ts: torch.Tensor):
     return views, m, n, (grid,), rows, block, warps
 
 
-_ACT = {"swiglu": 0, "geglu": 1, "geglu_erf": 2}
+_ACT = {"swiglu": False, "geglu": True, "geglu_erf": 2}  # bools as before: the recorded launches keep their keys
 _gated_fwd_launch, _gated_bwd_launch = Launcher(_gated_fwd_kernel), Launcher(_gated_bwd_kernel)
 _gelu_fwd, _gelu_bwd = Launcher(_gelu_fwd_kernel), Launcher(_gelu_bwd_kernel)
 
