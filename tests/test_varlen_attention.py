@@ -96,3 +96,15 @@ def test_segment_mask(cu, n):
     mask = segment_mask(torch.tensor(cu, dtype=torch.int32), n)
     seg = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.diff(torch.tensor(cu)))
     assert torch.equal(mask, seg[:, None] == seg[None, :])
+
+
+def test_rotary_tables_that_require_grad_run_the_original():
+    """Tables made from trained parameters (LLaVA-OneVision-1.5's vision tower): the original differentiates
+    through them, so the call runs it."""
+    torch.manual_seed(0)
+    model = Tower()
+    x, cu, (cos, sin) = _inputs()
+    torchfuser.optimize(model, backend="reference")
+    cos = cos.clone().requires_grad_()
+    model(x, cu, (cos, sin)).sum().backward()
+    assert cos.grad is not None and cos.grad.abs().sum() > 0

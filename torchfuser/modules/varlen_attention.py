@@ -76,6 +76,9 @@ class FusedVarlenAttention(FusedModule):
             pe = kwargs.get("position_embeddings")
             if pe is None or tuple(pe[0].shape) != (x.shape[0], self.spec.head_dim):
                 return "no (patches × head_dim) rotary tables given"
+            if torch.is_grad_enabled() and (pe[0].requires_grad or pe[1].requires_grad):
+                # Tables made from trained parameters: the original differentiates through them, rope does not.
+                return "rotary tables that require grad (made from trained parameters)"
         return None
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
