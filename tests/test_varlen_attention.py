@@ -21,15 +21,22 @@ def _rotate_half(x):
 class SegmentAttention(nn.Module):
     """Separate q/k/v, rotate-half rotary, one softmax per segment of cu_seqlens (a loop, as the originals)."""
 
-    def __init__(self, dim=32, heads=4, causal=False):
+    def __init__(self, dim=32, heads=4, causal=False, norms=False):
         super().__init__()
         self.num_heads, self.head_dim, self.causal = heads, dim // heads, causal
         self.query, self.key, self.value, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+        if norms:  # per-head q/k norms before the rotary (GLM-OCR)
+            self.q_norm, self.k_norm = nn.RMSNorm(dim // heads, eps=1e-6), nn.RMSNorm(dim // heads, eps=1e-6)
+            with torch.no_grad():
+                self.q_norm.weight.uniform_(0.5, 1.5)
+                self.k_norm.weight.uniform_(0.5, 1.5)
         self.config = types.SimpleNamespace(_attn_implementation="sdpa")
 
     def forward(self, hidden_states, cu_seqlens, position_embeddings=None):
         n = hidden_states.shape[0]
         q, k, v = (m(hidden_states).view(n, self.num_heads, -1) for m in (self.query, self.key, self.value))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = (t.unsqueeze(1) for t in position_embeddings)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         outs = []
@@ -56,15 +63,17 @@ def _inputs(n=11, d=8):
     return x, torch.tensor([0, 4, 9, 11], dtype=torch.int32), pe
 
 
-def test_segment_attention_fused_and_exact():
+@pytest.mark.parametrize("norms", [False, True])
+def test_segment_attention_fused_and_exact(norms):
     torch.manual_seed(0)
-    model = Tower()
+    model = Tower(norms=norms)
     x, cu, pe = _inputs()
     want = model(x, cu, pe)
     want_grads = torch.autograd.grad(want.square().sum(), list(model.parameters()))
     torchfuser.optimize(model, backend="reference")
     assert isinstance(model.attn, FusedVarlenAttention), torchfuser.report(model)
     assert model.attn.spec.layout == "separate" and model.attn.spec.rotary
+    assert (model.attn.spec.q_norm, model.attn.spec.k_norm) == (("q_norm", "k_norm") if norms else (None, None))
     got = model(x, cu, pe)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for g, w in zip(torch.autograd.grad(got.square().sum(), list(model.parameters())), want_grads):

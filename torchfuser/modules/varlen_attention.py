@@ -42,6 +42,8 @@ class VarlenAttentionSpec:
     head_dim: int
     scaling: float
     rotary: bool  # rotate-half rope of q and k with position_embeddings = (cos, sin), each S × head_dim
+    q_norm: str | None = None  # per-head norms of q and k before the rotary (GLM-OCR's vision attention)
+    k_norm: str | None = None
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
 
 
@@ -59,7 +61,7 @@ class FusedVarlenAttention(FusedModule):
 
     def __init__(self, original: nn.Module, spec: VarlenAttentionSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        wanted = {*spec.qkv, spec.out}
+        wanted = {*spec.qkv, spec.out, spec.q_norm, spec.k_norm} - {None}
         adopt(self, original, [n for n in original._modules if n in wanted])
         self.config = getattr(original, "config", None)
         self.__dict__["_original"] = original
@@ -95,6 +97,8 @@ class FusedVarlenAttention(FusedModule):
             q, k, v = single(hidden_states, getattr(self, s.qkv[0]), self).view(n, 3, h, d).unbind(1)
         else:
             q, k, v = (t.view(n, h, d) for t in project(hidden_states, [getattr(self, m) for m in s.qkv], self))
+        if s.q_norm is not None:
+            q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 × H × S × D
         if s.rotary:
             cos, sin = kwargs["position_embeddings"]

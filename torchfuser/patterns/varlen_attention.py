@@ -19,7 +19,8 @@ from torch import nn
 from torchfuser.modules import lora
 from torchfuser.modules.varlen_attention import _IMPLEMENTATIONS, FusedVarlenAttention, VarlenAttentionSpec
 from torchfuser.patterns import _probe
-from torchfuser.patterns.attention import _heads, _hint_rank, _scaling
+from torchfuser.patterns._attention_probe import ProbeNorm
+from torchfuser.patterns.attention import _heads, _hint_rank, _is_norm, _scaling
 from torchfuser.patterns.base import Pattern, Skip
 
 _WIDTH, _LENGTHS = 8, (3, 5, 2)  # probe: model-side width; segment lengths
@@ -38,7 +39,7 @@ def _params(module: nn.Module) -> list[str]:
         return []
 
 
-def _guesses(module: nn.Module, projs: dict, rotary: bool):
+def _guesses(module: nn.Module, projs: dict, rotary: bool, norms: list[str]):
     names = list(projs)
     for out in sorted(names, key=lambda n: _hint_rank([n], "o")):
         inputs = [n for n in names if n != out]
@@ -53,9 +54,11 @@ def _guesses(module: nn.Module, projs: dict, rotary: bool):
         elif len(inputs) == 3 and all(projs[n][1] == heads * d for n in inputs):
             for qkv in sorted(itertools.permutations(inputs), key=lambda p: _hint_rank(p, "qkv")):
                 layouts.append(("separate", qkv))
+        roles = [dict(q_norm=a, k_norm=b) for a, b in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk"))
+                 if module._modules[a].weight.shape[0] == d] if norms else [{}]
         for layout, qkv in layouts:
-            for rot in ((True, False) if rotary else (False,)):
-                yield VarlenAttentionSpec(layout=layout, qkv=qkv, rotary=rot, **common)
+            for rot, role in itertools.product((True, False) if rotary else (False,), roles):
+                yield VarlenAttentionSpec(layout=layout, qkv=qkv, rotary=rot, **role, **common)
 
 
 def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> str | None:
@@ -64,6 +67,9 @@ def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> st
     probe = _probe.shallow_copy(module)
     for n in spec.qkv:
         probe._modules[n] = _probe.small_projection(lora.base_of(module._modules[n]), _WIDTH, projs[n][1], gen)
+    for n in (spec.q_norm, spec.k_norm):
+        if n is not None:  # random weights: a norm applied in the wrong place or role shows
+            probe._modules[n] = ProbeNorm(module._modules[n].weight.shape[0], gen)
     probe._modules[spec.out] = _probe.small_projection(lora.base_of(module._modules[spec.out]), projs[spec.out][0], _WIDTH, gen)
     s = sum(_LENGTHS)
     x = _probe.randn(s, _WIDTH, gen=gen)
@@ -98,6 +104,8 @@ class VarlenAttentionPattern(Pattern):
         if len(projs) not in (2, 4):
             return None
         others = [n for n, m in module._modules.items() if m is not None and n not in projs]
+        norms = [n for n in others if _is_norm(module._modules[n])]
+        others = [n for n in others if n not in norms] + (norms if len(norms) not in (0, 2) else [])
         if others:
             return Skip(f"submodules {others} besides its projections, which the fused attention would not run")
         if any(lora.unsupported(n, module._modules[n]) for n in projs):
@@ -111,7 +119,7 @@ class VarlenAttentionPattern(Pattern):
             return Skip(f"attention dropout ({', '.join(drops)} > 0), which the fused attention does not apply")
         positional = _positional(module)
         first = None
-        for spec in _guesses(module, projs, "position_embeddings" in params):
+        for spec in _guesses(module, projs, "position_embeddings" in params, norms):
             spec = dataclasses.replace(spec, positional=positional)
             why = _probe_once(module, spec, projs)
             if why is None:
