@@ -104,6 +104,8 @@ class VarlenAttentionPattern(Pattern):
         if len(projs) not in (2, 4):
             return None
         others = [n for n, m in module._modules.items() if m is not None and n not in projs]
+        if any(_probe.projection_dims(sub) for n in others for sub in module._modules[n].modules()):
+            return None  # projections inside another child: a bigger block (an encoder layer), not an attention
         norms = [n for n in others if _is_norm(module._modules[n])]
         others = [n for n in others if n not in norms] + (norms if len(norms) not in (0, 2) else [])
         if others:
