@@ -35,6 +35,9 @@ for stage in "$@"; do
     fsdp1) for recipe in llama1b qwen05b; do
             timeout 200 python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/fsdp_check.py \
               --wrap fsdp1 --recipe $recipe --out "$OUT/fsdp1-$recipe-mp-bf16.json"; done ;;
+    # Vision-language steps (issue 40): Qwen2.5-VL-7B LoRA vs eager and Liger; Gemma-3-4B full FT vs eager and compile.
+    vlm) timeout 280 python3 benchmarks/vlm_step.py --shape qwen25vl7b --variants eager torchfuser liger --out "$OUT/vlm-step.jsonl"
+         timeout 300 python3 benchmarks/vlm_step.py --shape gemma3-4b --variants eager torchfuser compile --out "$OUT/vlm-step.jsonl" ;;
     demo) timeout 150 python3 -m torchfuser.cli demo ;;
     convergence) timeout 120 python3 benchmarks/convergence.py --steps 50 --tolerance 0.01 --out "$OUT/convergence.json" ;;
     check) timeout 200 python3 benchmarks/gpu_check_triton.py --skip timings --out "$OUT/gpu-check.jsonl" ;;

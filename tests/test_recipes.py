@@ -86,6 +86,14 @@ def test_sft_trl_fused_trains_as_unfused(flags, blocks):
     assert fused["fused_blocks"] == blocks
 
 
+@_needs("accelerate", "trl", "peft", "PIL")
+def test_vlm_sft_trl_fused_trains_as_unfused():
+    """Image + text pairs through SFTTrainer's vision collator, LoRA on the language model: both towers fused
+    (the vision attention over cu_seqlens included), the losses the unfused run's."""
+    fused = _same_training(_run(["vlm_sft_trl.py", "--compare", "--steps", "3"], timeout=300), 3)
+    assert {"varlen_attention", "attention", "gated_mlp", "rms_norm"} <= set(fused["fused_patterns"])
+
+
 @pytest.mark.parametrize("parallel", ["none", "ddp", "fsdp2"])
 def test_torchrun_loop_fused_trains_as_unfused(parallel):
     args = ["torchrun_loop.py", "--compare", "--steps", "3", "--seq", "64", "--parallel", parallel]

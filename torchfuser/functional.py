@@ -122,9 +122,11 @@ def swiglu(gate: Tensor, up: Tensor | None = None, *, backend: str | None = None
     return _gated("swiglu", gate, up, backend)
 
 
-def geglu(gate: Tensor, up: Tensor | None = None, *, backend: str | None = None) -> Tensor:
-    """gelu_tanh(gate) · up; ``up=None`` as for ``swiglu``."""
-    return _gated("geglu", gate, up, backend)
+def geglu(gate: Tensor, up: Tensor | None = None, *, approximate: str = "tanh", backend: str | None = None) -> Tensor:
+    """gelu_tanh(gate) · up, or with ``approximate="none"`` exact (erf) gelu(gate) · up; ``up=None`` as for ``swiglu``."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"geglu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return _gated("geglu" if approximate == "tanh" else "geglu_erf", gate, up, backend)
 
 
 def gelu(x: Tensor, approximate: str = "none", *, backend: str | None = None) -> Tensor:

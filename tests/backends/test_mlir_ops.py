@@ -86,6 +86,7 @@ OPS = {
     "layer_norm_nobias": (_ln_nobias, "xw"),
     "swiglu": (F.swiglu, "xx"),
     "geglu": (F.geglu, "xx"),
+    "geglu_erf": (lambda g, u, backend: F.geglu(g, u, approximate="none", backend=backend), "xx"),
     # one [gate | up] tensor: x's leading even number of channels
     "swiglu_packed": (lambda x, backend: F.swiglu(x[..., : x.shape[-1] // 2 * 2], backend=backend), "x"),
     "gelu": (_gelu_none, "x"),

@@ -192,21 +192,24 @@ def test_norm_backward_pipelined_loop(op, interpreter, monkeypatch):
 
 # ---------------------------------------------------------------- gated activations, gelu
 
+# geglu_erf: exact (erf) GELU gating (Pixtral's vision MLP)
+_GATED = {"swiglu": F.swiglu, "geglu": F.geglu,
+          "geglu_erf": lambda *t, backend: F.geglu(*t, approximate="none", backend=backend)}
 GATED_CASES = [((1, 64), LOW), ((37, 123), LOW + [torch.float16]), ((2, 3, 96), [torch.bfloat16])]
 
 
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("op", ["swiglu", "geglu", "geglu_erf"])
 @pytest.mark.parametrize("shape,dtype", [(s, d) for s, ds in GATED_CASES for d in ds])
 def test_gated(op, shape, dtype):
-    fn = lambda g, u, backend: getattr(F, op)(g, u, backend=backend)  # noqa: E731
+    fn = lambda g, u, backend: _GATED[op](g, u, backend=backend)  # noqa: E731
     _check(fn, [_rand(*shape, scale=2.0), _rand(*shape)], dtype, f"{op}{shape}")
 
 
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("op", ["swiglu", "geglu", "geglu_erf"])
 @pytest.mark.parametrize("dtype", LOW)
 def test_gated_halves_of_fused_projection(op, dtype):
     """gate and up as the two row-strided halves of one gate_up output: read without copies."""
-    fn = lambda gu, backend: getattr(F, op)(*gu.chunk(2, dim=-1), backend=backend)  # noqa: E731
+    fn = lambda gu, backend: _GATED[op](*gu.chunk(2, dim=-1), backend=backend)  # noqa: E731
     _check(fn, [_rand(37, 246, scale=2.0)], dtype, f"{op} chunked")
 
 
@@ -214,11 +217,11 @@ def test_gated_halves_of_fused_projection(op, dtype):
 PACKED_CASES = [((1, 128), LOW), ((37, 246), LOW + [torch.float16]), ((2, 3, 192), LOW), ((2, 16384), [torch.bfloat16])]
 
 
-@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("op", ["swiglu", "geglu", "geglu_erf"])
 @pytest.mark.parametrize("shape,dtype", [(s, d) for s, ds in PACKED_CASES for d in ds], ids=str)
 def test_gated_packed(op, shape, dtype):
     """up=None: one [gate | up] tensor in, one [dgate | dup] gradient out (no concatenation)."""
-    fn = lambda gu, backend: getattr(F, op)(gu, backend=backend)  # noqa: E731
+    fn = lambda gu, backend: _GATED[op](gu, backend=backend)  # noqa: E731
     _check(fn, [_rand(*shape, scale=2.0)], dtype, f"{op} packed{shape}")
 
 

@@ -296,6 +296,8 @@ class FusedAttention(FusedModule):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if s.rotary_dim:
             cos, sin = kwargs["position_embeddings"]
+            if cos.dim() == 2:  # one S × D table for every row (Pixtral's 2-D patch positions)
+                cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
             if s.rotary_sin_first:
                 cos, sin = sin, cos
             q, k = self._rope(q, k, cos, sin)

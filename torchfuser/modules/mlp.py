@@ -4,6 +4,7 @@ output of a fused gate_up projection or, under autocast, of gate and up run as o
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -21,7 +22,7 @@ from torchfuser.ops import gated as gated_ops
 class GatedMLPSpec:
     """down(act(gate(x)) · up(x)); with ``gate_up`` one projection yields both halves."""
 
-    activation: str  # "silu" → swiglu, "gelu_tanh" → geglu
+    activation: str  # "silu" → swiglu, "gelu_tanh" → geglu, "gelu" (erf) → geglu(approximate="none")
     down: str
     gate: str | None = None
     up: str | None = None
@@ -56,6 +57,9 @@ class _WithLoRA:
         return super().extra_repr() + (f", with {t}" if (t := self.lora_summary) else "")
 
 
+_GATED_ACTS = {"silu": F.swiglu, "gelu_tanh": F.geglu, "gelu": functools.partial(F.geglu, approximate="none")}
+
+
 class FusedGatedMLP(_WithLoRA, FusedModule):
     _projections = ("gate", "up", "gate_up", "down")
 
@@ -63,7 +67,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         super().__init__(spec, backend)
         names = (spec.gate, spec.up, spec.gate_up, spec.down, keep_dropout(self, original, spec.dropout)) + spec.keep
         adopt(self, original, [n for n in names if n is not None])
-        self._act = F.swiglu if spec.activation == "silu" else F.geglu
+        self._act = _GATED_ACTS[spec.activation]
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
@@ -105,7 +109,8 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         """The activation on [gate | up]; with rowwise FP8, the producer of the down projection's operand
         (and, backward, of the gate/up projection's gradient), handing their maxima on (modules.fp8)."""
         s = self.spec
-        if not fp8.producer_maxima(self, packed, [getattr(self, s.down)]):
+        # No FP8 producer kernel for erf GELU: its down projection quantises its own operand.
+        if s.activation == "gelu" or not fp8.producer_maxima(self, packed, [getattr(self, s.down)]):
             return self._act(packed, backend=self.backend)
         ups = [getattr(self, n) for n in (s.gate_up,) if n] or [getattr(self, s.gate), getattr(self, s.up)]
         grad_amax = x.requires_grad and fp8.producer_maxima(self, packed, ups)

@@ -5,7 +5,7 @@ autograd, and dispatches to the backend named in its last argument. Every backen
 contiguous outputs with exactly the shapes and dtypes the fake implementations give.
 """
 from .add_layer_norm import add_layer_norm, layer_norm_opening_residual
-from .gated import gelu, geglu, geglu_packed, swiglu, swiglu_packed
+from .gated import gelu, geglu, geglu_erf, geglu_erf_packed, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .moe import moe_experts, moe_route
@@ -13,7 +13,7 @@ from .rms_norm import add_rms_norm, rms_norm, rms_norm_opening_residual
 from .rope import rope
 
 __all__ = [
-    "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "add_layer_norm",
-    "layer_norm_opening_residual", "swiglu", "geglu", "swiglu_packed",
-    "geglu_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",
+from .add_layer_norm import add_layer_norm, layer_norm_opening_residual
+    "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed",
+    "geglu_packed", "geglu_erf", "geglu_erf_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",
 ]

@@ -1,4 +1,4 @@
-"""swiglu / geglu (gate, up → act(gate)·up; or one packed [gate | up] tensor) and gelu; nothing
+"""swiglu / geglu / geglu_erf (gate, up → act(gate)·up; or one packed [gate | up] tensor) and gelu; nothing
 is saved but the inputs."""
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ swiglu_fwd, swiglu_bwd, _swiglu = _define_gated("swiglu")
 geglu_fwd, geglu_bwd, _geglu = _define_gated("geglu")
 swiglu_packed_fwd, swiglu_packed_bwd, _swiglu_packed = _define_packed("swiglu")
 geglu_packed_fwd, geglu_packed_bwd, _geglu_packed = _define_packed("geglu")
+geglu_erf_fwd, geglu_erf_bwd, _geglu_erf = _define_gated("geglu_erf")  # exact (erf) GELU
+geglu_erf_packed_fwd, geglu_erf_packed_bwd, _geglu_erf_packed = _define_packed("geglu_erf")
 
 
 def swiglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
@@ -81,6 +83,14 @@ def swiglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
 
 def geglu(gate: Tensor, up: Tensor, backend: str) -> Tensor:
     return _geglu(gate, up, backend)
+
+
+def geglu_erf(gate: Tensor, up: Tensor, backend: str) -> Tensor:
+    return _geglu_erf(gate, up, backend)
+
+
+def geglu_erf_packed(gate_up: Tensor, backend: str) -> Tensor:
+    return _geglu_erf_packed(gate_up, backend)
 
 
 def swiglu_packed(gate_up: Tensor, backend: str) -> Tensor:

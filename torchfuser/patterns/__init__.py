@@ -11,9 +11,10 @@ from torchfuser.patterns.mlp import GatedMLPPattern, MLPPattern
 from torchfuser.patterns.moe import MoEPattern
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 from torchfuser.patterns.residual_norm import ResidualNormPattern
+from torchfuser.patterns.varlen_attention import VarlenAttentionPattern
 
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (
-    LMHeadLossPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(),
+    LMHeadLossPattern(), VarlenAttentionPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(),
     MoEPattern(),  # before the MLPs: a block of experts is one candidate, its parts are not
     GatedMLPPattern(), MLPPattern(), ResidualNormPattern())}
 

@@ -53,7 +53,7 @@ def takes_rope(module: nn.Module) -> bool:
     return any(p.name == "position_embeddings" for p in forward_params(module))
 
 
-def probe_copy(module: nn.Module, spec: AttentionSpec):
+def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False):
     """(probe module, input, kwargs): ``module`` on random float64 CPU parts (never the model's own
     tensors, which may be on the meta device or a GPU), narrow on the model side."""
     gen = _probe.generator(5)
@@ -84,7 +84,8 @@ def probe_copy(module: nn.Module, spec: AttentionSpec):
     if spec.rotary_dim or takes_rope(module):
         # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
         # rotates when the spec says it does not (a NoPE guess) cannot match.
-        shape = (_BATCH, _SEQ, spec.rotary_table_dim or spec.head_dim)
+        # flat_tables: one (S × D) table for every row (Pixtral's 2-D patch positions), not B × S × D.
+        shape = (_SEQ, spec.rotary_table_dim or spec.head_dim) if flat_tables else (_BATCH, _SEQ, spec.rotary_table_dim or spec.head_dim)
         kwargs["position_embeddings"] = (_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
     return probe, x, kwargs
 
@@ -153,7 +154,13 @@ def check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
         probe, x, kwargs = probe_copy(module, spec)
         want, got = run_both(probe, spec, x, kwargs, training)
     except Exception as err:  # a wrong guess often fails on shapes
-        return f"{type(err).__name__}: {err}"
+        if not spec.rotary_dim:
+            return f"{type(err).__name__}: {err}"
+        try:  # rotary tables shared by the batch, S × D (Pixtral / Mistral 3's vision attention)
+            probe, x, kwargs = probe_copy(module, spec, flat_tables=True)
+            want, got = run_both(probe, spec, x, kwargs, training)
+        except Exception:
+            return f"{type(err).__name__}: {err}"
     if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
         return "forward does not return (output, attention weights)"
     if not _probe.close(got[0], want[0]):

@@ -93,7 +93,7 @@ def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool):
 
 def _hint_rank(names, roles) -> int:
     """How many names disagree with the role letters (q/k/v, o): orders guesses, decides nothing."""
-    words = {"q": ("q", "query"), "k": ("k", "key"), "v": ("v", "value"), "o": ("o_", "out", "c_proj", "dense", "wo")}
+    words = {"q": ("q", "query"), "k": ("k", "key"), "v": ("v", "value"), "o": ("o_", "out", "c_proj", "dense", "wo", "projection")}
     return sum(not any(n.lower().startswith(w) or w in n.lower() for w in words[r]) for n, r in zip(names, roles))
 
 
@@ -272,6 +272,8 @@ class AttentionPattern(Pattern):
                 continue
             if isinstance(m, nn.Dropout):
                 drops.append(n)
+            elif type(m) is nn.Identity:  # a q/k norm or dropout switched off (InternVL's vision attention)
+                continue
             elif _is_norm(m):
                 norms.append(n)
             else:

@@ -1,7 +1,9 @@
 """LM head + loss on causal language models.
 
 A candidate is a Hugging Face causal LM (``*ForCausalLM``, or any class the auto mapping lists for
-causal LM, e.g. ``GPT2LMHeadModel``) whose forward takes ``labels``. It is fused when its output
+causal LM, e.g. ``GPT2LMHeadModel``) or image-text-to-text model (its head on the outer
+``*ForConditionalGeneration``; vocabulary and softcap read from the text config where the outer
+config has none) whose forward takes ``labels``. It is fused when its output
 embedding is a plain ``nn.Linear`` child as wide as the vocabulary and its forward's treatment of
 the logits and labels is one the fused loss reproduces, all learned by running the model's own
 forward on a shallow copy whose decoder is a stub and whose head returns known values
@@ -26,10 +28,14 @@ from torchfuser.patterns import _lm_head_probe as probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
-    from transformers.loss.loss_utils import ForCausalLMLoss
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError:  # pragma: no cover - transformers is a dependency
-    ForCausalLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES = None, {}
+    ForCausalLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, LOSS_MAPPING = None, {}, {}
+try:  # image-text-to-text models (LLaVA, Qwen-VL, Gemma 3...): the head sits on the outer model
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+except ImportError:  # pragma: no cover - older transformers
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES = {}
 
 # Config fields of logit transforms (Cohere's logit_scale, Granite's logits_scaling, muP-style
 # output multipliers, ...): where the forward cannot be probed on a stub decoder, present and set → skip.
@@ -41,9 +47,23 @@ _UNKNOWN_LOGIT_TRANSFORMS = (
 
 def _causal_lm_names() -> set[str]:
     names = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update(value if isinstance(value, (tuple, list)) else (value,))
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        for value in mapping.values():
+            names.update(value if isinstance(value, (tuple, list)) else (value,))
     return names
+
+
+def _text_field(cfg, name: str):
+    """A config field, or where the config leaves it unset its text config's (a multimodal model's
+    vocabulary and final softcapping live in ``config.text_config``)."""
+    value = getattr(cfg, name, None)
+    get_text = getattr(cfg, "get_text_config", None)
+    if value is None and callable(get_text):
+        try:
+            value = getattr(get_text(), name, None)
+        except (TypeError, ValueError):
+            value = None
+    return value
 
 
 _CAUSAL_LM = _causal_lm_names()
@@ -83,7 +103,7 @@ def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
     names no logit transform."""
     cfg = getattr(module, "config", None)
     for attr in _UNKNOWN_LOGIT_TRANSFORMS:
-        value = getattr(cfg, attr, None)
+        value = _text_field(cfg, attr)
         if value is not None:
             return Skip(f"config.{attr}={value}: a logit scaling the fused loss does not reproduce")
     try:
@@ -157,18 +177,19 @@ class LMHeadLossPattern(Pattern):
         if name is None:
             return Skip("output embeddings are not a direct child of the model")
         cfg = getattr(module, "config", None)
-        vocab = getattr(cfg, "vocab_size", None)
+        vocab = _text_field(cfg, "vocab_size")
         if head.out_features != vocab:
-            return Skip(f"head has {head.out_features} outputs but config.vocab_size is {vocab}")
+            return Skip(f"head has {head.out_features} outputs but the (text) config's vocab_size is {vocab}")
         if ForCausalLMLoss is None or getattr(module, "_loss_function", ForCausalLMLoss) is not ForCausalLMLoss:
             return Skip("a custom loss_function is set; only transformers' ForCausalLMLoss is reproduced")
         loss_type = getattr(module, "loss_type", None) or getattr(cfg, "loss_type", None)
-        if loss_type not in (None, "ForCausalLM"):
+        # "ForConditionalGeneration" (image-text-to-text models) maps to ForCausalLMLoss too.
+        if loss_type not in (None, "ForCausalLM") and LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss:
             return Skip(f"loss_type {loss_type!r}; only ForCausalLM is reproduced")
         z_loss = getattr(module, "z_loss_coefficient", None) or getattr(cfg, "z_loss_coefficient", None)
         if isinstance(z_loss, (int, float)) and z_loss > 0:  # Bamba adds coef·mean(logsumexp²) with labels
             return Skip(f"a z-loss on the logits (z_loss_coefficient={z_loss}) that the fused loss does not add")
-        softcap = getattr(cfg, "final_logit_softcapping", None)
+        softcap = _text_field(cfg, "final_logit_softcapping")
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))

@@ -140,7 +140,7 @@ def _roles_by_shape(parts: _Parts) -> list[dict]:
 
 class GatedMLPPattern(Pattern):
     name = "gated_mlp"
-    description = "down(act(gate(x))·up(x)), SiLU → swiglu, tanh-GELU → geglu"
+    description = "down(act(gate(x))·up(x)), SiLU → swiglu, tanh-GELU → geglu, exact (erf) GELU → geglu(approximate='none')"
     fused = FusedGatedMLP
 
     def match(self, module):
@@ -154,9 +154,9 @@ class GatedMLPPattern(Pattern):
             return Skip(_unknown(module, parts.others))
         if why := _lora_problem(module, parts):
             return Skip(why)
-        if parts.act_kind not in ("silu", "gelu_tanh"):
+        if parts.act_kind not in ("silu", "gelu_tanh", "gelu"):
             return Skip(f"a gated MLP with {_ACT_WORDS[parts.act_kind]}: that activation has no fused gated kernel "
-                        "(SiLU, as in SwiGLU, and tanh-GELU, as in GeGLU, do)")
+                        "(SiLU, tanh-GELU and exact GELU do)")
         skips = []
         for role in roles:
             found = self._probe_roles(module, parts, **role)

@@ -6,8 +6,9 @@ Importing this package is cheap: torch-mlir is imported on the first compile.
 from __future__ import annotations
 
 from .ops import (
-    add_layer_norm_fwd, add_rms_norm_bwd, add_rms_norm_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, gelu_bwd, gelu_fwd,
-    layer_norm_bwd, layer_norm_fwd, layer_norm_res_bwd, rms_norm_bwd, rms_norm_fwd, rope_bwd, rope_fwd, swiglu_bwd, swiglu_fwd,
+    add_layer_norm_fwd, add_rms_norm_bwd, add_rms_norm_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd,
+    geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, gelu_bwd, gelu_fwd, layer_norm_bwd, layer_norm_fwd,
+    layer_norm_res_bwd, rms_norm_bwd, rms_norm_fwd, rope_bwd, rope_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
 
@@ -16,6 +17,7 @@ __all__ = [
     "add_layer_norm_fwd", "layer_norm_res_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
+    "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "compile_graph",
 ]
 

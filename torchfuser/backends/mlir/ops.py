@@ -176,6 +176,22 @@ def geglu_packed_bwd(dy, gate_up):
     return torch.cat(geglu_bwd(dy, *ref_gated.halves(gate_up)), dim=-1)
 
 
+def geglu_erf_fwd(gate, up):
+    return _pair("geglu_erf", ref_gated.geglu_erf, gate, up)
+
+
+def geglu_erf_bwd(dy, gate, up):
+    return _pair_bwd("geglu_erf", ref_gated.geglu_erf, dy, gate, up)
+
+
+def geglu_erf_packed_fwd(gate_up):
+    return geglu_erf_fwd(*ref_gated.halves(gate_up))
+
+
+def geglu_erf_packed_bwd(dy, gate_up):
+    return torch.cat(geglu_erf_bwd(dy, *ref_gated.halves(gate_up)), dim=-1)
+
+
 def gelu_fwd(x, approximate):
     check_dtypes("gelu", x)
     h = _hidden(x)

@@ -1,7 +1,7 @@
 """The reference backend: plain PyTorch. The numerical oracle and the fallback on any device."""
 from .dequant_4bit import dequantize_4bit_fwd
 from .gated import (
-    gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
+    gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
 from .layer_norm import add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd, layer_norm_res_bwd
@@ -15,6 +15,7 @@ __all__ = [
     "add_layer_norm_fwd", "layer_norm_res_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
+    "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
     "moe_experts_bwd", "dequantize_4bit_fwd",
 ]

@@ -1,4 +1,5 @@
-"""Gated activations: swiglu = silu(gate) · up, geglu = gelu_tanh(gate) · up; and plain gelu.
+"""Gated activations: swiglu = silu(gate) · up, geglu = gelu_tanh(gate) · up, geglu_erf = gelu(gate) · up
+(exact, erf GELU: LLaVA-family projectors, Pixtral's vision MLP); and plain gelu.
 The ``*_packed`` variants take one [gate | up] tensor and give its gradient as one tensor."""
 from __future__ import annotations
 
@@ -15,6 +16,28 @@ def swiglu(gate, up):
 def geglu(gate, up):
     ct = compute_dtype(gate, up)
     return (F.gelu(gate.to(ct), approximate="tanh") * up.to(ct)).to(gate.dtype)
+
+
+def geglu_erf(gate, up):
+    ct = compute_dtype(gate, up)
+    return (F.gelu(gate.to(ct)) * up.to(ct)).to(gate.dtype)
+
+
+def geglu_erf_fwd(gate, up):
+    return geglu_erf(gate, up).contiguous()
+
+
+def geglu_erf_bwd(dy, gate, up):
+    return tuple(g.contiguous() for g in vjp(geglu_erf, (gate, up), dy))
+
+
+def geglu_erf_packed_fwd(gate_up):
+    return geglu_erf_fwd(*halves(gate_up))
+
+
+def geglu_erf_packed_bwd(dy, gate_up):
+    (d,) = vjp(lambda gu: geglu_erf(*halves(gu)), (gate_up,), dy)
+    return d.contiguous()
 
 
 def gelu(x, approximate: str):

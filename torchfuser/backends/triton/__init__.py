@@ -12,7 +12,7 @@ from .dequant_4bit import dequantize_4bit_fwd
 from .fp8_blocks import fp8_quantize_blocks, fp8_quantize_weight_blocks
 from .fp8_quant import fp8_quantize, fp8_quantize_both, fp8_quantize_both_amax
 from .gated import (
-    gelu_bwd, gelu_fwd, geglu_bwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
+    gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
 from .gated_fp8 import geglu_packed_fp8_bwd, geglu_packed_fp8_fwd, swiglu_packed_fp8_bwd, swiglu_packed_fp8_fwd
@@ -28,6 +28,7 @@ __all__ = [
     "add_layer_norm_fwd", "layer_norm_res_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
+    "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_", "fp8_quantize",
     "fp8_quantize_both", "fp8_quantize_both_amax", "fp8_quantize_blocks", "fp8_quantize_weight_blocks",
     "swiglu_packed_fp8_fwd", "swiglu_packed_fp8_bwd", "geglu_packed_fp8_fwd", "geglu_packed_fp8_bwd",

@@ -3,6 +3,7 @@
     swiglu(g, u) = silu(g) · u,       silu(g) = g·σ(g),        silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
     geglu(g, u)  = gelu_tanh(g) · u,  gelu_tanh(g) = ½g(1 + t), t = tanh(k0·(g + k1·g³)),
                    gelu_tanh'(g) = ½(1 + t) + ½g·(1 − t²)·k0·(1 + 3k1·g²)
+    geglu_erf(g, u) = gelu(g) · u     (exact GELU, below)
     gelu(x)      = ½x(1 + erf(x/√2)), gelu'(x) = ½(1 + erf(x/√2)) + x·φ(x)   (or the tanh form)
 Backward: dg = dy · u · act'(g), du = dy · act(g). Saved for the backward: the inputs only
 (recomputing act(g) is cheaper than storing it). Math in fp32, one rounding per output.
@@ -61,11 +62,13 @@ def _gelu_erf(x):
 
 @triton.jit
 def _gated_fwd_kernel(G, U, Y, M, N, sg, su, GELU: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # GELU picks the activation at compile time: swiglu (silu) or geglu (tanh-GELU).
+    # GELU picks the activation at compile time: False swiglu (silu), True geglu (tanh-GELU), 2 geglu_erf (erf GELU).
     r, c, mask = _tile(M, N, ROWS, BLOCK_N)
     g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
+    if GELU == 2:
+        a, _ = _gelu_erf(g)
+    elif GELU == 1:
         a, _ = _gelu_tanh(g)
     else:
         a, _ = _silu(g)
@@ -80,7 +83,9 @@ def _gated_bwd_kernel(DY, G, U, DG, DU, M, N, sdy, sg, su, sd,
     dy = tl.load(DY + r * sdy + c, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + r * sg + c, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + r * su + c, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
+    if GELU == 2:
+        a, da = _gelu_erf(g)
+    elif GELU == 1:
         a, da = _gelu_tanh(g)
     else:
         a, da = _silu(g)
@@ -134,6 +139,7 @@ def _layout(n: int, *ts: torch.Tensor):
     return views, m, n, (grid,), rows, block, warps
 
 
+_ACT = {"swiglu": False, "geglu": True, "geglu_erf": 2}  # bools as before: the recorded launches keep their keys
 _gated_fwd_launch, _gated_bwd_launch = Launcher(_gated_fwd_kernel), Launcher(_gated_bwd_kernel)
 _gelu_fwd, _gelu_bwd = Launcher(_gelu_fwd_kernel), Launcher(_gelu_bwd_kernel)
 
@@ -144,7 +150,7 @@ def _gated_fwd(op, gate, up):
     if gate.numel() == 0:
         return y
     ((g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(gate.shape[-1], gate, up)
-    _gated_fwd_launch(grid, g, u, y, m, n, sg, su, GELU=op == "geglu", ROWS=rows, BLOCK_N=block, num_warps=warps)
+    _gated_fwd_launch(grid, g, u, y, m, n, sg, su, GELU=_ACT[op], ROWS=rows, BLOCK_N=block, num_warps=warps)
     return y
 
 
@@ -163,7 +169,7 @@ def _gated_bwd(op, dy, gate, up, packed=None):
         return (dg, du) if outs is None else outs
     # Packed halves are never contiguous (but for one row), so they are walked row by row.
     ((d, sdy), (g, sg), (u, su)), m, n, grid, rows, block, warps = _layout(n, dy, gate, up)
-    _gated_bwd_launch(grid, d, g, u, dg, du, m, n, sdy, sg, su, out_stride or n, GELU=op == "geglu",
+    _gated_bwd_launch(grid, d, g, u, dg, du, m, n, sdy, sg, su, out_stride or n, GELU=_ACT[op],
                       ROWS=rows, BLOCK_N=block, num_warps=warps)
     return (dg, du) if outs is None else outs
 
@@ -203,6 +209,22 @@ def geglu_fwd(gate, up):
 
 def geglu_bwd(dy, gate, up):
     return _gated_bwd("geglu", dy, gate, up)
+
+
+def geglu_erf_packed_fwd(gate_up):
+    return _gated_fwd("geglu_erf", *_packed_halves(gate_up))
+
+
+def geglu_erf_packed_bwd(dy, gate_up):
+    return _gated_bwd("geglu_erf", dy, *_packed_halves(gate_up), packed=gate_up)
+
+
+def geglu_erf_fwd(gate, up):
+    return _gated_fwd("geglu_erf", gate, up)
+
+
+def geglu_erf_bwd(dy, gate, up):
+    return _gated_bwd("geglu_erf", dy, gate, up)
 
 
 def _check_approximate(approximate):

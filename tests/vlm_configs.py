@@ -1,0 +1,135 @@
+"""Tiny configs for both towers of an image-text-to-text model type, for tests/vlm_sweep.py: the causal-LM
+sweep's generic sizes applied to every sub-config, images of ``patch_size·8`` pixels a side, vision depth 2
+(layer indices mapped into it), the widths a vision tower hands the language model set to the text width,
+multimodal rotary sections rescaled, and special token ids moved into the tiny vocabulary."""
+from __future__ import annotations
+
+import re
+
+import arch_sweep
+
+VOCAB = arch_sweep.VOCAB
+PATCHES = 8  # patches a side of a tiny image
+_TOKEN_ID = re.compile(r"(_token_id|_token_index|_token_ids)$")
+# Vision fields tied to the number of patches a side: tokens after pooling (Gemma 3), image sequence lengths.
+_PER_IMAGE = ("mm_tokens_per_image",)
+# Widths of what a vision tower hands the language model: the text width.
+_TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim",
+            "vision_output_dim", "projector_input_dim", "projector_output_dim")
+
+
+def _images(values: dict) -> dict:
+    """Small images in every (sub-)config with a patch size: ``PATCHES`` patches a side."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            out[key] = {**value, **_images(value)}
+    patch = values.get("patch_size")
+    patch = patch[0] if isinstance(patch, (list, tuple)) and patch else patch
+    if isinstance(patch, int) and isinstance(values.get("image_size"), (int, list, tuple)):
+        size = patch * PATCHES
+        out["image_size"] = [size, size] if isinstance(values["image_size"], (list, tuple)) else size
+    if isinstance(values.get("image_grid_pinpoints"), list):  # any-resolution tiling: one tile of the tiny size
+        vis = values.get("vision_config") or {}
+        p, s = vis.get("patch_size", 14), vis.get("image_size")
+        side = (p[0] if isinstance(p, list) else p) * PATCHES if isinstance(p, (int, list)) and s else None
+        if side:
+            out["image_grid_pinpoints"] = [[side, side]]
+    for key, value in values.items():  # hidden-state taps (LLaVA's vision_feature_layer(s)) within the tiny depth
+        if key.endswith(("feature_layer", "feature_layers")):
+            if isinstance(value, int) and not -3 <= value < 3:
+                out[key] = -1
+            elif isinstance(value, list) and all(isinstance(i, int) for i in value):
+                out[key] = sorted({max(-3, min(2, i)) for i in value})
+    if isinstance(values.get("depth"), int) and values["depth"] > 2:  # vision layers (Qwen-VL's towers)
+        out["depth"] = 2
+        for key, value in values.items():  # layer indices (full-attention layers, deepstack taps) → the two kept
+            if key.endswith(("indexes", "indices")) and isinstance(value, list) and all(isinstance(i, int) for i in value):
+                out[key] = sorted({min(i, 1) for i in value})
+    ratio = values.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
+        out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)
+    for key in _TO_TEXT:
+        if isinstance(values.get(key), int):
+            out[key] = arch_sweep._SIZE["hidden_size"]
+    for key in _PER_IMAGE:
+        if isinstance(values.get(key), int):
+            out[key] = (PATCHES // 2) ** 2
+    return out
+
+
+def _sections(values: dict, factor: float = 1.0) -> dict:
+    """Multimodal rotary sections (``mrope_section``, in any nested dict) rescaled to the tiny half rotary width."""
+    out = {}
+    factor = values.get("partial_rotary_factor") if isinstance(values.get("partial_rotary_factor"), float) else factor
+    half = int(arch_sweep._SIZE["head_dim"] * factor) // 2
+    for key, value in values.items():
+        if isinstance(value, dict):
+            inner = _sections(value, factor)
+            if inner:
+                out[key] = {**value, **inner}
+        elif isinstance(key, str) and key.endswith("section") and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            scaled = [max(1, v * half // sum(value)) for v in value]
+            scaled[-1] += half - sum(scaled)
+            out[key] = scaled
+    return out
+
+
+def _special_ids(values: dict, taken: list[int]) -> dict:
+    """Token ids past the tiny vocabulary moved to its top, each to its own id."""
+    out = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+            out[key] = {**value, **_special_ids(value, taken)}
+        elif isinstance(key, str) and _TOKEN_ID.search(key) and isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
+            out[key] = VOCAB - 1 - len(taken)
+            taken.append(value)
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        # Sub-configs merge field by field; any other dict (a per-layer table) is replaced whole.
+        sub = isinstance(v, dict) and isinstance(out.get(k), dict) and ("model_type" in v or str(k).endswith("_config"))
+        out[k] = _merge(out[k], v) if sub else v
+    return out
+
+
+def tiny_config(model_type: str):
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    values = _merge(defaults, arch_sweep._tiny(defaults))
+    values = _merge(values, _images(values))
+    values = _merge(values, _special_ids(values, []))
+    values = _merge(values, _sections(values))
+    values.pop("model_type", None)
+    values.pop("transformers_version", None)
+    cfg = AutoConfig.for_model(model_type, **values)
+    for sub in (cfg, getattr(cfg, "text_config", None)):
+        rope = getattr(sub, "rope_parameters", None)
+        # Multimodal rotary sections the model defaults when the config names none (sized for head_dim 128).
+        if "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
+            default = {"mrope_section": [16, 24, 24], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
+            rope.setdefault("mrope_section", _sections(default)["mrope_section"])
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
+                setattr(sub, name, 0)
+    return cfg
+
+
+def _vision(cfg):
+    sub = next((getattr(cfg, n) for n in ("vision_config", "visual_config", "vision_tower_config")
+                if getattr(cfg, n, None) is not None), cfg)
+    return sub
+
+
+def _first_int(cfg, names, default):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if isinstance(v, (list, tuple)) and v:
+            v = v[0]
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return default

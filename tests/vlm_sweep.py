@@ -1,0 +1,292 @@
+"""Every image-text-to-text model type of the installed transformers, tiny and random, unfused against fused.
+
+Each type of ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES`` gets a tiny config for both towers (the causal-LM
+sweep's generic sizes, applied to every sub-config; images of ``patch_size·8`` pixels a side; special token ids
+moved into the tiny vocabulary), random pixel values of a shape its forward takes (tried in turn: patches
+flattened with a ``grid_thw`` as Qwen-VL's processor makes them, one image a row, one tile of one image a row),
+and a batch of two rows with one image each whose image tokens sit where a processor puts them: one
+contiguous run, as long as the model's own ``get_image_features`` makes features, after a short text prompt.
+Labels are the tokens with image tokens -100. One fp32 training step on the CPU unfused and fused
+(``backend="reference"``), and the type is classed as in ``arch_sweep``: ``fused`` (and exact), ``nothing``
+(every candidate skipped, the report says why), ``unbuildable`` (no tiny config, or no input shape its
+forward runs on), ``wrong`` or ``crash`` (failures).
+
+``python tests/vlm_sweep.py [TYPES] [--readme]`` prints the table and rewrites the README's VLM table.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import inspect
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import arch_sweep  # noqa: E402
+import torchfuser  # noqa: E402
+from vlm_configs import PATCHES, VOCAB, _first_int, _vision, tiny_config  # noqa: E402
+
+PROMPT, TAIL = 3, 5  # text tokens before and after the image
+
+
+@dataclass
+class Result(arch_sweep.Result):
+    towers: dict[str, dict[str, int]] = field(default_factory=dict)  # tower → pattern → fused blocks
+
+
+def model_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def _model_class(model_type: str):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
+
+
+def pixel_candidates(model, n_images: int):
+    """Pixel inputs of the shapes image-text models take, most specific first (keyword → tensor)."""
+    vis = _vision(model.config)
+    params = inspect.signature(type(model).forward).parameters
+    gen = torch.Generator().manual_seed(2)
+    channels = _first_int(vis, ("num_channels", "in_channels", "in_chans", "image_channels"), 3)
+    patch = _first_int(vis, ("patch_size",), 14)
+    size = _first_int(vis, ("image_size",), patch * PATCHES)
+    if "image_grid_thw" in params:
+        temporal = _first_int(vis, ("temporal_patch_size",), 1)
+        merge = _first_int(vis, ("spatial_merge_size", "merge_size"), 1)
+        side = 2 * merge
+        yield {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
+               "image_grid_thw": torch.tensor([[1, side, side]] * n_images)}
+    extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
+    for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size), (n_images, 2, channels, size, size)):
+        pixels = torch.randn(*shape, generator=gen)
+        yield {"pixel_values": pixels}
+        if extra:
+            yield {"pixel_values": pixels, **extra}
+
+
+def _get_image_features(model):
+    for m in (model, getattr(model, "model", None)):
+        fn = getattr(m, "get_image_features", None)
+        if callable(fn):
+            return fn
+    return None
+
+
+def _feature_rows(out, width: int) -> int:
+    if hasattr(out, "pooler_output") and out.pooler_output is not None:
+        out = out.pooler_output
+    elif not isinstance(out, (torch.Tensor, list, tuple)) and hasattr(out, "to_tuple"):
+        out = out.to_tuple()[0]
+    tensors = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+    total = sum(t.numel() for t in tensors)
+    if not tensors or total % width:
+        raise ValueError(f"image features of {total} values are not rows of the text width {width}")
+    return total // width
+
+
+def _image_token(cfg) -> int:
+    for sub in (cfg, getattr(cfg, "text_config", None)):
+        for name in ("image_token_id", "image_token_index", "image_token"):
+            v = getattr(sub, name, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    raise ValueError("the config names no image token id")
+
+
+def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
+    """input_ids with one image's tokens a row (as many as ``get_image_features`` makes), the pixel inputs,
+    labels with image tokens -100, and the token-type masks the forward takes."""
+    text = model.config.get_text_config()
+    width = getattr(text, "hidden_size", None)
+    fn = _get_image_features(model)
+    image = _image_token(model.config)
+    if fn is None or not isinstance(width, int):
+        n = rows  # cross-attention to the image (Mllama): one image token a row marks it
+    else:
+        kwargs = {k: v for k, v in pixels.items() if k in inspect.signature(fn).parameters}
+        with torch.no_grad():
+            n = _feature_rows(fn(**kwargs), width)
+    if n % rows:
+        raise ValueError(f"{n} image features do not split into {rows} images")
+    gen = torch.Generator().manual_seed(1)
+    specials = {v for v in range(VOCAB - 16, VOCAB)}
+    body = [t for t in range(3, VOCAB) if t not in specials]
+    ids = torch.tensor(body)[torch.randint(0, len(body), (rows, PROMPT + n // rows + TAIL), generator=gen)]
+    ids[:, PROMPT:PROMPT + n // rows] = image
+    labels = ids.masked_fill(ids == image, -100)
+    inputs = {"input_ids": ids, "labels": labels, **pixels}
+    params = inspect.signature(type(model).forward).parameters
+    for name in ("token_type_ids", "mm_token_type_ids"):
+        if name in params:
+            inputs[name] = (ids == image).long()
+    return inputs
+
+
+def _step(model, inputs):
+    torch.manual_seed(0)
+    out = model(**{k: v.clone() for k, v in inputs.items()}, use_cache=False)
+    loss = out.loss if not isinstance(out, tuple) else out[0]
+    loss.backward()
+    return loss.detach()
+
+
+def grads_match(ref, fused, rel: float = 1e-4) -> str | None:
+    """Every gradient within ``rel`` of the largest of its own tensor, with a floor at ``rel`` of the largest
+    gradient norm of the model: a gradient that is zero in exact arithmetic (a bias before a norm) is rounding."""
+    floor = rel * max((p.grad.norm().item() for p in ref.parameters() if p.grad is not None), default=0.0) + 1e-7
+    for (name, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        if (a.grad is None) != (b.grad is None):
+            return f"{name}: gradient {'missing' if b.grad is None else 'extra'} in the fused model"
+        if a.grad is not None:
+            tol = rel * a.grad.abs().max().item() + floor
+            err = (a.grad - b.grad).abs().max().item()
+            if not err <= tol:
+                return f"{name}: gradient differs by {err:.3g} (tolerance {tol:.3g})"
+    return None
+
+
+def towers(model, rep) -> dict[str, dict[str, int]]:
+    """Fused blocks per tower: ``text`` (under the language model, or the head on the model itself) and
+    ``vision`` (everything else: the vision encoder and the projector)."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    prefix = next((n for n, m in model.named_modules() if m is decoder), None) if decoder is not None else None
+    out: dict[str, dict[str, int]] = {}
+    for e in rep.fused:
+        text = e.name == "" or e.pattern == "lm_head_loss" or (
+            prefix is not None and (e.name == prefix or e.name.startswith(prefix + ".")))
+        tower = out.setdefault("text" if text else "vision", {})
+        tower[e.pattern] = tower.get(e.pattern, 0) + 1
+    return out
+
+
+def _fail(res, kind, detail):
+    res.kind, res.detail = kind, detail
+    return res
+
+
+def run_one(model_type: str, vision: dict | None = None) -> Result:
+    """The sweep of one type; ``vision``: fields set on its tiny vision config (a variant's switches)."""
+    short, where = arch_sweep._short, arch_sweep._where
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            cfg = tiny_config(model_type)
+            for key, value in (vision or {}).items():
+                setattr(_vision(cfg), key, value)
+            torch.manual_seed(0)
+            ref = _model_class(model_type)._from_config(cfg).float().train()
+        except Exception as err:
+            return Result(model_type, "unbuildable", "config or model: " + short(err))
+        fused = copy.deepcopy(ref)
+        inputs, loss_ref, why, tried = None, None, "no pixel input shape tried", False
+        for pixels in pixel_candidates(ref, 2):
+            try:
+                inputs = build_inputs(ref, pixels)
+                ref.zero_grad(set_to_none=True)
+                loss_ref = _step(ref, inputs)
+                break
+            except Exception as err:
+                inputs, why = None, why if tried else short(err)
+                tried = True
+        if inputs is None:
+            return Result(model_type, "unbuildable", "inputs: " + why)
+        keys = list(fused.state_dict())
+        rng = torch.get_rng_state()
+        try:
+            torchfuser.optimize(fused, backend="reference")
+            rep = torchfuser.report(fused)
+        except Exception as err:
+            return Result(model_type, "crash", "optimize: " + short(err) + where(err))
+        counts = {p: c["fused"] for p, c in rep.counts().items() if c["fused"]}
+        skipped = {}
+        for e in rep.skipped:
+            skipped.setdefault(e.pattern, e.reason)
+        res = Result(model_type, "fused" if counts else "nothing", fused=counts, skipped=skipped,
+                     towers=towers(fused, rep))
+        moved_rng = not torch.equal(rng, torch.get_rng_state())
+        if list(fused.state_dict()) != keys:
+            return _fail(res, "wrong", "state_dict keys changed")
+        try:
+            loss = _step(fused, inputs)
+        except Exception as err:
+            return _fail(res, "crash", "fused step: " + short(err) + where(err))
+        if not torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6):
+            return _fail(res, "wrong", f"loss {loss.item():.6g}, unfused {loss_ref.item():.6g}")
+        if why := grads_match(ref, fused):
+            return _fail(res, "wrong", why)
+        try:
+            torchfuser.restore(fused)
+        except Exception as err:
+            return _fail(res, "crash", "restore: " + short(err))
+        if any(isinstance(m, torchfuser.modules.base.FusedModule) for m in fused.modules()):
+            return _fail(res, "crash", "restore left fused modules behind")
+        if moved_rng:
+            return _fail(res, "crash", "optimize moved the global CPU random generator")
+        return res
+
+
+def sweep(types=None) -> list[Result]:
+    return [run_one(t) for t in (types or model_types())]
+
+
+def _blocks(counts: dict[str, int]) -> str:
+    return ", ".join(f"{p} {n}" for p, n in sorted(counts.items())) or "—"
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| model type | result | text tower fused | vision tower fused | left alone (one reason a pattern) |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        if r.kind == "unbuildable":
+            why = f"not built here: {r.detail}"
+        elif r.failed:
+            why = f"**{r.kind}**: {r.detail}"
+        else:
+            why = "; ".join(f"{p}: {w}" for p, w in sorted(r.skipped.items())) or "—"
+        lines.append(f"| {r.model_type} | {r.kind} | {_blocks(r.towers.get('text', {}))} | "
+                     f"{_blocks(r.towers.get('vision', {}))} | {why.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+summary = arch_sweep.summary
+_BEGIN, _END = "<!-- vlm-sweep:begin -->", "<!-- vlm-sweep:end -->"
+
+
+def write_readme(results: list[Result], path: Path) -> None:
+    import transformers
+
+    text = path.read_text()
+    body = (f"{_BEGIN}\nGenerated by `python tests/vlm_sweep.py --readme` with transformers {transformers.__version__}: "
+            f"{summary(results)}.\n\n{table(results)}\n{_END}")
+    if _BEGIN in text:
+        text = re.sub(re.escape(_BEGIN) + ".*?" + re.escape(_END), lambda _: body, text, flags=re.S)
+    else:
+        text += "\n" + body + "\n"
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    names = [a for a in args if not a.startswith("--")]
+    results = []
+    for t in names or model_types():
+        r = run_one(t)
+        results.append(r)
+        print(f"{t:28s} {r.kind:12s} {r.towers} {r.detail}", flush=True)
+    print(summary(results))
+    if "--readme" in args:
+        write_readme(results, Path(__file__).resolve().parents[1] / "README.md")

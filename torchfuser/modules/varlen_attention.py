@@ -1,0 +1,129 @@
+"""Vision self-attention over variable-length image sequences (``cu_seqlens``): Qwen2-VL, Qwen2.5-VL
+(windowed and full layers), Qwen3-VL, GLM-4V.
+
+The module takes the patches of every image of the batch as one unbatched sequence (S × hidden) and
+``cu_seqlens``, the offsets of the images (or of the windows, in a windowed layer); each patch attends to
+the patches of its own image or window, with no causal mask. The original runs one attention call per
+image or window in a Python loop (hundreds of small calls for a windowed layer of a large image) unless
+it was loaded with FlashAttention. Here: q, k, v from the projections, rotate-half rotary on the whole
+head with the (S × head_dim) tables the model passes (``functional.rope``), then
+
+- on CUDA in fp16 / bf16: PyTorch's variable-length attention (``torch.nn.attention.varlen``) over
+  ``cu_seqlens``, non-causal: one kernel for every image and window;
+- elsewhere: SDPA over the block-diagonal mask that ``cu_seqlens`` delimits (made on the device, no host
+  read), the same softmax over each segment.
+
+Any call it cannot reproduce runs the original module (another attention implementation, no tables
+where it rotates, batched input).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from torchfuser import functional as F
+from torchfuser.modules import fallbacks, packed
+from torchfuser.modules.base import FusedModule, adopt, hand_back
+from torchfuser.modules.projections import project, single
+
+_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class VarlenAttentionSpec:
+    """out(attention within each cu_seqlens segment of rope(q), rope(k), v)."""
+
+    layout: str  # "concat": one projection whose output is [q | k | v]; "separate": q, k, v projections
+    qkv: tuple[str, ...]
+    out: str
+    num_heads: int
+    head_dim: int
+    scaling: float
+    rotary: bool  # rotate-half rope of q and k with position_embeddings = (cos, sin), each S × head_dim
+    q_norm: str | None = None  # per-head norms of q and k before the rotary (GLM-OCR's vision attention)
+    k_norm: str | None = None
+    positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
+
+
+def segment_mask(cu: Tensor, s: int) -> Tensor:
+    """S × S boolean: True where query and key lie in the same segment of ``cu`` (offsets 0 … S)."""
+    starts = torch.zeros(s, dtype=torch.int32, device=cu.device)
+    inner = cu[1:-1].to(device=cu.device, dtype=torch.long)
+    starts.index_add_(0, inner, torch.ones_like(inner, dtype=torch.int32))
+    seg = starts.cumsum(0)
+    return seg[:, None] == seg[None, :]
+
+
+class FusedVarlenAttention(FusedModule):
+    """Drop-in for a vision attention module called as ``(hidden_states, cu_seqlens, position_embeddings)``."""
+
+    def __init__(self, original: nn.Module, spec: VarlenAttentionSpec, backend: str = "auto"):
+        super().__init__(spec, backend)
+        wanted = {*spec.qkv, spec.out, spec.q_norm, spec.k_norm} - {None}
+        adopt(self, original, [n for n in original._modules if n in wanted])
+        self.config = getattr(original, "config", None)
+        self.__dict__["_original"] = original
+
+    def _fallback_reason(self, x: Tensor, kwargs) -> str | None:
+        impl = getattr(self.config, "_attn_implementation", None)
+        if impl not in _IMPLEMENTATIONS:
+            return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
+        if x.dim() != 2:
+            return f"hidden states of {x.dim()} dims, not the unbatched patches × hidden"
+        if not isinstance(kwargs.get("cu_seqlens"), Tensor):
+            return "no cu_seqlens tensor given"
+        if self.spec.rotary:
+            pe = kwargs.get("position_embeddings")
+            if pe is None or tuple(pe[0].shape) != (x.shape[0], self.spec.head_dim):
+                return "no (patches × head_dim) rotary tables given"
+            if torch.is_grad_enabled() and (pe[0].requires_grad or pe[1].requires_grad):
+                # Tables made from trained parameters: the original differentiates through them, rope does not.
+                return "rotary tables that require grad (made from trained parameters)"
+        return None
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs):
+        s = self.spec
+        kwargs.update(zip(s.positional, args))
+        why = self._fallback_reason(hidden_states, kwargs)
+        if why is not None:
+            fallbacks.count(self, why)
+            original = self.__dict__["_original"]
+            hand_back(self, original)
+            return original(hidden_states, **kwargs)
+        n, h, d = hidden_states.shape[0], s.num_heads, s.head_dim
+        if s.layout == "concat":
+            q, k, v = single(hidden_states, getattr(self, s.qkv[0]), self).view(n, 3, h, d).unbind(1)
+        else:
+            q, k, v = (t.view(n, h, d) for t in project(hidden_states, [getattr(self, m) for m in s.qkv], self))
+        if s.q_norm is not None:
+            q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 × H × S × D
+        if s.rotary:
+            cos, sin = kwargs["position_embeddings"]
+            q, k = F.rope(q, k, cos.unsqueeze(0), sin.unsqueeze(0), backend=self.backend)
+        cu = kwargs["cu_seqlens"]
+        kernel = packed.kernel_for(q)
+        if kernel is not None:
+            out = _varlen(kernel, q, k, v, cu, kwargs.get("max_seqlen"), s.scaling)  # S × H × D
+        else:
+            mask = segment_mask(cu, n)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scaling)
+            out = out[0].transpose(0, 1)
+        return single(out.reshape(n, h * d).contiguous(), getattr(self, s.out), self)
+
+
+def _varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest, scale: float) -> Tensor:
+    """Non-causal variable-length attention over the segments of ``cu``: q, k, v 1 × H × S × D → S × H × D."""
+    flat = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    if not isinstance(longest, int):
+        longest = int(torch.diff(cu).max())
+    kw = {"scale": scale}
+    params = packed._parameters(kernel)
+    if "is_causal" in params:
+        kw["is_causal"] = False
+    else:
+        kw["window_size"] = (-1, -1)  # no causal limit
+    return kernel(*flat, cu, cu, longest, longest, **kw)
