@@ -182,3 +182,29 @@ def print_comparison(fused: dict, unfused: dict) -> float:
     print(f"fused vs unfused: largest loss difference {diff:.2e}, speed {speed:.2f}x "
           "(what this run measured on this machine)")
     return diff
+
+
+def lora_config(rank: int, seed: int):
+    """PEFT LoRA on every linear layer with non-zero B (so the first step already trains the adapters), the
+    generator seeded so that the fused and the unfused run start from the same adapters."""
+    from peft import LoraConfig
+
+    torch.manual_seed(seed)
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0,
+                      init_lora_weights=False)
+
+
+def trl_result(trainer, fused: bool, timer: StepTimer, tokens: int, **extra) -> dict:
+    """Print the report's summary and its LM-head note (fused runs), then the result line of a TRL run."""
+    import torchfuser
+
+    rep = torchfuser.report(trainer.model) if fused else None
+    if rep is not None:
+        print(rep.summary())
+        print("\n".join(n for n in rep.notes if "LM head" in n))
+    log = trainer.state.log_history
+    return print_result("fused" if fused else "unfused", trainer_losses(trainer), timer.tokens_per_s(tokens),
+                        timer.ms_per_step(), grad_norms=[e["grad_norm"] for e in log if "grad_norm" in e],
+                        fused_blocks=len(rep.fused) if rep else 0,
+                        trl_head=bool(rep and any("LM head: TRL's chunked kernels run" in n for n in rep.notes)),
+                        **extra)

@@ -26,8 +26,8 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 import torchfuser
-from common import (TINY_TEXT, StepTimer, add_model_args, dtype, load_model, print_result, train_and_compare,
-                    trainer_losses, trainer_timer_callback)
+from common import (TINY_TEXT, StepTimer, add_model_args, dtype, load_model, lora_config, train_and_compare,
+                    trainer_timer_callback, trl_result)
 from sft_trl import timer_tokens, tokenizer_for
 
 
@@ -61,11 +61,7 @@ def train(args, fused: bool) -> dict:
     assert len(tokenizer) <= model.config.vocab_size, "the tokenizer's ids must fit the model's vocabulary"
     peft_config = None
     if args.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear",
-                                 lora_dropout=0.0, init_lora_weights=False)
-        torch.manual_seed(args.seed + 1)  # the adapters' initial weights, the same for both runs
+        peft_config = lora_config(args.lora, args.seed + 1)
     elif args.beta:
         raise SystemExit("--beta > 0 without --lora: GRPOTrainer would load a reference model by the checkpoint's "
                          "name; use --lora (the reference is the model with its adapters disabled)")
@@ -78,16 +74,8 @@ def train(args, fused: bool) -> dict:
                               train_dataset=prompts(args.repeat), processing_class=tokenizer,
                               peft_config=peft_config, callbacks=callbacks)
         trainer.train()
-    rep = torchfuser.report(trainer.model) if fused else None
-    if rep is not None:
-        print(rep.summary())
-        print("\n".join(n for n in rep.notes if "LM head" in n))
     rewards = [e["reward"] for e in trainer.state.log_history if "reward" in e]
-    return print_result("fused" if fused else "unfused", trainer_losses(trainer),
-                        timer.tokens_per_s(timer_tokens(trainer, args)), timer.ms_per_step(), rewards=rewards,
-                        grad_norms=[e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e],
-                        fused_blocks=len(rep.fused) if rep else 0,
-                        trl_head=bool(rep and any("LM head: TRL's chunked kernels run" in n for n in rep.notes)))
+    return trl_result(trainer, fused, timer, timer_tokens(trainer, args), rewards=rewards)
 
 
 def main() -> None:

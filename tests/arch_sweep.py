@@ -197,26 +197,33 @@ def run_one(model_type: str) -> Result:
         for e in rep.skipped:
             skipped.setdefault(e.pattern, e.reason)
         res = Result(model_type, "fused" if fused_counts else "nothing", fused=fused_counts, skipped=skipped)
-        moved_rng = not torch.equal(rng, torch.get_rng_state())
-        if list(fused.state_dict()) != keys:
-            return _fail(res, "wrong", "state_dict keys changed")
-        try:
-            loss = _step(fused, ids)
-        except Exception as err:
-            return _fail(res, "crash", "fused step: " + _short(err) + _where(err))
-        if not torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6):
-            return _fail(res, "wrong", f"loss {loss.item():.6g}, unfused {loss_ref.item():.6g}")
-        if why := _grads_match(ref, fused):
-            return _fail(res, "wrong", why)
-        try:
-            torchfuser.restore(fused)
-        except Exception as err:
-            return _fail(res, "crash", "restore: " + _short(err))
-        if any(isinstance(m, torchfuser.modules.base.FusedModule) for m in fused.modules()):
-            return _fail(res, "crash", "restore left fused modules behind")
-        if moved_rng:
-            return _fail(res, "crash", "optimize moved the global CPU random generator")
-        return res
+        return check_fused(res, ref, fused, keys, rng, loss_ref, lambda m: _step(m, ids), _grads_match)
+
+
+def check_fused(res: Result, ref, fused, keys: list, rng, loss_ref, step, grads_match) -> Result:
+    """The checks after ``optimize``, shared with the VLM sweep: the global generator where it was, the
+    ``state_dict`` keys, one training step (``step(model) -> loss``) against the unfused one's loss and
+    gradients, then ``restore``."""
+    moved_rng = not torch.equal(rng, torch.get_rng_state())
+    if list(fused.state_dict()) != keys:
+        return _fail(res, "wrong", "state_dict keys changed")
+    try:
+        loss = step(fused)
+    except Exception as err:
+        return _fail(res, "crash", "fused step: " + _short(err) + _where(err))
+    if not torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6):
+        return _fail(res, "wrong", f"loss {loss.item():.6g}, unfused {loss_ref.item():.6g}")
+    if why := grads_match(ref, fused):
+        return _fail(res, "wrong", why)
+    try:
+        torchfuser.restore(fused)
+    except Exception as err:
+        return _fail(res, "crash", "restore: " + _short(err))
+    if any(isinstance(m, torchfuser.modules.base.FusedModule) for m in fused.modules()):
+        return _fail(res, "crash", "restore left fused modules behind")
+    if moved_rng:
+        return _fail(res, "crash", "optimize moved the global CPU random generator")
+    return res
 
 
 def _fail(res: Result, kind: str, detail: str) -> Result:

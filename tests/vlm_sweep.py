@@ -173,11 +173,6 @@ def towers(model, rep) -> dict[str, dict[str, int]]:
     return out
 
 
-def _fail(res, kind, detail):
-    res.kind, res.detail = kind, detail
-    return res
-
-
 def run_one(model_type: str, vision: dict | None = None) -> Result:
     """The sweep of one type; ``vision``: fields set on its tiny vision config (a variant's switches)."""
     short, where = arch_sweep._short, arch_sweep._where
@@ -217,26 +212,7 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
             skipped.setdefault(e.pattern, e.reason)
         res = Result(model_type, "fused" if counts else "nothing", fused=counts, skipped=skipped,
                      towers=towers(fused, rep))
-        moved_rng = not torch.equal(rng, torch.get_rng_state())
-        if list(fused.state_dict()) != keys:
-            return _fail(res, "wrong", "state_dict keys changed")
-        try:
-            loss = _step(fused, inputs)
-        except Exception as err:
-            return _fail(res, "crash", "fused step: " + short(err) + where(err))
-        if not torch.allclose(loss, loss_ref, rtol=1e-5, atol=1e-6):
-            return _fail(res, "wrong", f"loss {loss.item():.6g}, unfused {loss_ref.item():.6g}")
-        if why := grads_match(ref, fused):
-            return _fail(res, "wrong", why)
-        try:
-            torchfuser.restore(fused)
-        except Exception as err:
-            return _fail(res, "crash", "restore: " + short(err))
-        if any(isinstance(m, torchfuser.modules.base.FusedModule) for m in fused.modules()):
-            return _fail(res, "crash", "restore left fused modules behind")
-        if moved_rng:
-            return _fail(res, "crash", "optimize moved the global CPU random generator")
-        return res
+        return arch_sweep.check_fused(res, ref, fused, keys, rng, loss_ref, lambda m: _step(m, inputs), grads_match)
 
 
 def sweep(types=None) -> list[Result]:

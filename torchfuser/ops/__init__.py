@@ -13,7 +13,7 @@ from .rms_norm import add_rms_norm, rms_norm, rms_norm_opening_residual
 from .rope import rope
 
 __all__ = [
-from .add_layer_norm import add_layer_norm, layer_norm_opening_residual
+    "add_layer_norm", "layer_norm_opening_residual",
     "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed",
     "geglu_packed", "geglu_erf", "geglu_erf_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",
 ]
