@@ -148,14 +148,15 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None 
         _check_float(name, t, "rope")
         if t.dim() != (4 if name in "qk" else 3):
             want = "B×H×S×D" if name in "qk" else "B×S×D"
-            raise ValueError(f"rope: {name} must be 4-D {want}" if name in "qk" else f"rope: {name} must be 3-D {want}, got shape {tuple(t.shape)}")
+            raise ValueError(f"rope: {name} must be {'4' if name in 'qk' else '3'}-D {want}, got shape {tuple(t.shape)}")
     b, _, s, d = q.shape
     if k.shape[0] != b or k.shape[2:] != q.shape[2:]:
         raise ValueError(f"rope: k must be B×Hk×S×D matching q {tuple(q.shape)}, got {tuple(k.shape)}")
     if d % 2:
         raise ValueError(f"rope: head dim must be even, got {d}")
     r = cos.shape[-1] if cos.dim() == 3 else d  # r < d: partial rotary (the first r channels rotate)
-    if cos.shape != sin.shape or cos.shape[1:] != (s, r) or cos.shape[0] not in (1, b) or r % 2 or not 0 < r <= d:
+    width_ok = 0 < r <= d or r == d == 0  # an empty head rotates its empty width
+    if cos.shape != sin.shape or cos.shape[1:] != (s, r) or cos.shape[0] not in (1, b) or r % 2 or not width_ok:
         raise ValueError(f"rope: cos and sin must be {b}×{s}×R or 1×{s}×R with R even and at most the head dim {d}, "
                          f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if q.dtype != k.dtype:

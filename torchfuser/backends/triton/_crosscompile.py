@@ -211,6 +211,30 @@ def _scenarios(hiddens, dtypes, tokens):
             yield "rms_norm_fp8_bwd+dres", lambda x=x, w=w, rs=rs: norm_fp8.rms_norm_fp8_bwd(x, x, w, rs, 1e-6, 0.0, x)
             yield "add_rms_norm_fp8_bwd", lambda x=x, w=w, rs=rs: norm_fp8.add_rms_norm_fp8_bwd(
                 x, x, w, rs, 1e-6, 0.0, x, bf)
+    # Residual adds inside LayerNorm (LayerNorm decoder layers), exact-GELU gating, and the 4-bit
+    # dequantisation of QLoRA bases (after all the others, for the same reason).
+    from . import dequant_4bit
+
+    for dt in dtypes:
+        e = lambda *s, d=dt: torch.empty(*s, dtype=d, device=meta)  # noqa: E731
+        for n in hiddens:
+            x, w, rs = e(tokens, n), e(n), torch.empty(tokens, dtype=torch.float32, device=meta)
+            yield "add_layer_norm_fwd", lambda x=x, w=w: layer_norm.add_layer_norm_fwd(x, x, w, w, 1e-5)
+            yield "layer_norm_res_bwd", lambda x=x, w=w, rs=rs: layer_norm.layer_norm_res_bwd(x, x, w, w, rs, rs, 1e-5, x)
+            gu = e(tokens, 2 * n)
+            yield "geglu_erf_fwd", lambda x=x: gated.geglu_erf_fwd(x, x)
+            yield "geglu_erf_bwd", lambda x=x: gated.geglu_erf_bwd(x, x, x)
+            yield "geglu_erf_packed_fwd", lambda gu=gu: gated.geglu_erf_packed_fwd(gu)
+            yield "geglu_erf_packed_bwd", lambda x=x, gu=gu: gated.geglu_erf_packed_bwd(x, gu)
+        for hq, hk, d, r in ((32, 8, 128, 64), (32, 8, 80, 32)):  # partial rotary (NeoX's rotary_pct, Phi's factor)
+            q, k, cs = e(4, hq, tokens // 4, d), e(4, hk, tokens // 4, d), e(1, tokens // 4, r)
+            yield "rope_fwd-partial", lambda q=q, k=k, cs=cs: rope.rope_fwd(q, k, cs, cs)
+            yield "rope_bwd-partial", lambda q=q, k=k, cs=cs: rope.rope_bwd(q, k, cs, cs)
+        rows, cols = 4096, 4096
+        packed = torch.empty(rows * cols // 2, 1, dtype=torch.uint8, device=meta)
+        absmax, code = torch.empty(rows * cols // 64, device=meta), torch.empty(16, device=meta)
+        yield "dequantize_4bit_fwd", lambda p=packed, a=absmax, c=code, d=dt: dequant_4bit.dequantize_4bit_fwd(
+            p, a, c, 64, rows, cols, d)
 
 
 def _rowwise_both(path, fn, *args):

@@ -17,9 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv
+from ._common import Launcher, cdiv, target_of, warps_as_threads
 
 _BLOCK = 1024  # bytes a program: 2048 elements, 4 KiB of bf16 out
+_WARPS = 4  # on NVIDIA's 32-wide warps: 16 elements a thread
 
 
 @triton.jit
@@ -36,6 +37,9 @@ def _dequantize_4bit_fwd_kernel(P, ABSMAX, CODE, OUT, n, n_bytes, blocksize, BLO
     tl.store(OUT + e, (v * scale).to(OUT.dtype.element_ty), mask=m)
 
 
+_launch = Launcher(_dequantize_4bit_fwd_kernel)
+
+
 def dequantize_4bit_fwd(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, rows: int,
                         cols: int, dtype: torch.dtype) -> torch.Tensor:
     """[rows × cols] in ``dtype`` (the reference backend's twin: backends/reference/dequant_4bit.py)."""
@@ -45,6 +49,6 @@ def dequantize_4bit_fwd(packed: torch.Tensor, absmax: torch.Tensor, code: torch.
     if n == 0:
         return out
     n_bytes = (n + 1) // 2
-    _dequantize_4bit_fwd_kernel[(cdiv(n_bytes, _BLOCK),)](
-        p, absmax.float().contiguous(), code.float().contiguous(), out, n, n_bytes, blocksize, BLOCK=_BLOCK)
+    _launch((cdiv(n_bytes, _BLOCK),), p, absmax.float().contiguous(), code.float().contiguous(), out, n, n_bytes,
+            blocksize, BLOCK=_BLOCK, num_warps=warps_as_threads(_WARPS, target_of(p)))
     return out
