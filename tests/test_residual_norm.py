@@ -181,9 +181,16 @@ class WithDropoutChild(Layer):  # Phi-3's resid_attn_dropout, p = 0
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class SqueezedInput(Layer):  # MiniMax-M3-VL's vision layers: the attention takes (tokens, hidden) rows
+    def forward(self, hidden_states, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states).squeeze(0), **kwargs)
+        h = hidden_states + h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 @pytest.mark.parametrize("cls, why", [
     (ScaledResidual, "is not the pre-norm x + attention"), (OwnArguments, "arguments of its own making"),
-    (MLPWithKeywords, "more than their input"),
+    (MLPWithKeywords, "more than their input"), (SqueezedInput, "reshapes the norm's output before the attention"),
 ])
 def test_probe_rejects(cls, why):
     torch.manual_seed(0)

@@ -177,6 +177,22 @@ def _saw_input(probe: _Probe, calls: dict) -> bool:
     return any(isinstance(t, torch.Tensor) and t.shape == probe.x.shape and torch.equal(t, probe.x) for t in firsts)
 
 
+def _reshapes_attention_input(probe: _Probe, markers: dict) -> bool:
+    """Whether the attention gets its input in another shape than the layer's: run on a batch of one,
+    where a ``squeeze(0)`` shows (on the probe's batch of two it is a no-op)."""
+    x = probe.x
+    probe.x = x[:1]
+    try:
+        _, calls = probe.run(0.0, **markers)
+    except Exception:
+        return True
+    finally:
+        probe.x = x
+    pos, kw = calls["attention"][0]
+    got = pos[0] if pos else next(v for v in kw.values() if isinstance(v, torch.Tensor))
+    return got.shape != x[:1].shape
+
+
 def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
@@ -215,6 +231,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     if not pos and len(inputs) != 1:
         return Skip("its forward does not pass the attention its input")
     attention_input = inputs[0] if not pos else ""
+    if _reshapes_attention_input(probe, markers):
+        return Skip("its forward reshapes the norm's output before the attention (a squeeze or a view: MiniMax-M3-VL's "
+                    "vision layers squeeze a batch of one), and the fused forward passes it on as it is")
     by_marker = {id(v): k for k, v in kw.items() if isinstance(v, _Marker)}
     if len(by_marker) + len(inputs) != len(kw) or (extra and kw.get(_EXTRA) not in (None, markers[_EXTRA])):
         return Skip("its forward passes the attention arguments of its own making")
