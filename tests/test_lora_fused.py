@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 import torchfuser
 from torchfuser import demo
 from torchfuser.modules import FusedAttention, FusedGatedMLP, fallbacks
-from torchfuser.modules.adapters import lora
+from torchfuser.modules.adapters import lora, lora_node
 from torchfuser.modules.base import FusedModule
 from torchfuser.switches import SWITCHES
 from numerics import assert_within_rule
@@ -240,12 +240,12 @@ def test_bf16_base_rule_catches_a_wrong_scaling(monkeypatch):
     """The whole-model check above has teeth: the adapters' scaling applied twice in dB fails it."""
     ref, fused = _pair("llama", dtype=torch.bfloat16)
     ref64 = copy.deepcopy(ref).double()
-    real = lora._add_split_terms
+    real = lora_node._add_split_terms
     def doubled(y2, plan, hs, bb):
         h3, b3 = real(y2, plan, hs, bb)
         return [t * s for t, s in zip(h3, plan.scaling)], b3
 
-    monkeypatch.setattr(lora, "_add_split_terms", doubled)
+    monkeypatch.setattr(lora_node, "_add_split_terms", doubled)
     with pytest.raises(AssertionError, match="lora_B"):
         _rule_bf16(fused, ref, ref64)
 
@@ -468,8 +468,8 @@ def test_bf16_node_hilo_products_within_their_bound(case, monkeypatch):
 def test_bf16_node_bound_fails_without_the_lo_parts(monkeypatch):
     """The node check has teeth: bf16-rounded adapter operands alone (lo parts zero) fail it."""
     model, x, dy = _node(**_NODE_CASES["qkv-r8"])
-    real = lora._hilo
-    monkeypatch.setattr(lora, "_hilo", lambda t, parts, dim, dtype: real(t.to(dtype).float(), parts, dim, dtype))
+    real = lora_node._hilo
+    monkeypatch.setattr(lora_node, "_hilo", lambda t, parts, dim, dtype: real(t.to(dtype).float(), parts, dim, dtype))
     with pytest.raises(AssertionError, match="lora_"):
         _node_check(model, x, dy)
 
@@ -513,8 +513,8 @@ def test_bf16_node_makes_no_fp32_tensor_of_the_output_size(monkeypatch):
             finally:
                 inside[0] = False
         return gemm
-    monkeypatch.setattr(lora, "_mm_fp32", spy(lora._mm_fp32))
-    monkeypatch.setattr(lora, "_addmm_bf16_", spy(lora._addmm_bf16_))
+    monkeypatch.setattr(lora_node, "_mm_fp32", spy(lora_node._mm_fp32))
+    monkeypatch.setattr(lora_node, "_addmm_bf16_", spy(lora_node._addmm_bf16_))
     monkeypatch.setattr(lora, "plain_eager", lambda *_: True)  # the recording mode is no tensor subclass
     xr = x.detach().clone().requires_grad_(True)
     with Record():
