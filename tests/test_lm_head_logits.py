@@ -1,6 +1,6 @@
 """Logits in training with the fused LM head + loss: ``keep_logits=True`` returns the original's logits with
-the fused loss; without it ``outputs.logits`` is None, and every dict / tuple read the Trainer, TRL and PEFT
-make works as on any ModelOutput with a None field."""
+the fused loss; without it every dict / tuple read the Trainer, TRL and PEFT make works as on any
+ModelOutput with a None field, and ``outputs.logits`` itself raises on use, saying what to pass."""
 from __future__ import annotations
 
 import copy
@@ -11,6 +11,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import torchfuser
 from torchfuser import settings
+from torchfuser.modules.lm_head import NOT_KEPT, LogitsNotKeptError
 
 from test_architectures import batch, make
 
@@ -26,10 +27,24 @@ def test_an_output_without_logits_reads_as_any_model_output_with_a_none_field():
     _, fused = pair()
     ids, mask, labels = batch()
     out = fused(input_ids=ids, attention_mask=mask, labels=labels)
-    assert isinstance(out, CausalLMOutputWithPast) and out.logits is None
+    assert isinstance(out, CausalLMOutputWithPast) and out.logits is NOT_KEPT
     assert out[0] is out.loss and out["loss"] is out.loss and out.to_tuple()[0] is out.loss  # Trainer, TRL, PEFT
     assert "logits" not in out and "logits" not in out.keys() and out.get("logits") is None
+    assert not any(v is NOT_KEPT for v in out.to_tuple())
+    assert not hasattr(out.logits, "shape") and "keep_logits=True" in repr(out.logits)
     out.loss.backward()  # the loss is the fused one, with its gradient
+
+
+@pytest.mark.parametrize("use", [
+    lambda t: t.argmax(-1), lambda t: t[:, -1], lambda t: t / 2.0, lambda t: torch.softmax(t, -1),
+    lambda t: t.shape, lambda t: len(t), lambda t: t.float(),
+], ids=["method", "index", "arithmetic", "torch-function", "shape", "len", "cast"])
+def test_using_logits_that_were_not_kept_says_why_and_what_to_pass(use):
+    _, fused = pair()
+    ids, mask, labels = batch()
+    out = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    with pytest.raises(LogitsNotKeptError, match=r"never formed.*keep_logits=True"):
+        use(out.logits)
 
 
 @pytest.mark.parametrize("model_type,tied", [("llama", False), ("llama", True), ("gemma2", True)])
@@ -67,9 +82,9 @@ def test_keep_logits_is_kept_across_calls_dropped_when_passed_false_and_checked(
     _, fused = pair(keep_logits=True)
     ids, mask, labels = batch()
     torchfuser.optimize(fused)  # TorchFuserCallback() does this: the setting stays
-    assert settings.of(fused).keep_logits and fused(input_ids=ids, attention_mask=mask, labels=labels).logits is not None
+    assert settings.of(fused).keep_logits and torch.is_tensor(fused(input_ids=ids, attention_mask=mask, labels=labels).logits)
     torchfuser.optimize(fused, keep_logits=False)
-    assert fused(input_ids=ids, attention_mask=mask, labels=labels).logits is None
+    assert fused(input_ids=ids, attention_mask=mask, labels=labels).logits is NOT_KEPT
     with pytest.raises(TypeError, match="keep_logits must be True or False"):
         torchfuser.optimize(fused, keep_logits="yes")
     torchfuser.restore(fused)

@@ -81,14 +81,58 @@ class CaptureHead(nn.Module):
         return probe.expand(*hidden.shape[:-1], len(PROBE_LOGITS)).clone()
 
 
+class LogitsNotKeptError(AttributeError):
+    """Raised on any use of ``output.logits`` after a fused training call (an AttributeError, so that
+    ``hasattr`` probes of generic code read False rather than fail)."""
+
+
+class LogitsNotKept:
+    """What ``output.logits`` reads after a fused training call: the logits were never formed. Printing it
+    says so; any use (an attribute, indexing, arithmetic, a torch function) raises ``LogitsNotKeptError``
+    saying why and what to pass. The output's dict and tuple views leave it out, as they leave out any None
+    field, so the readers that walk them (the Trainer, TRL, accelerate, DDP) see no logits."""
+
+    MESSAGE = ("the logits of this training call were never formed: TorchFuser's fused LM head computes the loss "
+               "from the final hidden states without them. Pass torchfuser.optimize(model, keep_logits=True) to get "
+               "them (one more matmul and the logits' memory), or read them from a call in eval mode or without labels.")
+
+    def __repr__(self) -> str:
+        return "<logits not kept: torchfuser.optimize(model, keep_logits=True) keeps them>"
+
+    def __getattr__(self, name):
+        raise LogitsNotKeptError(f"outputs.logits.{name}: {self.MESSAGE}")
+
+    def _refuse(self, *args, **kwargs):
+        raise LogitsNotKeptError(f"outputs.logits: {self.MESSAGE}")
+
+    __getitem__ = __len__ = __iter__ = __bool__ = __float__ = __array__ = _refuse
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise LogitsNotKeptError(f"{getattr(func, '__name__', func)}(outputs.logits): {cls.MESSAGE}")
+
+    def __reduce__(self):
+        return (LogitsNotKept, ())
+
+
+for _op in ("add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "mod"):
+    setattr(LogitsNotKept, f"__{_op}__", LogitsNotKept._refuse)
+    setattr(LogitsNotKept, f"__r{_op}__", LogitsNotKept._refuse)
+for _op in ("neg", "abs", "lt", "le", "gt", "ge"):
+    setattr(LogitsNotKept, f"__{_op}__", LogitsNotKept._refuse)
+NOT_KEPT = LogitsNotKept()
+
+
 class FusedLMHeadLoss:
     """The ``forward`` of one ``*ForCausalLM`` instance.
 
     In training mode with ``labels``, the decoder runs as usual, the head's input (the final
     hidden states) is captured and the loss comes from ``linear_cross_entropy``: the logits are
-    never materialised: **``output.logits`` is None** (a ``return_dict=False`` tuple leaves them out,
-    as it leaves out every None field). (An output whose ``logits`` raised on reading was tried: FSDP2
-    and other generic walkers of ``ModelOutput`` fields read every field, so it broke them.) With ``keep_logits``
+    never materialised: ``output.logits`` is ``NOT_KEPT`` (``LogitsNotKept``), whose every use raises an
+    error saying why and what to pass, while the output's dict and tuple views leave the logits out, as
+    they leave out any None field (a ``return_dict=False`` tuple is ``(loss, ...)``; under torch.compile the
+    attribute is None). Reading the field itself does not raise: FSDP2 and other generic walkers of
+    ``ModelOutput`` fields read every field (an output whose ``logits`` raised on reading broke them). With ``keep_logits``
     (``optimize(model, keep_logits=True)``) the model's forward runs its real head, so the logits are
     the ones the original returns (its own matmul in the autocast dtype, its own scale / softcap, with
     their gradient), and the loss is still the fused one on the same hidden states: one more matmul and
@@ -215,7 +259,10 @@ class FusedLMHeadLoss:
             return (loss,) + tuple(out if keep_logits else out[1:])
         if keep_logits:
             return dataclasses.replace(out, loss=loss)
-        return dataclasses.replace(out, loss=loss, logits=None)
+        out = dataclasses.replace(out, loss=loss, logits=None)
+        if not torch.compiler.is_compiling():  # the attribute alone (ModelOutput's setattr would add it to the dict)
+            object.__setattr__(out, "logits", NOT_KEPT)
+        return out
 
     def _fp8_for(self, hidden: Tensor, weight: Tensor) -> str | None:
         """The FP8 recipe this call runs with: ``self.fp8``, unless the call cannot take FP8 GEMMs (then
