@@ -65,7 +65,8 @@ def test_lora_fused_trains_as_unfused():
 
 
 @_needs("accelerate", "peft", "bitsandbytes")
-@pytest.mark.parametrize("flags", [[], ["--quant", "int8"]], ids=["nf4", "int8"])
+# The second variant of each recipe (here and below) runs in the slow step: the quick suite keeps one each.
+@pytest.mark.parametrize("flags", [pytest.param([], id="nf4"), pytest.param(["--quant", "int8"], id="int8", marks=pytest.mark.slow)])
 def test_qlora_fused_trains_as_unfused(flags):
     fused = _same_training(_run(["qlora_peft.py", "--compare", "--steps", "3", "--seq", "64", *flags]), 3)
     assert fused["fused_blocks"] == 4  # both layers' attention and MLP, over their quantised bases
@@ -76,10 +77,10 @@ def test_qlora_fused_trains_as_unfused(flags):
 # which bypasses lm_head_loss; the report lists it "bypassed" (tests/test_trl_report.py).
 @pytest.mark.parametrize("flags, blocks", [
     pytest.param([], 11, id="padded"),
-    pytest.param(["--padding-free"], 11, id="padding-free"),
-    pytest.param(["--packing"], 11, id="packing"),
+    pytest.param(["--padding-free"], 11, id="padding-free", marks=pytest.mark.slow),
+    pytest.param(["--packing"], 11, id="packing", marks=pytest.mark.slow),
     pytest.param(["--lora"], 11, id="lora"),  # SFTTrainer adds the adapters first: the blocks stay fused around them
-    pytest.param(["--lora", "--optimize-first"], 11, id="lora-optimize-first"),
+    pytest.param(["--lora", "--optimize-first"], 11, id="lora-optimize-first", marks=pytest.mark.slow),
 ])
 def test_sft_trl_fused_trains_as_unfused(flags, blocks):
     fused = _same_training(_run(["sft_trl.py", "--compare", "--steps", "3", *flags]), 3)
@@ -94,7 +95,7 @@ def test_vlm_sft_trl_fused_trains_as_unfused():
     assert {"varlen_attention", "attention", "gated_mlp", "rms_norm"} <= set(fused["fused_patterns"])
 
 
-@pytest.mark.parametrize("parallel", ["none", "ddp", "fsdp2"])
+@pytest.mark.parametrize("parallel", ["none", "ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_torchrun_loop_fused_trains_as_unfused(parallel):
     args = ["torchrun_loop.py", "--compare", "--steps", "3", "--seq", "64", "--parallel", parallel]
     if parallel == "none":
@@ -131,14 +132,15 @@ def _same_trl_run(results: list[dict], steps: int) -> dict:
 
 @_needs("accelerate", "trl")
 @pytest.mark.parametrize("flags", [pytest.param([], id="ref-model"),
-                                   pytest.param(["--lora", "--loss-type", "sigmoid", "sft"], id="lora-mpo")])
+                                   pytest.param(["--lora", "--loss-type", "sigmoid", "sft"], id="lora-mpo",
+                                                marks=pytest.mark.slow)])
 def test_dpo_trl_fused_trains_as_unfused(flags):
     _same_trl_run(_run(["dpo_trl.py", "--compare", "--steps", "2", "--backend", "reference", *flags]), 2)
 
 
 @_needs("accelerate", "trl")
 @pytest.mark.parametrize("flags", [pytest.param([], id="full"),
-                                   pytest.param(["--lora", "--beta", "0.05"], id="lora-kl")])
+                                   pytest.param(["--lora", "--beta", "0.05"], id="lora-kl", marks=pytest.mark.slow)])
 def test_grpo_trl_fused_trains_as_unfused(flags):
     fused = _same_trl_run(_run(["grpo_trl.py", "--compare", "--steps", "2", "--backend", "reference", *flags]), 2)
     assert len(fused["rewards"]) == 2
