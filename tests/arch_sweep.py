@@ -185,25 +185,27 @@ def run_one(model_type: str) -> Result:
             loss_ref = _step(ref, ids)
         except Exception as err:
             return Result(model_type, "unbuildable", _short(err))
-        keys = list(fused.state_dict())
-        rng = torch.get_rng_state()
-        try:
-            torchfuser.optimize(fused, backend="reference")
-            rep = torchfuser.report(fused)
-        except Exception as err:
-            return Result(model_type, "crash", "optimize: " + _short(err) + _where(err))
-        fused_counts = {p: c["fused"] for p, c in rep.counts().items() if c["fused"]}
-        skipped = {}
-        for e in rep.skipped:
-            skipped.setdefault(e.pattern, e.reason)
-        res = Result(model_type, "fused" if fused_counts else "nothing", fused=fused_counts, skipped=skipped)
-        return check_fused(res, ref, fused, keys, rng, loss_ref, lambda m: _step(m, ids), _grads_match)
+        return optimize_and_check(Result(model_type, ""), ref, fused, loss_ref, lambda m: _step(m, ids), _grads_match)
 
 
-def check_fused(res: Result, ref, fused, keys: list, rng, loss_ref, step, grads_match) -> Result:
-    """The checks after ``optimize``, shared with the VLM sweep: the global generator where it was, the
-    ``state_dict`` keys, one training step (``step(model) -> loss``) against the unfused one's loss and
-    gradients, then ``restore``."""
+def optimize_and_check(res: Result, ref, fused, loss_ref, step, grads_match, extra=None) -> Result:
+    """``optimize`` on ``fused`` (a copy of ``ref``, whose step gave ``loss_ref``), then the checks, shared with
+    the VLM sweep: the global generator where it was, the ``state_dict`` keys, one training step
+    (``step(model) -> loss``) against the unfused one's loss and gradients, then ``restore``. ``res`` is filled
+    in; ``extra(fused, report)`` sets more of its fields."""
+    keys = list(fused.state_dict())
+    rng = torch.get_rng_state()
+    try:
+        torchfuser.optimize(fused, backend="reference")
+        rep = torchfuser.report(fused)
+    except Exception as err:
+        return _fail(res, "crash", "optimize: " + _short(err) + _where(err))
+    res.fused = {p: c["fused"] for p, c in rep.counts().items() if c["fused"]}
+    for e in rep.skipped:
+        res.skipped.setdefault(e.pattern, e.reason)
+    res.kind = "fused" if res.fused else "nothing"
+    if extra is not None:
+        extra(res, fused, rep)
     moved_rng = not torch.equal(rng, torch.get_rng_state())
     if list(fused.state_dict()) != keys:
         return _fail(res, "wrong", "state_dict keys changed")

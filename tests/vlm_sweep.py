@@ -30,7 +30,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arch_sweep  # noqa: E402
-import torchfuser  # noqa: E402
 from vlm_configs import PATCHES, VOCAB, _first_int, _vision, tiny_config  # noqa: E402
 
 PROMPT, TAIL = 3, 5  # text tokens before and after the image
@@ -174,7 +173,7 @@ def towers(model, rep) -> dict[str, dict[str, int]]:
 
 def run_one(model_type: str, vision: dict | None = None) -> Result:
     """The sweep of one type; ``vision``: fields set on its tiny vision config (a variant's switches)."""
-    short, where = arch_sweep._short, arch_sweep._where
+    short = arch_sweep._short
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         try:
@@ -198,20 +197,11 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
                 tried = True
         if inputs is None:
             return Result(model_type, "unbuildable", "inputs: " + why)
-        keys = list(fused.state_dict())
-        rng = torch.get_rng_state()
-        try:
-            torchfuser.optimize(fused, backend="reference")
-            rep = torchfuser.report(fused)
-        except Exception as err:
-            return Result(model_type, "crash", "optimize: " + short(err) + where(err))
-        counts = {p: c["fused"] for p, c in rep.counts().items() if c["fused"]}
-        skipped = {}
-        for e in rep.skipped:
-            skipped.setdefault(e.pattern, e.reason)
-        res = Result(model_type, "fused" if counts else "nothing", fused=counts, skipped=skipped,
-                     towers=towers(fused, rep))
-        return arch_sweep.check_fused(res, ref, fused, keys, rng, loss_ref, lambda m: _step(m, inputs), grads_match)
+        def add_towers(res, model, rep):
+            res.towers = towers(model, rep)
+
+        return arch_sweep.optimize_and_check(Result(model_type, ""), ref, fused, loss_ref, lambda m: _step(m, inputs),
+                                             grads_match, add_towers)
 
 
 def sweep(types=None) -> list[Result]:
