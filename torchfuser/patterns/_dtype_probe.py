@@ -33,14 +33,15 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
 
 # ATen's AT_FORALL_FP32 and AT_FORALL_FP32_SET_OPT_DTYPE (aten/src/ATen/autocast_mode.h): what CUDA
-# autocast runs in fp32, by the name the Python functions and methods carry.
+# autocast runs in fp32, by the name the Python functions and methods carry. rms_norm joined the list in
+# PyTorch 2.12 (pytorch#174824); before it, CUDA autocast leaves rms_norm alone.
 _FP32_UNDER_GPU_AUTOCAST = frozenset((
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
     "sinh", "tan", "pow", "__pow__", "__rpow__", "float_power", "softplus", "layer_norm", "native_layer_norm",
-    "rms_norm", "group_norm", "norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "dist", "pdist",
+    "group_norm", "norm", "frobenius_norm", "nuclear_norm", "cosine_similarity", "dist", "pdist",
     "cdist", "renorm", "logsumexp", "prod", "softmax", "log_softmax", "cumprod", "cumsum", "sum",
     "linalg_vector_norm", "vector_norm", "linalg_matrix_norm", "matrix_norm",
-))
+)) | (frozenset(("rms_norm",)) if torch.torch_version.TorchVersion(torch.__version__) >= (2, 12) else frozenset())
 
 
 class _GPUAutocastPolicy(TorchFunctionMode):
