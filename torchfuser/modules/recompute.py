@@ -50,6 +50,14 @@ def _outer():
     return hooks if getattr(hooks[0], COUNTING, False) else False
 
 
+def _data_ptr(t: Tensor) -> int | None:
+    """The storage's address; None for a wrapper subclass without one (torchao's NF4Tensor, saved by its linear)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 @contextlib.contextmanager
 def made_again(out: Tensor, make: Callable[[], Tensor]):
     """While active, ``out`` (the result of ``make()``, which reads only tensors kept anyway) is not kept
@@ -64,7 +72,7 @@ def made_again(out: Tensor, make: Callable[[], Tensor]):
     ptr, numel = out.untyped_storage().data_ptr(), out.numel()
 
     def pack(t: Tensor):
-        if t.untyped_storage().data_ptr() == ptr and t.numel() == numel and t.dtype == out.dtype:
+        if t.numel() == numel and t.dtype == out.dtype and _data_ptr(t) == ptr:
             return _Recipe(make, t)
         return (outer[0](t),) if outer else (t,)
 

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from torchfuser.backends.reference.dequant_4bit import dequantize_blockwise_8bit_fwd
 from torchfuser.functional import backend_for
+from torchfuser.modules.adapters import torchao_nf4
 from torchfuser.ops.dequant_4bit import dequantize_4bit
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,6 +55,8 @@ def _is_bnb(layer: nn.Module) -> bool:
 def kind(layer: nn.Module) -> str | None:
     """'NF4', 'FP4' or 'int8' for a quantised base this module dequantises, else None."""
     w = getattr(layer, "weight", None)
+    if torchao_nf4.is_nf4(w):
+        return "NF4"
     qs = getattr(w, "quant_state", None)
     if qs is not None and getattr(qs, "quant_type", None) in ("nf4", "fp4"):
         return qs.quant_type.upper()
@@ -64,7 +67,10 @@ def kind(layer: nn.Module) -> str | None:
 
 def frozen_bytes(p: Tensor) -> bool:
     """Whether ``p`` is a frozen quantised bitsandbytes weight (Params4bit with its quant_state, Int8Params):
-    fused blocks never hand it to a kernel; its layer runs it, or the LoRA node dequantises it."""
+    fused blocks never hand it to a kernel; its layer runs it, or the LoRA node dequantises it. torchao's
+    frozen NF4 weights too (modules/adapters/torchao_nf4.py)."""
+    if torchao_nf4.frozen(p):
+        return True
     if p.requires_grad or not _is_bnb_tensor(p):
         return False
     return getattr(p, "quant_state", None) is not None or (p.dtype == torch.int8 and hasattr(p, "SCB"))
@@ -85,6 +91,8 @@ def unsupported(layer: nn.Module) -> str | None:
         return None
     if not isinstance(layer, nn.Linear):
         return f"a quantised {type(layer).__name__}, not a linear projection"
+    if torchao_nf4.is_nf4(layer.weight):
+        return torchao_nf4.unsupported(layer)
     if k == "int8":
         if getattr(layer.state, "has_fp16_weights", True):
             return "an 8-bit bitsandbytes layer with trainable weights (has_fp16_weights=True)"
@@ -105,6 +113,8 @@ def unsupported(layer: nn.Module) -> str | None:
 
 def call_problem(layer: nn.Module, x: Tensor) -> str | None:
     """Why this call of the quantised base ``layer`` must run as bitsandbytes' own layer, or None."""
+    if torchao_nf4.is_nf4(layer.weight):
+        return torchao_nf4.call_problem(layer, x, torch.is_autocast_enabled(x.device.type))
     if kind(layer) == "int8":
         if not layer.training or x.device.type not in ("cpu", "xpu"):
             return ("an 8-bit base on {} {}: bitsandbytes' LLM.int8() matmul quantises the activations too "
@@ -121,13 +131,16 @@ def call_problem(layer: nn.Module, x: Tensor) -> str | None:
 
 def compute_dtype(layer: nn.Module, x: Tensor) -> torch.dtype:
     """The dtype of the base's GEMM: a 4-bit layer's ``compute_dtype`` (x's where unset), x's for 8-bit."""
-    if kind(layer) == "int8":
+    if kind(layer) == "int8" or torchao_nf4.is_nf4(layer.weight):
         return x.dtype
     return getattr(layer, "compute_dtype", None) or x.dtype
 
 
 def packed(layer: nn.Module) -> Tensor:
-    """The quantised bytes as a plain tensor (bitsandbytes' parameter classes are tensor subclasses)."""
+    """The quantised bytes as a plain tensor (bitsandbytes' parameter classes and torchao's NF4Tensor are tensor
+    subclasses)."""
+    if torchao_nf4.is_nf4(layer.weight):
+        return layer.weight.quantized_data
     return layer.weight.data
 
 
@@ -148,6 +161,10 @@ def _absmax(qs) -> Tensor:
 def dequantize(layer: nn.Module, dtype: torch.dtype, backend: str | None = None) -> Tensor:
     """Ŵ [out_features × in_features] in ``dtype``, bitsandbytes' dequantisation bit for bit (a new tensor)."""
     w = layer.weight
+    if torchao_nf4.is_nf4(w):  # in the weight's own dtype, then cast, as torchao's F.linear does
+        rows, cols = w.shape
+        out = dequantize_4bit(*torchao_nf4.operands(w), rows, cols, w.dtype, backend_for(backend, w.device))
+        return out if out.dtype == dtype else out.to(dtype)
     if kind(layer) == "int8":  # bitsandbytes' MatMul8bitFp: the int8 rows cast, times SCB/127 (fp32), in place
         return w.data.to(dtype).mul_(_int8_scales(layer).unsqueeze(1).mul(1.0 / 127.0))
     qs = w.quant_state
