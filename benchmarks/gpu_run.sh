@@ -115,10 +115,12 @@ for stage in "$@"; do
     # 16384 tokens until OOM) with QLoRA and with a bf16 base (CTX_S: seconds; each length is a process of its own).
     qlora) timeout ${QLORA_S:-480} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --quant ${QUANT:-nf4} --batch 2 --seq 2048 \
               --steps 8 --variants ${VARIANTS:-eager torchfuser unsloth} --out "$OUT/train-step-qlora.jsonl" ;;
-    qlora-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" tests/test_qlora_fused.py tests/backends/test_dequant_4bit.py ;;
+    qlora-tests) timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short tests/test_qlora_fused.py tests/test_qlora_torchao.py \
+              tests/backends/test_dequant_4bit.py tests/backends/test_dequant_matmul_4bit.py ;;
     qlora-convergence) timeout 300 python3 benchmarks/qlora_convergence.py --device cuda --config ${MODELS:-llama1b} --steps 200 \
               --out "$OUT/qlora-convergence-${MODELS:-llama1b}" ;;
     qlora-probe) timeout 150 python3 benchmarks/probes/dequant_probe.py --out "$OUT/dequant-probe.jsonl" ;;
+    qlora-gemm-probe) timeout 200 python3 benchmarks/probes/dequant_gemm_probe.py --out "$OUT/dequant-gemm-probe.jsonl" ;;
     context-qlora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py --quant nf4 ${CTX_ARGS:-} --out "$OUT/context-length-qlora.jsonl" ;;
     context-lora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py ${CTX_ARGS:-} --out "$OUT/context-length-lora.jsonl" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;

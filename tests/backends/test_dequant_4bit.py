@@ -29,17 +29,44 @@ def _quantised(shape, quant_type, nested, dtype):
     return packed, qs, absmax
 
 
+def _diff(name: str, got: torch.Tensor, want: torch.Tensor, want_name: str) -> str | None:
+    """None where ``got`` is ``want`` bit for bit, else which side differs from which, where and by how much."""
+    got = got.cpu()
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{name}: {tuple(got.shape)} {got.dtype} against {want_name}'s {tuple(want.shape)} {want.dtype}"
+    if torch.equal(got, want):
+        return None
+    off = (got.float() - want.float()).abs()
+    bad = (got != want) & ~(got.isnan() & want.isnan())
+    i = int(bad.reshape(-1).nonzero()[0])
+    return (f"{name} differs from {want_name} in {int(bad.sum())} of {want.numel()} elements, by up to {off.max():.3e} "
+            f"(first at flat index {i}: {got.reshape(-1)[i].item()!r} against {want.reshape(-1)[i].item()!r})")
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("quant_type,nested", [("nf4", False), ("nf4", True), ("fp4", False), ("fp4", True)])
 def test_bit_exact_against_bitsandbytes(interpreter, shape, dtype, quant_type, nested):  # noqa: F811
+    """Ours (reference on the CPU, Triton on DEVICE) against bitsandbytes' CPU dequantisation and, on CUDA, against
+    its CUDA one too (what users get there) from the same packed bytes and state; every mismatch is listed with the
+    side that differs, so a failure says whether ours or one of bitsandbytes' backends is the odd one out."""
     packed, qs, absmax = _quantised(shape, quant_type, nested, dtype)
-    want = BF.dequantize_4bit(packed, qs)
-    got_ref = R.dequantize_4bit_fwd(packed, absmax, qs.code, 64, *shape, dtype)
-    got = interpreter.dequantize_4bit_fwd(packed.to(DEVICE), absmax.to(DEVICE), qs.code.to(DEVICE), 64, *shape, dtype)
-    for name, out in (("reference", got_ref), ("triton", got.cpu())):
-        assert out.shape == want.shape and out.dtype == dtype, name
-        assert torch.equal(out, want), f"{name}: {(out.float() - want.float()).abs().max():.3e} off"
+    wants = {"bitsandbytes (cpu)": BF.dequantize_4bit(packed, qs)}
+    if DEVICE == "cuda":
+        wants["bitsandbytes (cuda)"] = BF.dequantize_4bit(packed.to(DEVICE), qs.to(DEVICE)).cpu()
+    ours = {"reference (cpu)": R.dequantize_4bit_fwd(packed, absmax, qs.code, 64, *shape, dtype),
+            f"triton ({DEVICE})": interpreter.dequantize_4bit_fwd(packed.to(DEVICE), absmax.to(DEVICE),
+                                                                  qs.code.to(DEVICE), 64, *shape, dtype)}
+    if DEVICE == "cuda":  # the scales as the fused path computes them on the GPU (quantized_base._absmax)
+        a_dev = (R.dequantize_blockwise_8bit_fwd(qs.absmax.to(DEVICE), qs.state2.absmax.to(DEVICE),
+                                                 qs.state2.code.to(DEVICE), qs.state2.blocksize) + qs.offset.to(DEVICE)
+                 if nested else absmax.to(DEVICE))
+        ours["triton (cuda, scales on cuda)"] = interpreter.dequantize_4bit_fwd(
+            packed.to(DEVICE), a_dev, qs.code.to(DEVICE), 64, *shape, dtype)
+    problems = [d for name, got in ours.items() for w, want in wants.items() if (d := _diff(name, got, want, w))]
+    if len(wants) == 2 and (d := _diff("bitsandbytes (cuda)", *wants.values(), "bitsandbytes (cpu)")):
+        problems.append(d)
+    assert not problems, "\n".join(problems)
 
 
 def test_a_wrong_table_is_caught(interpreter):  # noqa: F811

@@ -85,8 +85,8 @@ def test_amd_choices_follow_the_wavefront():
     fewer = 0
     for launch, ref in zip(amd, nv):
         assert (launch.op, launch.name) == (ref.op, ref.name)
-        tiles = {k: v for k, v in launch.kwargs.items() if k not in ("num_warps", "STAGES")}
-        assert tiles == {k: v for k, v in ref.kwargs.items() if k not in ("num_warps", "STAGES")}
+        tiles = {k: v for k, v in launch.kwargs.items() if k not in ("num_warps", "STAGES", "num_stages")}
+        assert tiles == {k: v for k, v in ref.kwargs.items() if k not in ("num_warps", "STAGES", "num_stages")}
         w, w_nv = launch.kwargs["num_warps"], ref.kwargs["num_warps"]
         assert w <= w_nv and w * 64 <= 1024
         fewer += w < w_nv
@@ -146,6 +146,7 @@ _ALL_KERNELS = {
     "_moe_combine_kernel", "_moe_gather_scale_kernel", "_fp8_amax_both_kernel", "_fp8_quant_both_kernel",
     "_fp8_quant_blocks_kernel", "_fp8_quant_weight_blocks_kernel", "_gated_fwd_amax_kernel", "_gated_bwd_amax_kernel",
     "_rms_norm_fwd_amax_kernel", "_rms_norm_bwd_amax_kernel", "_dequantize_4bit_fwd_kernel",
+    "_dequant_matmul_4bit_kernel",
 }
 # The ones that write e4m3:
 _FP8_CAST_KERNELS = {"_fp8_quant_rows_kernel", "_fp8_quant_tiles_kernel", "_fp8_quant_both_kernel",

@@ -1,5 +1,6 @@
 """The reference backend: plain PyTorch. The numerical oracle and the fallback on any device."""
 from .dequant_4bit import dequantize_4bit_fwd
+from .dequant_matmul_4bit import dequant_matmul_4bit_bwd, dequant_matmul_4bit_fwd
 from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
@@ -17,5 +18,5 @@ __all__ = [
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
-    "moe_experts_bwd", "dequantize_4bit_fwd",
+    "moe_experts_bwd", "dequantize_4bit_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd",
 ]

@@ -235,6 +235,18 @@ def _scenarios(hiddens, dtypes, tokens):
         absmax, code = torch.empty(rows * cols // 64, device=meta), torch.empty(16, device=meta)
         yield "dequantize_4bit_fwd", lambda p=packed, a=absmax, c=code, d=dt: dequant_4bit.dequantize_4bit_fwd(
             p, a, c, 64, rows, cols, d)
+    # The GEMM that dequantises its 4-bit weight tile by tile (off by default, NOTES-qlora.md): llama8b's gate/up
+    # [28672 × 4096] forward at 4096 tokens, and its down [4096 × 14336] backward (after all the others).
+    from . import dequant_matmul_4bit as dqmm
+
+    for dt in dtypes:
+        for rows, cols, fwd in ((28672, 4096, True), (4096, 14336, False)):
+            packed = torch.empty(rows * cols // 2, 1, dtype=torch.uint8, device=meta)
+            absmax, code = torch.empty(rows * cols // 64, device=meta), torch.empty(16, device=meta)
+            a = torch.empty(tokens // 2, cols if fwd else rows, dtype=dt, device=meta)
+            fn = dqmm.dequant_matmul_4bit_fwd if fwd else dqmm.dequant_matmul_4bit_bwd
+            yield fn.__name__, lambda a=a, p=packed, s=absmax, c=code, d=dt, f=fn, r=rows, k=cols: f(
+                a, p, s, c, 64, r, k, d)
 
 
 def _rowwise_both(path, fn, *args):

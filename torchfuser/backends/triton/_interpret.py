@@ -16,6 +16,10 @@
    ``.to(torch.float8_e4m3fn)`` rounds (PyTorch gives NaN past 464 where the GPU saturates: the FP8
    kernels clamp to ±448 first, so they never differ there). Patched only for that pair of dtypes,
    only when the interpreter's cast gets 127.7 wrong.
+4. ``tl.dot`` of bf16 operands: the interpreter holds bf16 as its uint16 bit patterns and multiplied
+   those integers (1.0 · 1.0 gave 16256², the GEMM of the 4-bit dequantising kernel came out ~1e11).
+   The operands are widened to fp32 first (exact), as the GPU's bf16 MMA takes them with fp32
+   accumulation. Patched only when the interpreter's bf16 dot gets 1 · 1 wrong.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ def apply() -> None:
     _fix_scalar_index()
     _fix_bf16_rounding()
     _fix_e4m3_rounding()
+    _fix_bf16_dot()
 
 
 def _fix_scalar_index() -> None:
@@ -132,3 +137,30 @@ def _fix_e4m3_rounding() -> None:
 
     create_fp_to_fp._torchfuser_fixed = True
     builder.create_fp_to_fp = create_fp_to_fp
+
+
+def _fix_bf16_dot() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "_torchfuser_fixed", False):
+        return
+
+    def widen(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << np.uint32(16)).view(np.float32), tl.float32)
+
+    one = interpreter.TensorHandle(np.array([[0x3F80]], dtype=np.uint16), tl.bfloat16)
+    acc = interpreter.TensorHandle(np.zeros((1, 1), dtype=np.float32), tl.float32)
+    if original(None, one, one, acc, None, None).data[0, 0] == 1.0:
+        return  # this interpreter multiplies bf16 values, not their bits: nothing to fix
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._torchfuser_fixed = True
+    builder.create_dot = create_dot
