@@ -41,6 +41,11 @@ class Switches:
     # quantised copies, "atomic" (one pass, column maxima by atomics), "pair" (two kernels) or
     # "rows+tiles"; bit for bit the same (tests/backends/); timed in NOTES-fp8.md.
     fp8_rowwise_both: str = "atomic"
+    # QLoRA 4-bit bases on CUDA with the Triton backend (modules/adapters/quantized_base.py): the base GEMMs (x·Ŵᵀ and
+    # dy·Ŵ) as one Triton kernel that dequantises Ŵ tile by tile (backends/triton/dequant_matmul_4bit.py), no
+    # transient Ŵ. Off: not measured faster than dequantise-then-cuBLAS yet (benchmarks/probes/dequant_gemm_probe.py,
+    # NOTES-qlora.md). Within the accuracy rule when on (tests/backends/test_dequant_matmul_4bit.py).
+    qlora_dequant_gemm: bool = False
 
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:

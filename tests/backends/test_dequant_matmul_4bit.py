@@ -86,3 +86,47 @@ def test_unsupported_layouts_raise(interpreter):  # noqa: F811
     with pytest.raises(TypeError, match="differ"):
         interpreter.dequant_matmul_4bit_fwd(torch.randn(2, 66).to(DEVICE), packed.to(DEVICE), absmax.to(DEVICE),
                                             NF4.to(DEVICE), 64, 8, 66, torch.bfloat16)
+
+
+def _bnb_linears(shapes, compute, seed=0):
+    """bitsandbytes NF4 Linear4bit layers (no double quantisation) holding quantised random weights."""
+    bnb = pytest.importorskip("bitsandbytes")
+    out = []
+    for rows, cols in shapes:
+        w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed + rows)) * 0.05
+        packed, qs = bnb.functional.quantize_4bit(w, blocksize=64, compress_statistics=False, quant_type="nf4")
+        m = bnb.nn.Linear4bit(cols, rows, bias=False, compute_dtype=compute, quant_type="nf4")
+        m.weight = bnb.nn.Params4bit(packed, requires_grad=False, quant_state=qs, quant_type="nf4", bnb_quantized=True)
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=str)
+def test_the_switch_runs_the_fused_gemm_in_the_lora_node_path(interpreter, compute, monkeypatch):  # noqa: F811
+    """quantized_base.linear / grad_input (the LoRA node's base products) with the switch qlora_dequant_gemm on and
+    the Triton backend: a joint q/k/v-like group of bitsandbytes NF4 bases runs the fused kernel (once a direction),
+    within the rule against float64 on the same Ŵ; off, the dequantise-then-GEMM path runs (the kernel is not called)."""
+    from torchfuser import switches
+    from torchfuser.modules.adapters import quantized_base as qb
+
+    layers = _bnb_linears([(64, 128), (32, 128), (32, 128)], compute)
+    calls, real = [], qb.dequant_matmul_4bit
+    monkeypatch.setattr(qb, "dequant_matmul_4bit", lambda *a: calls.append(a[-2]) or real(*a))
+    quant = (tuple(layers), compute, compute, "triton")
+    x, dy = torch.randn(2, 5, 128, dtype=compute), torch.randn(10, 128, dtype=compute)
+    w64 = torch.cat([qb.dequantize(m, torch.float64, "reference") for m in layers])
+    with switches.switched(qlora_dequant_gemm=True):
+        y, dx = qb.linear(x.to(DEVICE), quant, []).cpu(), qb.grad_input(dy.to(DEVICE), quant, torch.float32).cpu()
+    assert calls == [True, False]  # forward x·Ŵᵀ, backward dy·Ŵ, each one fused launch for the joint group
+    y_off, dx_off = qb.linear(x, (tuple(layers), compute, compute, "reference"), []), qb.grad_input(
+        dy, (tuple(layers), compute, compute, "reference"), torch.float32)
+    assert len(calls) == 2 and y.shape == y_off.shape == (2, 5, 128) and dx.dtype == dx_off.dtype == torch.float32
+    assert_within_rule(y, y_off, x.double() @ w64.t(), ATOL[compute], "x·Ŵᵀ")
+    assert_within_rule(dx, dx_off, dy.double() @ w64, ATOL[compute], "dy·Ŵ")
+
+
+def test_the_fused_gemm_is_off_by_default():
+    """Off until benchmarks/probes/dequant_gemm_probe.py shows it faster on the H200 (NOTES-qlora.md)."""
+    from torchfuser.switches import Switches
+
+    assert Switches().qlora_dequant_gemm is False

@@ -137,9 +137,7 @@ class _LoRALinear(torch.autograd.Function):
             if need_x and ctx.fp8_bwd is not None:
                 dx = fp8.mm(fp8.quantize(dy2, plan.fp8[0]), ctx.fp8_bwd, ctx.x_dtype)
             elif need_x and plan.quant is not None:  # Ŵ dequantised again, not kept from the forward
-                layers, cd, gemm_dtype, backend = plan.quant
-                w_hat = quantized_base.joint_weight(layers, cd, backend).to(gemm_dtype)
-                dx = gemm.mm(dy2.to(gemm_dtype), w_hat, ctx.x_dtype)
+                dx = quantized_base.grad_input(dy2, plan.quant, ctx.x_dtype)
             elif need_x:
                 w = weights[0] if len(weights) == 1 else torch.cat(weights)
                 dx = gemm.mm(dy2, w, ctx.x_dtype)

@@ -35,8 +35,11 @@ from torch import Tensor, nn
 
 from torchfuser.backends.reference.dequant_4bit import dequantize_blockwise_8bit_fwd
 from torchfuser.functional import backend_for
+from torchfuser.modules import gemm as _gemm
 from torchfuser.modules.adapters import torchao_nf4
 from torchfuser.ops.dequant_4bit import dequantize_4bit
+from torchfuser.ops.dequant_matmul_4bit import dequant_matmul_4bit
+from torchfuser.switches import SWITCHES
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -207,9 +210,44 @@ def linear(x: Tensor, quant: tuple, biases) -> Tensor:
     """The bases' joint x·Ŵᵀ + b as bitsandbytes' layers compute each: x and b cast to the compute dtype, then
     (under autocast) to autocast's, Ŵ dequantised in the compute dtype (then cast likewise). Ŵ is freed here."""
     layers, cd, gemm, backend = quant
-    w = joint_weight(layers, cd, backend).to(gemm)
     b = None if not biases else torch.cat([t.to(cd) for t in biases]).to(gemm)
+    if (fused := _fused_gemm(layers, cd, gemm, backend, x.device)) is not None:  # no Ŵ at all (switch, off by default)
+        y = dequant_matmul_4bit(x.to(cd).to(gemm), *fused, gemm, True, "triton")
+        return y if b is None else y.add_(b)
+    w = joint_weight(layers, cd, backend).to(gemm)
     return nn.functional.linear(x.to(cd).to(gemm), w, b)
+
+
+def grad_input(dy: Tensor, quant: tuple, dtype: torch.dtype) -> Tensor:
+    """dy·Ŵ (the bases' share of dx) in ``dtype``, Ŵ dequantised again for it (never kept from the forward)."""
+    layers, cd, gemm, backend = quant
+    if (fused := _fused_gemm(layers, cd, gemm, backend, dy.device)) is not None:
+        return dequant_matmul_4bit(dy.to(gemm), *fused, gemm, False, "triton").to(dtype)
+    return _gemm.mm(dy.to(gemm), joint_weight(layers, cd, backend).to(gemm), dtype)
+
+
+def _fused_gemm(layers, cd: torch.dtype, gemm: torch.dtype, backend: str | None, device: torch.device):
+    """The operands (packed, absmax, code, blocksize, rows, cols) of the GEMM that dequantises the bases tile by
+    tile (ops/dequant_matmul_4bit.py), where the switch ``qlora_dequant_gemm`` is on, the backend is Triton and it
+    computes what dequantise-then-GEMM does: 4-bit bases whose bytes are one operand (one base, or bitsandbytes
+    bases that ``_one_launch`` takes), even columns, and Ŵ rounded to the GEMM's dtype straight from the fp32
+    product (dequantised in the GEMM's dtype, or in fp32 and then cast: the same two roundings). Else None."""
+    if not SWITCHES.qlora_dequant_gemm or backend_for(backend, device) != "triton" or gemm not in _FLOATS:
+        return None
+    w = layers[0].weight
+    if len(layers) == 1 and torchao_nf4.is_nf4(w):
+        (packed, absmax, code, bs), (rows, cols), wd = torchao_nf4.operands(w), w.shape, w.dtype
+    elif kind(layers[0]) in ("NF4", "FP4") and (len(layers) == 1 or _one_launch(layers)):
+        qs, wd = w.quant_state, cd
+        code, bs, cols = qs.code, qs.blocksize, qs.shape[1]
+        packed = torch.cat([m.weight.data.reshape(-1).view(torch.uint8) for m in layers]) if len(layers) > 1 else w.data
+        absmax = torch.cat([_absmax(m.weight.quant_state) for m in layers]) if len(layers) > 1 else _absmax(qs)
+        rows = sum(m.weight.quant_state.shape[0] for m in layers)
+    else:
+        return None
+    if wd not in (gemm, torch.float32) or cols % 2 or bs % 2 or rows * cols >= 2 ** 31:
+        return None
+    return packed, absmax, code, bs, rows, cols
 
 
 def describe(layers) -> str | None:
