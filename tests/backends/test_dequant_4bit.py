@@ -74,3 +74,23 @@ def test_a_wrong_table_is_caught(interpreter):  # noqa: F811
     fp4 = BF.get_4bit_type("fp4", device="cpu")
     assert not torch.equal(R.dequantize_4bit_fwd(packed, absmax, fp4, 64, 4, 64, torch.float32),
                            BF.dequantize_4bit(packed, qs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_torchao_nf4_bit_exact(interpreter, dtype):  # noqa: F811
+    """torchao's to_nf4 layout (modules/adapters/torchao_nf4.py) through the Triton kernel: torchao's own
+    get_original_weight bit for bit (block 64, scalers in blocks of 256; the reference backend and other block
+    sizes: tests/test_qlora_torchao.py)."""
+    import warnings
+
+    from torchfuser.modules.adapters import torchao_nf4
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao = pytest.importorskip("torchao.quantization")
+    to_nf4 = getattr(ao, "to_nf4", None) or pytest.importorskip("torchao.dtypes").to_nf4
+    w = to_nf4(torch.randn(96, 512, generator=torch.Generator().manual_seed(3)).to(dtype), 64, 256)
+    packed, absmax, code, bs = torchao_nf4.operands(w)
+    got = interpreter.dequantize_4bit_fwd(packed.to(DEVICE), absmax.to(DEVICE), code.to(DEVICE), bs, 96, 512, dtype)
+    want = w.get_original_weight()
+    assert (d := _diff(f"triton ({DEVICE})", got, want, "torchao")) is None, d
