@@ -121,7 +121,8 @@ def test_fused_matches_peft(kind, dtype, blocks, monkeypatch):
         for n in gr:
             assert_within_rule(gf[n], gr[n], g64[n], 2 ** -7 * g64[n].abs().max().item(), n)
     # r=4: no adapter operand (the hi/lo split A of a joint projection: [2·terms·r × in]) has a base's shape
-    dq = {(m.out_features, m.in_features) for m in fused.modules() if quantized_base.kind(m)} | {(128, 64), (256, 64)}  # + joint q/k/v, gate/up
+    dq = {(m.out_features, m.in_features) for m in fused.modules() if quantized_base.kind(m)}
+    dq |= {(128, 64), (256, 64)}  # the joint q/k/v and gate/up
     assert not [s for s, dt in saved if s in dq and dt.is_floating_point], "a dequantised base kept for the backward"
     torchfuser.restore(fused)
     assert torchao_nf4.is_nf4(fused.base_model.model.model.layers[0].mlp.up_proj.base_layer.weight)

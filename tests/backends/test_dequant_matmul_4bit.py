@@ -105,7 +105,8 @@ def _bnb_linears(shapes, compute, seed=0):
 def test_the_switch_runs_the_fused_gemm_in_the_lora_node_path(interpreter, compute, monkeypatch):  # noqa: F811
     """quantized_base.linear / grad_input (the LoRA node's base products) with the switch qlora_dequant_gemm on and
     the Triton backend: a joint q/k/v-like group of bitsandbytes NF4 bases runs the fused kernel (once a direction),
-    within the rule against float64 on the same Ŵ; off, the dequantise-then-GEMM path runs (the kernel is not called)."""
+    within the rule against float64 on the same Ŵ; off, the dequantise-then-GEMM path runs (the kernel is not
+    called)."""
     from torchfuser import switches
     from torchfuser.modules.adapters import quantized_base as qb
 
@@ -130,3 +131,29 @@ def test_the_fused_gemm_is_off_by_default():
     from torchfuser.switches import Switches
 
     assert Switches().qlora_dequant_gemm is False
+
+
+def test_the_switch_takes_a_torchao_nf4_base(interpreter, monkeypatch):  # noqa: F811
+    """A torchao NF4 base (bf16, scalers in blocks of 16) through the switched path: the fused kernel, within the
+    rule."""
+    import warnings
+
+    from torchfuser import switches
+    from torchfuser.modules.adapters import quantized_base as qb
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ao = pytest.importorskip("torchao.quantization")
+    to_nf4 = getattr(ao, "to_nf4", None) or pytest.importorskip("torchao.dtypes").to_nf4
+    layer = torch.nn.Linear(128, 96, bias=False, dtype=torch.bfloat16)
+    layer.weight = torch.nn.Parameter(to_nf4(layer.weight.detach(), 64, 16), requires_grad=False)
+    calls, real = [], qb.dequant_matmul_4bit
+    monkeypatch.setattr(qb, "dequant_matmul_4bit", lambda *a: calls.append(a[-2]) or real(*a))
+    x, dy = torch.randn(7, 128, dtype=torch.bfloat16), torch.randn(7, 96, dtype=torch.bfloat16)
+    quant = ((layer,), torch.bfloat16, torch.bfloat16, "triton")
+    with switches.switched(qlora_dequant_gemm=True):
+        y, dx = qb.linear(x.to(DEVICE), quant, []).cpu(), qb.grad_input(dy.to(DEVICE), quant, torch.bfloat16).cpu()
+    assert calls == [True, False]
+    w = layer.weight.get_original_weight()
+    assert_within_rule(y, x @ w.t(), x.double() @ w.double().t(), 1e-2, "x·Ŵᵀ")
+    assert_within_rule(dx, dy @ w, dy.double() @ w.double(), 1e-2, "dy·Ŵ")

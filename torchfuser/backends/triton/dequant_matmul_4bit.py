@@ -18,8 +18,8 @@ Each program owns a [BLOCK_M × BLOCK_N] output tile and walks the reduction in 
 the [BLOCK_K × BLOCK_N] weight tile gathers its byte (each byte read twice, the second time from L1), its
 nibble, its code value and its block's scale (the code table is 64 bytes, the scales one per 64 elements:
 both through L1). Decoding a tile of bytes once and interleaving the nibbles (join + reshape, + trans for the
-forward) crashed Triton 3.6's TritonGPUOptimizeDotOperands pass for sm_90, so the gather it is. Programs are grouped along M (GROUP_M) so consecutive programs
-share weight tiles in L2.
+forward) crashed Triton 3.6's TritonGPUOptimizeDotOperands pass for sm_90, so the gather it is. Programs are
+grouped along M (GROUP_M) so consecutive programs share weight tiles in L2.
 """
 from __future__ import annotations
 

@@ -19,12 +19,16 @@ Recognised by what the layer holds, not by its class name or the model:
   columns above ``threshold``: not reproduced, so such a call runs as PEFT's layer (counted).
 Anything else bitsandbytes-like (not quantised yet, a CPU-packed 4-bit weight, trainable int8 weights)
 is refused with the reason.
+- torchao NF4: an ``nn.Linear`` whose weight is torchao's ``NF4Tensor`` (``to_nf4``): Ŵ dequantised in the weight's
+  own dtype, then cast to x's, as torchao's ``F.linear`` computes (modules/adapters/torchao_nf4.py: the format).
 
 Under autocast the base GEMM runs in autocast's dtype on those casts (as autocast runs bitsandbytes'
 dequantise-then-``linear``), its output cast back to x's dtype, and the adapters' autocast products added
 to it in x's dtype, as PEFT's bnb LoRA layers add them. 4-bit bases of whole blocks are dequantised into
 the joint operand in one launch (their bytes concatenated first: a quarter of its size); others one by one
 into its rows.
+With the switch ``qlora_dequant_gemm`` (off by default, not measured faster yet) the Triton backend runs the base
+GEMMs as one kernel that dequantises Ŵ tile by tile (ops/dequant_matmul_4bit.py): no transient Ŵ at all.
 """
 from __future__ import annotations
 
