@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from torchfuser.cuda_graphs import buckets
+from torchfuser.cuda_graphs import auto as _auto, buckets
 from torchfuser.cuda_graphs.buckets import GraphOptions, Padding
 from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_failed_capture
 from torchfuser.cuda_graphs.function import _Replay
@@ -66,12 +66,18 @@ class Stack:
     chain: bool = True  # capture with chained hidden states (capture.capture); off once a call breaks the chain
     grads_in_pool: bool = False  # a backward replay handed out parameter gradients that live in the pool
     pooled_grads: frozenset = frozenset()  # where those gradients live (data pointers)
+    auto: _auto.Auto | None = None  # cuda_graphs="auto": graphs only where safe and measured faster
+    config: object = None  # the model's config (auto reads output_hidden_states / output_attentions)
+    mode: str = "graphs"  # auto: how layer 0's call ran this step, which the other layers follow
 
     def call(self, index: int, *args, **kwargs):
         layer, forward = self.layers[index], self.forwards[index]
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return forward(*args, **kwargs)
-        why, params = self._scan(layer)
+        why = self._auto_safe(layer) if self.auto is not None else None
+        params = ()
+        if why is None:
+            why, params = self._scan(layer)
         if why is None:
             layout, tensors = split_call(args, kwargs)
             if layout is None:
@@ -81,11 +87,15 @@ class Stack:
             why = ("packed rows: variable-length attention reads the samples' offsets on the host, so the layer "
                    "runs eagerly (faster than a graph of attention over the dense block mask)")
         bucket = pad = None
+        if why is None and self.auto is not None:
+            why = self._auto_step(index, tensors)
         if why is None:
             pad = self._padding(index, layout, tensors)
             why, bucket = self._ready(index, layout, tensors, params, pad)
         if why is not None:
             self._note(why)
+            if why is _auto.EAGER_TIMING and index == len(self.layers) - 1:
+                return self._probed(forward(*args, **kwargs))
             return forward(*args, **kwargs)
         g = bucket.graphs[index]
         if self.grads_in_pool:
@@ -97,6 +107,60 @@ class Stack:
             self.served[bucket.length] += 1
         outs = _Replay.apply(self, g, pad, *tensors, *g.params)
         return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
+
+    def _auto_safe(self, layer) -> str | None:
+        """auto: why this call must run eagerly where ``cuda_graphs=True`` would replay it (auto.py)."""
+        auto = self.auto
+        if auto.kept is False and not self.disabled:
+            self.release(auto.decision)
+        if self.retired and self.disabled:
+            self._free_retired()
+        if self.disabled:
+            return None  # _scan says so
+        if not torch.is_grad_enabled():
+            if auto.steps:
+                auto.give_up("inference calls (no grad: generate, evaluation) run between training steps: the "
+                             "graphs' memory would stay held through them")
+                self.release(auto.decision)
+            return None
+        why = _auto.outputs_requested(self.config)
+        if why is None and _auto.foreign_hooks(layer):
+            why = "hooks on the layer could keep its outputs, views the next replay overwrites"
+        return None if why is None else "auto: " + why
+
+    def _auto_step(self, index: int, tensors) -> str | None:
+        """auto: at layer 0, the step's mode (timing, deciding); every layer follows it."""
+        auto = self.auto
+        if index == 0:
+            if auto.ready():
+                held = sum(b.bytes for b in self.sets.values())
+                if not auto.choose(held, int(_auto.MEMORY_FRACTION * _auto.device_bytes())):
+                    self.release(auto.decision)
+                    return self.disabled
+            hidden = tensors[0] if tensors else None
+            self.mode = auto.step(hidden.shape[:2].numel() if hidden is not None and hidden.dim() >= 2 else 1)
+        return _auto.EAGER_TIMING if self.mode == "eager" else None
+
+    def _probed(self, out):
+        flat, spec = pytree.tree_flatten(out)
+        at = next((i for i, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad), None)
+        if at is None:
+            return out
+        flat[at] = _auto.Probe.apply(self.auto, flat[at])
+        return pytree.tree_unflatten(flat, spec)
+
+    def release(self, why: str) -> None:
+        """Eager for good, the graphs' memory freed (once no replay waits for its backward)."""
+        self.disabled = f"auto: {why}"
+        self._retire()
+        self._free_retired()
+
+    def _free_retired(self) -> None:
+        if not any(b.pending() for b in self.retired):
+            for b in self.retired:
+                b.graphs = None
+            self.retired.clear()
+            self.pool = None
 
     def _padding(self, index, layout, tensors) -> Padding:
         """How this call maps to a bucket's buffers: padded to its length bucket, or as it is."""
@@ -274,7 +338,8 @@ class Stack:
     def describe(self) -> str:
         head = self.head()
         if self.captures == 0 and not self.eager:
-            return f"{head}: captured at the first training step"
+            return f"{head}: " + (f"auto: {self.auto.describe()}" if self.auto is not None
+                                  else "captured at the first training step")
         text = f"{head}: {self.replays} layer calls replayed, {self.captures} capture(s) in {self.capture_s:.1f} s"
         if self.served:
             kind = "exact lengths" if self.exact else "length buckets"
@@ -287,6 +352,8 @@ class Stack:
                 text += f", {self.dropped} dropped to make room"
         if self.exact and self.served:
             text += f"; graphs per exact length: {self.exact}"
+        if self.auto is not None:
+            text += f"; auto: {self.auto.describe()}"
         if self.eager:
             text += "; eager calls: " + "; ".join(f"{n}× {why}" for why, n in self.eager.most_common())
         return text

@@ -1,0 +1,180 @@
+"""``cuda_graphs="auto"`` (optimize's default): graphs per stack only where they are safe and measured faster.
+
+On a CUDA device every stack of fused layers is routed through a ``Stack`` as with ``cuda_graphs=True``,
+with an ``Auto`` policy that changes three things:
+
+1. Timing. The stack's first ``WARM`` training steps run eagerly, untimed (kernels compile, the allocator
+   settles); the next ``TIMED`` run eagerly and are timed; then the graphs are captured (that step is not
+   timed) and the next ``TIMED`` steps replay, timed. A step's time is the GPU-timeline interval between
+   CUDA events recorded as layer 0 starts one training call and the next (the whole step: forward,
+   backward, optimizer, data, whatever the host makes the GPU wait for), per token. Events are only
+   queried (never synchronized): a step's interval is read once its closing event has completed, a step
+   or two later. The median replayed time must beat the median eager time by ``MARGIN``, and the memory
+   the graphs hold must stay under ``MEMORY_FRACTION`` of the device's, for the graphs to stay; otherwise
+   the stack goes eager for good and its pool is freed. The report gives both times and the decision.
+
+2. Safety. Calls that ``cuda_graphs=True`` replays with caveats its user accepted run eagerly instead:
+   - ``output_hidden_states`` / ``output_attentions`` (transformers' output capturing active, or set in
+     the model's config) and any forward hook on a layer: a replay's outputs are views of the graph's
+     buffers, which the next replay overwrites; a hook or the output tuple could keep them.
+   - inference calls (no grad: ``generate``, evaluation) after training calls have been seen: the stack
+     goes eager for good and frees its pool, so the memory the graphs hold between steps is never held
+     through a generation (a GRPO loop), and no capture is repeated after each one.
+   - a second backward through one forward (``retain_graph=True``) or a backward with ``create_graph``:
+     found on the eager steps before capture (the last layer's output passes through an identity
+     ``_Probe``), the stack goes eager for good. After capture it still raises (the replay's saved
+     activations are gone), and the stack goes eager for good, so the step can be run again.
+   Everything ``cuda_graphs=True`` already runs eagerly (no grad, gradient checkpointing, torch.compile,
+   packed rows, hooks inside the layers, KV caches, FSDP2, sharded or wrapped parameters) stays so.
+
+3. Bounds. Graphs are only captured where the kept sets of graphs fit ``MEMORY_FRACTION`` of the device's
+   memory (``GraphOptions.pool_gib``), and the stack's own churn rule still turns capturing off.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+WARM = 1  # eager training steps before timing
+TIMED = 3  # steps timed per mode
+MARGIN = 0.03  # replayed steps must be this much faster than eager ones
+MEMORY_FRACTION = 0.25  # of the device's memory, at most, held by a stack's graphs
+EAGER_TIMING = "auto: timing eager steps before trying graphs"
+HEAD = "cuda graphs (auto): "
+
+
+class CudaClock:
+    """Marks on the current CUDA stream, read without synchronizing."""
+
+    @staticmethod
+    def mark():
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    @staticmethod
+    def done(mark) -> bool:
+        return mark.query()
+
+    @staticmethod
+    def ms(start, end) -> float:
+        return start.elapsed_time(end)
+
+
+def device_bytes() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+@dataclass(eq=False)
+class Auto:
+    """One stack's automatic choice. ``step`` is called at each training call of layer 0 and says how
+    that step runs; ``decision`` is None until the stack has chosen, then the reason of its choice."""
+
+    clock: object = field(default_factory=CudaClock)
+    warm: int = WARM
+    timed: int = TIMED
+    steps: int = 0  # training steps seen (layer-0 training calls)
+    marks: list = field(default_factory=list)  # (mark, mode, tokens), oldest first, not yet read
+    times: dict = field(default_factory=lambda: {"eager": [], "graphs": []})  # ms per 1k tokens
+    decision: str | None = None
+    kept: bool | None = None  # the choice: True graphs, False eager for good, None undecided
+
+    def mode(self) -> str:
+        """How the next step runs: "eager" (timed or not) or "graphs"."""
+        if self.kept is not None:
+            return "graphs" if self.kept else "eager"
+        return "eager" if self.steps < self.warm + self.timed else "graphs"
+
+    def step(self, tokens: int) -> str:
+        """Layer 0's training call begins a step: read what completed, mark this one; its mode."""
+        self.read()
+        mode = self.mode()
+        if self.kept is None:
+            label = ("warm" if self.steps < self.warm else "eager" if self.steps < self.warm + self.timed
+                     else "capture" if self.steps == self.warm + self.timed else "graphs")
+            self.marks.append((self.clock.mark(), label, tokens))
+        self.steps += 1
+        return mode
+
+    def read(self) -> None:
+        """Intervals whose closing mark has completed, in order (a completed mark implies the earlier)."""
+        while len(self.marks) >= 2 and self.clock.done(self.marks[1][0]):
+            (start, label, tokens), (end, _, _) = self.marks[0], self.marks[1]
+            if label in self.times:
+                self.times[label].append(self.clock.ms(start, end) * 1000 / max(tokens, 1))
+            self.marks.pop(0)
+
+    def ready(self) -> bool:
+        return self.kept is None and len(self.times["graphs"]) >= self.timed
+
+    def choose(self, held: int, bound: int) -> bool:
+        """Keep the graphs (True) or go eager for good (False); ``held``: bytes the graphs hold."""
+        eager, graphs = statistics.median(self.times["eager"]), statistics.median(self.times["graphs"])
+        times = f"{graphs:.3g} ms replayed against {eager:.3g} ms eager per 1k tokens (medians of {self.timed} steps)"
+        if held > bound:
+            self.give_up(f"the graphs hold {held / 2**30:.2f} GiB, over the bound of {bound / 2**30:.2f} GiB; {times}")
+        elif graphs > eager * (1 - MARGIN):
+            self.give_up(f"replay is not {MARGIN:.0%} faster: {times}")
+        else:
+            self.kept, self.decision = True, f"graphs kept: {times}, {held / 2**30:.2f} GiB held"
+            self.marks.clear()
+        return bool(self.kept)
+
+    def give_up(self, why: str) -> None:
+        self.kept, self.decision = False, f"eager for good: {why}"
+        self.marks.clear()
+
+    def describe(self) -> str:
+        if self.decision is not None:
+            return self.decision
+        done = {k: len(v) for k, v in self.times.items()}
+        return (f"deciding ({self.steps} training steps seen; timed {done['eager']} eager and {done['graphs']} "
+                f"replayed of {self.timed} each)")
+
+
+def outputs_requested(model_config) -> str | None:
+    """Why a call's layer outputs could be kept past the next replay (None: they are not)."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:  # transformers without output capturing
+        collector = None
+    else:
+        collector = output_capturing._active_collector.get()
+    if collector:
+        wanted = [k for k in ("hidden_states", "attentions") if k in collector]
+        if wanted:
+            return f"output_{wanted[0]} requested: the outputs would be views the next replay overwrites"
+    for name in ("output_hidden_states", "output_attentions"):
+        if getattr(model_config, name, False):
+            return f"config.{name} is True: the outputs would be views the next replay overwrites"
+    return None
+
+
+def foreign_hooks(layer) -> bool:
+    """Forward hooks on the layer itself other than transformers' output capturing (inactive unless
+    requested, which ``outputs_requested`` sees): a hook could keep an output the next replay overwrites."""
+    hooks = [*layer._forward_hooks.values(), *layer._forward_pre_hooks.values()]
+    return any("output_capturing" not in getattr(h, "__qualname__", "") for h in hooks) or bool(
+        layer._backward_hooks or layer._backward_pre_hooks)
+
+
+class Probe(torch.autograd.Function):
+    """The identity on the last layer's output in eager timed steps: tells ``auto`` of a second backward
+    through one forward (retain_graph) or a backward that builds a graph (create_graph)."""
+
+    @staticmethod
+    def forward(ctx, auto: Auto, x):
+        ctx.auto, ctx.calls = auto, 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.calls += 1
+        if ctx.calls > 1 and ctx.auto.kept is None:
+            ctx.auto.give_up("a second backward through one forward (retain_graph=True): a replay's saved "
+                             "activations do not survive it")
+        elif torch.is_grad_enabled() and ctx.auto.kept is None:
+            ctx.auto.give_up("a backward with create_graph=True: a replay's backward cannot be differentiated")
+        return None, grad
