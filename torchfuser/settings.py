@@ -120,7 +120,7 @@ def merge(before: Settings | None, **passed) -> Settings:
         given["exclude"] = _names(given["exclude"], "exclude") or ()
     if "cuda_graphs" in given and not (isinstance(given["cuda_graphs"], (bool, GraphOptions))
                                        or given["cuda_graphs"] == "auto"):
-        raise TypeError(f"cuda_graphs must be \"auto\", True, False or a torchfuser.GraphOptions, got "
+        raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions (or \"auto\", the default), got "
                         f"{given['cuda_graphs']!r}")
     if "autotune" in given and not isinstance(given["autotune"], bool):
         raise TypeError(f"autotune must be True or False, got {type(given['autotune']).__name__}")

@@ -86,13 +86,11 @@ def _unsupported(model: nn.Module, layers) -> str | None:
 
 
 def install_auto(model: nn.Module, checkpointing: bool = False) -> list[str]:
-    """``cuda_graphs="auto"`` (``auto.py``): stacks installed with an ``Auto`` policy on a CUDA device; off,
-    in one note, elsewhere or with checkpointing."""
+    """``cuda_graphs="auto"`` (``auto.py``): stacks installed with an ``Auto`` policy on a CUDA device. Elsewhere
+    nothing happens and nothing is said (CPU reports stay as they were); with checkpointing, one note."""
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cuda":
-        where = p.device if p is not None else "no device"
-        return [f"{HEAD}auto: off (the model is on {where}; on a CUDA device at optimize, stacks of fused layers "
-                "get graphs where safe and measured faster)"]
+        return []
     if checkpointing:
         return [f"{HEAD}auto: off (checkpointing is on: a captured layer cannot recompute in the backward)"]
     bound = _auto.MEMORY_FRACTION * _auto.device_bytes() / 2**30
