@@ -107,6 +107,9 @@ class Auto:
             self.marks.pop(0)
 
     def ready(self) -> bool:
+        """Whether enough replayed steps have been read to choose."""
+        if self.kept is None:
+            self.read()
         return self.kept is None and len(self.times["graphs"]) >= self.timed
 
     def choose(self, held: int, bound: int) -> bool:
