@@ -137,14 +137,23 @@ class Auto:
                 f"replayed of {self.timed} each)")
 
 
+_CAPTURING = []  # transformers' output-capturing module, looked up once (None: not there)
+
+
+def _collector():
+    if not _CAPTURING:
+        try:
+            from transformers.utils import output_capturing
+        except ImportError:  # transformers without output capturing
+            output_capturing = None
+        _CAPTURING.append(getattr(output_capturing, "_active_collector", None))
+    var = _CAPTURING[0]
+    return None if var is None else var.get()
+
+
 def outputs_requested(model_config) -> str | None:
     """Why a call's layer outputs could be kept past the next replay (None: they are not)."""
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:  # transformers without output capturing
-        collector = None
-    else:
-        collector = output_capturing._active_collector.get()
+    collector = _collector()
     if collector:
         wanted = [k for k in ("hidden_states", "attentions") if k in collector]
         if wanted:

@@ -113,10 +113,15 @@ class Stack:
         auto = self.auto
         if auto.kept is False and not self.disabled:
             self.release(auto.decision)
-        if self.retired and self.disabled:
-            self._free_retired()
         if self.disabled:
+            if auto.kept is not False:  # turned off by the stack itself (capture failed, lengths churned)
+                auto.give_up(self.disabled)
+            if self.sets or self.retired:
+                self._retire()
+                self._free_retired()
             return None  # _scan says so
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            return None  # _scan says so (a reentrant checkpoint runs the forward without grad: no inference)
         if not torch.is_grad_enabled():
             if auto.steps:
                 auto.give_up("inference calls (no grad: generate, evaluation) run between training steps: the "
