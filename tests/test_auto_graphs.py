@@ -280,3 +280,22 @@ def test_retain_graph_during_timing_goes_eager():
     assert stack.auto.kept is False and "retain_graph" in stack.auto.decision
     _train((plain, model), auto.WARM + 2 * auto.TIMED + 2)
     assert stack.captures == 0
+
+
+@cuda
+def test_an_output_kept_past_its_step_is_never_overwritten(monkeypatch):
+    """A model that collects its layers' outputs itself (no hook, no transformers capture): the kept
+    output is seen at the next replay, which runs eagerly instead, and the stack goes eager for good."""
+    monkeypatch.setattr(auto, "CudaClock", lambda: FakeClock(lambda i: 10.0 if i <= 4 else 1.0))
+    plain, model = _cuda_pair()
+    _train((plain, model), auto.WARM + 2 * auto.TIMED + 3)
+    stack = _stack_of(model)
+    assert stack.auto.kept
+    kept, norm = [], model.model.norm
+    norm.forward = lambda x, *a, **k: (kept.append(x), type(norm).forward(norm, x, *a, **k))[1]
+    _train((plain, model), 1)
+    del norm.forward
+    snapshot = kept[0].detach().clone()
+    _train((plain, model), 2)
+    assert torch.equal(kept[0], snapshot)
+    assert stack.auto.kept is False and "still referenced" in stack.auto.decision and not stack.sets

@@ -54,7 +54,8 @@ class _Replay(torch.autograd.Function):
                 "replays reuse; optimize the model without cuda_graphs=True to backward twice."
             )
         g.waiting = None
-        if ctx.chained is not None and ctx.chained[0]._version != ctx.chained[1]:
+        chained, ctx.chained = ctx.chained, None  # the input is no longer held here (auto's check of kept outputs)
+        if chained is not None and chained[0]._version != chained[1]:
             raise RuntimeError(
                 "torchfuser: the input of a CUDA-graphed layer was changed in place after the layer ran, "
                 "and its backward reads that input. Change a clone instead, or optimize the model "

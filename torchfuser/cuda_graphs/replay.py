@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -98,6 +99,13 @@ class Stack:
                 return self._probed(forward(*args, **kwargs))
             return forward(*args, **kwargs)
         g = bucket.graphs[index]
+        if self.auto is not None and any(r() is not None for r in g.handed):
+            # Still referenced after its backward: a replay would overwrite what its holder sees.
+            self.auto.give_up("an output of the previous replay is still referenced (output_hidden_states collected "
+                              "by the model, a hook or a variable): the next replay would overwrite it")
+            self.release(self.auto.decision)
+            self._note(self.disabled)
+            return forward(*args, **kwargs)
         if self.grads_in_pool:
             self._keep_grads()
         self.replays += 1
@@ -106,6 +114,8 @@ class Stack:
             bucket.used = self.steps
             self.served[bucket.length] += 1
         outs = _Replay.apply(self, g, pad, *tensors, *g.params)
+        if self.auto is not None:
+            g.handed = tuple(weakref.ref(o) for o in outs)
         return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
 
     def _auto_safe(self, layer) -> str | None:
