@@ -99,7 +99,7 @@ class Stack:
                 return self._probed(forward(*args, **kwargs))
             return forward(*args, **kwargs)
         g = bucket.graphs[index]
-        if self.auto is not None and any(r() is not None for r in g.handed):
+        if self.auto is not None and self._outputs_kept(index, g):
             # Still referenced after its backward: a replay would overwrite what its holder sees.
             self.auto.give_up("an output of the previous replay is still referenced (output_hidden_states collected "
                               "by the model, a hook or a variable): the next replay would overwrite it")
@@ -163,6 +163,14 @@ class Stack:
             return out
         flat[at] = _auto.Probe.apply(self.auto, flat[at])
         return pytree.tree_unflatten(flat, spec)
+
+    def _outputs_kept(self, index: int, g) -> bool:
+        """Whether an output an earlier step's replay handed out is still referenced. All the stack's graphs
+        share one pool, where a layer's scratch may be another's output: the step's first replay (layer 0's)
+        checks every output of every set."""
+        if index != 0:
+            return any(r() is not None for r in g.handed)
+        return any(r() is not None for b in self.sets.values() for h in b.graphs for r in h.handed)
 
     def release(self, why: str) -> None:
         """Eager for good, the graphs' memory freed (once no replay waits for its backward)."""
