@@ -87,7 +87,9 @@ def test_probe_sees_retain_graph_and_create_graph():
     for kind in ("retain", "create"):
         a = auto.Auto(FakeClock(lambda i: 1.0))
         x = torch.randn(3, requires_grad=True)
-        y = (auto.Probe.apply(a, x * 2) ** 2).sum()
+        h = x * 2
+        auto.watch(a, h)
+        y = (h ** 2).sum()
         if kind == "retain":
             y.backward(retain_graph=True)
             assert a.kept is None

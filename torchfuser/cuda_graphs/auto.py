@@ -21,9 +21,11 @@ with an ``Auto`` policy that changes three things:
      goes eager for good and frees its pool, so the memory the graphs hold between steps is never held
      through a generation (a GRPO loop), and no capture is repeated after each one.
    - a second backward through one forward (``retain_graph=True``) or a backward with ``create_graph``:
-     found on the eager steps before capture (the last layer's output passes through an identity
-     ``_Probe``), the stack goes eager for good. After capture it still raises (the replay's saved
+     found on the eager steps before capture (a gradient hook on the last layer's output, ``watch``),
+     the stack goes eager for good. After capture it still raises (the replay's saved
      activations are gone), and the stack goes eager for good, so the step can be run again.
+   - an output a replay handed out still referenced when the next step's first replay comes (hidden
+     states a model collects itself, a variable): that call runs eagerly, and the stack eager for good.
    Everything ``cuda_graphs=True`` already runs eagerly (no grad, gradient checkpointing, torch.compile,
    packed rows, hooks inside the layers, KV caches, FSDP2, sharded or wrapped parameters) stays so.
 
@@ -172,21 +174,17 @@ def foreign_hooks(layer) -> bool:
         layer._backward_hooks or layer._backward_pre_hooks)
 
 
-class Probe(torch.autograd.Function):
-    """The identity on the last layer's output in eager timed steps: tells ``auto`` of a second backward
-    through one forward (retain_graph) or a backward that builds a graph (create_graph)."""
+def watch(auto: Auto, t: torch.Tensor) -> None:
+    """A hook on the last layer's output in eager timed steps (the output itself untouched): tells ``auto``
+    of a second backward through one forward (retain_graph) or a backward that builds a graph (create_graph)."""
+    calls = [0]
 
-    @staticmethod
-    def forward(ctx, auto: Auto, x):
-        ctx.auto, ctx.calls = auto, 0
-        return x.view_as(x)
+    def seen(grad):
+        calls[0] += 1
+        if auto.kept is None and calls[0] > 1:
+            auto.give_up("a second backward through one forward (retain_graph=True): a replay's saved "
+                         "activations do not survive it")
+        elif auto.kept is None and torch.is_grad_enabled():
+            auto.give_up("a backward with create_graph=True: a replay's backward cannot be differentiated")
 
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.calls += 1
-        if ctx.calls > 1 and ctx.auto.kept is None:
-            ctx.auto.give_up("a second backward through one forward (retain_graph=True): a replay's saved "
-                             "activations do not survive it")
-        elif torch.is_grad_enabled() and ctx.auto.kept is None:
-            ctx.auto.give_up("a backward with create_graph=True: a replay's backward cannot be differentiated")
-        return None, grad
+    t.register_hook(seen)

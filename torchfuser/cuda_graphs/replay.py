@@ -157,12 +157,10 @@ class Stack:
         return _auto.EAGER_TIMING if self.mode == "eager" else None
 
     def _probed(self, out):
-        flat, spec = pytree.tree_flatten(out)
-        at = next((i for i, o in enumerate(flat) if isinstance(o, torch.Tensor) and o.requires_grad), None)
-        if at is None:
-            return out
-        flat[at] = _auto.Probe.apply(self.auto, flat[at])
-        return pytree.tree_unflatten(flat, spec)
+        t = next((o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad), None)
+        if t is not None:
+            _auto.watch(self.auto, t)
+        return out
 
     def _outputs_kept(self, index: int, g) -> bool:
         """Whether an output an earlier step's replay handed out is still referenced. All the stack's graphs
