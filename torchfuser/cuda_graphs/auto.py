@@ -74,7 +74,7 @@ class Auto:
     """One stack's automatic choice. ``step`` is called at each training call of layer 0 and says how
     that step runs; ``decision`` is None until the stack has chosen, then the reason of its choice."""
 
-    clock: object = field(default_factory=CudaClock)
+    clock: object = field(default_factory=lambda: CudaClock())  # looked up at each Auto (tests swap it)
     warm: int = WARM
     timed: int = TIMED
     steps: int = 0  # training steps seen (layer-0 training calls)
