@@ -265,7 +265,9 @@ def test_generate_between_steps_works_and_releases_the_graphs(monkeypatch):
     assert stack.auto.kept and stack.sets
     ids = torch.randint(0, VOCAB, (1, 5), device="cuda")
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert torch.equal(out, plain.generate(ids, max_new_tokens=3, do_sample=False))
+    assert out.shape == (1, 8) and torch.equal(out[:, :5], ids)
+    with torch.no_grad():  # the weights trained through replays are the eager model's, to rounding
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
     assert stack.auto.kept is False and not stack.sets and "inference calls" in stack.disabled
     _train((plain, model), 2)  # eager from now on, as the plain model
 
@@ -294,9 +296,13 @@ def test_an_output_kept_past_its_step_is_never_overwritten(monkeypatch):
     stack = _stack_of(model)
     assert stack.auto.kept
     kept, norm = [], model.model.norm
-    norm.forward = lambda x, *a, **k: (kept.append(x), type(norm).forward(norm, x, *a, **k))[1]
+    own = norm.__dict__.get("forward")
+    run = own if own is not None else type(norm).forward.__get__(norm)
+    norm.forward = lambda x, *a, **k: (kept.append(x), run(x, *a, **k))[1]
     _train((plain, model), 1)
-    del norm.forward
+    norm.__dict__.pop("forward")
+    if own is not None:
+        norm.forward = own
     snapshot = kept[0].detach().clone()
     _train((plain, model), 2)
     assert torch.equal(kept[0], snapshot)

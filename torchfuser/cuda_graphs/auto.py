@@ -157,7 +157,7 @@ def outputs_requested(model_config) -> str | None:
     """Why a call's layer outputs could be kept past the next replay (None: they are not)."""
     collector = _collector()
     if collector:
-        wanted = [k for k in ("hidden_states", "attentions") if k in collector]
+        wanted = [k for k in collector if not k.startswith("_")]  # hidden_states, attentions, router_logits, …
         if wanted:
             return f"output_{wanted[0]} requested: the outputs would be views the next replay overwrites"
     for name in ("output_hidden_states", "output_attentions"):
