@@ -83,6 +83,15 @@ def test_memory_bound_sends_the_stack_eager():
     assert "the graphs hold 3.00 GiB, over the bound of 1.00 GiB" in a.decision
 
 
+def test_a_first_capture_that_would_not_fit_is_never_tried():
+    a = auto.Auto(FakeClock(lambda i: 1.0), activations=2**30)
+    assert a.fits(available=2 * 2**30, bound=4 * 2**30) and a.kept is None
+    assert not a.fits(available=2**30, bound=4 * 2**30)
+    assert a.kept is False and "more than the free device memory (1.00 GiB)" in a.decision
+    b = auto.Auto(FakeClock(lambda i: 1.0), activations=2**30)
+    assert not b.fits(available=8 * 2**30, bound=2**30) and "more than the bound" in b.decision
+
+
 def test_probe_sees_retain_graph_and_create_graph():
     for kind in ("retain", "create"):
         a = auto.Auto(FakeClock(lambda i: 1.0))
@@ -142,6 +151,7 @@ def test_auto_on_the_cpu_changes_nothing():
 def _routed_cpu_model(clock, monkeypatch):
     """A CPU model whose stack is routed by hand (install refuses the CPU), with a fake clock."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no such call
+    monkeypatch.setattr(auto, "allocated", lambda: 0)
     model = torchfuser.optimize(tiny_llama(), backend="reference", cuda_graphs=False)
     layers = model.model.layers
     stack = Stack("model.layers", list(layers), [layer.forward for layer in layers])

@@ -69,6 +69,16 @@ def device_bytes() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
 
 
+def available_bytes() -> int:
+    """Free device memory plus what the caching allocator holds unused (no stream sync)."""
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+
+
+def allocated() -> int:
+    return torch.cuda.memory_allocated()
+
+
 @dataclass(eq=False)
 class Auto:
     """One stack's automatic choice. ``step`` is called at each training call of layer 0 and says how
@@ -82,6 +92,7 @@ class Auto:
     times: dict = field(default_factory=lambda: {"eager": [], "graphs": []})  # ms per 1k tokens
     decision: str | None = None
     kept: bool | None = None  # the choice: True graphs, False eager for good, None undecided
+    activations: int = 0  # the most memory an eager forward of the stack added (what a set of graphs holds)
 
     def mode(self) -> str:
         """How the next step runs: "eager" (timed or not) or "graphs"."""
@@ -126,6 +137,17 @@ class Auto:
             self.kept, self.decision = True, f"graphs kept: {times}, {held / 2**30:.2f} GiB held"
             self.marks.clear()
         return bool(self.kept)
+
+    def fits(self, available: int, bound: int) -> bool:
+        """Before the first capture: whether a set of graphs (about the eager forward's activations, with
+        headroom for its gradients and scratch) fits in ``available`` bytes and the bound; else eager for good."""
+        need = int(1.5 * self.activations)
+        if need > min(available, bound):
+            where = "the bound" if bound <= available else "the free device memory"
+            self.give_up(f"the graphs would hold about {need / 2**30:.2f} GiB (1.5 × an eager forward's "
+                         f"activations), more than {where} ({min(available, bound) / 2**30:.2f} GiB)")
+            return False
+        return True
 
     def give_up(self, why: str) -> None:
         self.kept, self.decision = False, f"eager for good: {why}"

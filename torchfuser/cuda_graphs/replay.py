@@ -70,6 +70,7 @@ class Stack:
     auto: _auto.Auto | None = None  # cuda_graphs="auto": graphs only where safe and measured faster
     config: object = None  # the model's config (auto reads output_hidden_states / output_attentions)
     mode: str = "graphs"  # auto: how layer 0's call ran this step, which the other layers follow
+    mem0: int | None = None  # auto: memory allocated as layer 0's eager timed call began
 
     def call(self, index: int, *args, **kwargs):
         layer, forward = self.layers[index], self.forwards[index]
@@ -154,9 +155,19 @@ class Stack:
                     return self.disabled
             hidden = tensors[0] if tensors else None
             self.mode = auto.step(hidden.shape[:2].numel() if hidden is not None and hidden.dim() >= 2 else 1)
+            if self.mode == "eager" and auto.kept is None:
+                self.mem0 = _auto.allocated()
+            elif self.mode == "graphs" and auto.kept is None and not self.sets and not self.captures:
+                if not auto.fits(_auto.available_bytes(), int(_auto.MEMORY_FRACTION * _auto.device_bytes())):
+                    self.release(auto.decision)
+                    return self.disabled
         return _auto.EAGER_TIMING if self.mode == "eager" else None
 
     def _probed(self, out):
+        """The last layer's eager timed call: its output watched (retain_graph), the forward's memory noted."""
+        if self.mem0 is not None:
+            self.auto.activations = max(self.auto.activations, _auto.allocated() - self.mem0)
+            self.mem0 = None
         t = next((o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad), None)
         if t is not None:
             _auto.watch(self.auto, t)
