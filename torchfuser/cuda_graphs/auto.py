@@ -93,6 +93,7 @@ class Auto:
     decision: str | None = None
     kept: bool | None = None  # the choice: True graphs, False eager for good, None undecided
     activations: int = 0  # the most memory an eager forward of the stack added (what a set of graphs holds)
+    grad_bytes: int = 0  # the stack's trainable parameters' gradients, which a capture allocates in its pool
 
     def mode(self) -> str:
         """How the next step runs: "eager" (timed or not) or "graphs"."""
@@ -141,11 +142,12 @@ class Auto:
     def fits(self, available: int, bound: int) -> bool:
         """Before the first capture: whether a set of graphs (about the eager forward's activations, with
         headroom for its gradients and scratch) fits in ``available`` bytes and the bound; else eager for good."""
-        need = int(1.5 * self.activations)
+        need = int(1.5 * self.activations) + self.grad_bytes
         if need > min(available, bound):
             where = "the bound" if bound <= available else "the free device memory"
             self.give_up(f"the graphs would hold about {need / 2**30:.2f} GiB (1.5 × an eager forward's "
-                         f"activations), more than {where} ({min(available, bound) / 2**30:.2f} GiB)")
+                         f"activations and the layers' gradients), more than {where} "
+                         f"({min(available, bound) / 2**30:.2f} GiB)")
             return False
         return True
 
