@@ -113,8 +113,7 @@ def install(model: nn.Module, options: GraphOptions | None = None, auto: bool = 
             continue
         stack = Stack(name, list(layers), [layer.forward for layer in layers], options)
         if auto:
-            grads = sum(q.numel() * q.element_size() for q in layers.parameters() if q.requires_grad)
-            stack.auto, stack.config = _auto.Auto(grad_bytes=grads), getattr(model, "config", None)
+            stack.auto, stack.config = _auto.Auto(), getattr(model, "config", None)
         _route(stack)
         stacks.append(stack)
         notes.append(stack.describe())

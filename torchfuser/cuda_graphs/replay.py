@@ -158,6 +158,8 @@ class Stack:
             if self.mode == "eager" and auto.kept is None:
                 self.mem0 = _auto.allocated()
             elif self.mode == "graphs" and auto.kept is None and not self.sets and not self.captures:
+                auto.grad_bytes = sum(p.numel() * p.element_size() for layer in self.layers
+                                      for p in layer.parameters() if p.requires_grad)  # as trained now (LoRA: adapters)
                 if not auto.fits(_auto.available_bytes(), int(_auto.MEMORY_FRACTION * _auto.device_bytes())):
                     self.release(auto.decision)
                     return self.disabled
