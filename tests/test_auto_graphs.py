@@ -7,7 +7,6 @@ eager; each unsafe case runs eagerly with its reason; a generate between steps.
 """
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch

@@ -38,6 +38,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils import _pytree as pytree
 
 WARM = 1  # eager training steps before timing
 TIMED = 3  # steps timed per mode
@@ -212,3 +213,85 @@ def watch(auto: Auto, t: torch.Tensor) -> None:
             auto.give_up("a backward with create_graph=True: a replay's backward cannot be differentiated")
 
     t.register_hook(seen)
+
+
+class StackPolicy:
+    """What ``Stack`` (replay.py) does for ``cuda_graphs="auto"``: the calls it keeps eager, the step's mode,
+    the memory checks, and releasing the graphs for good."""
+
+    def _auto_safe(self, layer) -> str | None:
+        """auto: why this call must run eagerly where ``cuda_graphs=True`` would replay it (auto.py)."""
+        auto = self.auto
+        if auto.kept is False and not self.disabled:
+            self.release(auto.decision)
+        if self.disabled:
+            if auto.kept is not False:  # turned off by the stack itself (capture failed, lengths churned)
+                auto.give_up(self.disabled)
+            if self.sets or self.retired:
+                self._retire()
+                self._free_retired()
+            return None  # _scan says so
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            return None  # _scan says so (a reentrant checkpoint runs the forward without grad: no inference)
+        if not torch.is_grad_enabled():
+            if auto.steps:
+                auto.give_up("inference calls (no grad: generate, evaluation) run between training steps: the "
+                             "graphs' memory would stay held through them")
+                self.release(auto.decision)
+            return None
+        why = outputs_requested(self.config)
+        if why is None and foreign_hooks(layer):
+            why = "hooks on the layer could keep its outputs, views the next replay overwrites"
+        return None if why is None else "auto: " + why
+
+    def _auto_step(self, index: int, tensors) -> str | None:
+        """auto: at layer 0, the step's mode (timing, deciding); every layer follows it."""
+        auto = self.auto
+        if index == 0:
+            if auto.ready():
+                held = sum(b.bytes for b in self.sets.values())
+                if not auto.choose(held, int(MEMORY_FRACTION * device_bytes())):
+                    self.release(auto.decision)
+                    return self.disabled
+            hidden = tensors[0] if tensors else None
+            self.mode = auto.step(hidden.shape[:2].numel() if hidden is not None and hidden.dim() >= 2 else 1)
+            if self.mode == "eager" and auto.kept is None:
+                self.mem0 = allocated()
+            elif self.mode == "graphs" and auto.kept is None and not self.sets and not self.captures:
+                auto.grad_bytes = sum(p.numel() * p.element_size() for layer in self.layers
+                                      for p in layer.parameters() if p.requires_grad)  # as trained now (LoRA: adapters)
+                if not auto.fits(available_bytes(), int(MEMORY_FRACTION * device_bytes())):
+                    self.release(auto.decision)
+                    return self.disabled
+        return EAGER_TIMING if self.mode == "eager" else None
+
+    def _probed(self, out):
+        """The last layer's eager timed call: its output watched (retain_graph), the forward's memory noted."""
+        if self.mem0 is not None:
+            self.auto.activations = max(self.auto.activations, allocated() - self.mem0)
+            self.mem0 = None
+        t = next((o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad), None)
+        if t is not None:
+            watch(self.auto, t)
+        return out
+
+    def _outputs_kept(self, index: int, g) -> bool:
+        """Whether an output an earlier step's replay handed out is still referenced. All the stack's graphs
+        share one pool, where a layer's scratch may be another's output: the step's first replay (layer 0's)
+        checks every output of every set."""
+        if index != 0:
+            return any(r() is not None for r in g.handed)
+        return any(r() is not None for b in self.sets.values() for h in b.graphs for r in h.handed)
+
+    def release(self, why: str) -> None:
+        """Eager for good, the graphs' memory freed (once no replay waits for its backward)."""
+        self.disabled = f"auto: {why}"
+        self._retire()
+        self._free_retired()
+
+    def _free_retired(self) -> None:
+        if not any(b.pending() for b in self.retired):
+            for b in self.retired:
+                b.graphs = None
+            self.retired.clear()
+            self.pool = None

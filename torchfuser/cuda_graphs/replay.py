@@ -44,7 +44,7 @@ class Bucket:
 
 
 @dataclass(eq=False)
-class Stack:
+class Stack(_auto.StackPolicy):
     name: str
     layers: list[nn.Module]
     forwards: list  # each layer's own bound forward
@@ -118,83 +118,6 @@ class Stack:
         if self.auto is not None:
             g.handed = tuple(weakref.ref(o) for o in outs)
         return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
-
-    def _auto_safe(self, layer) -> str | None:
-        """auto: why this call must run eagerly where ``cuda_graphs=True`` would replay it (auto.py)."""
-        auto = self.auto
-        if auto.kept is False and not self.disabled:
-            self.release(auto.decision)
-        if self.disabled:
-            if auto.kept is not False:  # turned off by the stack itself (capture failed, lengths churned)
-                auto.give_up(self.disabled)
-            if self.sets or self.retired:
-                self._retire()
-                self._free_retired()
-            return None  # _scan says so
-        if getattr(layer, "gradient_checkpointing", False) and layer.training:
-            return None  # _scan says so (a reentrant checkpoint runs the forward without grad: no inference)
-        if not torch.is_grad_enabled():
-            if auto.steps:
-                auto.give_up("inference calls (no grad: generate, evaluation) run between training steps: the "
-                             "graphs' memory would stay held through them")
-                self.release(auto.decision)
-            return None
-        why = _auto.outputs_requested(self.config)
-        if why is None and _auto.foreign_hooks(layer):
-            why = "hooks on the layer could keep its outputs, views the next replay overwrites"
-        return None if why is None else "auto: " + why
-
-    def _auto_step(self, index: int, tensors) -> str | None:
-        """auto: at layer 0, the step's mode (timing, deciding); every layer follows it."""
-        auto = self.auto
-        if index == 0:
-            if auto.ready():
-                held = sum(b.bytes for b in self.sets.values())
-                if not auto.choose(held, int(_auto.MEMORY_FRACTION * _auto.device_bytes())):
-                    self.release(auto.decision)
-                    return self.disabled
-            hidden = tensors[0] if tensors else None
-            self.mode = auto.step(hidden.shape[:2].numel() if hidden is not None and hidden.dim() >= 2 else 1)
-            if self.mode == "eager" and auto.kept is None:
-                self.mem0 = _auto.allocated()
-            elif self.mode == "graphs" and auto.kept is None and not self.sets and not self.captures:
-                auto.grad_bytes = sum(p.numel() * p.element_size() for layer in self.layers
-                                      for p in layer.parameters() if p.requires_grad)  # as trained now (LoRA: adapters)
-                if not auto.fits(_auto.available_bytes(), int(_auto.MEMORY_FRACTION * _auto.device_bytes())):
-                    self.release(auto.decision)
-                    return self.disabled
-        return _auto.EAGER_TIMING if self.mode == "eager" else None
-
-    def _probed(self, out):
-        """The last layer's eager timed call: its output watched (retain_graph), the forward's memory noted."""
-        if self.mem0 is not None:
-            self.auto.activations = max(self.auto.activations, _auto.allocated() - self.mem0)
-            self.mem0 = None
-        t = next((o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad), None)
-        if t is not None:
-            _auto.watch(self.auto, t)
-        return out
-
-    def _outputs_kept(self, index: int, g) -> bool:
-        """Whether an output an earlier step's replay handed out is still referenced. All the stack's graphs
-        share one pool, where a layer's scratch may be another's output: the step's first replay (layer 0's)
-        checks every output of every set."""
-        if index != 0:
-            return any(r() is not None for r in g.handed)
-        return any(r() is not None for b in self.sets.values() for h in b.graphs for r in h.handed)
-
-    def release(self, why: str) -> None:
-        """Eager for good, the graphs' memory freed (once no replay waits for its backward)."""
-        self.disabled = f"auto: {why}"
-        self._retire()
-        self._free_retired()
-
-    def _free_retired(self) -> None:
-        if not any(b.pending() for b in self.retired):
-            for b in self.retired:
-                b.graphs = None
-            self.retired.clear()
-            self.pool = None
 
     def _padding(self, index, layout, tensors) -> Padding:
         """How this call maps to a bucket's buffers: padded to its length bucket, or as it is."""
