@@ -130,6 +130,18 @@ def test_output_capture_and_hooks_are_seen():
     handle.remove()
 
 
+def test_a_compiled_callers_eager_parts_are_seen():
+    seen = []
+
+    def between_breaks(x):
+        torch._dynamo.graph_break()
+        seen.append(auto.under_compile())
+        return x + 1
+
+    torch.compile(lambda x: between_breaks(x * 2), backend="eager")(torch.ones(2))
+    assert seen == [True] and not auto.under_compile()
+
+
 def test_settings_default_to_auto_and_auto_goes_with_checkpointing():
     assert Settings().cuda_graphs == "auto"
     assert merge(None, cuda_graphs="auto", checkpointing="offload").cuda_graphs == "auto"

@@ -178,6 +178,18 @@ def _collector():
     return None if var is None else var.get()
 
 
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as _dynamo_callback
+except ImportError:  # a build without dynamo
+    _dynamo_callback = None
+
+
+def under_compile() -> bool:
+    """Whether this call runs inside a torch.compile'd call (an eager part between graph breaks): dynamo's
+    frame callback is set there, and nowhere else."""
+    return _dynamo_callback is not None and bool(_dynamo_callback())
+
+
 def outputs_requested(model_config) -> str | None:
     """Why a call's layer outputs could be kept past the next replay (None: they are not)."""
     collector = _collector()
@@ -240,6 +252,8 @@ class StackPolicy:
                 self.release(auto.decision)
             return None
         why = outputs_requested(self.config)
+        if why is None and under_compile():
+            why = "called inside a torch.compile'd call (between graph breaks): the compiler's choice"
         if why is None and foreign_hooks(layer):
             why = "hooks on the layer could keep its outputs, views the next replay overwrites"
         return None if why is None else "auto: " + why
