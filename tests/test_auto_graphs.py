@@ -200,7 +200,7 @@ def test_inference_after_training_goes_eager_for_good(monkeypatch):
     _loss_and_grads(model, ids)
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, do_sample=False)
-    assert stack.auto.kept is False and "inference calls" in stack.disabled
+    assert stack.auto.kept is False and "inference calls" in stack.auto.decision and stack.disabled == auto.RELEASED
     _loss_and_grads(model, ids)  # training goes on, eagerly
     assert "inference calls" in stack.describe() and stack.auto.steps == 1
 
@@ -289,7 +289,7 @@ def test_generate_between_steps_works_and_releases_the_graphs(monkeypatch):
     assert out.shape == (1, 8) and torch.equal(out[:, :5], ids)
     with torch.no_grad():  # the weights trained through replays are the eager model's, to rounding
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
-    assert stack.auto.kept is False and not stack.sets and "inference calls" in stack.disabled
+    assert stack.auto.kept is False and not stack.sets and "inference calls" in stack.auto.decision
     _train((plain, model), 2)  # eager from now on, as the plain model
 
 

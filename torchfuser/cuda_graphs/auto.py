@@ -45,7 +45,7 @@ TIMED = 3  # steps timed per mode
 MARGIN = 0.03  # replayed steps must be this much faster than eager ones
 MEMORY_FRACTION = 0.25  # of the device's memory, at most, held by a stack's graphs
 EAGER_TIMING = "auto: timing eager steps before trying graphs"
-HEAD = "cuda graphs (auto): "
+RELEASED = "auto chose eager for good (the reason is given above)"
 
 
 class CudaClock:
@@ -235,7 +235,7 @@ class StackPolicy:
         """auto: why this call must run eagerly where ``cuda_graphs=True`` would replay it (auto.py)."""
         auto = self.auto
         if auto.kept is False and not self.disabled:
-            self.release(auto.decision)
+            self.release()
         if self.disabled:
             if auto.kept is not False:  # turned off by the stack itself (capture failed, lengths churned)
                 auto.give_up(self.disabled)
@@ -249,7 +249,7 @@ class StackPolicy:
             if auto.steps:
                 auto.give_up("inference calls (no grad: generate, evaluation) run between training steps: the "
                              "graphs' memory would stay held through them")
-                self.release(auto.decision)
+                self.release()
             return None
         why = outputs_requested(self.config)
         if why is None and under_compile():
@@ -265,7 +265,7 @@ class StackPolicy:
             if auto.ready():
                 held = sum(b.bytes for b in self.sets.values())
                 if not auto.choose(held, int(MEMORY_FRACTION * device_bytes())):
-                    self.release(auto.decision)
+                    self.release()
                     return self.disabled
             hidden = tensors[0] if tensors else None
             self.mode = auto.step(hidden.shape[:2].numel() if hidden is not None and hidden.dim() >= 2 else 1)
@@ -275,7 +275,7 @@ class StackPolicy:
                 auto.grad_bytes = sum(p.numel() * p.element_size() for layer in self.layers
                                       for p in layer.parameters() if p.requires_grad)  # as trained now (LoRA: adapters)
                 if not auto.fits(available_bytes(), int(MEMORY_FRACTION * device_bytes())):
-                    self.release(auto.decision)
+                    self.release()
                     return self.disabled
         return EAGER_TIMING if self.mode == "eager" else None
 
@@ -297,9 +297,12 @@ class StackPolicy:
             return any(r() is not None for r in g.handed)
         return any(r() is not None for b in self.sets.values() for h in b.graphs for r in h.handed)
 
-    def release(self, why: str) -> None:
-        """Eager for good, the graphs' memory freed (once no replay waits for its backward)."""
-        self.disabled = f"auto: {why}"
+    def release(self, why: str | None = None) -> None:
+        """Eager for good, the graphs' memory freed (once no replay waits for its backward); ``why`` becomes
+        the auto decision where none was made yet."""
+        if why is not None and self.auto.kept is not False:
+            self.auto.give_up(why)
+        self.disabled = RELEASED  # the why is the auto decision, said once in the report
         self._retire()
         self._free_retired()
 

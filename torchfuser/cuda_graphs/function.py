@@ -43,7 +43,7 @@ class _Replay(torch.autograd.Function):
         if g.waiting is None or g.waiting() is not ctx.token:
             if ctx.stack.auto is not None:  # the default mode: eager for good, so that the step can run again
                 ctx.stack.auto.give_up("a second backward through one forward (retain_graph=True)")
-                ctx.stack.release(ctx.stack.auto.decision)
+                ctx.stack.release()
                 raise RuntimeError(
                     "torchfuser: a second backward through one forward (retain_graph=True) reached a layer replayed "
                     "from a CUDA graph, whose saved activations are gone. cuda_graphs='auto' has turned graphs off "

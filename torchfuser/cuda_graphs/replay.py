@@ -104,7 +104,7 @@ class Stack(_auto.StackPolicy):
             # Still referenced after its backward: a replay would overwrite what its holder sees.
             self.auto.give_up("an output of the previous replay is still referenced (output_hidden_states collected "
                               "by the model, a hook or a variable): the next replay would overwrite it")
-            self.release(self.auto.decision)
+            self.release()
             self._note(self.disabled)
             return forward(*args, **kwargs)
         if self.grads_in_pool:
