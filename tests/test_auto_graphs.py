@@ -205,6 +205,17 @@ def test_inference_after_training_goes_eager_for_good(monkeypatch):
     assert "inference calls" in stack.describe() and stack.auto.steps == 1
 
 
+def test_a_stack_no_training_call_can_replay_stops_checking(monkeypatch):
+    model, stack = _routed_cpu_model(FakeClock(lambda i: 1.0), monkeypatch)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    for _ in range(auto.IDLE):
+        loss = model(input_ids=ids, labels=ids, use_cache=True).loss  # a KV cache in every training call
+        loss.backward()
+    assert stack.auto.kept is False and stack.auto.steps == 0
+    assert f"none of the first {auto.IDLE} training calls could be replayed" in stack.auto.decision
+    assert "DynamicCache" in stack.auto.decision and stack.disabled == auto.RELEASED
+
+
 def test_output_hidden_states_and_layer_hooks_run_eagerly_with_their_reason(monkeypatch):
     model, stack = _routed_cpu_model(FakeClock(lambda i: 1.0), monkeypatch)
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))

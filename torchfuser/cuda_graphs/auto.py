@@ -24,6 +24,8 @@ with an ``Auto`` policy that changes three things:
      found on the eager steps before capture (a gradient hook on the last layer's output, ``watch``),
      the stack goes eager for good. After capture it still raises (the replay's saved
      activations are gone), and the stack goes eager for good, so the step can be run again.
+   - a stack none of whose first ``IDLE`` training calls could be replayed (a KV cache in every training call,
+     hooks kept on a layer) stops checking each call: eager for good.
    - an output a replay handed out still referenced when the next step's first replay comes (hidden
      states a model collects itself, a variable): that call runs eagerly, and the stack eager for good.
    Everything ``cuda_graphs=True`` already runs eagerly (no grad, gradient checkpointing, torch.compile,
@@ -42,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 WARM = 1  # eager training steps before timing
 TIMED = 3  # steps timed per mode
+IDLE = 16  # training calls of layer 0 that could not be replayed, before any could: then eager for good
 MARGIN = 0.03  # replayed steps must be this much faster than eager ones
 MEMORY_FRACTION = 0.25  # of the device's memory, at most, held by a stack's graphs
 EAGER_TIMING = "auto: timing eager steps before trying graphs"
@@ -93,6 +96,7 @@ class Auto:
     times: dict = field(default_factory=lambda: {"eager": [], "graphs": []})  # ms per 1k tokens
     decision: str | None = None
     kept: bool | None = None  # the choice: True graphs, False eager for good, None undecided
+    idle: int = 0  # layer-0 training calls that ran eagerly for a reason of their own before any step was timed
     activations: int = 0  # the most memory an eager forward of the stack added (what a set of graphs holds)
     grad_bytes: int = 0  # the stack's trainable parameters' gradients, which a capture allocates in its pool
 
@@ -296,6 +300,16 @@ class StackPolicy:
         if index != 0:
             return any(r() is not None for r in g.handed)
         return any(r() is not None for b in self.sets.values() for h in b.graphs for r in h.handed)
+
+    def idle_call(self, why: str) -> None:
+        """Layer 0 ran eagerly for ``why`` before any training step counted: after ``IDLE`` such training calls
+        (a KV cache passed in every training call, hooks kept on a layer, torch.compile), the stack stops
+        checking each call and runs eagerly for good."""
+        auto = self.auto
+        if auto.kept is None and auto.steps == 0 and torch.is_grad_enabled() and why is not EAGER_TIMING:
+            auto.idle += 1
+            if auto.idle >= IDLE:
+                self.release(f"none of the first {IDLE} training calls could be replayed (the last: {why})")
 
     def release(self, why: str | None = None) -> None:
         """Eager for good, the graphs' memory freed (once no replay waits for its backward); ``why`` becomes

@@ -96,6 +96,8 @@ class Stack(_auto.StackPolicy):
             why, bucket = self._ready(index, layout, tensors, params, pad)
         if why is not None:
             self._note(why)
+            if self.auto is not None and index == 0:
+                self.idle_call(why)
             if why is _auto.EAGER_TIMING and index == len(self.layers) - 1:
                 return self._probed(forward(*args, **kwargs))
             return forward(*args, **kwargs)
