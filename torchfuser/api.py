@@ -189,7 +189,8 @@ def _warn_idle(device, before, **given) -> None:
     if device is None or device.type != "cpu":
         return
     for name, (passed, value) in given.items():
-        if isinstance(passed, _U) or value is None or value is False or value == "auto" or (before is not None and getattr(before, name) == value):
+        off = value is None or value is False or value == "auto"  # "auto" does nothing on the CPU, as documented
+        if isinstance(passed, _U) or off or (before is not None and getattr(before, name) == value):
             continue
         shown = "True" if value is True else repr(value) if isinstance(value, str) else type(value).__name__ + "(...)"
         warnings.warn(f"optimize({name}={shown}) on a model on the CPU: {_IDLE_ON_CPU[name]}", UserWarning,

@@ -51,7 +51,7 @@ class Settings:
     patterns: tuple[str, ...] | None = None  # None: every registered pattern, as registered at each call
     exclude: tuple[str, ...] = ()
     filter_fn: Callable | None = None
-    cuda_graphs: bool | str | GraphOptions = "auto"  # "auto": graphs where safe and measured faster (cuda_graphs/auto.py)
+    cuda_graphs: bool | str | GraphOptions = "auto"  # "auto": where safe and measured faster (cuda_graphs/auto.py)
     autotune: bool = False
     fp8: str | None = None
     fp8_lm_head: bool = False

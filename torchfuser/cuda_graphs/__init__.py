@@ -52,8 +52,8 @@ from torchfuser.cuda_graphs.signature import join_call, split_call
 from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_replicas
 from torchfuser.modules.residual_norm import ResidualNormForward  # ours on the instance: graphed, put back
 
-__all__ = ["install", "install_auto", "remove", "detach", "reattach", "refresh_notes", "describe", "find_stacks", "split_call",
-           "join_call", "GraphOptions", "CHURN", "options"]
+__all__ = ["install", "install_auto", "remove", "detach", "reattach", "refresh_notes", "describe", "find_stacks",
+           "split_call", "join_call", "GraphOptions", "CHURN", "options"]
 _ATTR = "_torchfuser_cuda_graphs"
 HEAD = "cuda graphs: "  # every report note made here starts so
 
