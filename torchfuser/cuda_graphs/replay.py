@@ -96,8 +96,11 @@ class Stack(_auto.StackPolicy):
             why, bucket = self._ready(index, layout, tensors, params, pad)
         if why is not None:
             self._note(why)
-            if self.auto is not None and index == 0:
-                self.idle_call(why)
+            if self.auto is not None:
+                if self.disabled and self.retired:  # a capture just failed: its memory back before the eager call
+                    self._free_retired()
+                if index == 0:
+                    self.idle_call(why)
             if why is _auto.EAGER_TIMING and index == len(self.layers) - 1:
                 return self._probed(forward(*args, **kwargs))
             return forward(*args, **kwargs)
