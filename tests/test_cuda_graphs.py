@@ -105,7 +105,8 @@ def _batch_step(model, batch, opt=None, autocast=False):
 
 def _pair(**kw):
     """The same fused model twice (same seed), the second one graphed."""
-    return torchfuser.optimize(tiny_llama("cuda", **kw)), torchfuser.optimize(tiny_llama("cuda", **kw), cuda_graphs=True)
+    return (torchfuser.optimize(tiny_llama("cuda", **kw), cuda_graphs=False),
+            torchfuser.optimize(tiny_llama("cuda", **kw), cuda_graphs=True))
 
 
 def _close_to(a, b, what, rtol, atol):
@@ -292,7 +293,7 @@ def test_varying_lengths_replay_length_buckets(padded_rows):
 @pytest.mark.parametrize("options", [cuda_graphs.GraphOptions(max_buckets=1), cuda_graphs.GraphOptions(pool_gib=1e-6)],
                          ids=["max_buckets", "pool_gib"])
 def test_lengths_beyond_the_bounds_drop_sets_then_stay_eager(options):
-    plain = torchfuser.optimize(tiny_llama("cuda"))
+    plain = torchfuser.optimize(tiny_llama("cuda"), cuda_graphs=False)
     graphed = torchfuser.optimize(tiny_llama("cuda"), cuda_graphs=options)
     gen = torch.Generator().manual_seed(5)
     for seq in (16, 32, 16, 32, 16):
@@ -378,7 +379,7 @@ def test_compile_reduce_overhead_trains_as_eager(autocast):
     the H200), so there the weights stay fixed and each replay's gradients are compared."""
     from torch._dynamo.utils import counters
 
-    plain, compiled_model = torchfuser.optimize(tiny_llama("cuda")), torchfuser.optimize(tiny_llama("cuda"))
+    plain, compiled_model = torchfuser.optimize(tiny_llama("cuda"), cuda_graphs=False), torchfuser.optimize(tiny_llama("cuda"))
     compiled = torch.compile(compiled_model, mode="reduce-overhead")
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, compiled_model)]
     counters.clear()

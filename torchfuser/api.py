@@ -59,7 +59,7 @@ def optimize(
     filter_fn=_U(None),
     strict: bool = False,
     verbose: bool = False,
-    cuda_graphs: "bool | _cuda_graphs.GraphOptions" = _U(False),
+    cuda_graphs: "str | bool | _cuda_graphs.GraphOptions" = _U("auto"),
     autotune: bool = _U(False),
     fp8: str | None = _U(None),
     fp8_lm_head: bool = _U(False),
@@ -98,7 +98,12 @@ def optimize(
     strict: raise, before changing anything, if any candidate block would be skipped (but for
         those ``filter_fn`` excludes).
     verbose: print the report.
-    cuda_graphs: also capture each stack of fused layers (the decoder layers) into CUDA graphs at
+    cuda_graphs: ``"auto"`` (the default): on a CUDA device, each stack of fused layers runs a few
+        training steps eagerly, then captured, each timed with CUDA events; it keeps its graphs only where
+        the replayed steps are faster and their memory stays within a bound, and runs eagerly wherever
+        a graph could surprise (hooks, output_hidden_states / output_attentions, inference calls between
+        training steps, a second backward); see ``torchfuser.cuda_graphs.auto``. Off on other devices.
+        ``True``: always capture each stack of fused layers (the decoder layers) into CUDA graphs at
         the first training step and replay them after: far fewer host launches, for models whose
         step is bound by the host. Costs memory (activations and gradients stay allocated) and
         pads each call's sequence length up to a length bucket with graphs of its own (bounded in
@@ -184,7 +189,8 @@ def _warn_idle(device, before, **given) -> None:
     if device is None or device.type != "cpu":
         return
     for name, (passed, value) in given.items():
-        if isinstance(passed, _U) or value in (None, False) or (before is not None and getattr(before, name) == value):
+        off = value is None or value is False or value == "auto"  # "auto" does nothing on the CPU, as documented
+        if isinstance(passed, _U) or off or (before is not None and getattr(before, name) == value):
             continue
         shown = "True" if value is True else repr(value) if isinstance(value, str) else type(value).__name__ + "(...)"
         warnings.warn(f"optimize({name}={shown}) on a model on the CPU: {_IDLE_ON_CPU[name]}", UserWarning,
@@ -227,7 +233,7 @@ def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool
     _set_keep_logits(model, s.keep_logits)
     _offload.set_mode([model.get_submodule(e.name) for e in result.fused if e.pattern == "residual_norm"],
                       s.checkpointing)
-    dropped = _set_graphs(model, result, s.cuda_graphs, graphs, changed)
+    dropped = _set_graphs(model, result, s.cuda_graphs, graphs, changed, bool(s.checkpointing))
     _set_autotune(model, result, s.autotune, before is not None and before.autotune and not afresh, changed)
     _experts.note(model, result)
     _settings.keep(model, s)
@@ -241,19 +247,21 @@ def _set_keep_logits(model: nn.Module, keep: bool) -> None:
         fused.keep_logits = keep
 
 
-def _set_graphs(model: nn.Module, result: FusionReport, wanted, graphs, changed: bool) -> list:
+def _set_graphs(model: nn.Module, result: FusionReport, wanted, graphs, changed: bool, checkpointing: bool) -> list:
     """CUDA graphs as ``wanted``: the stacks detached at the start of the call put back where nothing they
     captured changed, else installed anew (or not at all); returns the stacks dropped."""
     stacks, kept = graphs if graphs is not None else ([], None)
-    same = kept is not None and (wanted is True or wanted == kept)
+    auto = wanted == "auto"
+    was_auto = bool(stacks) and stacks[0].auto is not None
+    same = kept is not None and auto == was_auto and (auto or wanted is True or wanted == kept)
     if wanted and stacks and same and not changed:
         _cuda_graphs.reattach(model, stacks)
         return []
     if not wanted:
         result.notes = [n for n in result.notes if not n.startswith(_cuda_graphs.HEAD)]
         return stacks
-    chosen = wanted if isinstance(wanted, _cuda_graphs.GraphOptions) else kept
-    notes = _cuda_graphs.install(model, chosen)
+    chosen = wanted if isinstance(wanted, _cuda_graphs.GraphOptions) else None if auto or was_auto else kept
+    notes = _cuda_graphs.install_auto(model, checkpointing) if auto else _cuda_graphs.install(model, chosen)
     result.notes = [n for n in result.notes if not n.startswith(_cuda_graphs.HEAD)] + notes
     return stacks
 

@@ -51,7 +51,7 @@ class Settings:
     patterns: tuple[str, ...] | None = None  # None: every registered pattern, as registered at each call
     exclude: tuple[str, ...] = ()
     filter_fn: Callable | None = None
-    cuda_graphs: bool | GraphOptions = False
+    cuda_graphs: bool | str | GraphOptions = "auto"  # "auto": where safe and measured faster (cuda_graphs/auto.py)
     autotune: bool = False
     fp8: str | None = None
     fp8_lm_head: bool = False
@@ -74,6 +74,11 @@ class Settings:
 
     def __deepcopy__(self, memo) -> "Settings":
         return self  # immutable; a deep copy of the model keeps the very filter_fn
+
+
+def explicit_graphs(value) -> bool:
+    """Whether ``cuda_graphs`` asks for graphs outright (True or GraphOptions), not ``"auto"`` nor off."""
+    return value is True or isinstance(value, GraphOptions)
 
 
 def of(model: nn.Module) -> Settings | None:
@@ -113,9 +118,10 @@ def merge(before: Settings | None, **passed) -> Settings:
         given["patterns"] = _names(given["patterns"], "patterns")
     if "exclude" in given:
         given["exclude"] = _names(given["exclude"], "exclude") or ()
-    if "cuda_graphs" in given and not isinstance(given["cuda_graphs"], (bool, GraphOptions)):
-        raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions, got "
-                        f"{type(given['cuda_graphs']).__name__}")
+    if "cuda_graphs" in given and not (isinstance(given["cuda_graphs"], (bool, GraphOptions))
+                                       or given["cuda_graphs"] == "auto"):
+        raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions (or \"auto\", the default), got "
+                        f"{given['cuda_graphs']!r}")
     if "autotune" in given and not isinstance(given["autotune"], bool):
         raise TypeError(f"autotune must be True or False, got {type(given['autotune']).__name__}")
     if "keep_logits" in given and not isinstance(given["keep_logits"], bool):
@@ -137,7 +143,7 @@ def merge(before: Settings | None, **passed) -> Settings:
         which = kept if "fp8_lm_head" not in given else ""
         raise ValueError(f"fp8_lm_head=True{which} runs the LM head's GEMMs rowwise or tensorwise, not blockwise: "
                          "pass fp8='rowwise' or 'tensorwise' with it, or fp8_lm_head=False")
-    if settings.checkpointing and settings.cuda_graphs:
+    if settings.checkpointing and explicit_graphs(settings.cuda_graphs):  # "auto" just stays eager
         which = kept if not {"checkpointing", "cuda_graphs"} <= given.keys() else ""
         raise ValueError(f"checkpointing={settings.checkpointing!r} and cuda_graphs{which} do not go together: a captured "
                          "layer cannot copy its input to the host and recompute in the backward. Pass one of them "

@@ -1,4 +1,5 @@
-"""CUDA graphs for a model's repeated blocks: ``torchfuser.optimize(model, cuda_graphs=True)``.
+"""CUDA graphs for a model's repeated blocks: ``torchfuser.optimize(model, cuda_graphs=True)``, or chosen per
+stack where safe and measured faster by ``optimize(model)``'s default ``cuda_graphs="auto"`` (``auto.py``).
 
 A training step of a small model is bound by the host: every fused op and every ATen op around
 it costs tens of microseconds of Python and launch time, more than its kernel. Here each decoder
@@ -44,14 +45,15 @@ from functools import partial
 import torch
 from torch import nn
 
+from torchfuser.cuda_graphs import auto as _auto
 from torchfuser.cuda_graphs.buckets import GraphOptions
 from torchfuser.cuda_graphs.replay import CHURN, Stack
 from torchfuser.cuda_graphs.signature import join_call, split_call
 from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_replicas
 from torchfuser.modules.residual_norm import ResidualNormForward  # ours on the instance: graphed, put back
 
-__all__ = ["install", "remove", "detach", "reattach", "refresh_notes", "describe", "find_stacks", "split_call",
-           "join_call", "GraphOptions", "CHURN", "options"]
+__all__ = ["install", "install_auto", "remove", "detach", "reattach", "refresh_notes", "describe", "find_stacks",
+           "split_call", "join_call", "GraphOptions", "CHURN", "options"]
 _ATTR = "_torchfuser_cuda_graphs"
 HEAD = "cuda graphs: "  # every report note made here starts so
 
@@ -83,7 +85,19 @@ def _unsupported(model: nn.Module, layers) -> str | None:
     return None
 
 
-def install(model: nn.Module, options: GraphOptions | None = None) -> list[str]:
+def install_auto(model: nn.Module, checkpointing: bool = False) -> list[str]:
+    """``cuda_graphs="auto"`` (``auto.py``): stacks installed with an ``Auto`` policy on a CUDA device. Elsewhere
+    nothing happens and nothing is said (CPU reports stay as they were); with checkpointing, one note."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cuda":
+        return []
+    if checkpointing:
+        return [f"{HEAD}auto: off (checkpointing is on: a captured layer cannot recompute in the backward)"]
+    bound = _auto.MEMORY_FRACTION * _auto.device_bytes() / 2**30
+    return install(model, GraphOptions(pool_gib=bound), auto=True)
+
+
+def install(model: nn.Module, options: GraphOptions | None = None, auto: bool = False) -> list[str]:
     """Route every stack's layers through their graphs; report notes, one per stack."""
     options = GraphOptions() if options is None else options
     if model.__dict__.get(_ATTR):
@@ -98,6 +112,8 @@ def install(model: nn.Module, options: GraphOptions | None = None) -> list[str]:
             notes.append(f"cuda graphs: not used for {name} — {why}")
             continue
         stack = Stack(name, list(layers), [layer.forward for layer in layers], options)
+        if auto:
+            stack.auto, stack.config = _auto.Auto(), getattr(model, "config", None)
         _route(stack)
         stacks.append(stack)
         notes.append(stack.describe())

@@ -30,6 +30,7 @@ class LayerGraphs:
     grad_outputs: list[Tensor | None] = field(default_factory=list)
     grad_inputs: tuple[Tensor | None, ...] = ()  # per input, then per parameter
     waiting: weakref.ref | None = None
+    handed: tuple = ()  # cuda_graphs="auto": weak references to the outputs the last replay handed out
 
     def pending(self) -> bool:
         return self.waiting is not None and self.waiting() is not None

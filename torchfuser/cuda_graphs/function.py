@@ -41,13 +41,21 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         g, pad = ctx.graphs, ctx.pad
         if g.waiting is None or g.waiting() is not ctx.token:
+            if ctx.stack.auto is not None:  # the default mode: eager for good, so that the step can run again
+                ctx.stack.auto.give_up("a second backward through one forward (retain_graph=True)")
+                ctx.stack.release()
+                raise RuntimeError(
+                    "torchfuser: a second backward through one forward (retain_graph=True) reached a layer replayed "
+                    "from a CUDA graph, whose saved activations are gone. cuda_graphs='auto' has turned graphs off "
+                    "for this model from now on: run the step again (or optimize with cuda_graphs=False).")
             raise RuntimeError(
                 "torchfuser: a CUDA-graphed layer was asked for a second backward of one forward "
                 "(retain_graph=True). Its saved activations live in the graph's buffers, which later "
                 "replays reuse; optimize the model without cuda_graphs=True to backward twice."
             )
         g.waiting = None
-        if ctx.chained is not None and ctx.chained[0]._version != ctx.chained[1]:
+        chained, ctx.chained = ctx.chained, None  # the input is no longer held here (auto's check of kept outputs)
+        if chained is not None and chained[0]._version != chained[1]:
             raise RuntimeError(
                 "torchfuser: the input of a CUDA-graphed layer was changed in place after the layer ran, "
                 "and its backward reads that input. Change a clone instead, or optimize the model "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from torchfuser.cuda_graphs import buckets
+from torchfuser.cuda_graphs import auto as _auto, buckets
 from torchfuser.cuda_graphs.buckets import GraphOptions, Padding
 from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_failed_capture
 from torchfuser.cuda_graphs.function import _Replay
@@ -43,7 +44,7 @@ class Bucket:
 
 
 @dataclass(eq=False)
-class Stack:
+class Stack(_auto.StackPolicy):
     name: str
     layers: list[nn.Module]
     forwards: list  # each layer's own bound forward
@@ -66,12 +67,19 @@ class Stack:
     chain: bool = True  # capture with chained hidden states (capture.capture); off once a call breaks the chain
     grads_in_pool: bool = False  # a backward replay handed out parameter gradients that live in the pool
     pooled_grads: frozenset = frozenset()  # where those gradients live (data pointers)
+    auto: _auto.Auto | None = None  # cuda_graphs="auto": graphs only where safe and measured faster
+    config: object = None  # the model's config (auto reads output_hidden_states / output_attentions)
+    mode: str = "graphs"  # auto: how layer 0's call ran this step, which the other layers follow
+    mem0: int | None = None  # auto: memory allocated as layer 0's eager timed call began
 
     def call(self, index: int, *args, **kwargs):
         layer, forward = self.layers[index], self.forwards[index]
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return forward(*args, **kwargs)
-        why, params = self._scan(layer)
+        why = self._auto_safe(layer) if self.auto is not None else None
+        params = ()
+        if why is None:
+            why, params = self._scan(layer)
         if why is None:
             layout, tensors = split_call(args, kwargs)
             if layout is None:
@@ -81,13 +89,29 @@ class Stack:
             why = ("packed rows: variable-length attention reads the samples' offsets on the host, so the layer "
                    "runs eagerly (faster than a graph of attention over the dense block mask)")
         bucket = pad = None
+        if why is None and self.auto is not None:
+            why = self._auto_step(index, tensors)
         if why is None:
             pad = self._padding(index, layout, tensors)
             why, bucket = self._ready(index, layout, tensors, params, pad)
         if why is not None:
             self._note(why)
+            if self.auto is not None:
+                if self.disabled and self.retired:  # a capture just failed: its memory back before the eager call
+                    self._free_retired()
+                if index == 0:
+                    self.idle_call(why)
+            if why is _auto.EAGER_TIMING and index == len(self.layers) - 1:
+                return self._probed(forward(*args, **kwargs))
             return forward(*args, **kwargs)
         g = bucket.graphs[index]
+        if self.auto is not None and self._outputs_kept(index, g):
+            # Still referenced after its backward: a replay would overwrite what its holder sees.
+            self.auto.give_up("an output of the previous replay is still referenced (output_hidden_states collected "
+                              "by the model, a hook or a variable): the next replay would overwrite it")
+            self.release()
+            self._note(self.disabled)
+            return forward(*args, **kwargs)
         if self.grads_in_pool:
             self._keep_grads()
         self.replays += 1
@@ -96,6 +120,8 @@ class Stack:
             bucket.used = self.steps
             self.served[bucket.length] += 1
         outs = _Replay.apply(self, g, pad, *tensors, *g.params)
+        if self.auto is not None:
+            g.handed = tuple(weakref.ref(o) for o in outs)
         return outs[0] if g.out_spec is None else pytree.tree_unflatten(list(outs), g.out_spec)
 
     def _padding(self, index, layout, tensors) -> Padding:
@@ -274,7 +300,8 @@ class Stack:
     def describe(self) -> str:
         head = self.head()
         if self.captures == 0 and not self.eager:
-            return f"{head}: captured at the first training step"
+            return f"{head}: " + (f"auto: {self.auto.describe()}" if self.auto is not None
+                                  else "captured at the first training step")
         text = f"{head}: {self.replays} layer calls replayed, {self.captures} capture(s) in {self.capture_s:.1f} s"
         if self.served:
             kind = "exact lengths" if self.exact else "length buckets"
@@ -287,6 +314,8 @@ class Stack:
                 text += f", {self.dropped} dropped to make room"
         if self.exact and self.served:
             text += f"; graphs per exact length: {self.exact}"
+        if self.auto is not None:
+            text += f"; auto: {self.auto.describe()}"
         if self.eager:
             text += "; eager calls: " + "; ".join(f"{n}× {why}" for why, n in self.eager.most_common())
         return text
