@@ -336,6 +336,6 @@ class FusedAttention(FusedModule):
         else:
             with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
                 out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling,
-                                                is_causal=False if eager else None)
+                                                is_causal=(False if eager else None) if s.uses_mask else s.is_causal)
         out = single(out.reshape(*lead, -1).contiguous(), getattr(self, s.out), self)
         return apply_dropout(self, s.out_dropout, out), None

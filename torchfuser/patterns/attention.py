@@ -223,9 +223,12 @@ class AttentionPattern(Pattern):
         result = Skip(result) if result else self._parts(module, projs)
         if not isinstance(result, Skip):
             positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
-            rope = takes_rope(module)
-            tables = () if rope else tuple(complex_table_args(module))  # Llama 4's complex freqs_ci
-            result = self._search(module, projs, result, positional, rope or bool(tables), tables)
+            parts, rope = result, takes_rope(module)
+            result = self._search(module, projs, parts, positional, rope)
+            tables = () if rope or not isinstance(result, Skip) else tuple(complex_table_args(module))
+            if tables:  # a required argument may be a complex rotary table (Llama 4's vision freqs_ci)
+                found = self._search(module, projs, parts, positional, True, tables)
+                result = result if isinstance(found, Skip) else found
         if isinstance(result, Skip) and "position_ids" in names and "position_embeddings" not in names:
             # The likely cause (GPT-J and CodeGen before transformers took their tables out of the
             # attention): the fused attention is given its rotary tables, it does not build them.
@@ -333,8 +336,12 @@ class AttentionPattern(Pattern):
                     v_fits = True
                     if spec in tried:
                         continue
+                if not budget:
+                    cut = True
+                    break
                 for spec in mask_variants(module, spec, ignored):
                     if not budget:
+                        cut = True
                         break
                     budget -= 1
                     tried.add(spec)
@@ -342,9 +349,6 @@ class AttentionPattern(Pattern):
                     if reason is None:
                         return self._pick_dropouts(module, spec, parts[1])
                     first_reason = first_reason or reason
-                if not budget:
-                    cut = True
-                    break
         if first_reason is None:
             return Skip(_no_layout(module, projs))
         mine = next(((key[0][0], rows) for key, rows in v_rows.items() if rows is not None), None)
