@@ -45,6 +45,13 @@ class VarlenAttentionSpec:
     q_norm: str | None = None  # per-head norms of q and k before the rotary (GLM-OCR's vision attention)
     k_norm: str | None = None
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
+    # Grouped k/v heads (EXAONE 4.5's vision attention): each serves num_heads / num_kv_heads query heads,
+    # in order (transformers' repeat_kv). 0: as many as the query heads.
+    num_kv_heads: int = 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
 
 def segment_mask(cu: Tensor, s: int) -> Tensor:
@@ -93,10 +100,11 @@ class FusedVarlenAttention(FusedModule):
             hand_back(self, original)
             return original(hidden_states, **kwargs)
         n, h, d = hidden_states.shape[0], s.num_heads, s.head_dim
-        if s.layout == "concat":
-            q, k, v = single(hidden_states, getattr(self, s.qkv[0]), self).view(n, 3, h, d).unbind(1)
+        if s.layout == "concat":  # [q | k | v], k and v with kv_heads heads each
+            qkv = single(hidden_states, getattr(self, s.qkv[0]), self)
+            q, k, v = (t.view(n, -1, d) for t in qkv.split([h * d, s.kv_heads * d, s.kv_heads * d], dim=-1))
         else:
-            q, k, v = (t.view(n, h, d) for t in project(hidden_states, [getattr(self, m) for m in s.qkv], self))
+            q, k, v = (t.view(n, -1, d) for t in project(hidden_states, [getattr(self, m) for m in s.qkv], self))
         if s.q_norm is not None:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 × H × S × D
@@ -109,7 +117,8 @@ class FusedVarlenAttention(FusedModule):
             out = _varlen(kernel, q, k, v, cu, kwargs.get("max_seqlen"), s.scaling)  # S × H × D
         else:
             mask = segment_mask(cu, n)
-            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scaling)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scaling,
+                                                             enable_gqa=s.kv_heads != h)
             out = out[0].transpose(0, 1)
         return single(out.reshape(n, h * d).contiguous(), getattr(self, s.out), self)
 
@@ -122,6 +131,12 @@ def _varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest, scale:
         longest = int(torch.diff(cu).max())
     kw = {"scale": scale}
     params = packed._parameters(kernel)
+    if flat[1].shape[1] != flat[0].shape[1]:  # grouped k/v heads
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # each k/v head serves a run of query heads, as transformers' repeat_kv
+            g = flat[0].shape[1] // flat[1].shape[1]
+            flat[1:] = [t.repeat_interleave(g, dim=1) for t in flat[1:]]
     if "is_causal" in params:
         kw["is_causal"] = False
     else:

@@ -44,16 +44,17 @@ def _guesses(module: nn.Module, projs: dict, rotary: bool, norms: list[str]):
     for out in sorted(names, key=lambda n: _hint_rank([n], "o")):
         inputs = [n for n in names if n != out]
         hidden = projs[out][1]
-        heads, _, d = _heads(module, projs[out][0])
-        if not (heads and d) or projs[out][0] != heads * d or any(projs[n][0] != hidden for n in inputs):
+        heads, kv, d = _heads(module, projs[out][0])
+        if not (heads and kv and d) or heads % kv or projs[out][0] != heads * d or any(projs[n][0] != hidden for n in inputs):
             continue
-        common = dict(out=out, num_heads=heads, head_dim=d, scaling=_scaling(module, d))
+        common = dict(out=out, num_heads=heads, head_dim=d, scaling=_scaling(module, d), num_kv_heads=0 if kv == heads else kv)
         layouts = []
-        if len(inputs) == 1 and projs[inputs[0]][1] == 3 * heads * d:
+        if len(inputs) == 1 and projs[inputs[0]][1] == (heads + 2 * kv) * d:
             layouts.append(("concat", tuple(inputs)))
-        elif len(inputs) == 3 and all(projs[n][1] == heads * d for n in inputs):
+        elif len(inputs) == 3:
             for qkv in sorted(itertools.permutations(inputs), key=lambda p: _hint_rank(p, "qkv")):
-                layouts.append(("separate", qkv))
+                if projs[qkv[0]][1] == heads * d and projs[qkv[1]][1] == projs[qkv[2]][1] == kv * d:
+                    layouts.append(("separate", qkv))
         roles = [dict(q_norm=a, k_norm=b) for a, b in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk"))
                  if module._modules[a].weight.shape[0] == d] if norms else [{}]
         for layout, qkv in layouts:
