@@ -156,3 +156,23 @@ def test_cuda_varlen_kernel_with_grouped_heads_matches_sdpa():
     got = model(x, cu, pe)
     err, base = (got.double() - want64).abs().max().item(), (plain.double() - want64).abs().max().item()
     assert err <= 2 * base + 1e-2, (err, base)
+
+
+def test_a_mask_besides_cu_seqlens_runs_the_original():
+    """A forward that also takes a mask (LFM3-VL's vision attention applies it within each segment): a call that
+    gives one runs the original, counted."""
+
+    class Masked(GroupedSegmentAttention):
+        def forward(self, hidden_states, cu_seqlens, position_embeddings=None, attention_mask=None):
+            out = super().forward(hidden_states, cu_seqlens, position_embeddings)
+            return out if attention_mask is None else out + attention_mask.sum()
+
+    torch.manual_seed(0)
+    attn = Masked()
+    x, cu, pe = _inputs()
+    want = attn(x, cu, pe, torch.ones(3))
+    from torchfuser.patterns.varlen_attention import VarlenAttentionPattern
+    fused = FusedVarlenAttention(attn, VarlenAttentionPattern().match(attn), "reference")
+    torch.testing.assert_close(fused(x, cu, pe, torch.ones(3)), want)
+    from torchfuser.modules import fallbacks
+    assert fallbacks.counts(fused)

@@ -81,6 +81,8 @@ class FusedVarlenAttention(FusedModule):
             return f"hidden states of {x.dim()} dims, not the unbatched patches × hidden"
         if not isinstance(kwargs.get("cu_seqlens"), Tensor):
             return "no cu_seqlens tensor given"
+        if kwargs.get("attention_mask") is not None:  # LFM3-VL's vision attention adds one within each segment
+            return "an attention mask given besides cu_seqlens (the fused attention masks by the segments only)"
         if self.spec.rotary:
             pe = kwargs.get("position_embeddings")
             if pe is None or tuple(pe[0].shape) != (x.shape[0], self.spec.head_dim):
