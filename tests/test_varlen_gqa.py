@@ -176,3 +176,23 @@ def test_a_mask_besides_cu_seqlens_runs_the_original():
     torch.testing.assert_close(fused(x, cu, pe, torch.ones(3)), want)
     from torchfuser.modules import fallbacks
     assert fallbacks.counts(fused)
+
+
+def test_a_forward_returning_output_and_weights_gets_both_back():
+    """LFM3-VL's vision attention returns (output, attention weights), and its layer unpacks them: so does the
+    fused module's caller."""
+
+    class Pair(GroupedSegmentAttention):
+        def forward(self, hidden_states, cu_seqlens, position_embeddings=None):
+            return super().forward(hidden_states, cu_seqlens, position_embeddings), None
+
+    torch.manual_seed(0)
+    model = Tower()
+    model.attn = Pair()
+    x, cu, pe = _inputs()
+    want, _ = model.attn(x, cu, pe)
+    torchfuser.optimize(model, backend="reference")
+    assert isinstance(model.attn, FusedVarlenAttention) and model.attn.spec.returns_tuple
+    got, weights = model.attn(x, cu, pe)
+    assert weights is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -48,6 +48,7 @@ class VarlenAttentionSpec:
     # Grouped k/v heads (EXAONE 4.5's vision attention): each serves num_heads / num_kv_heads query heads,
     # in order (transformers' repeat_kv). 0: as many as the query heads.
     num_kv_heads: int = 0
+    returns_tuple: bool = False  # the original returns (output, attention weights) (LFM3-VL), not the output alone
 
     @property
     def kv_heads(self) -> int:
@@ -122,7 +123,8 @@ class FusedVarlenAttention(FusedModule):
             out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scaling,
                                                              enable_gqa=s.kv_heads != h)
             out = out[0].transpose(0, 1)
-        return single(out.reshape(n, h * d).contiguous(), getattr(self, s.out), self)
+        out = single(out.reshape(n, h * d).contiguous(), getattr(self, s.out), self)
+        return (out, None) if s.returns_tuple else out
 
 
 def _varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest, scale: float) -> Tensor:

@@ -24,6 +24,7 @@ from torchfuser.patterns.attention import _heads, _hint_rank, _is_norm, _scaling
 from torchfuser.patterns.base import Pattern, Skip
 
 _WIDTH, _LENGTHS = 8, (3, 5, 2)  # probe: model-side width; segment lengths
+_TUPLE = "returns (output, attention weights)"
 
 
 def _positional(module: nn.Module) -> tuple[str, ...]:
@@ -85,7 +86,9 @@ def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> st
             got = fused(x, **kwargs)
     except Exception as err:
         return f"{type(err).__name__}: {err}"
-    want = want[0] if isinstance(want, tuple) else want
+    if isinstance(want, tuple) != spec.returns_tuple:
+        return _TUPLE if isinstance(want, tuple) else "output is not a tuple"
+    want, got = (want[0], got[0]) if spec.returns_tuple else (want, got)
     if not isinstance(want, torch.Tensor) or not _probe.close(got, want):
         return "output differs (layout, scaling, rotary or segments)"
     return None
@@ -125,6 +128,9 @@ class VarlenAttentionPattern(Pattern):
         for spec in _guesses(module, projs, "position_embeddings" in params, norms):
             spec = dataclasses.replace(spec, positional=positional)
             why = _probe_once(module, spec, projs)
+            if why == _TUPLE:  # it returns (output, attention weights): so must the fused module
+                spec = dataclasses.replace(spec, returns_tuple=True)
+                why = _probe_once(module, spec, projs)
             if why is None:
                 return spec
             first = first or why
