@@ -58,7 +58,8 @@ for e in rep.entries:
 for tower, counts in by_tower.items():
     print(tower, dict(sorted(counts.items())))
 attn = model.model.visual.blocks[0].attn
-print(type(attn).__name__, attn.spec)
+s = attn.spec
+print(f"{type(attn).__name__}: {s.layout} {s.qkv}, {s.num_heads} heads of {s.head_dim}, rotary {s.rotary}, out {s.out!r}")
 assert by_tower["vision"]["varlen_attention"] == cfg.vision_config.depth
 assert by_tower["text"]["lm_head_loss"] == 1 and by_tower["text"]["attention"] == cfg.text_config.num_hidden_layers
 '''
