@@ -196,3 +196,35 @@ def test_a_forward_returning_output_and_weights_gets_both_back():
     got, weights = model.attn(x, cu, pe)
     assert weights is None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class OneRow(GroupedSegmentAttention):
+    """The patches as one row, 1 × S × hidden, and (output, weights) returned (HunYuan-VL's vision attention)."""
+
+    def forward(self, hidden_states, cu_seqlens, attention_mask=None, position_embeddings=None, **kwargs):
+        assert attention_mask is None
+        return super().forward(hidden_states[0], cu_seqlens, position_embeddings).unsqueeze(0), None
+
+
+def test_patches_as_one_row_fused_and_exact():
+    torch.manual_seed(0)
+    attn = OneRow(fused=False)
+    x, cu, pe = _inputs()
+    x = x.unsqueeze(0).requires_grad_()
+    want = attn(x, cu, attention_mask=None, position_embeddings=pe)[0]
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *attn.parameters()])
+    from torchfuser.patterns.varlen_attention import VarlenAttentionPattern
+    spec = VarlenAttentionPattern().match(attn)
+    assert spec.batched and spec.returns_tuple and spec.num_kv_heads == 2, spec
+    fused = FusedVarlenAttention(attn, spec, "reference")
+    got = fused(x, cu, attention_mask=None, position_embeddings=pe)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for g, w in zip(torch.autograd.grad(got.square().sum(), [x, *fused.parameters()]), want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    from torchfuser.modules import fallbacks
+    assert not fallbacks.counts(fused)
+    two = torch.cat([x, 2 * x]).detach()  # two rows: whatever the original makes of them, never a fused guess
+    with torch.no_grad():
+        torch.testing.assert_close(fused(two, cu, attention_mask=None, position_embeddings=pe)[0],
+                                   attn(two, cu, attention_mask=None, position_embeddings=pe)[0])
+    assert "1 × patches × hidden" in next(iter(fallbacks.counts(fused)[""]))

@@ -16,6 +16,7 @@ import itertools
 import torch
 from torch import nn
 
+from torchfuser.modules import fallbacks
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.varlen_attention import _IMPLEMENTATIONS, FusedVarlenAttention, VarlenAttentionSpec
 from torchfuser.patterns import _probe
@@ -63,7 +64,7 @@ def _guesses(module: nn.Module, projs: dict, rotary: bool, norms: list[str]):
                 yield VarlenAttentionSpec(layout=layout, qkv=qkv, rotary=rot, **role, **common)
 
 
-def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> str | None:
+def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict, extra: dict | None = None) -> str | None:
     """None if the fused module computes what ``module`` does on the probe, else why not."""
     gen = _probe.generator(12)
     probe = _probe.shallow_copy(module)
@@ -75,8 +76,9 @@ def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> st
     probe._modules[spec.out] = _probe.small_projection(lora.base_of(module._modules[spec.out]), projs[spec.out][0], _WIDTH, gen)
     s = sum(_LENGTHS)
     x = _probe.randn(s, _WIDTH, gen=gen)
+    x = x.unsqueeze(0) if spec.batched else x
     cu = torch.tensor([0, *torch.tensor(_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    kwargs = {"cu_seqlens": cu}
+    kwargs = {"cu_seqlens": cu, **(extra or {})}
     if "position_embeddings" in _params(module):
         kwargs["position_embeddings"] = (_probe.randn(s, spec.head_dim, gen=gen), _probe.randn(s, spec.head_dim, gen=gen))
     try:
@@ -86,6 +88,8 @@ def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> st
             got = fused(x, **kwargs)
     except Exception as err:
         return f"{type(err).__name__}: {err}"
+    if fallbacks.counts(fused):  # it ran the original: that proves nothing
+        return f"the fused module ran the original ({next(iter(fallbacks.counts(fused)['']))})"
     if isinstance(want, tuple) != spec.returns_tuple:
         return _TUPLE if isinstance(want, tuple) else "output is not a tuple"
     want, got = (want[0], got[0]) if spec.returns_tuple else (want, got)
@@ -127,10 +131,16 @@ class VarlenAttentionPattern(Pattern):
         first = None
         for spec in _guesses(module, projs, "position_embeddings" in params, norms):
             spec = dataclasses.replace(spec, positional=positional)
-            why = _probe_once(module, spec, projs)
+            why, extra = _probe_once(module, spec, projs), None
+            if why is not None and why.split(":")[0].endswith("Error"):  # perhaps the patches as one row, 1 × S × hidden
+                # Such a model passes attention_mask=None through to its attention function (HunYuan-VL).
+                batched, one_row = dataclasses.replace(spec, batched=True), {"attention_mask": None}
+                why_batched = _probe_once(module, batched, projs, one_row)
+                if why_batched in (None, _TUPLE):
+                    spec, why, extra = batched, why_batched, one_row
             if why == _TUPLE:  # it returns (output, attention weights): so must the fused module
                 spec = dataclasses.replace(spec, returns_tuple=True)
-                why = _probe_once(module, spec, projs)
+                why = _probe_once(module, spec, projs, extra)
             if why is None:
                 return spec
             first = first or why
