@@ -198,3 +198,25 @@ def test_vision_tower_exact_loss_and_every_gradient():
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=n)
     torchfuser.restore(fused)
     assert not any(isinstance(m, FusedAttention) for m in fused.modules())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton rope kernel)")
+def test_cuda_bf16_within_the_numerics_rule():
+    """On a GPU (backend auto: Triton's rope, SDPA's kernels): output and every gradient in bf16 within the rule."""
+    attn, freqs = _attention("sdpa")
+    spec = AttentionPattern().match(attn)
+    x, g = torch.randn(2, freqs.shape[0], 64), torch.randn(2, freqs.shape[0], 64)
+    x64 = x.double().requires_grad_(True)
+    ref_mod = copy.deepcopy(attn).double()
+    ref = _reference64(ref_mod, x64, freqs)
+    ref_g = torch.autograd.grad(ref, [x64, *ref_mod.parameters()], g.double())
+    plain = copy.deepcopy(attn).cuda().bfloat16()
+    fused = FusedAttention(copy.deepcopy(attn).cuda().bfloat16(), spec)
+    xb, gb, fb = x.cuda().bfloat16(), g.cuda().bfloat16(), freqs.cuda()
+    want, want_g = _grads(plain, xb, fb, gb)
+    got, got_g = _grads(fused, xb, fb, gb)
+    assert_within_rule(got.cpu(), want.cpu(), ref, 1e-2, "output")
+    names = ["input", *(n for n, _ in attn.named_parameters())]
+    for n, a, b, r in zip(names, got_g, want_g, ref_g):
+        assert_within_rule(a.cpu(), b.cpu(), r, 1e-2 * r.abs().max().item(), n)
+    assert not fallbacks.counts(fused)
