@@ -243,6 +243,10 @@ assert type(model.model.layers[0].mlp).__name__ == "FusedMoE"  # holding the par
 assert rep.counts()["attention"]["fused"] == cfg.num_hidden_layers
 ''', batch=2, seq=64, steps=6)
 
+import vlm_walkthrough  # noqa: E402  (09: a vision-language model, its own cells)
+
+WALKTHROUGHS[vlm_walkthrough.NAME] = vlm_walkthrough.build(md, code, FUSE, PLOT)
+
 
 def _select(names: list[str]) -> list[Path]:
     every = sorted(set(OUT.glob("*.ipynb")) | {OUT / n for n in WALKTHROUGHS})

@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
                                      keep_dropout)
-from torchfuser.modules import fallbacks, packed
+from torchfuser.modules import fallbacks, packed, rotary_complex
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
 
@@ -143,6 +143,11 @@ class AttentionSpec:
     # whose per-pair first half is then the whole table).
     rotary_sin_first: bool = False
     rotary_pair_tables: bool = False
+    # The forward argument that carries the rotary table as complex numbers c + i·s, one per pair of
+    # adjacent channels, applied as (q_2i + i·q_2i+1)·(c + i·s) (Llama 4's vision ``freqs_ci``): the
+    # same math as "half" with per-pair tables cos = c, sin = s (rotary_complex.py converts them).
+    rotary_complex: str | None = None
+    uses_mask: bool = True  # False: the forward ignores the mask it is given (Llama 4's vision attention)
     q_norm: str | None = None
     k_norm: str | None = None
     norm_per_head: bool = True  # q/k norm over head_dim (Qwen3) or over all heads at once (OLMo2)
@@ -240,6 +245,8 @@ class FusedAttention(FusedModule):
                     f"output_{key}=True (transformers records it from the original module)")
         if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
             return "called with encoder states (cross-attention)"
+        if self.spec.rotary_complex:
+            return rotary_complex.unusable(kwargs.get(self.spec.rotary_complex), self.spec)
         if self.spec.rotary_dim:
             pe = kwargs.get("position_embeddings")
             if pe is None:
@@ -295,7 +302,8 @@ class FusedAttention(FusedModule):
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if s.rotary_dim:
-            cos, sin = kwargs["position_embeddings"]
+            cos, sin = (rotary_complex.tables(kwargs[s.rotary_complex], q.shape[2]) if s.rotary_complex
+                        else kwargs["position_embeddings"])
             if cos.dim() == 2:  # one S × D table for every row (Pixtral's 2-D patch positions)
                 cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
             if s.rotary_sin_first:
@@ -309,7 +317,7 @@ class FusedAttention(FusedModule):
         # Eager attention adds the mask it is given and nothing else; sdpa falls back on is_causal
         # when the model passes no mask. Same convention here.
         eager = self.config._attn_implementation == "eager"
-        mask = kwargs.get("attention_mask")
+        mask = kwargs.get("attention_mask") if s.uses_mask else None
         # Eager attention gives a query whose keys are all masked a uniform softmax (min + score
         # rounds to min) and differentiates through it as plain math. PyTorch's fused SDPA kernels
         # agree on the forward but not on the backward of such rows, so only then use the math kernel.
@@ -328,6 +336,6 @@ class FusedAttention(FusedModule):
         else:
             with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
                 out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling,
-                                                is_causal=False if eager else None)
+                                                is_causal=(False if eager else None) if s.uses_mask else s.is_causal)
         out = single(out.reshape(*lead, -1).contiguous(), getattr(self, s.out), self)
         return apply_dropout(self, s.out_dropout, out), None

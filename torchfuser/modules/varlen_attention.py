@@ -45,6 +45,15 @@ class VarlenAttentionSpec:
     q_norm: str | None = None  # per-head norms of q and k before the rotary (GLM-OCR's vision attention)
     k_norm: str | None = None
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
+    # Grouped k/v heads (EXAONE 4.5's vision attention): each serves num_heads / num_kv_heads query heads,
+    # in order (transformers' repeat_kv). 0: as many as the query heads.
+    num_kv_heads: int = 0
+    returns_tuple: bool = False  # the original returns (output, attention weights) (LFM3-VL), not the output alone
+    batched: bool = False  # the patches come as one row, 1 × S × hidden (HunYuan-VL), not S × hidden
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
 
 def segment_mask(cu: Tensor, s: int) -> Tensor:
@@ -70,13 +79,16 @@ class FusedVarlenAttention(FusedModule):
         impl = getattr(self.config, "_attn_implementation", None)
         if impl not in _IMPLEMENTATIONS:
             return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
-        if x.dim() != 2:
-            return f"hidden states of {x.dim()} dims, not the unbatched patches × hidden"
+        if x.dim() != 2 + self.spec.batched or (self.spec.batched and x.shape[0] != 1):
+            want = "one row of patches, 1 × patches × hidden" if self.spec.batched else "the unbatched patches × hidden"
+            return f"hidden states of shape {tuple(x.shape)}, not {want}"
         if not isinstance(kwargs.get("cu_seqlens"), Tensor):
             return "no cu_seqlens tensor given"
+        if kwargs.get("attention_mask") is not None:  # LFM3-VL's vision attention adds one within each segment
+            return "an attention mask given besides cu_seqlens (the fused attention masks by the segments only)"
         if self.spec.rotary:
             pe = kwargs.get("position_embeddings")
-            if pe is None or tuple(pe[0].shape) != (x.shape[0], self.spec.head_dim):
+            if pe is None or tuple(pe[0].shape) != (x.shape[-2], self.spec.head_dim):
                 return "no (patches × head_dim) rotary tables given"
             if torch.is_grad_enabled() and (pe[0].requires_grad or pe[1].requires_grad):
                 # Tables made from trained parameters: the original differentiates through them, rope does not.
@@ -92,11 +104,13 @@ class FusedVarlenAttention(FusedModule):
             original = self.__dict__["_original"]
             hand_back(self, original)
             return original(hidden_states, **kwargs)
-        n, h, d = hidden_states.shape[0], s.num_heads, s.head_dim
-        if s.layout == "concat":
-            q, k, v = single(hidden_states, getattr(self, s.qkv[0]), self).view(n, 3, h, d).unbind(1)
+        x = hidden_states[0] if s.batched else hidden_states
+        n, h, d = x.shape[0], s.num_heads, s.head_dim
+        if s.layout == "concat":  # [q | k | v], k and v with kv_heads heads each
+            qkv = single(x, getattr(self, s.qkv[0]), self)
+            q, k, v = (t.view(n, -1, d) for t in qkv.split([h * d, s.kv_heads * d, s.kv_heads * d], dim=-1))
         else:
-            q, k, v = (t.view(n, h, d) for t in project(hidden_states, [getattr(self, m) for m in s.qkv], self))
+            q, k, v = (t.view(n, -1, d) for t in project(x, [getattr(self, m) for m in s.qkv], self))
         if s.q_norm is not None:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 × H × S × D
@@ -109,9 +123,12 @@ class FusedVarlenAttention(FusedModule):
             out = _varlen(kernel, q, k, v, cu, kwargs.get("max_seqlen"), s.scaling)  # S × H × D
         else:
             mask = segment_mask(cu, n)
-            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scaling)
+            out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=s.scaling,
+                                                             enable_gqa=s.kv_heads != h)
             out = out[0].transpose(0, 1)
-        return single(out.reshape(n, h * d).contiguous(), getattr(self, s.out), self)
+        out = single(out.reshape(n, h * d).contiguous(), getattr(self, s.out), self)
+        out = out.unsqueeze(0) if s.batched else out
+        return (out, None) if s.returns_tuple else out
 
 
 def _varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest, scale: float) -> Tensor:
@@ -122,6 +139,12 @@ def _varlen(kernel, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, longest, scale:
         longest = int(torch.diff(cu).max())
     kw = {"scale": scale}
     params = packed._parameters(kernel)
+    if flat[1].shape[1] != flat[0].shape[1]:  # grouped k/v heads
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:  # each k/v head serves a run of query heads, as transformers' repeat_kv
+            g = flat[0].shape[1] // flat[1].shape[1]
+            flat[1:] = [t.repeat_interleave(g, dim=1) for t in flat[1:]]
     if "is_causal" in params:
         kw["is_causal"] = False
     else:

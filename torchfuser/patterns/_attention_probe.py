@@ -6,6 +6,7 @@ and the one-token probe that traces which rows of a fused qkv projection v is re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 
 import torch
@@ -53,6 +54,44 @@ def takes_rope(module: nn.Module) -> bool:
     return any(p.name == "position_embeddings" for p in forward_params(module))
 
 
+# Arguments a forward may take that are never a rotary table.
+_NOT_TABLES = frozenset({"attention_mask", "position_ids", "position_embeddings", "cache_position", "output_attentions",
+                         "use_cache", "cache", "past_key_values", "layer_past", "head_mask"})
+
+
+def complex_table_args(module: nn.Module) -> list[str]:
+    """Required arguments after the hidden states that might carry a complex rotary table (Llama 4's
+    vision ``freqs_ci``): only the probe decides whether one does."""
+    return [p.name for p in forward_params(module)[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in _NOT_TABLES]
+
+
+def ignores_mask(module: nn.Module, spec: AttentionSpec) -> bool | None:
+    """Whether ``module`` computes the same with the probe's causal, padded mask as with none hidden:
+    a forward that drops the mask it is given (Llama 4's vision attention) must not be fused as one
+    that applies it. None where the forward does not run with this spec."""
+    try:
+        probe, x, kwargs = probe_copy(module, spec)
+        probe.training = False
+        with torch.no_grad():
+            masked = type(probe).forward(probe, x, **kwargs)[0]
+            kwargs["attention_mask"] = torch.zeros_like(kwargs["attention_mask"])
+            open_ = type(probe).forward(probe, x, **kwargs)[0]
+    except Exception:
+        return None
+    return bool(torch.equal(masked, open_))
+
+
+def mask_variants(module: nn.Module, spec: AttentionSpec, ignored: list):
+    """``spec``, then, once the module is found to ignore its mask (``ignored[0]``, decided on the
+    first spec whose output differs), the same spec ignoring the mask, non-causal first."""
+    yield spec  # the caller goes on here only where spec failed its probe
+    if ignored[0] is None:
+        ignored[0] = ignores_mask(module, spec)
+    if ignored[0]:
+        yield from (dataclasses.replace(spec, uses_mask=False, is_causal=c) for c in (False, True))
+
+
 def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False):
     """(probe module, input, kwargs): ``module`` on random float64 CPU parts (never the model's own
     tensors, which may be on the meta device or a GPU), narrow on the model side."""
@@ -81,7 +120,10 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
     mask[1, :, :, 1] = low  # a padded key in the second sequence
     kwargs = {"attention_mask": mask}
-    if spec.rotary_dim or takes_rope(module):
+    if spec.rotary_complex:  # S × 1 × D/2, as Llama 4 passes it; random, so that any other convention shows
+        shape = (_SEQ, 1, spec.rotary_dim // 2)
+        kwargs[spec.rotary_complex] = torch.complex(_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
+    elif spec.rotary_dim or takes_rope(module):
         # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
         # rotates when the spec says it does not (a NoPE guess) cannot match.
         # flat_tables: one (S × D) table for every row (Pixtral's 2-D patch positions), not B × S × D.

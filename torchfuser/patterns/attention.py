@@ -25,7 +25,7 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    check, forward_params, row_runs, rows_read, takes_rope, value_rows,
+    check, complex_table_args, forward_params, mask_variants, row_runs, rows_read, takes_rope, value_rows,
 )
 from torchfuser.patterns.base import Pattern, Skip
 
@@ -76,12 +76,16 @@ def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
     return list(dict.fromkeys(d for d in dims if d % 2 == 0))
 
 
-def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool):
+def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex_args=()):
     """AttentionSpec rotary fields to try. With (cos, sin) tables rotary_dim wide, as most models
     pass them: rotate-half at each width, then adjacent pairs (Cohere, GLM), and last no rotary at
     all (NoPE layers take position embeddings and ignore them). With tables of one entry per pair:
     adjacent pairs, (cos, sin) or (sin, cos) (GPT-J)."""
     dims = _rotary_dims(module, head_dim)
+    if complex_args:  # complex tables c + i·s multiply adjacent channel pairs: "half" with per-pair tables
+        for name, rd in itertools.product(complex_args, dims):
+            yield dict(rotary_dim=rd, rotary_interleave="half", rotary_pair_tables=True, rotary_complex=name)
+        return
     if pair_tables:
         for rd, sin_first in itertools.product(dims, (False, True)):
             yield dict(rotary_dim=rd, rotary_interleave="half", rotary_pair_tables=True, rotary_sin_first=sin_first)
@@ -219,7 +223,12 @@ class AttentionPattern(Pattern):
         result = Skip(result) if result else self._parts(module, projs)
         if not isinstance(result, Skip):
             positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
-            result = self._search(module, projs, result, positional, takes_rope(module))
+            parts, rope = result, takes_rope(module)
+            result = self._search(module, projs, parts, positional, rope)
+            tables = () if rope or not isinstance(result, Skip) else tuple(complex_table_args(module))
+            if tables:  # a required argument may be a complex rotary table (Llama 4's vision freqs_ci)
+                found = self._search(module, projs, parts, positional, True, tables)
+                result = result if isinstance(found, Skip) else found
         if isinstance(result, Skip) and "position_ids" in names and "position_embeddings" not in names:
             # The likely cause (GPT-J and CodeGen before transformers took their tables out of the
             # attention): the fused attention is given its rotary tables, it does not build them.
@@ -288,13 +297,13 @@ class AttentionPattern(Pattern):
 
     # -- guesses and probes ----------------------------------------------------------------
     @staticmethod
-    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False):
+    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False, complex_args=()):
         """Every spec the structure allows, dropout probabilities aside, likeliest first."""
         norms, drops, buffers = parts
         for out, layout, qkv, fields, (heads, kv, d) in _shapes(module, projs, blocks):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
-                    for rotary in _rotary_guesses(module, d, pair_tables) if takes_rope else ({},):
+                    for rotary in _rotary_guesses(module, d, pair_tables, complex_args) if takes_rope else ({},):
                         yield AttentionSpec(
                             layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
                             scaling=_scaling(module, d), **fields, **rotary, **norm_roles,
@@ -302,7 +311,7 @@ class AttentionPattern(Pattern):
                             positional=positional, keep=buffers,
                         )
 
-    def _search(self, module, projs, parts, positional, takes_rope):
+    def _search(self, module, projs, parts, positional, takes_rope, complex_args=()):
         """The first spec both probes accept, else a Skip. Two stages keep the search small: the
         eval probe fixes layout, norms, rotary and output Dropout child; the training probe then
         picks the dropout probabilities."""
@@ -312,11 +321,12 @@ class AttentionPattern(Pattern):
         # one entry per pair (GPT-J), with a budget of their own. Last, with budgets of their own
         # too, a fused projection's other arrangements of q, k and v (CodeGen's), each probed only
         # if it reads v from the rows the module does (one-token probes, one per table width).
-        tables = [False, True] if takes_rope else [False]
-        v_rows, tried, v_fits = {}, set(), False
+        # A forward that ignores the mask it is given (found once an output differs) is probed as such.
+        tables = [False, True] if takes_rope and not complex_args else [False]
+        v_rows, tried, v_fits, ignored = {}, set(), False, [None]
         for blocks, pair_tables in itertools.product((False, True), tables):
             budget = _MAX_PROBES
-            for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks):
+            for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks, complex_args):
                 if blocks:
                     key = (spec.qkv, spec.out, spec.rotary_table_dim)
                     if key not in v_rows:
@@ -329,12 +339,16 @@ class AttentionPattern(Pattern):
                 if not budget:
                     cut = True
                     break
-                budget -= 1
-                tried.add(spec)
-                reason = check(module, spec, training=False)
-                if reason is None:
-                    return self._pick_dropouts(module, spec, parts[1])
-                first_reason = first_reason or reason
+                for spec in mask_variants(module, spec, ignored):
+                    if not budget:
+                        cut = True
+                        break
+                    budget -= 1
+                    tried.add(spec)
+                    reason = check(module, spec, training=False)
+                    if reason is None:
+                        return self._pick_dropouts(module, spec, parts[1])
+                    first_reason = first_reason or reason
         if first_reason is None:
             return Skip(_no_layout(module, projs))
         mine = next(((key[0][0], rows) for key, rows in v_rows.items() if rows is not None), None)

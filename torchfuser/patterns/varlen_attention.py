@@ -16,6 +16,7 @@ import itertools
 import torch
 from torch import nn
 
+from torchfuser.modules import fallbacks
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.varlen_attention import _IMPLEMENTATIONS, FusedVarlenAttention, VarlenAttentionSpec
 from torchfuser.patterns import _probe
@@ -24,6 +25,7 @@ from torchfuser.patterns.attention import _heads, _hint_rank, _is_norm, _scaling
 from torchfuser.patterns.base import Pattern, Skip
 
 _WIDTH, _LENGTHS = 8, (3, 5, 2)  # probe: model-side width; segment lengths
+_TUPLE = "returns (output, attention weights)"
 
 
 def _positional(module: nn.Module) -> tuple[str, ...]:
@@ -44,16 +46,17 @@ def _guesses(module: nn.Module, projs: dict, rotary: bool, norms: list[str]):
     for out in sorted(names, key=lambda n: _hint_rank([n], "o")):
         inputs = [n for n in names if n != out]
         hidden = projs[out][1]
-        heads, _, d = _heads(module, projs[out][0])
-        if not (heads and d) or projs[out][0] != heads * d or any(projs[n][0] != hidden for n in inputs):
+        heads, kv, d = _heads(module, projs[out][0])
+        if not (heads and kv and d) or heads % kv or projs[out][0] != heads * d or any(projs[n][0] != hidden for n in inputs):
             continue
-        common = dict(out=out, num_heads=heads, head_dim=d, scaling=_scaling(module, d))
+        common = dict(out=out, num_heads=heads, head_dim=d, scaling=_scaling(module, d), num_kv_heads=0 if kv == heads else kv)
         layouts = []
-        if len(inputs) == 1 and projs[inputs[0]][1] == 3 * heads * d:
+        if len(inputs) == 1 and projs[inputs[0]][1] == (heads + 2 * kv) * d:
             layouts.append(("concat", tuple(inputs)))
-        elif len(inputs) == 3 and all(projs[n][1] == heads * d for n in inputs):
+        elif len(inputs) == 3:
             for qkv in sorted(itertools.permutations(inputs), key=lambda p: _hint_rank(p, "qkv")):
-                layouts.append(("separate", qkv))
+                if projs[qkv[0]][1] == heads * d and projs[qkv[1]][1] == projs[qkv[2]][1] == kv * d:
+                    layouts.append(("separate", qkv))
         roles = [dict(q_norm=a, k_norm=b) for a, b in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk"))
                  if module._modules[a].weight.shape[0] == d] if norms else [{}]
         for layout, qkv in layouts:
@@ -61,7 +64,7 @@ def _guesses(module: nn.Module, projs: dict, rotary: bool, norms: list[str]):
                 yield VarlenAttentionSpec(layout=layout, qkv=qkv, rotary=rot, **role, **common)
 
 
-def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> str | None:
+def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict, extra: dict | None = None) -> str | None:
     """None if the fused module computes what ``module`` does on the probe, else why not."""
     gen = _probe.generator(12)
     probe = _probe.shallow_copy(module)
@@ -73,8 +76,9 @@ def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> st
     probe._modules[spec.out] = _probe.small_projection(lora.base_of(module._modules[spec.out]), projs[spec.out][0], _WIDTH, gen)
     s = sum(_LENGTHS)
     x = _probe.randn(s, _WIDTH, gen=gen)
+    x = x.unsqueeze(0) if spec.batched else x
     cu = torch.tensor([0, *torch.tensor(_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    kwargs = {"cu_seqlens": cu}
+    kwargs = {"cu_seqlens": cu, **(extra or {})}
     if "position_embeddings" in _params(module):
         kwargs["position_embeddings"] = (_probe.randn(s, spec.head_dim, gen=gen), _probe.randn(s, spec.head_dim, gen=gen))
     try:
@@ -84,7 +88,11 @@ def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict) -> st
             got = fused(x, **kwargs)
     except Exception as err:
         return f"{type(err).__name__}: {err}"
-    want = want[0] if isinstance(want, tuple) else want
+    if fallbacks.counts(fused):  # it ran the original: that proves nothing
+        return f"the fused module ran the original ({next(iter(fallbacks.counts(fused)['']))})"
+    if isinstance(want, tuple) != spec.returns_tuple:
+        return _TUPLE if isinstance(want, tuple) else "output is not a tuple"
+    want, got = (want[0], got[0]) if spec.returns_tuple else (want, got)
     if not isinstance(want, torch.Tensor) or not _probe.close(got, want):
         return "output differs (layout, scaling, rotary or segments)"
     return None
@@ -123,7 +131,16 @@ class VarlenAttentionPattern(Pattern):
         first = None
         for spec in _guesses(module, projs, "position_embeddings" in params, norms):
             spec = dataclasses.replace(spec, positional=positional)
-            why = _probe_once(module, spec, projs)
+            why, extra = _probe_once(module, spec, projs), None
+            if why is not None and why.split(":")[0].endswith("Error"):  # perhaps the patches as one row, 1 × S × hidden
+                # Such a model passes attention_mask=None through to its attention function (HunYuan-VL).
+                batched, one_row = dataclasses.replace(spec, batched=True), {"attention_mask": None}
+                why_batched = _probe_once(module, batched, projs, one_row)
+                if why_batched in (None, _TUPLE):
+                    spec, why, extra = batched, why_batched, one_row
+            if why == _TUPLE:  # it returns (output, attention weights): so must the fused module
+                spec = dataclasses.replace(spec, returns_tuple=True)
+                why = _probe_once(module, spec, projs, extra)
             if why is None:
                 return spec
             first = first or why
