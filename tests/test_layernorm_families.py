@@ -2,10 +2,12 @@
 pre-norm layers (GPT-2, StarCoder2, NeoX without parallel residual), parallel attention + MLP residuals
 with two norms (GPT-NeoX) or one (GPT-J, Phi, Cohere). One training step fused vs unfused: loss and
 every gradient (fp32 tight; bf16 by the numerics rule against float64), restore, state_dict keys; what
-stays unfused says why (Falcon, BLOOM, active dropout)."""
+stays unfused says why (BLOOM, active dropout). Falcon's layers take required arguments and return a tuple:
+fused, passing them through."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from numerics import assert_within_rule
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=64)
 _GPT = dict(n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
 # name → (model_type, config overrides, attention implementation, the layers' form: sequential, parallel or shared)
 FAMILIES = {
@@ -35,6 +38,11 @@ FAMILIES = {
                                       use_bias=True), "sdpa", "sequential"),
     "cohere": ("cohere", dict(_SMALL, num_key_value_heads=2), "sdpa", "shared"),
     "stablelm": ("stablelm", dict(_SMALL, num_key_value_heads=2), "sdpa", "sequential"),
+    # Falcon's layer requires attention_mask (5.25) / alibi (5.17) and returns (hidden states, attention weights)
+    "falcon": ("falcon", dict(_FALCON), "sdpa", "shared"),
+    "falcon-alibi": ("falcon", dict(_FALCON, alibi=True), "eager", "shared"),
+    "falcon-new": ("falcon", dict(_FALCON, new_decoder_architecture=True, num_kv_heads=2), "sdpa", "parallel"),
+    "falcon-sequential": ("falcon", dict(_FALCON, parallel_attn=False), "sdpa", "sequential"),
 }
 
 
@@ -140,8 +148,7 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
-    ("falcon", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), "(it has no default)"),
-    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "requires 'alibi'"),
+    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and add it themselves"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
@@ -160,3 +167,46 @@ def test_a_norm_excluded_by_filter_fn_leaves_its_layer_unfused_with_the_reason()
     entries = {e.name: e for e in torchfuser.report(model).entries if e.pattern == "residual_norm"}
     assert entries["transformer.h.0"].reason.startswith("excluded by filter_fn, through its ln_1")
     assert entries["transformer.h.1"].is_fused
+
+
+def test_falcon_config_dropout_read_by_the_layer():
+    """Falcon's layer reads its dropouts from its config (``dropout_add(…, self.config.hidden_dropout)``): on when
+    optimize runs, the layer is skipped; turned on later, every call runs the original forward (same masks)."""
+    model = make("falcon", hidden_dropout=0.1)
+    torchfuser.optimize(model, backend="reference")
+    skipped = [e for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
+    assert len(skipped) == 2 and all("config.hidden_dropout" in e.reason for e in skipped), skipped
+    ref = make("falcon-sequential")
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert len(layers(fused)) == 2
+    ref.config.hidden_dropout = fused.config.hidden_dropout = 0.3  # the layers share the model's config
+    torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert "dropout between the blocks" in str(torchfuser.report(fused).fallbacks)
+
+
+def test_a_required_argument_left_out_raises_as_the_original():
+    """The fused forward passes Falcon's required arguments on; without one it runs the original forward,
+    which raises the TypeError it always did (never a default made up)."""
+    model = make("falcon")
+    torchfuser.optimize(model, backend="reference")
+    layer = layers(model)[0]
+    required = [n for n, _, d in layer.forward.spec.arguments if d is inspect.Parameter.empty]
+    assert required, layer.forward.spec
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda m, a, kw: seen.append((a, kw)), with_kwargs=True)
+    ids, mask = batch()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    handle.remove()
+    (x, *rest), kwargs = seen[0]
+    kwargs = {**kwargs, **dict(zip(layer.forward.spec.positional, rest))}
+    with pytest.raises(TypeError, match=required[0]):
+        layer(x, **{k: v for k, v in kwargs.items() if k != required[0]})
+    with torch.no_grad():
+        out, want = layer(x, **kwargs), type(layer).forward(layer, x, **kwargs)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert fallbacks.counts(model) == {"transformer.h.0": {"a required argument is missing": 1}}  # the raising call
+    torch.testing.assert_close(out[0], want[0], rtol=1e-6, atol=1e-6)

@@ -35,6 +35,7 @@ goes through the class's wrapper, which checkpoints it. transformers 5.17 checkp
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -44,7 +45,7 @@ from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
 from torchfuser.modules.attention import FusedAttention
-from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
@@ -53,6 +54,7 @@ _log = logging.getLogger(__name__)
 # Keywords a layer's KV cache goes by (transformers versions and families): a checkpointed layer must not
 # get one, or its recompute in the backward would write the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+_MISSING = "a required argument is missing"
 _WARNED: set[type] = set()  # layer classes told so (once, as transformers does)
 
 
@@ -121,6 +123,9 @@ class ResidualNormSpec:
     at_default: tuple[str, ...] = ()
     positional: tuple[str, ...] = ()  # the forward's parameters after the hidden states that may come positionally
     drops_extra: bool = False  # it takes **kwargs and hands them to no child (StableLM): ignored here too
+    # It returns (hidden states, the attention's second output) (Falcon; GPT-J in transformers 5.17).
+    # An argument whose default is ``inspect.Parameter.empty`` is required (Falcon's attention_mask, 5.17's alibi).
+    returns_rest: bool = False
 
 
 class ResidualNormForward:
@@ -130,12 +135,15 @@ class ResidualNormForward:
     def __init__(self, layer: nn.Module, spec: ResidualNormSpec):
         self.layer, self.spec = layer, spec
 
-    def _attention_kwargs(self, kwargs: dict) -> dict | None:
-        """The keywords the original forward would pass to the attention, or None if unsure."""
+    def _attention_kwargs(self, kwargs: dict) -> dict | str | None:
+        """The keywords the original forward would pass to the attention, or None if unsure (``_MISSING``
+        without a required argument)."""
         s = self.spec
         if any(kwargs.pop(name, None) is not None for name in s.at_default):
             return None
         call = {key: kwargs.pop(name, default) for name, key, default in s.arguments}
+        if any(v is inspect.Parameter.empty for v in call.values()):
+            return _MISSING  # the original forward raises as it would have
         for old, key in s.renames:
             if old in kwargs:
                 call[key] = kwargs.pop(old)
@@ -180,7 +188,16 @@ class ResidualNormForward:
         attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
-        a = (attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call))[0]
+        a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+        if s.returns_rest:
+            return self._body(x, y, a[0], low), a[1]
+        return self._body(x, y, a[0], low)
+
+    def _body(self, x, y, a, low):
+        """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's
+        output y and the attention's output a."""
+        layer, s = self.layer, self.spec
+        mlp, attention, norm_mid = getattr(layer, s.mlp), getattr(layer, s.attention), getattr(layer, s.norm_mid)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
@@ -196,6 +213,8 @@ class ResidualNormForward:
             return "positional arguments after the hidden states"
         if x is None:
             return "called without hidden states"
+        if call is _MISSING:
+            return _MISSING
         if call is None:
             return "keywords its forward does not pass on to the attention"
         layer, s = self.layer, self.spec
@@ -206,11 +225,18 @@ class ResidualNormForward:
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks is on now (the fused forward has none)."""
         layer, s = self.layer, self.spec
-        return any(dropout_p(layer, n) > 0 for n in (*s.dropouts, *s.float_dropouts))
+        return layer.training and any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def dropout_attr(layer: nn.Module, name: str):
+    """A dropout's probability: ``name`` an nn.Dropout child, a float attribute, or ``config.<field>``."""
+    owner = layer.config if name.startswith("config.") else layer
+    value = getattr(owner, name.removeprefix("config."))
+    return value.p if isinstance(value, nn.Module) else value
 
 
 def _unfused_norms(*norms: nn.Module) -> str | None:
