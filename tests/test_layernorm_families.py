@@ -210,3 +210,17 @@ def test_a_required_argument_left_out_raises_as_the_original():
     assert isinstance(out, tuple) and len(out) == 2
     assert fallbacks.counts(model) == {"transformer.h.0": {"a required argument is missing": 1}}  # the raising call
     torch.testing.assert_close(out[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_falcon_attention_fused_in_both_transformers():
+    """transformers 5.17's Falcon attention takes ``alibi`` (None with alibi=False): fused there too, and a call
+    given an alibi tensor runs the original (counted), never the fused attention without its bias."""
+    model = make("falcon")
+    torchfuser.optimize(model, backend="reference")
+    fused = [e for e in torchfuser.report(model).fused if e.pattern == "attention"]
+    assert len(fused) == 2, str(torchfuser.report(model))
+    attention = model.transformer.h[0].self_attention
+    if "alibi" in attention.spec.positional:
+        x, mask = torch.randn(1, 3, 32), torch.zeros(1, 1, 3, 3)
+        attention(x, alibi=torch.zeros(4, 1, 3), attention_mask=mask, position_embeddings=(torch.ones(1, 3, 8),) * 2)
+        assert "position bias (alibi)" in str(fallbacks.counts(model))
