@@ -23,6 +23,7 @@ VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 _FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=64)
+_OPT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32)
 _GPT = dict(n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
 # name → (model_type, config overrides, attention implementation, the layers' form: sequential, parallel or shared)
 FAMILIES = {
@@ -149,6 +150,8 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and add it themselves"),
+    ("opt", dict(_OPT), "its MLP is inline: 'fc1' and 'fc2'"),
+    ("opt", dict(_OPT, do_layer_norm_before=False), "its MLP is inline: 'fc1' and 'fc2'"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})

@@ -30,7 +30,7 @@ from torchfuser.modules import residual_norm
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
@@ -163,6 +163,20 @@ def _attention_like(m: nn.Module) -> bool:
     return "attention_mask" in names
 
 
+def _inline_mlp(module: nn.Module, blocks: list[str]) -> Skip | None:
+    """A Skip for a decoder layer that holds its MLP's two projections itself (OPT: attention, two norms and
+    fc1, fc2 as its own children), else None."""
+    kids = {n: module._modules[n] for n in blocks}
+    linears = [n for n, m in kids.items() if _probe.projection_dims(m)]
+    norms = [n for n in blocks if n not in linears and _norm_kind(kids[n])]
+    attention = [n for n in blocks if n not in linears and n not in norms and _attention_like(kids[n])]
+    if len(linears) != 2 or len(norms) != 2 or len(attention) != 1:
+        return None
+    return Skip(f"its MLP is inline: {_reasons.quoted(linears)} are the layer's own projections (no MLP block), so the "
+                "residual adds have no MLP to fuse around (pre-norm) and the post-norm form (OPT-350m's "
+                "do_layer_norm_before=False) has no pattern either")
+
+
 def _norm_kind(m: nn.Module) -> str | None:
     """"rms" or "layer" for a fused or fusable norm child, else None."""
     if isinstance(m, FusedRMSNorm):
@@ -193,6 +207,8 @@ class ResidualNormPattern(Pattern):
         if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
             return None  # already fused: optimize is idempotent
         blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+        if len(blocks) == 5 and (inline := _inline_mlp(module, blocks)):
+            return inline
         if not 3 <= len(blocks) <= 4:
             return None
         kinds = {n: _norm_kind(module._modules[n]) for n in blocks}
