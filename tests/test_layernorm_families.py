@@ -2,7 +2,7 @@
 pre-norm layers (GPT-2, StarCoder2, NeoX without parallel residual), parallel attention + MLP residuals
 with two norms (GPT-NeoX) or one (GPT-J, Phi, Cohere). One training step fused vs unfused: loss and
 every gradient (fp32 tight; bf16 by the numerics rule against float64), restore, state_dict keys; what
-stays unfused says why (BLOOM, active dropout). Falcon's layers take required arguments and return a tuple:
+stays unfused says why (BLOOM, OPT's post-norm form, active dropout). OPT's pre-norm layer (its MLP inline) fuses. Falcon's layers take required arguments and return a tuple:
 fused, passing them through."""
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ FAMILIES = {
     "cohere": ("cohere", dict(_SMALL, num_key_value_heads=2), "sdpa", "shared"),
     "stablelm": ("stablelm", dict(_SMALL, num_key_value_heads=2), "sdpa", "sequential"),
     # Falcon's layer requires attention_mask (5.25) / alibi (5.17) and returns (hidden states, attention weights)
+    # OPT's layer holds its MLP inline: fc1 → activation → fc2 are its own children
+    "opt": ("opt", dict(_OPT, dropout=0.0), "sdpa", "sequential"),
+    "opt-gelu": ("opt", dict(_OPT, dropout=0.0, activation_function="gelu"), "eager", "sequential"),
     "falcon": ("falcon", dict(_FALCON), "sdpa", "shared"),
     "falcon-alibi": ("falcon", dict(_FALCON, alibi=True), "eager", "shared"),
     "falcon-new": ("falcon", dict(_FALCON, new_decoder_architecture=True, num_kv_heads=2), "sdpa", "parallel"),
@@ -98,7 +101,7 @@ def test_one_training_step_fused_matches_unfused(name):
     assert not layers(fused) and list(fused.state_dict()) == keys
 
 
-@pytest.mark.parametrize("name", ["gpt2", "neox"])
+@pytest.mark.parametrize("name", ["gpt2", "neox", "opt", "falcon"])
 def test_bf16_within_the_rule(name):
     """bf16 weights and activations: the fused model's loss and every gradient no further from the float64
     model's than twice the unfused bf16 model's error (+ a small atol)."""
@@ -150,8 +153,8 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and add it themselves"),
-    ("opt", dict(_OPT), "its MLP is inline: 'fc1' and 'fc2'"),
-    ("opt", dict(_OPT, do_layer_norm_before=False), "its MLP is inline: 'fc1' and 'fc2'"),
+    ("opt", dict(_OPT, dropout=0.1), "dropout between its blocks (dropout) is on"),
+    ("opt", dict(_OPT, do_layer_norm_before=False), "post-norm, OPT-350m's do_layer_norm_before=False"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})

@@ -126,6 +126,8 @@ class ResidualNormSpec:
     # It returns (hidden states, the attention's second output) (Falcon; GPT-J in transformers 5.17).
     # An argument whose default is ``inspect.Parameter.empty`` is required (Falcon's attention_mask, 5.17's alibi).
     returns_rest: bool = False
+    # (fc_in, activation, fc_out): the layer's own children computing its MLP (OPT), with ``mlp`` = ""
+    mlp_inline: tuple[str, ...] = ()
 
 
 class ResidualNormForward:
@@ -185,7 +187,7 @@ class ResidualNormForward:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
         norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
-        attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
+        attention, mlp = getattr(layer, s.attention), _mlp(layer, s)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
         a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
@@ -197,13 +199,13 @@ class ResidualNormForward:
         """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's
         output y and the attention's output a."""
         layer, s = self.layer, self.spec
-        mlp, attention, norm_mid = getattr(layer, s.mlp), getattr(layer, s.attention), getattr(layer, s.norm_mid)
+        mlp, attention, norm_mid = _mlp(layer, s), getattr(layer, s.attention), getattr(layer, s.norm_mid)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
                 return mlp.add_to(x + a, y)
             return x + a + mlp(y)
-        maxima = (_maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
+        maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
         h, y = norm_mid.add(x, a, low, maxima)
         return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
@@ -230,6 +232,14 @@ class ResidualNormForward:
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _mlp(layer: nn.Module, s: ResidualNormSpec):
+    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·)))."""
+    if not s.mlp_inline:
+        return getattr(layer, s.mlp)
+    fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
+    return lambda y: fc_out(act(fc_in(y)))
 
 
 def dropout_attr(layer: nn.Module, name: str):

@@ -52,6 +52,11 @@ class _Probe:
             "norm_mid": lambda x: 0.5 - 0.75 * x,
             "mlp": lambda x: torch.sin(x) @ m,
         }
+        f1, f2 = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
+        self.fns.update({"fc_in": lambda x: x @ f1, "fc_out": lambda x: x @ f2})  # an inline MLP's (OPT)
+        if "act" in roles:  # inline: the layer's own activation child between its own fc_in and fc_out
+            act = module._modules[roles["act"]]
+            self.fns["mlp"] = lambda x: self.fns["fc_out"](act(self.fns["fc_in"](x)))
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
         self.module, self.roles = module, roles
         self.last_calls: dict = {}
@@ -93,7 +98,7 @@ class _Probe:
                 setattr(probe.config, name, p if config_p is None else config_p.get(name, 0.0))
         probe.training = True
         children, floats = self._own_dropouts()
-        names = set(self.roles.values())
+        names = {v for r, v in self.roles.items() if r != "act"}
         for name, child in self.module._modules.items():
             if name not in names and child is not None and not any(True for _ in child.parameters()):
                 visible = copy.copy(child)  # in training, whatever it is
@@ -104,7 +109,7 @@ class _Probe:
         for name in floats:
             setattr(probe, name, p)
         stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention") for r in dict.fromkeys(self.roles)
-                 if r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"]}
+                 if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
         self.last_rest = stand["attention"].rest

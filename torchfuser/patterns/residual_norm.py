@@ -122,8 +122,11 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             renames.append((alias, landed[0]))
     sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
     positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
+    inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
+    if inline:
+        roles["mlp"] = ""
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
-                            **roles, parallel=kind == "parallel", at_default=defaulted, positional=positional,
+                            **roles, mlp_inline=inline, parallel=kind == "parallel", at_default=defaulted, positional=positional,
                             drops_extra=drops_extra, returns_rest=returns_rest)
 
 
@@ -133,9 +136,20 @@ def _passes_residual(probe, calls: dict) -> bool:
     return len(pos) == 2 and isinstance(pos[1], torch.Tensor) and pos[1].shape == probe.x.shape and torch.equal(pos[1], probe.x)
 
 
-def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool):
+def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
     """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip."""
     skips = []
+    if inline:  # attention, norms and the layer's own fc_in → act → fc_out (OPT)
+        (linears, act), pairs = inline, itertools.permutations(norms)
+        for (fc_in, fc_out), (norm_in, norm_mid) in itertools.product(itertools.permutations(linears), pairs):
+            roles = dict(attention=blocks[0], fc_in=fc_in, act=act, fc_out=fc_out, norm_in=norm_in, norm_mid=norm_mid)
+            found = _study_roles(module, roles, first, params, extra)
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
+        return next((s for s in skips if s is not None), Skip(
+            "its norms come after its residual adds (post-norm, OPT-350m's do_layer_norm_before=False: "
+            "norm(x + attention(x)), then norm(h + mlp(h))), a form no pattern fuses"))
     for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not _attention_like(module._modules[p[0]])):
         for norm_in, norm_mid in (itertools.permutations(norms) if len(norms) == 2 else [(norms[0], norms[0])]):
             roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
@@ -163,18 +177,21 @@ def _attention_like(m: nn.Module) -> bool:
     return "attention_mask" in names
 
 
-def _inline_mlp(module: nn.Module, blocks: list[str]) -> Skip | None:
-    """A Skip for a decoder layer that holds its MLP's two projections itself (OPT: attention, two norms and
-    fc1, fc2 as its own children), else None."""
+def _inline_mlp(module: nn.Module, blocks: list[str]):
+    """For a decoder layer holding its MLP's two projections itself (OPT: attention, two norms, fc1 and fc2 as
+    its own children): (the two projections, its activation child), or a Skip; else None."""
     kids = {n: module._modules[n] for n in blocks}
-    linears = [n for n, m in kids.items() if _probe.projection_dims(m)]
+    linears = tuple(n for n, m in kids.items() if _probe.projection_dims(m))
     norms = [n for n in blocks if n not in linears and _norm_kind(kids[n])]
     attention = [n for n in blocks if n not in linears and n not in norms and _attention_like(kids[n])]
     if len(linears) != 2 or len(norms) != 2 or len(attention) != 1:
         return None
-    return Skip(f"its MLP is inline: {_reasons.quoted(linears)} are the layer's own projections (no MLP block), so the "
-                "residual adds have no MLP to fuse around (pre-norm) and the post-norm form (OPT-350m's "
-                "do_layer_norm_before=False) has no pattern either")
+    acts = [n for n, m in module._modules.items() if m is not None and n not in blocks and not isinstance(m, nn.Dropout)
+            and not any(True for _ in m.parameters())]
+    if len(acts) != 1:
+        return Skip(f"its MLP is inline ({_reasons.quoted(linears)} are the layer's own projections) and its activation "
+                    f"is not one parameter-free child module ({len(acts)} such children)")
+    return linears, acts[0]
 
 
 def _norm_kind(m: nn.Module) -> str | None:
@@ -207,14 +224,16 @@ class ResidualNormPattern(Pattern):
         if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
             return None  # already fused: optimize is idempotent
         blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
-        if len(blocks) == 5 and (inline := _inline_mlp(module, blocks)):
+        inline = _inline_mlp(module, blocks) if len(blocks) == 5 else None
+        if isinstance(inline, Skip):
             return inline
-        if not 3 <= len(blocks) <= 4:
+        if not 3 <= len(blocks) <= 4 and not inline:
             return None
+        blocks = [n for n in blocks if not inline or n not in inline[0]]
         kinds = {n: _norm_kind(module._modules[n]) for n in blocks}
         norms = [n for n in blocks if kinds[n]]
         blocks = [n for n in blocks if not kinds[n]]
-        if len(blocks) != 2 or not any(_attention_like(module._modules[n]) for n in blocks):
+        if len(blocks) != (1 if inline else 2) or not any(_attention_like(module._modules[n]) for n in blocks):
             return None  # more blocks than one attention, one MLP and one or two norms (Gemma-2's four norms)
         fused = [isinstance(module._modules[n], (FusedRMSNorm, FusedLayerNorm)) for n in norms]
         if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
@@ -230,7 +249,7 @@ class ResidualNormPattern(Pattern):
         sig = _signature(module)
         if isinstance(sig, Skip):
             return sig
-        spec = _study(module, blocks, norms, *sig)
+        spec = _study(module, blocks, norms, *sig, inline=inline)
         if spec is None:
             return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
