@@ -42,6 +42,9 @@ class ProbeDropout(nn.Module):
         return self.factor * x
 
 
+BIAS_ARGS = ("alibi", "position_bias")  # position biases added to the scores, which the fused attention does not add
+
+
 def forward_params(module: nn.Module) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(module.forward).parameters.values())
@@ -81,9 +84,9 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
     mask[1, :, :, 1] = low  # a padded key in the second sequence
     kwargs = {"attention_mask": mask}
-    # Other arguments without a default get None (Falcon's alibi in transformers 5.17, with alibi=False)
-    kwargs.update({p.name: None for p in forward_params(module)[1:] if p.default is p.empty and p.name not in kwargs
-                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)})
+    # A position-bias argument without a default gets None: the pattern lets it through only where the
+    # config switches it off (Falcon's alibi in transformers 5.17, with alibi=False)
+    kwargs.update({p.name: None for p in forward_params(module)[1:] if p.default is p.empty and p.name in BIAS_ARGS})
     if spec.rotary_dim or takes_rope(module):
         # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
         # rotates when the spec says it does not (a NoPE guess) cannot match.

@@ -25,13 +25,13 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    check, forward_params, row_runs, rows_read, takes_rope, value_rows,
+    BIAS_ARGS, check, forward_params, row_runs, rows_read, takes_rope, value_rows,
 )
 from torchfuser.patterns.base import Pattern, Skip
 
 # Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
 _MAX_PROBES = 24
-_UNSUPPORTED_ARGS = ("alibi", "position_bias")
+_UNSUPPORTED_ARGS = BIAS_ARGS
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
 
 
