@@ -152,7 +152,7 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
-    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and add it themselves"),
+    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and adds it itself"),
     ("opt", dict(_OPT, dropout=0.1), "dropout between its blocks (dropout) is on"),
     ("opt", dict(_OPT, do_layer_norm_before=False), "post-norm, OPT-350m's do_layer_norm_before=False"),
 ])

@@ -61,6 +61,7 @@ class _Probe:
         self.module, self.roles = module, roles
         self.last_calls: dict = {}
         self.last_rest = self.markers = None
+        self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
 
     def dropouts(self) -> tuple[list[str], list[str]]:
         """(nn.Dropout children, float dropout attributes) of the layer itself, and ``config.<name>`` for
@@ -108,7 +109,7 @@ class _Probe:
                 probe._modules[name] = visible
         for name in floats:
             setattr(probe, name, p)
-        stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention") for r in dict.fromkeys(self.roles)
+        stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention" and self.attention_tuple) for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises

@@ -75,14 +75,22 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         if not _saw_input(probe, probe.last_calls):
             return None
         first_line = str(err).splitlines()[0] if str(err) else ""
+        probe.attention_tuple = False
+        try:
+            probe.run(0.0, **probe.markers)
+            return Skip("its attention-like block's output is used as one tensor, not as transformers' (output, "
+                        "weights) pair (a linear-attention or recurrent mixer), which the fused forward does not assume")
+        except Exception:
+            pass
         return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
                     f"stand-ins for them it raised {type(err).__name__}: {first_line})")
     if not _saw_input(probe, calls):
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     kind = probe.kind(out)
     if kind is None and _passes_residual(probe, calls):
-        return Skip("its attention and MLP are passed the residual and add it themselves (BLOOM's blocks end in "
-                    "dropout_add(output, residual)): the layer has no residual add of its own to fuse into its norms")
+        return Skip("its attention or MLP is passed the residual and adds it itself (BLOOM's blocks end in "
+                    "dropout_add(output, residual), MPT's MLP too): the layer has no residual add of its own to fuse "
+                    "into its norms")
     if kind is None and isinstance(out, tuple):
         return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
@@ -131,9 +139,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
 
 
 def _passes_residual(probe, calls: dict) -> bool:
-    """Whether the attention gets the layer's input as a second positional argument (its residual)."""
-    pos = calls.get("attention", [((), {})])[0][0]
-    return len(pos) == 2 and isinstance(pos[1], torch.Tensor) and pos[1].shape == probe.x.shape and torch.equal(pos[1], probe.x)
+    """Whether the attention or the MLP gets a second positional tensor of the layer's shape (its residual)."""
+    firsts = [c[0] for r in ("attention", "mlp") for c in calls.get(r, [])[:1]]
+    return any(len(pos) == 2 and isinstance(pos[1], torch.Tensor) and pos[1].shape == probe.x.shape for pos in firsts)
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
