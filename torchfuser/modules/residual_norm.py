@@ -186,20 +186,18 @@ class ResidualNormForward:
     def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
-        norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
-        attention, mlp = getattr(layer, s.attention), _mlp(layer, s)
+        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
         a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
-        if s.returns_rest:
-            return self._body(x, y, a[0], low), a[1]
-        return self._body(x, y, a[0], low)
+        out = self._body(x, y, a[0], low, attention, mlp)
+        return (out, a[1]) if s.returns_rest else out
 
-    def _body(self, x, y, a, low):
+    def _body(self, x, y, a, low, attention, mlp):
         """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's
         output y and the attention's output a."""
-        layer, s = self.layer, self.spec
-        mlp, attention, norm_mid = _mlp(layer, s), getattr(layer, s.attention), getattr(layer, s.norm_mid)
+        s = self.spec
+        norm_mid = getattr(self.layer, s.norm_mid)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
