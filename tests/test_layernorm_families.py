@@ -230,3 +230,28 @@ def test_falcon_attention_fused_in_both_transformers():
         x, mask = torch.randn(1, 3, 32), torch.zeros(1, 1, 3, 3)
         attention(x, alibi=torch.zeros(4, 1, 3), attention_mask=mask, position_embeddings=(torch.ones(1, 3, 8),) * 2)
         assert "position bias (alibi)" in str(fallbacks.counts(model))
+
+
+def _on_device_matches_unfused(name: str, device: str):
+    ref = make(name).to(device)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused)  # the defaults: Triton kernels (and whatever execution mode it picks) on CUDA
+    assert len(layers(fused)) == 2, str(torchfuser.report(fused))
+    ids, mask = (t.to(device) for t in batch())
+    losses = []
+    for m in (ref, fused):
+        for _ in range(2):  # twice: a second call may replay what the first captured
+            m.zero_grad(set_to_none=True)
+            loss = m(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+            loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-4, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["falcon", "falcon-new", "opt"])
+def test_on_cuda_with_the_defaults(name):
+    """Falcon's tuple-returning layers and OPT's inline-MLP layers with optimize's defaults on the GPU."""
+    _on_device_matches_unfused(name, "cuda")
