@@ -63,7 +63,7 @@ EXPECTED = {
     "seed_oss": {"rms_norm": 5, "gated_mlp": 2, "residual_norm": 2},
     "stablelm": {"layer_norm": 5, "gated_mlp": 2, "residual_norm": 2},
     "starcoder2": {"layer_norm": 5, "mlp": 2, "residual_norm": 2},
-    "opt": {"layer_norm": 5},  # its MLP is two Linear children of the decoder layer: no MLP module to swap
+    "opt": {"layer_norm": 5, "residual_norm": 2},  # its MLP inline (fc1, fc2 children of the layer): adds in the norms
     "gpt2": {"layer_norm": 5, "mlp": 2, "residual_norm": 2},
     "gpt_neox": {"layer_norm": 5, "mlp": 2, "residual_norm": 2},  # parallel residual
     "gptj": {"layer_norm": 3, "mlp": 2, "residual_norm": 2},  # attention and MLP in parallel after one norm
@@ -138,7 +138,7 @@ def test_report_lists_fused_and_skipped(arch):
     counts = rep.counts()
     want = dict(EXPECTED[arch], lm_head_loss=1)
     tuple_layers = [e for e in rep.skipped if e.pattern == "residual_norm" and "returns a tuple" in e.reason]
-    if tuple_layers:  # GPT-J's and CodeGen's layers in transformers 5.17 return (hidden states, attention weights)
+    if tuple_layers:  # a layer returning a tuple other than (hidden states, attention weights)
         want["residual_norm"] = 0
     for pattern, n in want.items():
         assert counts[pattern]["fused"] == n, (pattern, str(rep))

@@ -2,10 +2,12 @@
 pre-norm layers (GPT-2, StarCoder2, NeoX without parallel residual), parallel attention + MLP residuals
 with two norms (GPT-NeoX) or one (GPT-J, Phi, Cohere). One training step fused vs unfused: loss and
 every gradient (fp32 tight; bf16 by the numerics rule against float64), restore, state_dict keys; what
-stays unfused says why (Falcon, BLOOM, active dropout)."""
+stays unfused says why (BLOOM, OPT's post-norm form, active dropout). OPT's pre-norm layer (its MLP inline) fuses. Falcon's layers take required arguments and return a tuple:
+fused, passing them through."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ from numerics import assert_within_rule
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 _SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_FALCON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=64)
+_OPT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=32)
 _GPT = dict(n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
 # name → (model_type, config overrides, attention implementation, the layers' form: sequential, parallel or shared)
 FAMILIES = {
@@ -35,6 +39,14 @@ FAMILIES = {
                                       use_bias=True), "sdpa", "sequential"),
     "cohere": ("cohere", dict(_SMALL, num_key_value_heads=2), "sdpa", "shared"),
     "stablelm": ("stablelm", dict(_SMALL, num_key_value_heads=2), "sdpa", "sequential"),
+    # Falcon's layer requires attention_mask (5.25) / alibi (5.17) and returns (hidden states, attention weights)
+    # OPT's layer holds its MLP inline: fc1 → activation → fc2 are its own children
+    "opt": ("opt", dict(_OPT, dropout=0.0), "sdpa", "sequential"),
+    "opt-gelu": ("opt", dict(_OPT, dropout=0.0, activation_function="gelu"), "eager", "sequential"),
+    "falcon": ("falcon", dict(_FALCON), "sdpa", "shared"),
+    "falcon-alibi": ("falcon", dict(_FALCON, alibi=True), "eager", "shared"),
+    "falcon-new": ("falcon", dict(_FALCON, new_decoder_architecture=True, num_kv_heads=2), "sdpa", "parallel"),
+    "falcon-sequential": ("falcon", dict(_FALCON, parallel_attn=False), "sdpa", "sequential"),
 }
 
 
@@ -89,7 +101,7 @@ def test_one_training_step_fused_matches_unfused(name):
     assert not layers(fused) and list(fused.state_dict()) == keys
 
 
-@pytest.mark.parametrize("name", ["gpt2", "neox"])
+@pytest.mark.parametrize("name", ["gpt2", "neox", "opt", "falcon"])
 def test_bf16_within_the_rule(name):
     """bf16 weights and activations: the fused model's loss and every gradient no further from the float64
     model's than twice the unfused bf16 model's error (+ a small atol)."""
@@ -140,8 +152,9 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
-    ("falcon", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), "(it has no default)"),
-    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "requires 'alibi'"),
+    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and adds it itself"),
+    ("opt", dict(_OPT, dropout=0.1), "dropout between its blocks (dropout) is on"),
+    ("opt", dict(_OPT, do_layer_norm_before=False), "post-norm, OPT-350m's do_layer_norm_before=False"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
@@ -160,3 +173,85 @@ def test_a_norm_excluded_by_filter_fn_leaves_its_layer_unfused_with_the_reason()
     entries = {e.name: e for e in torchfuser.report(model).entries if e.pattern == "residual_norm"}
     assert entries["transformer.h.0"].reason.startswith("excluded by filter_fn, through its ln_1")
     assert entries["transformer.h.1"].is_fused
+
+
+def test_falcon_config_dropout_read_by_the_layer():
+    """Falcon's layer reads its dropouts from its config (``dropout_add(…, self.config.hidden_dropout)``): on when
+    optimize runs, the layer is skipped; turned on later, every call runs the original forward (same masks)."""
+    model = make("falcon", hidden_dropout=0.1)
+    torchfuser.optimize(model, backend="reference")
+    skipped = [e for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
+    assert len(skipped) == 2 and all("config.hidden_dropout" in e.reason for e in skipped), skipped
+    ref = make("falcon-sequential")
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert len(layers(fused)) == 2
+    ref.config.hidden_dropout = fused.config.hidden_dropout = 0.3  # the layers share the model's config
+    torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert "dropout between the blocks" in str(torchfuser.report(fused).fallbacks)
+
+
+def test_a_required_argument_left_out_raises_as_the_original():
+    """The fused forward passes Falcon's required arguments on; without one it runs the original forward,
+    which raises the TypeError it always did (never a default made up)."""
+    model = make("falcon")
+    torchfuser.optimize(model, backend="reference")
+    layer = layers(model)[0]
+    required = [n for n, _, d in layer.forward.spec.arguments if d is inspect.Parameter.empty]
+    assert required, layer.forward.spec
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda m, a, kw: seen.append((a, kw)), with_kwargs=True)
+    ids, mask = batch()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    handle.remove()
+    (x, *rest), kwargs = seen[0]
+    kwargs = {**kwargs, **dict(zip(layer.forward.spec.positional, rest))}
+    with pytest.raises(TypeError, match=required[0]):
+        layer(x, **{k: v for k, v in kwargs.items() if k != required[0]})
+    with torch.no_grad():
+        out, want = layer(x, **kwargs), type(layer).forward(layer, x, **kwargs)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert fallbacks.counts(model) == {"transformer.h.0": {"a required argument is missing": 1}}  # the raising call
+    torch.testing.assert_close(out[0], want[0], rtol=1e-6, atol=1e-6)
+
+
+def test_falcon_attention_fused_in_both_transformers():
+    """transformers 5.17's Falcon attention takes ``alibi`` (None with alibi=False): fused there too, and a call
+    given an alibi tensor runs the original (counted), never the fused attention without its bias."""
+    model = make("falcon")
+    torchfuser.optimize(model, backend="reference")
+    fused = [e for e in torchfuser.report(model).fused if e.pattern == "attention"]
+    assert len(fused) == 2, str(torchfuser.report(model))
+    attention = model.transformer.h[0].self_attention
+    if "alibi" in attention.spec.positional:
+        x, mask = torch.randn(1, 3, 32), torch.zeros(1, 1, 3, 3)
+        attention(x, alibi=torch.zeros(4, 1, 3), attention_mask=mask, position_embeddings=(torch.ones(1, 3, 8),) * 2)
+        assert "position bias (alibi)" in str(fallbacks.counts(model))
+
+
+def _on_device_matches_unfused(name: str, device: str):
+    ref = make(name).to(device)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused)  # the defaults: Triton kernels (and whatever execution mode it picks) on CUDA
+    assert len(layers(fused)) == 2, str(torchfuser.report(fused))
+    ids, mask = (t.to(device) for t in batch())
+    losses = []
+    for m in (ref, fused):
+        for _ in range(2):  # twice: a second call may replay what the first captured
+            m.zero_grad(set_to_none=True)
+            loss = m(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+            loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-4, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["falcon", "falcon-new", "opt"])
+def test_on_cuda_with_the_defaults(name):
+    """Falcon's tuple-returning layers and OPT's inline-MLP layers with optimize's defaults on the GPU."""
+    _on_device_matches_unfused(name, "cuda")

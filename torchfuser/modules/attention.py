@@ -245,6 +245,8 @@ class FusedAttention(FusedModule):
                     f"output_{key}=True (transformers records it from the original module)")
         if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
             return "called with encoder states (cross-attention)"
+        if kwargs.get("alibi") is not None or kwargs.get("position_bias") is not None:
+            return "called with a position bias (alibi), which the fused attention does not add"
         if self.spec.rotary_complex:
             return rotary_complex.unusable(kwargs.get(self.spec.rotary_complex), self.spec)
         if self.spec.rotary_dim:

@@ -35,6 +35,7 @@ goes through the class's wrapper, which checkpoints it. transformers 5.17 checkp
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 from functools import partial
@@ -44,7 +45,7 @@ from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
 from torchfuser.modules.attention import FusedAttention
-from torchfuser.modules.base import dropout_p, follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
@@ -53,6 +54,7 @@ _log = logging.getLogger(__name__)
 # Keywords a layer's KV cache goes by (transformers versions and families): a checkpointed layer must not
 # get one, or its recompute in the backward would write the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+_MISSING = "a required argument is missing"
 _WARNED: set[type] = set()  # layer classes told so (once, as transformers does)
 
 
@@ -121,6 +123,11 @@ class ResidualNormSpec:
     at_default: tuple[str, ...] = ()
     positional: tuple[str, ...] = ()  # the forward's parameters after the hidden states that may come positionally
     drops_extra: bool = False  # it takes **kwargs and hands them to no child (StableLM): ignored here too
+    # It returns (hidden states, the attention's second output) (Falcon; GPT-J in transformers 5.17).
+    # An argument whose default is ``inspect.Parameter.empty`` is required (Falcon's attention_mask, 5.17's alibi).
+    returns_rest: bool = False
+    # (fc_in, activation, fc_out): the layer's own children computing its MLP (OPT), with ``mlp`` = ""
+    mlp_inline: tuple[str, ...] = ()
 
 
 class ResidualNormForward:
@@ -130,12 +137,15 @@ class ResidualNormForward:
     def __init__(self, layer: nn.Module, spec: ResidualNormSpec):
         self.layer, self.spec = layer, spec
 
-    def _attention_kwargs(self, kwargs: dict) -> dict | None:
-        """The keywords the original forward would pass to the attention, or None if unsure."""
+    def _attention_kwargs(self, kwargs: dict) -> dict | str | None:
+        """The keywords the original forward would pass to the attention, or None if unsure (``_MISSING``
+        without a required argument)."""
         s = self.spec
         if any(kwargs.pop(name, None) is not None for name in s.at_default):
             return None
         call = {key: kwargs.pop(name, default) for name, key, default in s.arguments}
+        if any(v is inspect.Parameter.empty for v in call.values()):
+            return _MISSING  # the original forward raises as it would have
         for old, key in s.renames:
             if old in kwargs:
                 call[key] = kwargs.pop(old)
@@ -176,17 +186,24 @@ class ResidualNormForward:
     def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
-        norm_in, norm_mid = getattr(layer, s.norm_in), getattr(layer, s.norm_mid)
-        attention, mlp = getattr(layer, s.attention), getattr(layer, s.mlp)
+        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
-        a = (attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call))[0]
+        a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+        out = self._body(x, y, a[0], low, attention, mlp)
+        return (out, a[1]) if s.returns_rest else out
+
+    def _body(self, x, y, a, low, attention, mlp):
+        """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's
+        output y and the attention's output a."""
+        s = self.spec
+        norm_mid = getattr(self.layer, s.norm_mid)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
                 return mlp.add_to(x + a, y)
             return x + a + mlp(y)
-        maxima = (_maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
+        maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
         h, y = norm_mid.add(x, a, low, maxima)
         return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
@@ -196,6 +213,8 @@ class ResidualNormForward:
             return "positional arguments after the hidden states"
         if x is None:
             return "called without hidden states"
+        if call is _MISSING:
+            return _MISSING
         if call is None:
             return "keywords its forward does not pass on to the attention"
         layer, s = self.layer, self.spec
@@ -206,11 +225,26 @@ class ResidualNormForward:
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks is on now (the fused forward has none)."""
         layer, s = self.layer, self.spec
-        return any(dropout_p(layer, n) > 0 for n in (*s.dropouts, *s.float_dropouts))
+        return layer.training and any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _mlp(layer: nn.Module, s: ResidualNormSpec):
+    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·)))."""
+    if not s.mlp_inline:
+        return getattr(layer, s.mlp)
+    fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
+    return lambda y: fc_out(act(fc_in(y)))
+
+
+def dropout_attr(layer: nn.Module, name: str):
+    """A dropout's probability: ``name`` an nn.Dropout child, a float attribute, or ``config.<field>``."""
+    owner = layer.config if name.startswith("config.") else layer
+    value = getattr(owner, name.removeprefix("config."))
+    return value.p if isinstance(value, nn.Module) else value
 
 
 def _unfused_norms(*norms: nn.Module) -> str | None:

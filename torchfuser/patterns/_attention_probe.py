@@ -43,6 +43,9 @@ class ProbeDropout(nn.Module):
         return self.factor * x
 
 
+BIAS_ARGS = ("alibi", "position_bias")  # position biases added to the scores, which the fused attention does not add
+
+
 def forward_params(module: nn.Module) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(module.forward).parameters.values())
@@ -120,6 +123,9 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
     mask[1, :, :, 1] = low  # a padded key in the second sequence
     kwargs = {"attention_mask": mask}
+    # A position-bias argument without a default gets None: the pattern lets it through only where the
+    # config switches it off (Falcon's alibi in transformers 5.17, with alibi=False)
+    kwargs.update({p.name: None for p in forward_params(module)[1:] if p.default is p.empty and p.name in BIAS_ARGS})
     if spec.rotary_complex:  # S × 1 × D/2, as Llama 4 passes it; random, so that any other convention shows
         shape = (_SEQ, 1, spec.rotary_dim // 2)
         kwargs[spec.rotary_complex] = torch.complex(_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))

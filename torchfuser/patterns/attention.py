@@ -25,13 +25,14 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    check, complex_table_args, forward_params, mask_variants, row_runs, rows_read, takes_rope, value_rows,
+    BIAS_ARGS, check, complex_table_args, forward_params, mask_variants, row_runs, rows_read, takes_rope,
+    value_rows,
 )
 from torchfuser.patterns.base import Pattern, Skip
 
 # Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
 _MAX_PROBES = 24
-_UNSUPPORTED_ARGS = ("alibi", "position_bias")
+_UNSUPPORTED_ARGS = BIAS_ARGS
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
 
 
@@ -251,9 +252,12 @@ class AttentionPattern(Pattern):
             return ("attention temperature tuning (Llama 4's NoPE layers): queries are scaled by position "
                     "beyond floor_scale tokens, which SDPA is not told")
         for arg in _UNSUPPORTED_ARGS:
-            if arg in arg_names:
+            # Taken but switched off by the config field of its name (Falcon in transformers 5.17 with
+            # alibi=False: the model passes None; a call given one runs the original, counted)
+            if arg in arg_names and getattr(cfg, arg, None) is not False:
                 return (f"its forward takes {arg!r}, a position bias added to the attention scores (ALiBi, "
-                        "T5-style buckets), which the fused attention does not add")
+                        "T5-style buckets), which the fused attention does not add (SDPA could take it in its "
+                        "additive mask, not built: the probe passes no bias to check where it is added and how scaled)")
         own = [n for n, p in module._parameters.items() if p is not None]
         if own:
             what = ("attention sinks (a learned logit per head in the softmax's denominator)" if "sinks" in own

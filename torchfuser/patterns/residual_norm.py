@@ -19,7 +19,6 @@ the fused path (``at_default``). What the probe learns is the ``ResidualNormSpec
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import itertools
 import warnings
@@ -31,40 +30,14 @@ from torchfuser.modules import residual_norm
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _probe, _reasons
+from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 
 _ROLES = ("attention", "mlp", "norm_in", "norm_mid")
 # Keywords transformers' decorators have accepted in place of a layer's cache argument.
 _CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
-_EXTRA = "_torchfuser_probe_extra"
-_WIDTH = 8
-_KINDS = ("sequential", "parallel")
-
-
-class _Marker:
-    """A value the probe passes for one argument, to see where it arrives."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<{self.name}>"
-
-
-class _StandIn(nn.Module):
-    """Computes ``fn`` and records each call's arguments."""
-
-    def __init__(self, fn, tuple_out: bool = False):
-        super().__init__()
-        self.fn, self.tuple_out, self.calls = fn, tuple_out, []
-
-    def forward(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-        y = self.fn(x)
-        return (y, None) if self.tuple_out else y
 
 
 def _signature(module: nn.Module):
@@ -76,121 +49,12 @@ def _signature(module: nn.Module):
     for p in params[1:]:
         if p.kind is p.VAR_KEYWORD:
             extra = True
-        elif p.kind is p.VAR_POSITIONAL or p.default is p.empty:
-            return Skip(f"its forward requires {p.name!r} (it has no default); only layers whose arguments after the "
-                        "hidden states all have defaults are fused")
-        else:
+        elif p.kind is p.VAR_POSITIONAL:
+            return Skip(f"its forward takes *{p.name}; only layers whose arguments after the hidden states have names "
+                        "are fused")
+        else:  # one without a default (Falcon's attention_mask, BLOOM's alibi): ``p.empty``, required by the fused path too
             rest.append((p.name, p.default))
     return params[0].name, rest, extra
-
-
-class _Probe:
-    """The layer's forward run on stand-in children, in training mode. ``roles``: role → child name."""
-
-    def __init__(self, module: nn.Module, roles: dict[str, str]):
-        gen = _probe.generator(5)
-        a, m = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
-        self.fns = {
-            "norm_in": lambda x: 1.5 * x + 0.25,
-            "attention": lambda x: torch.tanh(x) @ a,
-            "norm_mid": lambda x: 0.5 - 0.75 * x,
-            "mlp": lambda x: torch.sin(x) @ m,
-        }
-        self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
-        self.module, self.roles = module, roles
-        self.last_calls: dict = {}
-
-    def dropouts(self) -> tuple[list[str], list[str]]:
-        """(nn.Dropout children, float dropout attributes) of the layer itself."""
-        children = [n for n, m in self.module._modules.items() if isinstance(m, nn.Dropout)]
-        return children, _probe.float_dropouts(self.module)
-
-    def run(self, p: float = 0.5, **kwargs):
-        """(output, the stand-ins' calls by role), every dropout of the layer at ``p``."""
-        probe = _probe.shallow_copy(self.module)
-        probe.training = True
-        children, floats = self.dropouts()
-        names = set(self.roles.values())
-        for name, child in self.module._modules.items():
-            if name not in names and child is not None and not any(True for _ in child.parameters()):
-                visible = copy.copy(child)  # in training, whatever it is
-                visible.training = True
-                if name in children:
-                    visible.p = p
-                probe._modules[name] = visible
-        for name in floats:
-            setattr(probe, name, p)
-        stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention") for r in dict.fromkeys(self.roles)
-                 if r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"]}
-        probe._modules.update({self.roles[r]: s for r, s in stand.items()})
-        self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
-        with torch.no_grad(), _probe.saved_rng():
-            out = type(self.module).forward(probe, self.x, **kwargs)
-        return out, {r: s.calls for r, s in stand.items()}
-
-    def expected(self, kind: str) -> torch.Tensor:
-        f, x = self.fns, self.x
-        mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
-        if kind == "parallel":
-            return x + f["attention"](f["norm_in"](x)) + f["mlp"](mid(x))
-        s = x + f["attention"](f["norm_in"](x))
-        return s + f["mlp"](mid(s))
-
-    def kind(self, out) -> str | None:
-        """Which formula ``out`` is, or None."""
-        kinds = _KINDS if self.roles["norm_mid"] != self.roles["norm_in"] else ("parallel",)
-        if not isinstance(out, torch.Tensor):
-            return None
-        return next((k for k in kinds if _probe.close(out, self.expected(k))), None)
-
-
-def _run_markers(probe: _Probe, params, extra: bool):
-    """(output, calls, markers, names left at their default): every argument gets a marker; where that
-    makes the forward raise, each argument alone tells which ones must stay at their default."""
-    def markers_for(names):
-        ms = {n: _Marker(n) for n in names}
-        if extra:
-            ms[_EXTRA] = _Marker(_EXTRA)
-        return ms
-
-    names = [n for n, _ in params]
-    try:
-        ms = markers_for(names)
-        return (*probe.run(**ms), ms, ())
-    except Exception:
-        pass
-    defaulted = []
-    for n in names:
-        try:
-            probe.run(**markers_for([n]))
-        except Exception:
-            defaulted.append(n)
-    if len(defaulted) == len(names):  # nothing to blame on an argument: the forward itself raises
-        defaulted = []
-    ms = markers_for([n for n in names if n not in defaulted])
-    return (*probe.run(**ms), ms, tuple(defaulted))
-
-
-def _saw_input(probe: _Probe, calls: dict) -> bool:
-    """Whether a norm stand-in was called first with the layer's own input (a pre-norm layer's mark)."""
-    firsts = [c[0][0] for r in ("norm_in", "norm_mid") for c in calls.get(r, [])[:1] if c[0]]
-    return any(isinstance(t, torch.Tensor) and t.shape == probe.x.shape and torch.equal(t, probe.x) for t in firsts)
-
-
-def _reshapes_attention_input(probe: _Probe, markers: dict) -> bool:
-    """Whether the attention gets its input in another shape than the layer's: run on a batch of one,
-    where a ``squeeze(0)`` shows (on the probe's batch of two it is a no-op)."""
-    x = probe.x
-    probe.x = x[:1]
-    try:
-        _, calls = probe.run(0.0, **markers)
-    except Exception:
-        return True
-    finally:
-        probe.x = x
-    pos, kw = calls["attention"][0]
-    got = pos[0] if pos else next(v for v in kw.values() if isinstance(v, torch.Tensor))
-    return got.shape != x[:1].shape
 
 
 def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
@@ -199,24 +63,37 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     try:
         out, calls, markers, defaulted = _run_markers(probe, params, extra)
         dropouts = ()
-        if isinstance(out, torch.Tensor) and probe.kind(out) is None:
+        body = probe.split(out)[0]
+        if isinstance(body, torch.Tensor) and probe.kind(body) is None:
             # Maybe a dropout between the blocks (Phi-3's resid_*_dropout): the fused forward serves
             # the calls where every dropout of the layer is off, and only if the forward is exact then.
-            out, calls = probe.run(0.0, **markers)
             children, floats = probe.dropouts()
             dropouts = (tuple(children), tuple(floats))
+            out, calls = probe.run(0.0, **markers)
+        out, returns_rest = probe.split(out)
     except Exception as err:
         if not _saw_input(probe, probe.last_calls):
             return None
         first_line = str(err).splitlines()[0] if str(err) else ""
+        probe.attention_tuple = False
+        try:
+            probe.run(0.0, **probe.markers)
+            return Skip("its attention-like block's output is used as one tensor, not as transformers' (output, "
+                        "weights) pair (a linear-attention or recurrent mixer), which the fused forward does not assume")
+        except Exception:
+            pass
         return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
                     f"stand-ins for them it raised {type(err).__name__}: {first_line})")
     if not _saw_input(probe, calls):
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     kind = probe.kind(out)
+    if kind is None and _passes_residual(probe, calls):
+        return Skip("its attention or MLP is passed the residual and adds it itself (BLOOM's blocks end in "
+                    "dropout_add(output, residual), MPT's MLP too): the layer has no residual add of its own to fuse "
+                    "into its norms")
     if kind is None and isinstance(out, tuple):
-        return Skip("its forward returns a tuple (the hidden states and more, such as attention weights: GPT-Neo, "
-                    "GPT-J in transformers 5.17), and the fused forward returns the hidden states alone")
+        return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
+                    "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
     if kind is None:
         return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)), nor their parallel "
                     "sum: something sits between the blocks (a residual scale, a post-norm, a gate)")
@@ -253,14 +130,34 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             renames.append((alias, landed[0]))
     sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
     positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
+    inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
+    if inline:
+        roles["mlp"] = ""
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
-                            **roles, parallel=kind == "parallel", at_default=defaulted, positional=positional,
-                            drops_extra=drops_extra)
+                            **roles, mlp_inline=inline, parallel=kind == "parallel", at_default=defaulted, positional=positional,
+                            drops_extra=drops_extra, returns_rest=returns_rest)
 
 
-def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool):
+def _passes_residual(probe, calls: dict) -> bool:
+    """Whether the attention or the MLP gets a second positional tensor of the layer's shape (its residual)."""
+    firsts = [c[0] for r in ("attention", "mlp") for c in calls.get(r, [])[:1]]
+    return any(len(pos) == 2 and isinstance(pos[1], torch.Tensor) and pos[1].shape == probe.x.shape for pos in firsts)
+
+
+def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
     """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip."""
     skips = []
+    if inline:  # attention, norms and the layer's own fc_in → act → fc_out (OPT)
+        (linears, act), pairs = inline, itertools.permutations(norms)
+        for (fc_in, fc_out), (norm_in, norm_mid) in itertools.product(itertools.permutations(linears), pairs):
+            roles = dict(attention=blocks[0], fc_in=fc_in, act=act, fc_out=fc_out, norm_in=norm_in, norm_mid=norm_mid)
+            found = _study_roles(module, roles, first, params, extra)
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
+        return next((s for s in skips if s is not None), Skip(
+            "its norms come after its residual adds (post-norm, OPT-350m's do_layer_norm_before=False: "
+            "norm(x + attention(x)), then norm(h + mlp(h))), a form no pattern fuses"))
     for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not _attention_like(module._modules[p[0]])):
         for norm_in, norm_mid in (itertools.permutations(norms) if len(norms) == 2 else [(norms[0], norms[0])]):
             roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
@@ -288,6 +185,23 @@ def _attention_like(m: nn.Module) -> bool:
     return "attention_mask" in names
 
 
+def _inline_mlp(module: nn.Module, blocks: list[str]):
+    """For a decoder layer holding its MLP's two projections itself (OPT: attention, two norms, fc1 and fc2 as
+    its own children): (the two projections, its activation child), or a Skip; else None."""
+    kids = {n: module._modules[n] for n in blocks}
+    linears = tuple(n for n, m in kids.items() if _probe.projection_dims(m))
+    norms = [n for n in blocks if n not in linears and _norm_kind(kids[n])]
+    attention = [n for n in blocks if n not in linears and n not in norms and _attention_like(kids[n])]
+    if len(linears) != 2 or len(norms) != 2 or len(attention) != 1:
+        return None
+    acts = [n for n, m in module._modules.items() if m is not None and n not in blocks and not isinstance(m, nn.Dropout)
+            and not any(True for _ in m.parameters())]
+    if len(acts) != 1:
+        return Skip(f"its MLP is inline ({_reasons.quoted(linears)} are the layer's own projections) and its activation "
+                    f"is not one parameter-free child module ({len(acts)} such children)")
+    return linears, acts[0]
+
+
 def _norm_kind(m: nn.Module) -> str | None:
     """"rms" or "layer" for a fused or fusable norm child, else None."""
     if isinstance(m, FusedRMSNorm):
@@ -302,7 +216,7 @@ def _norm_kind(m: nn.Module) -> str | None:
 
 
 def _p(module: nn.Module, name: str) -> float:
-    value = getattr(module, name)
+    value = residual_norm.dropout_attr(module, name)
     return float(value.p if isinstance(value, nn.Module) else value)
 
 
@@ -318,12 +232,16 @@ class ResidualNormPattern(Pattern):
         if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
             return None  # already fused: optimize is idempotent
         blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
-        if not 3 <= len(blocks) <= 4:
+        inline = _inline_mlp(module, blocks) if len(blocks) == 5 else None
+        if isinstance(inline, Skip):
+            return inline
+        if not 3 <= len(blocks) <= 4 and not inline:
             return None
+        blocks = [n for n in blocks if not inline or n not in inline[0]]
         kinds = {n: _norm_kind(module._modules[n]) for n in blocks}
         norms = [n for n in blocks if kinds[n]]
         blocks = [n for n in blocks if not kinds[n]]
-        if len(blocks) != 2 or not any(_attention_like(module._modules[n]) for n in blocks):
+        if len(blocks) != (1 if inline else 2) or not any(_attention_like(module._modules[n]) for n in blocks):
             return None  # more blocks than one attention, one MLP and one or two norms (Gemma-2's four norms)
         fused = [isinstance(module._modules[n], (FusedRMSNorm, FusedLayerNorm)) for n in norms]
         if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
@@ -339,7 +257,7 @@ class ResidualNormPattern(Pattern):
         sig = _signature(module)
         if isinstance(sig, Skip):
             return sig
-        spec = _study(module, blocks, norms, *sig)
+        spec = _study(module, blocks, norms, *sig, inline=inline)
         if spec is None:
             return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]

@@ -1,0 +1,183 @@
+"""The residual-norm pattern's probe: a layer's forward run on stand-ins for its children (simple random maps
+that record how they are called), with a marker object per argument to see where each one arrives
+(``patterns.residual_norm`` says what it checks)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from torchfuser.patterns import _probe
+
+_EXTRA = "_torchfuser_probe_extra"
+_WIDTH = 8
+_KINDS = ("sequential", "parallel")
+
+
+class _Marker:
+    """A value the probe passes for one argument, to see where it arrives."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+class _StandIn(nn.Module):
+    """Computes ``fn`` and records each call's arguments."""
+
+    def __init__(self, fn, tuple_out: bool = False):
+        super().__init__()
+        self.fn, self.tuple_out, self.calls = fn, tuple_out, []
+        self.rest = _Marker("attention_rest")  # the attention's second output, to see if the layer returns it
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        y = self.fn(x)
+        return (y, self.rest) if self.tuple_out else y
+
+
+class _Probe:
+    """The layer's forward run on stand-in children, in training mode. ``roles``: role → child name."""
+
+    def __init__(self, module: nn.Module, roles: dict[str, str]):
+        gen = _probe.generator(5)
+        a, m = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
+        self.fns = {
+            "norm_in": lambda x: 1.5 * x + 0.25,
+            "attention": lambda x: torch.tanh(x) @ a,
+            "norm_mid": lambda x: 0.5 - 0.75 * x,
+            "mlp": lambda x: torch.sin(x) @ m,
+        }
+        f1, f2 = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
+        self.fns.update({"fc_in": lambda x: x @ f1, "fc_out": lambda x: x @ f2})  # an inline MLP's (OPT)
+        if "act" in roles:  # inline: the layer's own activation child between its own fc_in and fc_out
+            act = module._modules[roles["act"]]
+            self.fns["mlp"] = lambda x: self.fns["fc_out"](act(self.fns["fc_in"](x)))
+        self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
+        self.module, self.roles = module, roles
+        self.last_calls: dict = {}
+        self.last_rest = self.markers = None
+        self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
+
+    def dropouts(self) -> tuple[list[str], list[str]]:
+        """(nn.Dropout children, float dropout attributes) of the layer itself, and ``config.<name>`` for
+        those of its config that its forward reads (Falcon's ``dropout_add(…, self.config.hidden_dropout)``)."""
+        children, floats = self._own_dropouts()
+        read = []
+        for name in self._config_dropouts():  # each alone at 0.5: read if the output is no longer the formula
+            out, _ = self.run(0.0, config_p={name: 0.5}, **self.markers)
+            read += [f"config.{name}"] if self.kind(self.split(out)[0]) is None else []
+        return children, floats + read
+
+    def _own_dropouts(self) -> tuple[list[str], list[str]]:
+        children = [n for n, m in self.module._modules.items() if isinstance(m, nn.Dropout)]
+        return children, _probe.float_dropouts(self.module)
+
+    def _config_dropouts(self) -> list[str]:
+        cfg = getattr(self.module, "config", None)
+        return [] if cfg is None or isinstance(cfg, nn.Module) else _probe.float_dropouts(cfg)
+
+    def split(self, out):
+        """(the hidden states, whether the layer returns the attention's second output after them: Falcon,
+        GPT-J in transformers 5.17 return ``(hidden_states, attn_weights)``)."""
+        if isinstance(out, tuple) and len(out) == 2 and out[1] is self.last_rest:
+            return out[0], True
+        return out, False
+
+    def run(self, p: float = 0.5, config_p: dict | None = None, **kwargs):
+        """(output, the stand-ins' calls by role), every dropout of the layer at ``p`` (those of its config
+        too, or as ``config_p`` says)."""
+        self.markers = kwargs
+        probe = _probe.shallow_copy(self.module)
+        if self._config_dropouts():
+            probe.config = copy.copy(self.module.config)
+            for name in self._config_dropouts():
+                setattr(probe.config, name, p if config_p is None else config_p.get(name, 0.0))
+        probe.training = True
+        children, floats = self._own_dropouts()
+        names = {v for r, v in self.roles.items() if r != "act"}
+        for name, child in self.module._modules.items():
+            if name not in names and child is not None and not any(True for _ in child.parameters()):
+                visible = copy.copy(child)  # in training, whatever it is
+                visible.training = True
+                if name in children:
+                    visible.p = p
+                probe._modules[name] = visible
+        for name in floats:
+            setattr(probe, name, p)
+        stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention" and self.attention_tuple) for r in dict.fromkeys(self.roles)
+                 if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
+        probe._modules.update({self.roles[r]: s for r, s in stand.items()})
+        self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
+        self.last_rest = stand["attention"].rest
+        with torch.no_grad(), _probe.saved_rng():
+            out = type(self.module).forward(probe, self.x, **kwargs)
+        return out, {r: s.calls for r, s in stand.items()}
+
+    def expected(self, kind: str) -> torch.Tensor:
+        f, x = self.fns, self.x
+        mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
+        if kind == "parallel":
+            return x + f["attention"](f["norm_in"](x)) + f["mlp"](mid(x))
+        s = x + f["attention"](f["norm_in"](x))
+        return s + f["mlp"](mid(s))
+
+    def kind(self, out) -> str | None:
+        """Which formula ``out`` is, or None."""
+        kinds = _KINDS if self.roles["norm_mid"] != self.roles["norm_in"] else ("parallel",)
+        if not isinstance(out, torch.Tensor):
+            return None
+        return next((k for k in kinds if _probe.close(out, self.expected(k))), None)
+
+
+def _run_markers(probe: _Probe, params, extra: bool):
+    """(output, calls, markers, names left at their default): every argument gets a marker; where that
+    makes the forward raise, each argument alone tells which ones must stay at their default."""
+    def markers_for(names):
+        ms = {n: _Marker(n) for n in names}
+        if extra:
+            ms[_EXTRA] = _Marker(_EXTRA)
+        return ms
+
+    names = [n for n, _ in params]
+    try:
+        ms = markers_for(names)
+        return (*probe.run(**ms), ms, ())
+    except Exception:
+        pass
+    defaulted = []
+    for n in names:
+        try:
+            probe.run(**markers_for([n]))
+        except Exception:
+            defaulted.append(n)
+    if len(defaulted) == len(names):  # nothing to blame on an argument: the forward itself raises
+        defaulted = []
+    ms = markers_for([n for n in names if n not in defaulted])
+    return (*probe.run(**ms), ms, tuple(defaulted))
+
+
+def _saw_input(probe: _Probe, calls: dict) -> bool:
+    """Whether a norm stand-in was called first with the layer's own input (a pre-norm layer's mark)."""
+    firsts = [c[0][0] for r in ("norm_in", "norm_mid") for c in calls.get(r, [])[:1] if c[0]]
+    return any(isinstance(t, torch.Tensor) and t.shape == probe.x.shape and torch.equal(t, probe.x) for t in firsts)
+
+
+def _reshapes_attention_input(probe: _Probe, markers: dict) -> bool:
+    """Whether the attention gets its input in another shape than the layer's: run on a batch of one,
+    where a ``squeeze(0)`` shows (on the probe's batch of two it is a no-op)."""
+    x = probe.x
+    probe.x = x[:1]
+    try:
+        _, calls = probe.run(0.0, **markers)
+    except Exception:
+        return True
+    finally:
+        probe.x = x
+    pos, kw = calls["attention"][0]
+    got = pos[0] if pos else next(v for v in kw.values() if isinstance(v, torch.Tensor))
+    return got.shape != x[:1].shape
