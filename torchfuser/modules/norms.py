@@ -76,14 +76,27 @@ class FusedRMSNorm(FusedModule):
     def __init__(self, original: nn.Module, spec: RMSNormSpec, backend: str = "auto"):
         super().__init__(spec, backend)
         adopt(self, original, [spec.weight])
+        self._signatures = {}  # forward's checks and backend per call signature
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
         w = getattr(self, s.weight)
-        out = _out_dtype(s, x, w)
+        # The checks and the backend once per call signature (host time: a decode step calls every norm once a
+        # token). Everything they read is in the key; a weight swapped for another object or dtype, autocast
+        # turned on, another device or width gives another key; TRITON_INTERPRET is read at resolve time only.
+        key = (type(x), x.dtype, x.device, x.shape[-1], type(w), w.dtype, w.device, w.shape, self.backend,
+               x.device.type != "cpu" and autocast_enabled(x.device.type))
+        known = self._signatures.get(key)
+        if known is None:
+            out = _out_dtype(s, x, w)
+            xin = x if out == x.dtype else _in_dtype(x, out)
+            known = (out, xin.dtype, F.backend_for(self.backend, F.check_rms_norm(xin, w)))
+            if len(self._signatures) < 64:
+                self._signatures[key] = known
+        out, in_dtype, backend = known
         if out == x.dtype:  # the kernel as it is (bf16 in, bf16 weights: no cast anywhere)
-            return F.rms_norm(x, w, s.eps, offset=s.offset, backend=self.backend)
-        return F.rms_norm(_in_dtype(x, out), w, s.eps, offset=s.offset, backend=self.backend).to(out)
+            return ops.rms_norm(x, w, float(s.eps), float(s.offset), backend)
+        return ops.rms_norm(x.to(in_dtype), w, float(s.eps), float(s.offset), backend).to(out)
 
     def add(self, x: Tensor, residual: Tensor, out_dtype: torch.dtype | None = None,
             maxima: tuple[bool, bool] = (False, False)) -> tuple[Tensor, Tensor]:

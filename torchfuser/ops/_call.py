@@ -57,10 +57,16 @@ def _forward_kernel(fn, *args):
     return _own_storage(fn(*args))
 
 
+_WRAPPED: dict = {}  # a backend's forward kernel -> it wrapped in _forward_kernel: made once, not per call
+
+
 def kernel(backend: str, name: str):
     fn = _backend_kernel(backend, name)
     if name.endswith("_fwd"):
-        fn = functools.partial(_forward_kernel, fn)
+        wrapped = _WRAPPED.get(fn)
+        if wrapped is None:
+            wrapped = _WRAPPED[fn] = functools.partial(_forward_kernel, fn)
+        fn = wrapped
     if _C._is_any_autocast_enabled():
         # An implementation sees its inputs' dtypes, never autocast's: compiled graphs run it that
         # way (autocast is applied when tracing, around the op), and the reference backend's fp32
