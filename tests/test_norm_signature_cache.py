@@ -73,3 +73,20 @@ def test_backend_change_is_a_fresh_decision(monkeypatch):
     with pytest.raises(ValueError, match="valid backends"):
         fused.norm.backend = "cuda"
         fused(x)
+
+
+def test_add_checks_each_signature():
+    """``add`` (the residual add and the norm in one kernel, called by the fused decoder layers): the same."""
+    _, fused = _pair()
+    norm = fused.norm
+    x, r = torch.randn(3, 16), torch.randn(3, 16)
+    for _ in range(2):
+        s, y = norm.add(x, r)
+        torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+        torch.testing.assert_close(y, nn.functional.rms_norm(x + r, (16,), norm.weight, 1e-6))
+    with pytest.raises(ValueError, match="same shape"):
+        norm.add(x, torch.randn(2, 16))
+    with pytest.raises(TypeError, match="out_dtype"):
+        norm.add(x, r, out_dtype=torch.long)
+    s, y = norm.add(x.bfloat16(), r.bfloat16())
+    assert s.dtype == y.dtype == torch.bfloat16

@@ -109,9 +109,16 @@ class FusedRMSNorm(FusedModule):
             out = _out_dtype(s, x, getattr(self, s.weight), s_dtype)
             if out != s_dtype:  # (the caller's maxima were asked for an output of s's dtype)
                 out_dtype, maxima = out, (False, False)
-        if not any(maxima):
-            return F.add_rms_norm(x, residual, getattr(self, s.weight), s.eps, offset=s.offset, out_dtype=out_dtype,
-                                  backend=self.backend)
+        if not any(maxima):  # the checks and the backend once per call signature, as in forward
+            w = getattr(self, s.weight)
+            key = (type(x), x.dtype, x.device, x.shape, type(residual), residual.dtype, residual.device,
+                   residual.shape, type(w), w.dtype, w.device, w.shape, out_dtype, self.backend)
+            backend = self._signatures.get(key)
+            if backend is None:
+                backend = F.backend_for(self.backend, F.check_add_rms_norm(x, residual, w, out_dtype))
+                if len(self._signatures) < 64:
+                    self._signatures[key] = backend
+            return ops.add_rms_norm(x, residual, w, float(s.eps), float(s.offset), backend, out_dtype)
         weight = getattr(self, s.weight)
         backend = F.backend_for(self.backend, F.check_add_rms_norm(x, residual, weight, out_dtype))
         return add_rms_norm_fp8_producer(x, residual, weight, float(s.eps), float(s.offset), backend,
