@@ -92,7 +92,7 @@ for stage in "$@"; do
               --variants ${VARIANTS:-torchfuser torchfuser-graphs unsloth} --out "$OUT/issue36-7b-2x2048.jsonl" ;;
     # Host cost (branch host): the hi/lo split kernel compiled and checked bit for bit, the LoRA step with it
     host-tests) timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
-              tests/backends/test_hilo_split.py tests/backends/test_hilo_split_ptx.py tests/test_lora_hilo_cuda.py tests/test_norm_signature_cache.py ;;
+              tests/backends/test_hilo_split.py tests/backends/test_hilo_split_ptx.py tests/test_lora_hilo_cuda.py tests/test_call_signatures.py ;;
     issue36-qwen05b) timeout ${I36_S:-300} python3 $ts --models qwen05b --variants torchfuser torchfuser-graphs \
               --out "$OUT/issue36-qwen05b.jsonl" ;;
     offload-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
