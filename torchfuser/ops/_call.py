@@ -91,7 +91,10 @@ def plain_eager(args) -> bool:
         return False
     if is_in_torch_dispatch_mode() or _C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    for a in args:  # a loop, not a generator: every fused call runs this (host time)
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+    return True
 
 
 def run(op, *args):
@@ -126,7 +129,10 @@ def inductor_fuses(backend: str, op: str) -> bool:
 
 
 def empty(*tensors) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors)
+    for t in tensors:  # a loop, not a generator: every fused call runs this (host time)
+        if isinstance(t, torch.Tensor) and t.numel() == 0:
+            return True
+    return False
 
 
 def for_empty(args: tuple) -> tuple:
