@@ -53,7 +53,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from torchfuser.backends import resolve
+from torchfuser.backends import BackendUnavailable, resolve
 from torchfuser.modules import fallbacks, fp8
 from torchfuser.modules.adapters import quantized_base
 from torchfuser.modules.adapters.lora_node import _as, _LoRALinear, _Plan
@@ -221,12 +221,18 @@ _SPLIT_BACKENDS: dict = {}
 
 
 def _split_backend(backend: str | None, device: torch.device) -> str:
-    """Where the hi/lo splits run: the Triton kernel where the module's backend resolves to Triton (CUDA,
-    ROCm), else the torch spelling. Remembered per (backend, device type): ``resolve`` is host time a call."""
+    """Where the hi/lo splits run: the Triton kernel on CUDA / ROCm where the module's backend resolves to
+    Triton, else the torch spelling. Remembered per (backend, device type): ``resolve`` is host time a call."""
+    if device.type != "cuda":  # the CPU keeps the torch spelling (a Triton backend there is the interpreter)
+        return "reference"
     key = (backend, device.type)
     found = _SPLIT_BACKENDS.get(key)
     if found is None:
-        found = _SPLIT_BACKENDS[key] = "triton" if resolve(backend, device) == "triton" else "reference"
+        try:
+            found = "triton" if resolve(backend, device) == "triton" else "reference"
+        except BackendUnavailable:  # a backend named for another device (the node's own GEMMs are torch's)
+            found = "reference"
+        _SPLIT_BACKENDS[key] = found
     return found
 
 
