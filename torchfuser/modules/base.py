@@ -66,6 +66,8 @@ def decided(module: nn.Module, key: tuple, decide):
     The key must hold everything ``decide`` reads (types, dtypes, devices, shapes, the module's backend, ...);
     a ``decide`` that raises stores nothing, so an invalid call raises every time. At most 64 signatures a
     module are kept (varying lengths): past that, decided per call."""
+    if torch.compiler.is_compiling():  # traced: decided in the trace (a key of symbolic shapes is no dict key)
+        return decide()
     memo = module.__dict__.get("_decisions")
     if memo is None:
         memo = module.__dict__["_decisions"] = {}
