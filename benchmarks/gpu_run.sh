@@ -90,6 +90,9 @@ for stage in "$@"; do
               --grad-checkpointing --variants torchfuser --out "$OUT/issue36-llama8b-1x16384-hf-checkpointing.jsonl" ;;
     issue36-7b) timeout ${I36_S:-560} python3 $ts --models ${MODELS:-qwen7b mistral7b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 6 \
               --variants ${VARIANTS:-torchfuser torchfuser-graphs unsloth} --out "$OUT/issue36-7b-2x2048.jsonl" ;;
+    # Host cost (branch host): the hi/lo split kernel compiled and checked bit for bit, the LoRA step with it
+    host-tests) timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
+              tests/backends/test_hilo_split.py tests/backends/test_hilo_split_ptx.py tests/test_lora_hilo_cuda.py tests/test_call_signatures.py ;;
     issue36-qwen05b) timeout ${I36_S:-300} python3 $ts --models qwen05b --variants torchfuser torchfuser-graphs \
               --out "$OUT/issue36-qwen05b.jsonl" ;;
     # cuda_graphs="auto" (optimize's default): "torchfuser" decides per stack after ~8 steps, hence the warm-up; the notes in

@@ -469,7 +469,8 @@ def test_bf16_node_bound_fails_without_the_lo_parts(monkeypatch):
     """The node check has teeth: bf16-rounded adapter operands alone (lo parts zero) fail it."""
     model, x, dy = _node(**_NODE_CASES["qkv-r8"])
     real = lora_node._hilo
-    monkeypatch.setattr(lora_node, "_hilo", lambda t, parts, dim, dtype: real(t.to(dtype).float(), parts, dim, dtype))
+    monkeypatch.setattr(lora_node, "_hilo", lambda t, parts, dim, dtype, backend, scale=1.0: real(
+        (t * scale).to(dtype).float(), parts, dim, dtype, backend))
     with pytest.raises(AssertionError, match="lora_"):
         _node_check(model, x, dy)
 

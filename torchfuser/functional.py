@@ -107,13 +107,19 @@ def _check_pair(op: str, gate: Tensor, up: Tensor) -> torch.device:
 
 
 def _gated(op: str, gate: Tensor, up: Tensor | None, backend: str | None) -> Tensor:
+    backend = backend_for(backend, check_gated(op, gate, up))
+    return getattr(ops, op)(gate, up, backend) if up is not None else getattr(ops, f"{op}_packed")(gate, backend)
+
+
+def check_gated(op: str, gate: Tensor, up: Tensor | None) -> torch.device:
+    """A gated activation's checks of its inputs (``up=None``: one [gate | up] tensor); their device."""
     if up is not None:
-        return getattr(ops, op)(gate, up, backend_for(backend, _check_pair(op, gate, up)))
+        return _check_pair(op, gate, up)
     _check_float("gate", gate, op)
     if gate.dim() == 0 or gate.shape[-1] % 2:
         raise ValueError(f"{op}: with up=None, gate holds [gate | up] along its last dim, which must be even; "
                          f"got shape {tuple(gate.shape)}")
-    return getattr(ops, f"{op}_packed")(gate, backend_for(backend, gate.device))
+    return gate.device
 
 
 def swiglu(gate: Tensor, up: Tensor | None = None, *, backend: str | None = None) -> Tensor:
@@ -144,6 +150,11 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None 
     first R channels of each head and passes the rest through (partial rotary).
     cos and sin are constants: rope does not differentiate through them.
     """
+    return ops.rope(q, k, cos, sin, backend_for(backend, check_rope(q, k, cos, sin)))
+
+
+def check_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> torch.device:
+    """rope's checks of its inputs; their device."""
     for name, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _check_float(name, t, "rope")
         if t.dim() != (4 if name in "qk" else 3):
@@ -163,8 +174,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None 
         raise TypeError(f"rope: q and k must have the same dtype, got {q.dtype} and {k.dtype}")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise ValueError("rope: cos and sin require grad, but rope treats them as constants; pass cos.detach(), sin.detach()")
-    device = _check_same_device("rope", q=q, k=k, cos=cos, sin=sin)
-    return ops.rope(q, k, cos, sin, backend_for(backend, device))
+    return _check_same_device("rope", q=q, k=k, cos=cos, sin=sin)
 
 
 def linear_cross_entropy(

@@ -21,9 +21,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from torchfuser import functional as F
-from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, dropout_p, hand_back, host_reads_allowed,
-                                     keep_dropout)
+from torchfuser import functional as F, ops
+from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, decided, dropout_p, hand_back, host_reads_allowed,
+                                     keep_dropout, signature)
 from torchfuser.modules import fallbacks, packed, rotary_complex
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
@@ -288,7 +288,11 @@ class FusedAttention(FusedModule):
                 return qr, kr
             return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
         # Partial rotary too (rd < head dim): the kernel copies the channels past rd through, no slices or cat.
-        return F.rope(q, k, cos, sin, backend=self.backend)
+        # Its checks and backend once per call signature (base.decided; they read requires_grad and grad mode).
+        key = ("rope", signature(q), signature(k), signature(cos), signature(sin), cos.requires_grad,
+               sin.requires_grad, torch.is_grad_enabled(), self.backend)
+        backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_rope(q, k, cos, sin)))
+        return ops.rope(q, k, cos, sin, backend)
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         s = self.spec

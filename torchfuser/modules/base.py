@@ -60,6 +60,30 @@ class FusedModule(nn.Module):
                                  f"nor has the {type(original).__name__} it replaced") from None
 
 
+def decided(module: nn.Module, key: tuple, decide):
+    """``decide()`` once per ``key`` for ``module``: a fused call's input checks and backend choice, made once
+    per call signature instead of per call (host time: a decode step calls every fused module once a token).
+    The key must hold everything ``decide`` reads (types, dtypes, devices, shapes, the module's backend, ...);
+    a ``decide`` that raises stores nothing, so an invalid call raises every time. At most 64 signatures a
+    module are kept (varying lengths): past that, decided per call."""
+    if torch.compiler.is_compiling():  # traced: decided in the trace (a key of symbolic shapes is no dict key)
+        return decide()
+    memo = module.__dict__.get("_decisions")
+    if memo is None:
+        memo = module.__dict__["_decisions"] = {}
+    found = memo.get(key)
+    if found is None:
+        found = decide()
+        if len(memo) < 64:
+            memo[key] = found
+    return found
+
+
+def signature(t) -> tuple:
+    """What a fused op's checks read of a tensor argument (None stays None)."""
+    return None if t is None else (type(t), t.dtype, t.device, t.shape)
+
+
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 

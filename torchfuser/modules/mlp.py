@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from torchfuser import functional as F
+from torchfuser import functional as F, ops
 from torchfuser.functional import backend_for
 from torchfuser.modules import fp8, recompute
 from torchfuser.modules.adapters import lora
-from torchfuser.modules.base import FusedModule, adopt, apply_dropout, dropout_p, keep_dropout
+from torchfuser.modules.base import FusedModule, adopt, apply_dropout, decided, dropout_p, keep_dropout, signature
 from torchfuser.modules.projections import joint, residual_linear, single
 from torchfuser.ops import gated as gated_ops
 
@@ -57,6 +57,7 @@ class _WithLoRA:
         return super().extra_repr() + (f", with {t}" if (t := self.lora_summary) else "")
 
 
+_GATED_OPS = {"silu": "swiglu", "gelu_tanh": "geglu", "gelu": "geglu_erf"}  # the torchfuser.ops names
 _GATED_ACTS = {"silu": F.swiglu, "gelu_tanh": F.geglu, "gelu": functools.partial(F.geglu, approximate="none")}
 
 
@@ -91,7 +92,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
 
     def _gated(self, x: Tensor):
         """(h, a function that makes h again from tensors the activation keeps for its backward, or None)."""
-        s, act, backend = self.spec, self._act, self.backend
+        s, act, backend = self.spec, self._activate, self.backend
         if s.gate_up is not None:
             packed, gate_first = single(x, getattr(self, s.gate_up), self), s.gate_first
         else:  # gate and up as one GEMM under autocast; None where that would differ
@@ -105,13 +106,21 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         up, gate = packed.chunk(2, dim=-1)
         return act(gate, up, backend=backend), lambda: act(gate, up, backend=backend)
 
+    def _activate(self, gate: Tensor, up: Tensor | None = None, backend: str | None = None) -> Tensor:
+        """The activation (``functional.swiglu`` / ``geglu``: up=None for one [gate | up] tensor) with its checks
+        and backend decided once per call signature (``base.decided``); ``backend`` is always this module's."""
+        op = _GATED_OPS[self.spec.activation]
+        key = (op, signature(gate), signature(up), self.backend)
+        backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_gated(op, gate, up)))
+        return getattr(ops, op)(gate, up, backend) if up is not None else getattr(ops, f"{op}_packed")(gate, backend)
+
     def _packed_act(self, packed: Tensor, x: Tensor) -> Tensor:
         """The activation on [gate | up]; with rowwise FP8, the producer of the down projection's operand
         (and, backward, of the gate/up projection's gradient), handing their maxima on (modules.fp8)."""
         s = self.spec
         # No FP8 producer kernel for erf GELU: its down projection quantises its own operand.
         if s.activation == "gelu" or not fp8.producer_maxima(self, packed, [getattr(self, s.down)]):
-            return self._act(packed, backend=self.backend)
+            return self._activate(packed)
         ups = [getattr(self, n) for n in (s.gate_up,) if n] or [getattr(self, s.gate), getattr(self, s.up)]
         grad_amax = x.requires_grad and fp8.producer_maxima(self, packed, ups)
         name = "swiglu" if s.activation == "silu" else "geglu"

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
-from torchfuser.modules.base import FusedModule, adopt
+from torchfuser.modules.base import FusedModule, adopt, decided, signature
 from torchfuser.ops._call import autocast_enabled
 from torchfuser.ops.rms_norm import add_rms_norm_fp8_producer
 
@@ -80,10 +80,20 @@ class FusedRMSNorm(FusedModule):
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
         w = getattr(self, s.weight)
-        out = _out_dtype(s, x, w)
+        # The checks and the backend once per call signature (host time: a decode step calls every norm once a
+        # token). Everything they read is in the key; a weight swapped for another object or dtype, autocast
+        # turned on, another device or width gives another key; TRITON_INTERPRET is read at resolve time only.
+        key = ("forward", type(x), x.dtype, x.device, x.shape[-1], signature(w), self.backend,
+               x.device.type != "cpu" and autocast_enabled(x.device.type))
+
+        def decide():
+            out = _out_dtype(s, x, w)
+            xin = x if out == x.dtype else _in_dtype(x, out)
+            return out, xin.dtype, F.backend_for(self.backend, F.check_rms_norm(xin, w))
+        out, in_dtype, backend = decided(self, key, decide)
         if out == x.dtype:  # the kernel as it is (bf16 in, bf16 weights: no cast anywhere)
-            return F.rms_norm(x, w, s.eps, offset=s.offset, backend=self.backend)
-        return F.rms_norm(_in_dtype(x, out), w, s.eps, offset=s.offset, backend=self.backend).to(out)
+            return ops.rms_norm(x, w, float(s.eps), float(s.offset), backend)
+        return ops.rms_norm(x.to(in_dtype), w, float(s.eps), float(s.offset), backend).to(out)
 
     def add(self, x: Tensor, residual: Tensor, out_dtype: torch.dtype | None = None,
             maxima: tuple[bool, bool] = (False, False)) -> tuple[Tensor, Tensor]:
@@ -96,9 +106,11 @@ class FusedRMSNorm(FusedModule):
             out = _out_dtype(s, x, getattr(self, s.weight), s_dtype)
             if out != s_dtype:  # (the caller's maxima were asked for an output of s's dtype)
                 out_dtype, maxima = out, (False, False)
-        if not any(maxima):
-            return F.add_rms_norm(x, residual, getattr(self, s.weight), s.eps, offset=s.offset, out_dtype=out_dtype,
-                                  backend=self.backend)
+        if not any(maxima):  # the checks and the backend once per call signature, as in forward
+            w = getattr(self, s.weight)
+            key = ("add", signature(x), signature(residual), signature(w), out_dtype, self.backend)
+            backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_add_rms_norm(x, residual, w, out_dtype)))
+            return ops.add_rms_norm(x, residual, w, float(s.eps), float(s.offset), backend, out_dtype)
         weight = getattr(self, s.weight)
         backend = F.backend_for(self.backend, F.check_add_rms_norm(x, residual, weight, out_dtype))
         return add_rms_norm_fp8_producer(x, residual, weight, float(s.eps), float(s.offset), backend,
@@ -110,11 +122,11 @@ class FusedRMSNorm(FusedModule):
         in the norm's backward kernel (``ops.rms_norm_opening_residual``). ``maxima``: whether the norm's
         output hands its FP8 maxima on, as in ``add``."""
         s, weight = self.spec, getattr(self, self.spec.weight)
-        device = F.check_rms_norm(x, weight)
+        backend = decided(self, ("opening", signature(x), signature(weight), self.backend),
+                          lambda: F.backend_for(self.backend, F.check_rms_norm(x, weight)))
         if out_dtype is None and (out := _out_dtype(s, x, weight)) != x.dtype:  # the original norm's dtype
             out_dtype, maxima = out, False
-        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), F.backend_for(self.backend, device),
-                                             out_dtype, maxima)
+        return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), backend, out_dtype, maxima)
 
 
 class FusedLayerNorm(FusedModule):

@@ -57,10 +57,16 @@ def _forward_kernel(fn, *args):
     return _own_storage(fn(*args))
 
 
+_WRAPPED: dict = {}  # a backend's forward kernel -> it wrapped in _forward_kernel: made once, not per call
+
+
 def kernel(backend: str, name: str):
     fn = _backend_kernel(backend, name)
     if name.endswith("_fwd"):
-        fn = functools.partial(_forward_kernel, fn)
+        wrapped = _WRAPPED.get(fn)
+        if wrapped is None:
+            wrapped = _WRAPPED[fn] = functools.partial(_forward_kernel, fn)
+        fn = wrapped
     if _C._is_any_autocast_enabled():
         # An implementation sees its inputs' dtypes, never autocast's: compiled graphs run it that
         # way (autocast is applied when tracing, around the op), and the reference backend's fp32
@@ -85,7 +91,10 @@ def plain_eager(args) -> bool:
         return False
     if is_in_torch_dispatch_mode() or _C._functorch.peek_interpreter_stack() is not None:
         return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    for a in args:  # a loop, not a generator: every fused call runs this (host time)
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+    return True
 
 
 def run(op, *args):
@@ -120,7 +129,10 @@ def inductor_fuses(backend: str, op: str) -> bool:
 
 
 def empty(*tensors) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.numel() == 0 for t in tensors)
+    for t in tensors:  # a loop, not a generator: every fused call runs this (host time)
+        if isinstance(t, torch.Tensor) and t.numel() == 0:
+            return True
+    return False
 
 
 def for_empty(args: tuple) -> tuple:

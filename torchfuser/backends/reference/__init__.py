@@ -5,6 +5,7 @@ from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
+from .hilo_split import hilo_split
 from .layer_norm import add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd, layer_norm_res_bwd
 from .linear_cross_entropy import linear_cross_entropy_fwd
 from .moe import moe_experts_bwd, moe_experts_fwd, moe_route_bwd, moe_route_fwd
@@ -18,5 +19,5 @@ __all__ = [
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
-    "moe_experts_bwd", "dequantize_4bit_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd",
+    "moe_experts_bwd", "dequantize_4bit_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
 ]

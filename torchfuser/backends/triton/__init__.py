@@ -16,6 +16,7 @@ from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
+from .hilo_split import hilo_split
 from .gated_fp8 import geglu_packed_fp8_bwd, geglu_packed_fp8_fwd, swiglu_packed_fp8_bwd, swiglu_packed_fp8_fwd
 from .layer_norm import add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd, layer_norm_res_bwd
 from .linear_cross_entropy import linear_cross_entropy_fwd, linear_cross_entropy_scale_
@@ -35,5 +36,5 @@ __all__ = [
     "swiglu_packed_fp8_fwd", "swiglu_packed_fp8_bwd", "geglu_packed_fp8_fwd", "geglu_packed_fp8_bwd",
     "rms_norm_fp8_fwd", "rms_norm_fp8_bwd", "add_rms_norm_fp8_fwd", "add_rms_norm_fp8_bwd",
     "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd", "moe_experts_bwd",
-    "dequantize_4bit_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd",
+    "dequantize_4bit_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
 ]

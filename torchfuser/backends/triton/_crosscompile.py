@@ -247,6 +247,15 @@ def _scenarios(hiddens, dtypes, tokens):
             fn = dqmm.dequant_matmul_4bit_fwd if fwd else dqmm.dequant_matmul_4bit_bwd
             yield fn.__name__, lambda a=a, p=packed, s=absmax, c=code, d=dt, f=fn, r=rows, k=cols: f(
                 a, p, s, c, 64, r, k, d)
+    # The fused LoRA node's hi/lo operand splits (bf16 base, fp32 adapters), after all the others: the
+    # q/k/v A's stacked [hi; lo], s·h as [hi | lo | hi] (a column slice, scaled), a B as [hi | hi | lo], dh.
+    from .hilo_split import hilo_split
+
+    f32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=meta)  # noqa: E731
+    r, d = 16, 4096
+    for t, parts, dim, scale in ((f32(3 * r, d), "hl", 0, 1.0), (f32(tokens, 3 * r)[:, r:2 * r], "hlh", 1, 2.0),
+                                 (f32(d, r), "hhl", 1, 1.0), (f32(tokens, 3 * r), "hlh", 1, 1.0)):
+        yield "hilo_split", lambda t=t, p=parts, dm=dim, s=scale: hilo_split(t, p, dm, torch.bfloat16, s)
 
 
 def _rowwise_both(path, fn, *args):

@@ -53,6 +53,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
+from torchfuser.backends import BackendUnavailable, resolve
 from torchfuser.modules import fallbacks, fp8
 from torchfuser.modules.adapters import quantized_base
 from torchfuser.modules.adapters.lora_node import _as, _LoRALinear, _Plan
@@ -210,10 +211,29 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None) -> Tenso
             and lora_dtype == torch.float32)
     plan = _Plan(tuple(b.out_features for b in bases), len(inputs), bases[0].bias is not None,
                  tuple(t[0] for t in terms), tuple(term_input), tuple(t[3] for t in terms), base_dtype, lora_dtype,
-                 eight, hilo, quant)
+                 eight, hilo, quant, _split_backend(backend, x.device) if hilo else "reference")
     biases = [b.bias for b in bases] if plan.has_bias else []
     return _LoRALinear.apply(plan, x, *inputs, *(_weight(b) for b in bases), *biases,
                              *(t[1] for t in terms), *(t[2] for t in terms))
+
+
+_SPLIT_BACKENDS: dict = {}
+
+
+def _split_backend(backend: str | None, device: torch.device) -> str:
+    """Where the hi/lo splits run: the Triton kernel on CUDA / ROCm where the module's backend resolves to
+    Triton, else the torch spelling. Remembered per (backend, device type): ``resolve`` is host time a call."""
+    if device.type != "cuda":  # the CPU keeps the torch spelling (a Triton backend there is the interpreter)
+        return "reference"
+    key = (backend, device.type)
+    found = _SPLIT_BACKENDS.get(key)
+    if found is None:
+        try:
+            found = "triton" if resolve(backend, device) == "triton" else "reference"
+        except BackendUnavailable:  # a backend named for another device (the node's own GEMMs are torch's)
+            found = "reference"
+        _SPLIT_BACKENDS[key] = found
+    return found
 
 
 def _weight(base: nn.Module) -> Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from torchfuser.backends import kernel as _backend_kernel
 from torchfuser.modules import fp8, gemm
 from torchfuser.modules.adapters import quantized_base
 
@@ -27,6 +28,7 @@ class _Plan:
     fp8: tuple | None = None  # (recipe, the bases' quantised-weight cache): the base products as FP8 GEMMs
     hilo: bool = False  # bf16 base, fp32 adapters: the adapter products as bf16 hi/lo GEMMs (module docstring)
     quant: tuple | None = None  # (quantised base layers, compute dtype, GEMM dtype, backend): dequantised per GEMM
+    splitter: str = "reference"  # the backend of the hi/lo splits: "triton" (one launch each) on CUDA, else torch's
 
     def split(self, items):
         """(dropped inputs, base weights, biases, A's, B's) of anything laid out as the node's tensors."""
@@ -69,7 +71,7 @@ class _LoRALinear(torch.autograd.Function):
             if plain:  # the A's of every adapter without a live dropout: one GEMM on x
                 a0 = _cat([a[k] for k in plain], 0)
                 if plan.hilo:  # x·A_hiᵀ + x·A_loᵀ as one bf16 GEMM, fp32 out
-                    a_hl = _hilo(a0, "hl", 0, cb)
+                    a_hl = _hilo(a0, "hl", 0, cb, plan.splitter)
                     h0 = _halves(_mm_fp32(x2, a_hl.t()), 1)
                 else:
                     h0 = torch.mm(_as(x2, cl), a0.t())
@@ -145,7 +147,7 @@ class _LoRALinear(torch.autograd.Function):
                 dh0 = _cat([dh[j] for j in plain], 1)
                 rows = [a[j].shape[0] for j in plain]
                 if plan.hilo:  # dh = dh_hi + dh_lo: dA from one bf16 GEMM on x, dx += in one addmm (K = 3R)
-                    d3 = _hilo(dh0, "hlh", 1, cb)
+                    d3 = _hilo(dh0, "hlh", 1, cb, plan.splitter)
                     if any(need_a[j] for j in plain):
                         da = _halves(_mm_fp32(d3[:, :2 * dh0.shape[1]].t(), x2), 0).split(rows)
                         for j, g in zip(plain, da):
@@ -216,8 +218,8 @@ def _add_split_terms(y2: Tensor, plan: _Plan, hs, bb) -> list[Tensor]:
     (PEFT's: the fp32 sum rounded once). Returns each term's split s·h (what dB reads) and split B
     (what dh reads)."""
     cb = plan.base_dtype
-    h3 = [_hilo(h if s == 1 else h * s, "hlh", 1, cb) for h, s in zip(hs, plan.scaling)]
-    b3 = [_hilo(b, "hhl", 1, cb) for b in bb]
+    h3 = [_hilo(h, "hlh", 1, cb, plan.splitter, s) for h, s in zip(hs, plan.scaling)]
+    b3 = [_hilo(b, "hhl", 1, cb, plan.splitter) for b in bb]
     start = 0
     for i, rows in enumerate(plan.rows):
         js = [j for j, p in enumerate(plan.term_proj) if p == i]
@@ -229,23 +231,13 @@ def _add_split_terms(y2: Tensor, plan: _Plan, hs, bb) -> list[Tensor]:
     return h3, b3
 
 
-def _hilo(t: Tensor, parts: str, dim: int, dtype: torch.dtype) -> Tensor:
-    """fp32 ``t`` as two bf16 parts, hi = bf16(t) and lo = bf16(t − hi), concatenated along ``dim`` in
-    the order ``parts`` names them ("hl", "hlh", "hhl"), each written in place into the result (no
-    temporaries). t − hi is exact in fp32 (hi is t rounded), so |t − hi − lo| ≤ 2⁻¹⁶·|t|; bf16 has
-    fp32's exponent range, so neither part overflows or underflows where t does not (fp16's would: why
-    fp16 bases keep PEFT's fp32 products)."""
-    shape = list(t.shape)
-    shape[dim] *= len(parts)
-    out = t.new_empty(shape, dtype=dtype)
-    chunks = out.chunk(len(parts), dim)
-    hi = chunks[parts.index("h")]
-    hi.copy_(t)
-    torch.sub(t, hi, out=chunks[parts.index("l")])  # in fp32, rounded once to bf16 on the write
-    for p, c in zip(parts, chunks):
-        if p == "h" and c is not hi:
-            c.copy_(hi)
-    return out
+def _hilo(t: Tensor, parts: str, dim: int, dtype: torch.dtype, backend: str, scale: float = 1.0) -> Tensor:
+    """fp32 ``t``·scale as two bf16 parts, hi = bf16(t·s) and lo = bf16(t·s − hi), concatenated along ``dim`` in
+    the order ``parts`` names them ("hl", "hlh", "hhl"): t = hi + lo to ≈ 2⁻¹⁶ relative; bf16 has fp32's
+    exponent range, so neither part overflows or underflows where t does not (fp16's would: why fp16 bases
+    keep PEFT's fp32 products). One Triton launch on CUDA, torch's in-place copies elsewhere, bit for bit
+    the same (backends/*/hilo_split.py)."""
+    return _backend_kernel(backend, "hilo_split")(t, parts, dim, dtype, scale)
 
 
 def _halves(t: Tensor, dim: int) -> Tensor:
