@@ -71,7 +71,7 @@ FP8_VARIANTS = tuple("-".join(("torchfuser-fp8", *opts)) + end
                      for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"),
                                   ("blockwise", "per-step"))
                      for end in ("", "-graphs", "+compile"))
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-graphs", "torchfuser-offload", "torchfuser-recompute",
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-auto", "torchfuser-graphs", "torchfuser-offload", "torchfuser-recompute",
             "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
             *FP8_VARIANTS, "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
@@ -140,8 +140,8 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return torch.compile(model)
     if variant == "torchfuser":
         return optimize(model, backend=backend)
-    if variant == "torchfuser-graphs":
-        return optimize(model, backend=backend, cuda_graphs=True)
+    if variant in ("torchfuser-graphs", "torchfuser-auto"):
+        return optimize(model, backend=backend, cuda_graphs=True if variant == "torchfuser-graphs" else "auto")
     if variant in ("torchfuser-offload", "torchfuser-recompute"):  # each fused layer keeps its input (on the host)
         return optimize(model, backend=backend, checkpointing="offload" if variant.endswith("offload") else True)
     if variant.startswith(("torchao-fp8", "torchfuser+torchao-fp8")):
