@@ -13,6 +13,7 @@ from torch import nn
 import torchfuser
 from torchfuser.modules import varlen_attention
 from torchfuser.modules.varlen_attention import FusedVarlenAttention, segment_mask
+from test_varlen_attention import _inputs  # the same packed rows and rotary tables
 
 
 def _rotate_half(x):
@@ -60,14 +61,6 @@ class Tower(nn.Module):
 
     def forward(self, x, cu, pe):
         return self.attn(x, cu_seqlens=cu, position_embeddings=pe)
-
-
-def _inputs(n=11, d=8):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(n, 32, generator=gen)
-    angles = torch.randn(n, d // 2, generator=gen)
-    pe = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1))
-    return x, torch.tensor([0, 4, 9, 11], dtype=torch.int32), pe
 
 
 @pytest.mark.parametrize("fused", [True, False])
