@@ -4,6 +4,8 @@ against bitsandbytes' own ``dequantize_4bit``, bit for bit: NF4 and FP4, double 
 fp32 / bf16 / fp16 out, one row, a row of 8192, 123 × 128 and odd sizes (a last half-filled byte)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -53,7 +55,9 @@ def test_bit_exact_against_bitsandbytes(interpreter, shape, dtype, quant_type, n
     packed, qs, absmax = _quantised(shape, quant_type, nested, dtype)
     wants = {"bitsandbytes (cpu)": BF.dequantize_4bit(packed, qs)}
     if DEVICE == "cuda":
-        wants["bitsandbytes (cuda)"] = BF.dequantize_4bit(packed.to(DEVICE), qs.to(DEVICE)).cpu()
+        qs_dev = copy.deepcopy(qs)
+        qs_dev.to(DEVICE)  # in place (QuantState.to returns None)
+        wants["bitsandbytes (cuda)"] = BF.dequantize_4bit(packed.to(DEVICE), qs_dev).cpu()
     ours = {"reference (cpu)": R.dequantize_4bit_fwd(packed, absmax, qs.code, 64, *shape, dtype),
             f"triton ({DEVICE})": interpreter.dequantize_4bit_fwd(packed.to(DEVICE), absmax.to(DEVICE),
                                                                   qs.code.to(DEVICE), 64, *shape, dtype)}

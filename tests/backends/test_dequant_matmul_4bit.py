@@ -110,6 +110,8 @@ def test_the_switch_runs_the_fused_gemm_in_the_lora_node_path(interpreter, compu
     from torchfuser import switches
     from torchfuser.modules.adapters import quantized_base as qb
 
+    if DEVICE != "cpu":  # its bitsandbytes layers are quantised on the CPU; the GPU path waits for the probe's verdict
+        pytest.skip("the interpreted path (the switch is off on GPUs until benchmarks/probes/dequant_gemm_probe.py decides)")
     layers = _bnb_linears([(64, 128), (32, 128), (32, 128)], compute)
     calls, real = [], qb.dequant_matmul_4bit
     monkeypatch.setattr(qb, "dequant_matmul_4bit", lambda *a: calls.append(a[-2]) or real(*a))
