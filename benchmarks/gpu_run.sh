@@ -95,8 +95,8 @@ for stage in "$@"; do
               tests/backends/test_hilo_split.py tests/backends/test_hilo_split_ptx.py tests/test_lora_hilo_cuda.py tests/test_call_signatures.py ;;
     issue36-qwen05b) timeout ${I36_S:-300} python3 $ts --models qwen05b --variants torchfuser torchfuser-graphs \
               --out "$OUT/issue36-qwen05b.jsonl" ;;
-    # cuda_graphs="auto" (opt-in until measured): "torchfuser-auto" decides per stack after ~8 steps, hence the warm-up; the
-    # notes in the JSON say what it chose and its timings. auto-tests: the GPU tests of auto and of optimize (graphs-tests: the explicit graphs).
+    # cuda_graphs="auto" (optimize's default; "torchfuser-auto" names it explicitly) decides per stack after ~8 steps, hence
+    # the warm-up; the notes in the JSON say what it chose and its timings. auto-tests: the GPU tests of auto and of optimize (graphs-tests: the explicit graphs).
     issue36-auto) timeout ${I36_S:-560} python3 $ts --models ${MODELS:-qwen05b} --warmup 12 --steps 8 --variants torchfuser torchfuser-auto torchfuser-graphs \
               --out "$OUT/issue36-auto-qwen05b.jsonl" ;;
     issue36-auto-2k) timeout ${I36_S:-560} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 2 --seq 2048 --warmup 12 --steps 6 \

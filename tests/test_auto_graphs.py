@@ -1,7 +1,7 @@
-"""cuda_graphs="auto" (opt-in until measured on a GPU): graphs per stack only where safe and measured faster.
+"""cuda_graphs="auto", optimize's default: graphs per stack only where safe and measured faster.
 
 On the CPU: the timing and decision logic with a fake clock, the safety probes, the settings, and a
-stack routed by hand running its eager timing steps. On CUDA: optimize(cuda_graphs="auto") trains as the fused model
+stack routed by hand running its eager timing steps. On CUDA: default optimize trains as the fused model
 without graphs, whatever auto decides; the decision both ways (a fake clock), memory freed when it goes
 eager; each unsafe case runs eagerly with its reason; a generate between steps.
 """
@@ -142,18 +142,18 @@ def test_a_compiled_callers_eager_parts_are_seen():
     assert seen == [True] and not auto.under_compile()
 
 
-def test_settings_take_auto_and_auto_goes_with_checkpointing():
-    assert Settings().cuda_graphs is False  # "auto" is opt-in until it is measured on a GPU
+def test_settings_default_to_auto_and_auto_goes_with_checkpointing():
+    assert Settings().cuda_graphs == "auto"
     assert merge(None, cuda_graphs="auto", checkpointing="offload").cuda_graphs == "auto"
     with pytest.raises(ValueError, match="do not go together"):
         merge(None, cuda_graphs=True, checkpointing=True)
-    with pytest.raises(TypeError, match="or \"auto\""):
+    with pytest.raises(TypeError, match="or \"auto\", the default"):
         merge(None, cuda_graphs="always")
 
 
 def test_auto_on_the_cpu_changes_nothing():
     model, plain = tiny_llama(), tiny_llama()
-    torchfuser.optimize(model, backend="reference", cuda_graphs="auto")
+    torchfuser.optimize(model, backend="reference")
     torchfuser.optimize(plain, backend="reference", cuda_graphs=False)
     assert cuda_graphs.describe(model) is None and torchfuser.report(model).notes == torchfuser.report(plain).notes
     assert all(type(layer.__dict__.get("forward")).__name__ == "ResidualNormForward" for layer in model.model.layers)
@@ -232,7 +232,7 @@ def test_output_hidden_states_and_layer_hooks_run_eagerly_with_their_reason(monk
 
 
 def _cuda_pair():
-    return (torchfuser.optimize(tiny_llama("cuda"), cuda_graphs=False), torchfuser.optimize(tiny_llama("cuda"), cuda_graphs="auto"))
+    return (torchfuser.optimize(tiny_llama("cuda"), cuda_graphs=False), torchfuser.optimize(tiny_llama("cuda")))
 
 
 def _train(models, steps, seq=32):

@@ -59,7 +59,7 @@ def optimize(
     filter_fn=_U(None),
     strict: bool = False,
     verbose: bool = False,
-    cuda_graphs: "str | bool | _cuda_graphs.GraphOptions" = _U(False),
+    cuda_graphs: "str | bool | _cuda_graphs.GraphOptions" = _U("auto"),
     autotune: bool = _U(False),
     fp8: str | None = _U(None),
     fp8_lm_head: bool = _U(False),
@@ -98,8 +98,7 @@ def optimize(
     strict: raise, before changing anything, if any candidate block would be skipped (but for
         those ``filter_fn`` excludes).
     verbose: print the report.
-    cuda_graphs: ``False`` (the default): no CUDA graphs. ``"auto"`` (opt-in until it is measured on a GPU;
-        written to become the default): on a CUDA device, each stack of fused layers runs a few
+    cuda_graphs: ``"auto"`` (the default): on a CUDA device, each stack of fused layers runs a few
         training steps eagerly, then captured, each timed with CUDA events; it keeps its graphs only where
         the replayed steps are faster and their memory stays within a bound, and runs eagerly wherever
         a graph could surprise (hooks, output_hidden_states / output_attentions, inference calls between

@@ -107,7 +107,7 @@ def build_variant(name: str, base, lora: int | None, seed: int):
 
     model = copy.deepcopy(base)
     if name.startswith("torchfuser"):
-        optimize(model, cuda_graphs=name.endswith("+graphs"), fp8="rowwise" if "+fp8" in name else None,
+        optimize(model, cuda_graphs=True if name.endswith("+graphs") else "auto", fp8="rowwise" if "+fp8" in name else None,
                  checkpointing="offload" if name == "torchfuser-offload" else False)
     if lora:
         model = _add_lora(model, lora, seed)

@@ -51,7 +51,7 @@ class Settings:
     patterns: tuple[str, ...] | None = None  # None: every registered pattern, as registered at each call
     exclude: tuple[str, ...] = ()
     filter_fn: Callable | None = None
-    cuda_graphs: bool | str | GraphOptions = False  # "auto" (opt-in): where safe and measured faster (cuda_graphs/auto.py)
+    cuda_graphs: bool | str | GraphOptions = "auto"  # "auto": where safe and measured faster (cuda_graphs/auto.py)
     autotune: bool = False
     fp8: str | None = None
     fp8_lm_head: bool = False
@@ -120,7 +120,7 @@ def merge(before: Settings | None, **passed) -> Settings:
         given["exclude"] = _names(given["exclude"], "exclude") or ()
     if "cuda_graphs" in given and not (isinstance(given["cuda_graphs"], (bool, GraphOptions))
                                        or given["cuda_graphs"] == "auto"):
-        raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions (or \"auto\"), got "
+        raise TypeError(f"cuda_graphs must be True, False or a torchfuser.GraphOptions (or \"auto\", the default), got "
                         f"{given['cuda_graphs']!r}")
     if "autotune" in given and not isinstance(given["autotune"], bool):
         raise TypeError(f"autotune must be True or False, got {type(given['autotune']).__name__}")

@@ -1,5 +1,5 @@
 """CUDA graphs for a model's repeated blocks: ``torchfuser.optimize(model, cuda_graphs=True)``, or chosen per
-stack where safe and measured faster by ``optimize(model, cuda_graphs="auto")`` (``auto.py``).
+stack where safe and measured faster by ``optimize(model)``'s default ``cuda_graphs="auto"`` (``auto.py``).
 
 A training step of a small model is bound by the host: every fused op and every ATen op around
 it costs tens of microseconds of Python and launch time, more than its kernel. Here each decoder

@@ -1,4 +1,4 @@
-"""``cuda_graphs="auto"`` (opt-in; written to become optimize's default once measured on a GPU): graphs per stack only where they are safe and measured faster.
+"""``cuda_graphs="auto"`` (optimize's default): graphs per stack only where they are safe and measured faster.
 
 On a CUDA device every stack of fused layers is routed through a ``Stack`` as with ``cuda_graphs=True``,
 with an ``Auto`` policy that changes three things:

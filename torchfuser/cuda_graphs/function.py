@@ -41,7 +41,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         g, pad = ctx.graphs, ctx.pad
         if g.waiting is None or g.waiting() is not ctx.token:
-            if ctx.stack.auto is not None:  # auto mode: eager for good, so that the step can run again
+            if ctx.stack.auto is not None:  # the default mode: eager for good, so that the step can run again
                 ctx.stack.auto.give_up("a second backward through one forward (retain_graph=True)")
                 ctx.stack.release()
                 raise RuntimeError(
