@@ -82,7 +82,7 @@ for stage in "$@"; do
     # Issue 36's target tables (LoRA r=16 on all seven projections, bf16 weights; same run as Unsloth): 8B at 2 × 2048;
     # 8B at 1 × 16384 without checkpointing, then with offloaded checkpointing (ours and Unsloth's) and HF's;
     # Qwen2.5-7B and Mistral-7B shapes; qwen05b full fine-tuning, the default against CUDA graphs.
-    issue36-2k) timeout ${I36_S:-560} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 8 \
+    issue36-2k) timeout ${I36_S:-560} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 2 --seq 2048 --warmup 12 --steps 8 \
               --variants ${VARIANTS:-torchfuser torchfuser-graphs torchfuser-offload unsloth unsloth-offload} --out "$OUT/issue36-llama8b-2x2048.jsonl" ;;
     issue36-16k) timeout ${I36_S:-560} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
               --variants ${VARIANTS:-torchfuser torchfuser-offload unsloth unsloth-offload} --out "$OUT/issue36-llama8b-1x16384.jsonl" ;;
@@ -102,6 +102,10 @@ for stage in "$@"; do
     issue36-auto-2k) timeout ${I36_S:-560} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 2 --seq 2048 --warmup 12 --steps 6 \
               --variants torchfuser torchfuser-auto torchfuser-graphs --out "$OUT/issue36-auto-llama8b-2x2048.jsonl" ;;
     auto-tests) timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_auto_graphs.py tests/test_optimize.py tests/test_optimize_again.py ;;
+    # Issue 35's GPU checks: the tests fixed after the H200's run 1 and the FP8 weight-write tests.
+    trust-tests) timeout ${TESTS_S:-200} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short -n 8 \
+              tests/backends/test_dequant_4bit.py tests/backends/test_dequant_matmul_4bit.py tests/test_offload_checkpointing.py \
+              tests/test_fp8_weight_writes.py tests/test_tied_embedding.py ;;
     offload-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
               tests/test_offload_checkpointing.py tests/test_checkpointing.py tests/test_bench.py ;;
     # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast
