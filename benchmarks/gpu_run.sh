@@ -88,7 +88,7 @@ for stage in "$@"; do
               --variants ${VARIANTS:-torchfuser torchfuser-offload unsloth unsloth-offload} --out "$OUT/issue36-llama8b-1x16384.jsonl" ;;
     issue36-16k-hf) timeout ${I36_S:-300} python3 $ts --models llama8b --precision bf16 --lora 16 --batch 1 --seq 16384 --steps 4 --warmup 2 \
               --grad-checkpointing --variants torchfuser --out "$OUT/issue36-llama8b-1x16384-hf-checkpointing.jsonl" ;;
-    issue36-7b) timeout ${I36_S:-560} python3 $ts --models ${MODELS:-qwen7b mistral7b} --precision bf16 --lora 16 --batch 2 --seq 2048 --steps 6 \
+    issue36-7b) timeout ${I36_S:-560} python3 $ts --models ${MODELS:-qwen7b mistral7b} --precision bf16 --lora 16 --batch 2 --seq 2048 --warmup 12 --steps 6 \
               --variants ${VARIANTS:-torchfuser torchfuser-graphs unsloth} --out "$OUT/issue36-7b-2x2048.jsonl" ;;
     # Host cost (branch host): the hi/lo split kernel compiled and checked bit for bit, the LoRA step with it
     host-tests) timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \

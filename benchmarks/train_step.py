@@ -218,7 +218,11 @@ def run_variant(recipe, variant, args, device):
     losses, times, tokens = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    warm_peak = 0.0  # the warm-up's peak (cuda_graphs="auto" times and captures there) apart from the timed steps
     for step in range(args.warmup + args.steps):
+        if step == args.warmup and device.type == "cuda":
+            warm_peak = torch.cuda.max_memory_allocated(device) / 2**30
+            torch.cuda.reset_peak_memory_stats(device)
         inputs = dict(batches[step % len(batches)])
         real = inputs.pop("tokens")
         sync()
@@ -233,7 +237,8 @@ def run_variant(recipe, variant, args, device):
             times.append(time.perf_counter() - start)
             tokens.append(real)
         losses.append(loss.item())
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    timed_peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    peak = None if timed_peak is None else max(warm_peak, timed_peak)
     if args.profile_dir:
         inputs = {k: v for k, v in batches[0].items() if k != "tokens"}
         profile(step_fn, opt, inputs, autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant.replace('+', '_')}.txt")
@@ -244,6 +249,7 @@ def run_variant(recipe, variant, args, device):
         "grad_checkpointing": unsloth_variant.CHECKPOINTING[variant] if unsloth else args.grad_checkpointing,
         "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
+        "peak_gib_timed": None if timed_peak is None else round(timed_peak, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
         "step_ms": [round(t * 1e3, 2) for t in times], "step_tokens": tokens,
         "fused_blocks": len(torchfuser.report(model).fused),

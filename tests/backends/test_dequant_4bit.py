@@ -5,6 +5,7 @@ fp32 / bf16 / fp16 out, one row, a row of 8192, 123 × 128 and odd sizes (a last
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def _diff(name: str, got: torch.Tensor, want: torch.Tensor, want_name: str) -> s
 def test_bit_exact_against_bitsandbytes(interpreter, shape, dtype, quant_type, nested):  # noqa: F811
     """Ours (reference on the CPU, Triton on DEVICE) against bitsandbytes' CPU dequantisation and, on CUDA, against
     its CUDA one too (what users get there) from the same packed bytes and state; every mismatch is listed with the
-    side that differs, so a failure says whether ours or one of bitsandbytes' backends is the odd one out."""
+    side that differs. Where bitsandbytes' two backends disagree with each other, its CUDA result is the one ours must
+    equal (the disagreement is a warning)."""
     packed, qs, absmax = _quantised(shape, quant_type, nested, dtype)
     wants = {"bitsandbytes (cpu)": BF.dequantize_4bit(packed, qs)}
     if DEVICE == "cuda":
@@ -67,9 +69,14 @@ def test_bit_exact_against_bitsandbytes(interpreter, shape, dtype, quant_type, n
                  if nested else absmax.to(DEVICE))
         ours["triton (cuda, scales on cuda)"] = interpreter.dequantize_4bit_fwd(
             packed.to(DEVICE), a_dev, qs.code.to(DEVICE), 64, *shape, dtype)
+    if len(wants) == 2 and (split := _diff("bitsandbytes (cuda)", wants["bitsandbytes (cuda)"], wants["bitsandbytes (cpu)"],
+                                           "bitsandbytes (cpu)")):
+        # bitsandbytes' own backends disagree on these bytes (seen on the H200's host for nested fp16 123 × 128:
+        # its multi-threaded CPU kernel rounds one to 19 elements differently): ours must be its CUDA result,
+        # what a GPU user gets, everywhere.
+        warnings.warn(f"bitsandbytes' CPU and CUDA dequantisation differ: {split}")
+        wants.pop("bitsandbytes (cpu)")
     problems = [d for name, got in ours.items() for w, want in wants.items() if (d := _diff(name, got, want, w))]
-    if len(wants) == 2 and (d := _diff("bitsandbytes (cuda)", *wants.values(), "bitsandbytes (cpu)")):
-        problems.append(d)
     assert not problems, "\n".join(problems)
 
 
