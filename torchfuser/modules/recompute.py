@@ -26,6 +26,7 @@ from torch import Tensor
 _autograd = torch._C._autograd
 # A pack hook carrying this attribute only looks at what is saved (bytes counters): recipes compose with it.
 COUNTING = "_torchfuser_counting"
+RECIPES = [0]  # tensors packed as recipes so far (made again in the backward, not kept): the probes read it
 
 
 class _Recipe:
@@ -73,6 +74,7 @@ def made_again(out: Tensor, make: Callable[[], Tensor]):
 
     def pack(t: Tensor):
         if t.numel() == numel and t.dtype == out.dtype and _data_ptr(t) == ptr:
+            RECIPES[0] += 1
             return _Recipe(make, t)
         return (outer[0](t),) if outer else (t,)
 

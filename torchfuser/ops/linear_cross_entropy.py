@@ -29,26 +29,28 @@ def linear_cross_entropy_fwd(
     need_grad: bool,
     fp8: Optional[str],
     backend: str,
+    weight_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns (loss fp32 scalar, dhidden, dweight, dbias); the gradients are empty unless need_grad."""
+    """Returns (loss fp32 scalar, dhidden, dweight, dbias); the gradients are empty unless need_grad, dweight and
+    dbias also where not ``weight_grad`` (a frozen head: LoRA, TRL's reference passes)."""
     impl = kernel(backend, "linear_cross_entropy_fwd")
-    if fp8 is None:  # the backends without FP8 (MLIR) take no fp8 argument at all
-        return impl(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad)
-    if backend not in _FP8_BACKENDS:
+    if fp8 is not None and backend not in _FP8_BACKENDS:
         raise ValueError(f"linear_cross_entropy: backend {backend!r} has no FP8 GEMMs (fp8={fp8!r}); "
                          f"use one of {', '.join(_FP8_BACKENDS)}")
-    return impl(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8)
+    return impl(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8, weight_grad)
 
 
 _FP8_BACKENDS = ("reference", "triton")
 
 
 @linear_cross_entropy_fwd.register_fake
-def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8, backend):
+def _(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8, backend, weight_grad=True):
     loss = hidden.new_empty((), dtype=torch.float32)
+    empty = hidden.new_empty(0)
     if not need_grad:
-        empty = hidden.new_empty(0)
         return loss, empty, empty.clone(), empty.clone()
+    if not weight_grad:
+        return loss, hidden.new_empty(hidden.shape), empty, empty.clone()
     db = hidden.new_empty(0) if bias is None else bias.new_empty(bias.shape)
     return loss, hidden.new_empty(hidden.shape), weight.new_empty(weight.shape), db
 
@@ -57,6 +59,7 @@ def _setup(ctx, inputs, output):
     bias, need_grad = inputs[2], inputs[7]
     ctx.has_bias = bias is not None
     ctx.need_grad = need_grad
+    ctx.weight_grad = inputs[10] if len(inputs) > 10 else True  # (callers of the op itself may leave it out)
     ctx.backend = inputs[9]
     ctx.scaled_in_place = False  # the saved gradients scaled by a backward: no second one
     ctx.save_for_backward(*output[1:])
@@ -106,8 +109,9 @@ def _backward(ctx, dloss, *_):
         else:
             for g in grads:
                 g.mul_(scale)
-    dbias = grads[2] if ctx.has_bias else None
-    return grads[0], grads[1], dbias, None, None, None, None, None, None, None
+    dweight = grads[1] if ctx.weight_grad else None
+    dbias = grads[2] if ctx.has_bias and ctx.weight_grad else None
+    return grads[0], dweight, dbias, None, None, None, None, None, None, None, None
 
 
 _linear_cross_entropy = autograd(linear_cross_entropy_fwd, _setup, _backward, elementwise=False)
@@ -117,5 +121,7 @@ def linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, re
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
+    # A frozen head (LoRA, a reference model's pass): no dW, no dbias (a V × H GEMM and a V × H tensor saved)
+    weight_grad = need_grad and (weight.requires_grad or (bias is not None and bias.requires_grad))
     return _linear_cross_entropy(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8,
-                                 backend)[0]
+                                 backend, weight_grad)[0]

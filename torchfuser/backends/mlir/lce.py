@@ -55,9 +55,12 @@ def chunk_rows(n: int, vocab: int) -> int:
     return max(1, min(n, max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab))))
 
 
-def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad):
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8=None,
+                             weight_grad=True):
     """Same contract as the reference: (loss fp32 scalar, dhidden, dweight, dbias) for an upstream
-    gradient of 1; the gradients are empty unless ``need_grad``."""
+    gradient of 1; the gradients are empty unless ``need_grad``, dweight and dbias unless ``weight_grad``.
+    No FP8 GEMMs here (``fp8`` must be None: ops.linear_cross_entropy routes FP8 elsewhere)."""
+    assert fp8 is None, "the MLIR backend has no FP8 GEMMs"
     check_dtypes("linear_cross_entropy", hidden, weight, bias)
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).long()
@@ -76,8 +79,8 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
     if need_grad:
         dh = torch.empty_like(h, memory_format=torch.contiguous_format)
         dh32 = dh if dh.dtype == torch.float32 else torch.empty(c, h.shape[1], dtype=torch.float32)
-        dw = torch.zeros(vocab, h.shape[1], dtype=torch.float32)
-        db = None if bias is None else torch.zeros(vocab, dtype=torch.float32)
+        dw = torch.zeros(vocab, h.shape[1], dtype=torch.float32) if weight_grad else None
+        db = None if bias is None or not weight_grad else torch.zeros(vocab, dtype=torch.float32)
     for s in range(0, n, c):
         e = min(n, s + c)
         hc = h[s:e].float()
@@ -93,7 +96,8 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
                 torch.mm(z, w32, out=dh[s:e])
             else:
                 dh[s:e].copy_(torch.mm(z, w32, out=dh32[: e - s]))
-            dw.addmm_(z.t(), hc)
+            if dw is not None:
+                dw.addmm_(z.t(), hc)
             if db is not None:
                 db += z.sum(0)
     # One rounding for the whole reduction: the per-token losses are added in fp64.
@@ -101,5 +105,7 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
     loss = (total * scale.double() if reduction == "mean" else total).float()
     if not need_grad:
         return loss, hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
+    if not weight_grad:
+        return loss, dh.view(hidden.shape), hidden.new_empty(0), hidden.new_empty(0)
     dbias = hidden.new_empty(0) if bias is None else db.to(bias.dtype)
     return loss, dh.view(hidden.shape), dw.to(weight.dtype), dbias

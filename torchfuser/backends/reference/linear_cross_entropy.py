@@ -73,14 +73,19 @@ def linear_cross_entropy(hidden, weight, bias, labels, ignore_index: int, softca
     return total if reduction == "sum" else total / (labels != ignore_index).sum()
 
 
-def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8=None):
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8=None,
+                             weight_grad=True):
     check_labels(labels, weight.shape[0], ignore_index)
     if fp8 is not None:
-        return _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8 == "tensorwise")
+        return _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8 == "tensorwise",
+                        weight_grad)
     args = (labels, ignore_index, softcap, reduction)
     if not need_grad:  # three distinct empties: custom-op outputs must not alias each other
         loss = linear_cross_entropy(hidden, weight, bias, *args).float()
         return loss, hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
+    if not weight_grad:  # a frozen head: dh alone
+        loss, (dh,) = value_and_vjp(lambda h: linear_cross_entropy(h, weight, bias, *args), (hidden,), 1.0)
+        return loss.float(), dh.contiguous(), hidden.new_empty(0), hidden.new_empty(0)
     loss, (dh, dw, db) = value_and_vjp(
         lambda h, w, b: linear_cross_entropy(h, w, b, *args), (hidden, weight, bias), 1.0
     )
@@ -88,7 +93,8 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
     return loss.float(), dh.contiguous(), dw.contiguous(), db
 
 
-def _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, tensorwise: bool):
+def _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, tensorwise: bool,
+             weight_grad: bool = True):
     """The FP8 form (module docstring): fp32 throughout but for the three e4m3 products."""
     f32 = torch.float32
     if need_grad:
@@ -118,6 +124,8 @@ def _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, nee
     a = torch.where(outside, torch.full((), float("nan"), dtype=f32, device=z.device), a).unsqueeze(1)
     qg, qgt = fp8_quantize_both(g, tensorwise)
     dh = (a * _fp8_gemm.mm(qg, qwt, f32)).to(hidden.dtype)
+    if not weight_grad:
+        return loss.float(), dh, empty.clone(), empty.clone()
     hs = a * hidden.to(f32)
     dw = _fp8_gemm.mm(qgt, fp8_quantize(hs, tensorwise, True), f32).to(weight.dtype)
     db = empty.clone() if bias is None else (a * g).sum(0).to(bias.dtype)

@@ -229,15 +229,18 @@ def _times_w(q, weight):
 
 def _chunk_grads(q, h, weight, a, dh, dw, db, first):
     """A chunk's share of the gradients from q (dl = a ⊙ q, in place of its logits): its rows of
-    dh, and its terms of dW and db (written by the first chunk, added by the others)."""
+    dh, and its terms of dW and db (written by the first chunk, added by the others; none where
+    ``dw`` is None: a frozen head)."""
     rows, hdim = h.shape
-    hs = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # a ⊙ h
+    hs = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # a ⊙ h (written by the kernel even where unused)
     g = _times_w(q, weight)
     block = min(4096, next_pow2(hdim))
     _row_scale((rows, cdiv(hdim, block)), g, g.stride(0), h, h.stride(0), a, dh, dh.stride(0), hs, hdim,
                BLOCK_H=block, num_warps=warps_as_threads(4, target_of(h)))
     del g
-    if first:
+    if dw is None:
+        pass
+    elif first:
         torch.mm(q.t(), hs, out=dw)
     else:
         dw.addmm_(q.t(), hs)
@@ -247,9 +250,10 @@ def _chunk_grads(q, h, weight, a, dh, dw, db, first):
         db += _times_w(torch.stack([hi, (a - hi.float()).to(q.dtype)]), q).sum(0)
 
 
-def _chunk_grads_fp8(g, h, qwt, a, dh, dw, db, tensorwise, dw_dtype):
+def _chunk_grads_fp8(g, h, qwt, a, dh, dw, db, tensorwise, dw_dtype, weight_grad=True):
     """``_chunk_grads`` with FP8 products (module docstring): g is the chunk's softmax − onehot and a
-    its a_n; returns dW (this chunk's product where ``dw`` is None, the first chunk; else dw, added to)."""
+    its a_n; returns dW (this chunk's product where ``dw`` is None, the first chunk; else dw, added to), or None
+    without ``weight_grad``."""
     rows, hdim = h.shape
     qg, qgt = fp8_quantize_both(g, tensorwise)  # along V for dh; transposed, along the tokens, for dW
     prod = _fp8_gemm.mm(qg, qwt, torch.float32)
@@ -259,6 +263,8 @@ def _chunk_grads_fp8(g, h, qwt, a, dh, dw, db, tensorwise, dw_dtype):
     _row_scale((rows, cdiv(hdim, block)), prod, prod.stride(0), h, h.stride(0), a, dh, dh.stride(0), hs, hdim,
                BLOCK_H=block, num_warps=warps_as_threads(4, target_of(h)))
     del prod
+    if not weight_grad:  # a frozen head: dh alone
+        return None
     part = _fp8_gemm.mm(qgt, fp8_quantize(hs, tensorwise, True), dw_dtype)
     del qgt, hs
     if db is not None:
@@ -316,7 +322,8 @@ def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int, hidden: int = 0, 
     return most - most % unit
 
 
-def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8=None):
+def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8=None,
+                             weight_grad=True):
     check_dtypes("linear_cross_entropy", hidden=hidden, weight=weight, bias=bias)
     if hidden.dtype != weight.dtype:
         raise TypeError(f"linear_cross_entropy: hidden and weight dtypes differ ({hidden.dtype}, {weight.dtype})")
@@ -335,13 +342,13 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         # dW accumulates in the weight's dtype: an fp32 accumulator for a 128k×2k bf16 head would
         # alone cost 1 GiB. cuBLAS sums each chunk's product in fp32 and rounds once per chunk.
         # With FP8 the first chunk's product is dW (see _chunk_grads_fp8): nothing to allocate yet.
-        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if fp8 is None else None
-        if bias is not None:
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if fp8 is None and weight_grad else None
+        if bias is not None and weight_grad:
             db = torch.zeros(v, dtype=torch.float32, device=dev)
     # (With FP8, W's e4m3 copies and a chunk's dW product are a fixed cost of FP8, not counted against
     # the chunks: counted, they left llama1b's head dozens of small chunks, whose small GEMMs and V × H
     # additions were far slower than bf16's few; NOTES-triton.md.)
-    grad_bytes = dh.nbytes + db.nbytes + (weight.nbytes if need_grad else 0)
+    grad_bytes = dh.nbytes + db.nbytes + (weight.nbytes if need_grad and weight_grad else 0)
     tensorwise = fp8 == "tensorwise"
     if fp8 is not None:
         # W's e4m3 copies (two with gradients), made once for all chunks; with gradients a chunk's dW
@@ -364,15 +371,18 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         a = row_scale[:size]
         ce_rows(z, bias, labels[start:start + size], losses[start:start + size], a, nvalid, ignore_index,
                 softcap, need_grad, mean, normalised=fp8 is not None)
+        with_db = bias is not None and weight_grad
         if need_grad and fp8 is not None:
             dw = _chunk_grads_fp8(z, h, qwt, a, dh[start:start + size], None if start == 0 else dw,
-                                  db if bias is not None else None, tensorwise, weight.dtype)
+                                  db if with_db else None, tensorwise, weight.dtype, weight_grad)
         elif need_grad:
-            _chunk_grads(z, h, weight, a, dh[start:start + size], dw, db if bias is not None else None, start == 0)
+            _chunk_grads(z, h, weight, a, dh[start:start + size], dw, db if with_db else None, start == 0)
         del z  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = losses.sum()
     if mean:
         loss = loss / nvalid
-    if need_grad and bias is not None:
+    if need_grad and bias is not None and weight_grad:
         db = db.to(bias.dtype)
+    if dw is None:  # no dW asked for (a frozen head): an empty, as the fake impl gives
+        dw = hidden.new_empty(0)
     return loss, dh, dw, db
