@@ -353,6 +353,11 @@ class FusedAttention(FusedModule):
             # model's mask object, once per forward for a float one.
             exact_rows = raw is not None and (not host_reads_allowed() or (
                 bool((raw if s.mask_fill else ~raw).all(dim=-1).any()) if raw.dtype == torch.bool else _has_empty_rows(raw)))
+            if exact_rows and s.mask_fill and raw.dtype == torch.bool:
+                # masked_fill passes no gradient to the scores it fills: a query with every key hidden gets
+                # none through q·kᵀ there, which adding the minimum would pass. Zeroing that query keeps
+                # its scores (min either way) and gives q and k the original's zero gradient from it.
+                q = q * (~raw.all(dim=-1, keepdim=True)).to(q.dtype)
         else:
             exact_rows = None
         # Eager attention gives a query whose keys are all masked a uniform softmax (min + score

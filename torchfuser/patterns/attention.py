@@ -254,6 +254,9 @@ class AttentionPattern(Pattern):
             # A short probe cannot see it: the factor is 1 for the first floor_scale positions.
             return ("attention temperature tuning (Llama 4's NoPE layers): queries are scaled by position "
                     "beyond floor_scale tokens, which SDPA is not told")
+        clip = getattr(module, "clip_qkv", None)
+        if clip:  # a probe's small values never reach the clamp: it could not tell
+            return f"it clamps its q/k/v projection to ±{clip} (clip_qkv), which the fused attention does not"
         own = [n for n, p in module._parameters.items() if p is not None]
         if own:
             what = ("attention sinks (a learned logit per head in the softmax's denominator)" if "sinks" in own
