@@ -4,7 +4,8 @@ ALiBi adds slope_h · position_k to every score of head h. Models pass it to the
 tensor argument (BLOOM's and transformers 5.17 Falcon's ``alibi``, MPT's ``position_bias``) in one
 of two layouts, which the pattern's probe tells apart (``AttentionSpec.bias_batched``):
 
-- batched: (batch·heads, 1 or q, kv) (BLOOM, Falcon), viewed as (batch, heads, 1 or q, kv);
+- batched: (batch·heads, 1 or q, kv) (BLOOM, Falcon; or already (batch, heads, 1 or q, kv): Falcon in
+  transformers 5.17), viewed as (batch, heads, 1 or q, kv);
 - per head: (heads, 1 or q, n ≥ kv) (MPT, whose table is max_seq_len wide: the last kv columns).
 
 and adds it at one of three points (``AttentionSpec.bias_mode``): ``"add"`` after the scaling
@@ -35,9 +36,11 @@ def unusable(spec, bias, hidden: Tensor, kv_len: int | None = None) -> str | Non
         return f"called without its position bias {spec.bias!r} (it was fused with one)"
     if spec.bias_mode == "ignore":
         return None
+    batch, q_len, heads = hidden.shape[0], hidden.shape[1], spec.num_heads
+    if isinstance(bias, Tensor) and bias.dim() == 4 and spec.bias_batched and bias.shape[:2] == (batch, heads):
+        bias = bias.flatten(0, 1)  # (batch, heads, ...) as transformers 5.17's Falcon passes it: the same view
     if not isinstance(bias, Tensor) or bias.dim() != 3 or not bias.is_floating_point():
         return f"position bias {spec.bias!r} is not a 3-D float tensor"
-    batch, q_len, heads = hidden.shape[0], hidden.shape[1], spec.num_heads
     lead = batch * heads if spec.bias_batched else heads
     if bias.shape[0] != lead or bias.shape[1] not in (1, q_len):
         return (f"position bias {spec.bias!r} of shape {tuple(bias.shape)}, not ({lead}, 1 or {q_len}, keys) "
@@ -60,7 +63,7 @@ def combined_mask(spec, bias: Tensor | None, mask: Tensor | None, batch: int, kv
         mask = _additive(mask if spec.mask_fill else ~mask, dtype)
     if spec.bias is None or spec.bias_mode == "ignore":
         return mask
-    rows = bias.shape[1]
+    rows = bias.shape[-2]
     b = bias.view(batch, spec.num_heads, rows, -1) if spec.bias_batched else bias[:, :, -kv_len:].unsqueeze(0)
     if spec.bias_mode == "scaled":
         b = b * spec.scaling
