@@ -82,8 +82,8 @@ def extra_fields(module: nn.Module) -> list[dict]:
         impl = getattr(cfg, "_attn_implementation", None)  # None: the module holds no config (BLOOM, MPT)
         fields = [dict(bias=bias, bias_batched=batched, bias_mode=mode, mask_fill=fill, implementation=impl)
                   for fill in (False, True) for batched in (True, False) for mode in BIAS_MODES]
-    residuals = complex_table_args(module)
-    return [dict(f, residual=r) for r in residuals or [None] for f in fields]
+    # None too: a required argument may be something else, a complex rotary table (Llama 4's vision freqs_ci)
+    return [dict(f, residual=r) for r in [*complex_table_args(module), None] for f in fields]
 
 
 def ignores_mask(module: nn.Module, spec: AttentionSpec) -> bool | None:
