@@ -257,14 +257,8 @@ class FusedAttention(FusedModule):
                     f"output_{key}=True (transformers records it from the original module)")
         if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
             return "called with encoder states (cross-attention)"
-        if self.spec.bias is None and (kwargs.get("alibi") is not None or kwargs.get("position_bias") is not None):
-            return "called with a position bias (alibi), which the fused attention does not add"
-        if self.spec.implementation is not None and impl != self.spec.implementation:
-            return f"attention implementation {impl!r}, not the {self.spec.implementation!r} it was fused under"
-        if (why := attention_bias.unusable(self.spec, kwargs.get(self.spec.bias), hidden)) is not None:
+        if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
             return why
-        if self.spec.residual is not None and kwargs.get(self.spec.residual) is None:
-            return f"no {self.spec.residual!r} given (the fused attention adds it to its output)"
         if self.spec.rotary_complex:
             return rotary_complex.unusable(kwargs.get(self.spec.rotary_complex), self.spec)
         if self.spec.rotary_dim:
@@ -342,22 +336,9 @@ class FusedAttention(FusedModule):
         # when the model passes no mask. Same convention here.
         eager = getattr(self.config, "_attn_implementation", None) == "eager"
         mask = kwargs.get("attention_mask") if s.uses_mask else None
-        if s.bias is not None or s.mask_fill:
-            # The module computes its attention itself, with what it is given (eager's convention); the bias
-            # and a True-hides boolean mask go into one additive mask (B×H×q×kv, as the module forms too).
-            if (why := attention_bias.unusable(s, kwargs.get(s.bias), hidden_states, k.shape[2])) is not None:
-                raise ValueError(f"{type(self.__dict__['_original']).__name__}: {why}")
-            eager, raw = True, mask
-            mask = attention_bias.combined_mask(s, kwargs.get(s.bias), mask, q.shape[0], k.shape[2], q.dtype)
-            # Rows with every key hidden are those of the mask alone (the bias is finite): checked on the
-            # model's mask object, once per forward for a float one.
-            exact_rows = raw is not None and (not host_reads_allowed() or (
-                bool((raw if s.mask_fill else ~raw).all(dim=-1).any()) if raw.dtype == torch.bool else _has_empty_rows(raw)))
-            if exact_rows and s.mask_fill and raw.dtype == torch.bool:
-                # masked_fill passes no gradient to the scores it fills: a query with every key hidden gets
-                # none through q·kᵀ there, which adding the minimum would pass. Zeroing that query keeps
-                # its scores (min either way) and gives q and k the original's zero gradient from it.
-                q = q * (~raw.all(dim=-1, keepdim=True)).to(q.dtype)
+        if s.bias is not None or s.mask_fill:  # the module computes its attention itself: eager's convention
+            eager = True
+            q, mask, exact_rows = attention_bias.prepared(s, kwargs.get(s.bias), mask, q, k, hidden_states, _has_empty_rows)
         else:
             exact_rows = None
         # Eager attention gives a query whose keys are all masked a uniform softmax (min + score

@@ -25,7 +25,43 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torchfuser.modules.base import host_reads_allowed
+
 BIAS_MODES = ("add", "scaled", "ignore")
+BIAS_ARGS = ("alibi", "position_bias")  # the forward arguments that carry a position bias
+
+
+def call_reason(spec, kwargs: dict, hidden: Tensor, impl: str | None) -> str | None:
+    """Why this call must run the original module, as far as biases, the implementation and a residual
+    argument go (FusedAttention's other reasons are its own), or None."""
+    if spec.bias is None and any(kwargs.get(a) is not None for a in BIAS_ARGS):
+        return "called with a position bias (alibi), which the fused attention does not add"
+    if spec.implementation is not None and impl != spec.implementation:
+        return f"attention implementation {impl!r}, not the {spec.implementation!r} it was fused under"
+    if (why := unusable(spec, kwargs.get(spec.bias), hidden)) is not None:
+        return why
+    if spec.residual is not None and kwargs.get(spec.residual) is None:
+        return f"no {spec.residual!r} given (the fused attention adds it to its output)"
+    return None
+
+
+def prepared(spec, bias, mask, q: Tensor, k: Tensor, hidden: Tensor, has_empty_rows):
+    """(q, the additive mask SDPA gets, whether the exact math kernel must run) for a module that adds a
+    bias or hides scores with a boolean mask itself. ``has_empty_rows``: the cached check of a float mask."""
+    if (why := unusable(spec, bias, hidden, k.shape[2])) is not None:  # after a cache update: never a fallback
+        raise ValueError(f"fused attention: {why}")
+    raw = mask
+    mask = combined_mask(spec, bias, mask, q.shape[0], k.shape[2], q.dtype)
+    # Rows with every key hidden are those of the mask alone (the bias is finite): checked on the model's
+    # mask object, once per forward for a float one; always taken as possible where host reads are not.
+    exact = raw is not None and (not host_reads_allowed() or (
+        bool((raw if spec.mask_fill else ~raw).all(dim=-1).any()) if raw.dtype == torch.bool else has_empty_rows(raw)))
+    if exact and spec.mask_fill and raw.dtype == torch.bool:
+        # masked_fill passes no gradient to the scores it fills: a query with every key hidden gets none
+        # through q·kᵀ there, which adding the minimum would pass. Zeroing that query keeps its scores
+        # (min either way) and gives q and k the original's zero gradient from it.
+        q = q * (~raw.all(dim=-1, keepdim=True)).to(q.dtype)
+    return q, mask, exact
 
 
 def unusable(spec, bias, hidden: Tensor, kv_len: int | None = None) -> str | None:

@@ -14,7 +14,7 @@ from torch import nn
 
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import AttentionSpec, FusedAttention, split_concat
-from torchfuser.modules.attention_bias import BIAS_MODES
+from torchfuser.modules.attention_bias import BIAS_ARGS, BIAS_MODES
 from torchfuser.patterns import _probe
 
 _MODEL_WIDTH = 8  # probe width on the model side of the projections
@@ -42,9 +42,6 @@ class ProbeDropout(nn.Module):
 
     def forward(self, x):
         return self.factor * x
-
-
-BIAS_ARGS = ("alibi", "position_bias")  # position biases added to the scores (ALiBi): modules/attention_bias.py
 
 
 def forward_params(module: nn.Module) -> list[inspect.Parameter]:
