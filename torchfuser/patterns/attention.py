@@ -11,7 +11,10 @@ layout, norm or mask handling all show there). Last come a fused qkv
 projection's other arrangements: q, k and v in another order, in several blocks each with its
 share of the heads (CodeGen's [q|v|k] per model-parallel shard). A one-token probe traces which
 rows of the projection v is read from, and only the arrangements that read v from there are
-probed; when none does, the skip reason names the rows.
+probed; when none does, the skip reason names the rows. A forward that takes a position bias (ALiBi:
+BLOOM's ``alibi``, MPT's ``position_bias``) is probed with a random one in each layout and place
+(``modules/attention_bias.py``), and one that requires another tensor with the residual added to its output
+(BLOOM's), all found by the same probes.
 """
 from __future__ import annotations
 

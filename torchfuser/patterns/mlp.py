@@ -1,4 +1,5 @@
-"""MLP blocks: gated (gate/up/down or a fused gate_up) and plain (fc_in → GELU → fc_out).
+"""MLP blocks: gated (gate/up/down or a fused gate_up) and plain (fc_in → GELU, ReLU or squared ReLU → fc_out,
+perhaps + a residual the forward is passed: BLOOM's and MPT's MLPs add it themselves).
 
 A candidate has two or three projection children (``nn.Linear`` or GPT-2's ``Conv1D``) whose
 shapes chain H → I → H, a parameter-free activation child and perhaps a dropout. Which
