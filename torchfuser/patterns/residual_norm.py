@@ -91,7 +91,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     if kind is None and _passes_residual(probe, calls):
         return Skip("its attention or MLP is passed the residual and adds it itself (BLOOM's blocks end in "
                     "dropout_add(output, residual), MPT's MLP too): the layer has no residual add of its own to fuse "
-                    "into its norms")
+                    "into its norms (the fused attention and MLP add it in their own forward)")
     if kind is None and isinstance(out, tuple):
         return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
