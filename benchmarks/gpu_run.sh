@@ -44,6 +44,9 @@ for stage in "$@"; do
     lce) timeout 120 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --out "$OUT/ops-lce.jsonl" ;;
     lce-ab) timeout 300 python3 benchmarks/ops.py --device cuda --ops linear_cross_entropy --interleave 12 --profile-dir "$OUT/prof" --out "$OUT/ops-lce-interleaved.jsonl" ;;
     lce-probe) timeout 240 python3 benchmarks/probes/lce_probe.py ${LCE_PROBE_ARGS:-} --out "$OUT/lce-probe.jsonl" ;;
+    families3-tests) timeout ${TESTS_S:-240} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short tests/test_plain_mlp_acts.py \
+              tests/test_post_norm_layers.py tests/test_alibi_attention.py tests/backends/test_triton_ops.py -k "cuda or activation or alibi" ;;
+    families3-ops) timeout 120 python3 benchmarks/ops.py --device cuda --ops activation,gelu --out "$OUT/ops-activation.jsonl" ;;
     ops-small) timeout 200 python3 benchmarks/ops.py --device cuda --ops rms_norm,layer_norm,swiglu,geglu,gelu,rope --out "$OUT/ops.jsonl" ;;
     gated-probe) timeout 150 python3 benchmarks/probes/gated_probe.py --out "$OUT/gated-probe.jsonl" ;;
     host-profile) timeout 200 python3 benchmarks/probes/host_profile.py --model qwen05b --variants eager torchfuser --out "$OUT/host-profile.txt" ;;

@@ -36,6 +36,7 @@ import torch.nn.functional as TF
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchfuser.functional as F  # noqa: E402
+from torchfuser.backends.reference import activation as Ract  # noqa: E402
 from torchfuser.backends.reference import gated as Rg  # noqa: E402
 from torchfuser.backends.reference import layer_norm as Rln  # noqa: E402
 from torchfuser.backends.reference import rms_norm as Rrms  # noqa: E402
@@ -96,6 +97,10 @@ def make_cases(device: str, dtype=torch.bfloat16, which: str = "real", ops: set 
         x = _t(M, I, dtype=dtype, device=device)
         cases.append(Case("gelu", f"{M}x{I}", dtype, [x], lambda x: Rg.gelu(x, "tanh"),
                           lambda x: F.gelu(x, "tanh", backend="triton"), 2 * M * I * b, 3 * M * I * b))
+    if want("activation"):  # squared ReLU (Nemotron's, Persimmon's plain MLP)
+        x = _t(M, I, dtype=dtype, device=device)
+        cases.append(Case("activation", f"relu2 {M}x{I}", dtype, [x], lambda x: Ract.activation(x, "relu2"),
+                          lambda x: F.activation(x, "relu2", backend="triton"), 2 * M * I * b, 3 * M * I * b))
     if want("rope"):
         B, S, Hq, Hk, D = (4, M // 4, 32, 8, 64) if which != "tiny" else (2, 16, 4, 2, 16)
         # q, k as attention modules make them: B×S×H×D projections viewed as B×H×S×D.

@@ -59,6 +59,8 @@ CASES = {
         lambda gu: TF.silu(gu.chunk(2, -1)[0]) * gu.chunk(2, -1)[1], 1),
     "gelu": ((lambda shape: (torch.randn(shape),)), lambda x, be: F.gelu(x, "tanh", backend=be),
              lambda x: TF.gelu(x, approximate="tanh"), 1),
+    "activation": ((lambda shape: (torch.randn(shape),)), lambda x, be: F.activation(x, "relu2", backend=be),
+                   lambda x: TF.relu(x) ** 2, 1),
     "rope": (_rope_inputs, lambda q, k, c, s, be: F.rope(q, k, c, s, backend=be), _rope, 2),
 }
 

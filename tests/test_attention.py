@@ -100,18 +100,6 @@ def test_other_attention_implementation_is_skipped_and_falls_back_at_run_time():
     assert calls == [1, 1]  # once by the unfused model, once by the fallback
 
 
-@pytest.mark.parametrize("model_type,reason", [
-    ("bloom", "alibi"),
-])
-def test_non_standard_attention_is_skipped(model_type, reason):
-    small = dict(hidden_size=64, n_layer=1, n_head=4, rotary_dim=8, n_embd=64, n_positions=64)
-    model = tiny(model_type, **{k: v for k, v in small.items() if k in AutoConfig.for_model(model_type).to_dict() or k == "hidden_size"})
-    torchfuser.optimize(model, backend="reference")
-    entries = attention_entries(model)
-    assert entries and not any(e.is_fused for e in entries)
-    assert all(reason in e.reason for e in entries), [e.reason for e in entries]
-
-
 class _ReversedValueHeads(nn.Module):
     """A fused [q | k | v] projection whose v heads are read in reverse order."""
 

@@ -2,7 +2,7 @@
 pre-norm layers (GPT-2, StarCoder2, NeoX without parallel residual), parallel attention + MLP residuals
 with two norms (GPT-NeoX) or one (GPT-J, Phi, Cohere). One training step fused vs unfused: loss and
 every gradient (fp32 tight; bf16 by the numerics rule against float64), restore, state_dict keys; what
-stays unfused says why (BLOOM, OPT's post-norm form, active dropout). OPT's pre-norm layer (its MLP inline) fuses. Falcon's layers take required arguments and return a tuple:
+stays unfused says why (BLOOM, active dropout; OPT's post-norm form: test_post_norm_layers.py). OPT's pre-norm layer (its MLP inline) fuses. Falcon's layers take required arguments and return a tuple:
 fused, passing them through."""
 from __future__ import annotations
 
@@ -154,7 +154,6 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and adds it itself"),
     ("opt", dict(_OPT, dropout=0.1), "dropout between its blocks (dropout) is on"),
-    ("opt", dict(_OPT, do_layer_norm_before=False), "post-norm, OPT-350m's do_layer_norm_before=False"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})

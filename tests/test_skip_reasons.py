@@ -12,8 +12,6 @@ from arch_sweep import tiny_config
 
 
 @pytest.mark.parametrize("model_type, pattern, words", [
-    ("bloom", "mlp", "BloomMLP's forward takes the residual as an argument (it adds it itself)"),
-    ("bloom", "attention", "its forward takes 'alibi', a position bias added to the attention scores"),
     ("bert", "attention", "q, k and v projections (query, key, value) and no output projection"),
     ("gpt_oss", "attention", "attention sinks (a learned logit per head in the softmax's denominator): 'sinks'"),
     ("deepseek_v2", "attention", "fit no layout the fused attention has: q, k and v read from the hidden states"),

@@ -9,7 +9,7 @@ from torchfuser import ops
 from torchfuser.backends import resolve
 from torchfuser.ops._call import autocast_enabled
 
-__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "rope", "linear_cross_entropy", "moe_route",
+__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "swiglu", "geglu", "gelu", "activation", "rope", "linear_cross_entropy", "moe_route",
            "moe_experts"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -141,6 +141,14 @@ def gelu(x: Tensor, approximate: str = "none", *, backend: str | None = None) ->
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return ops.gelu(x, approximate, backend_for(backend, x.device))
+
+
+def activation(x: Tensor, kind: str, *, backend: str | None = None) -> Tensor:
+    """A plain MLP's hidden activation besides GELU: ``"relu"`` max(x, 0) or ``"relu2"`` max(x, 0)²."""
+    _check_float("x", x, "activation")
+    if kind not in ("relu", "relu2"):
+        raise ValueError(f"activation: kind must be 'relu' or 'relu2', got {kind!r}")
+    return ops.activation(x, kind, backend_for(backend, x.device))
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, backend: str | None = None) -> tuple[Tensor, Tensor]:

@@ -91,6 +91,8 @@ OPS = {
     "swiglu_packed": (lambda x, backend: F.swiglu(x[..., : x.shape[-1] // 2 * 2], backend=backend), "x"),
     "gelu": (_gelu_none, "x"),
     "gelu_tanh": (_gelu_tanh, "x"),
+    "relu": (lambda x, backend: F.activation(x, "relu", backend=backend), "x"),
+    "relu2": (lambda x, backend: F.activation(x, "relu2", backend=backend), "x"),
 }
 
 

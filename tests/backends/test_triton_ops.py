@@ -243,6 +243,20 @@ def test_gelu_non_contiguous(approximate):
     _check(fn, [_rand(37, 123, scale=3.0)], torch.bfloat16, "gelu transposed", make={0: _transposed})
 
 
+@pytest.mark.parametrize("kind", ["relu", "relu2"])
+@pytest.mark.parametrize("dtype", LOW + [torch.float16])
+def test_activation(kind, dtype):
+    fn = lambda x, backend: F.activation(x, kind, backend=backend)  # noqa: E731
+    _check(fn, [_rand(37, 123, scale=3.0)], dtype, f"activation-{kind}")
+
+
+@pytest.mark.parametrize("kind", ["relu", "relu2"])
+def test_activation_non_contiguous(kind):
+    fn = lambda x, backend: F.activation(x, kind, backend=backend)  # noqa: E731
+    _check(fn, [_rand(37, 123, scale=3.0)], torch.bfloat16, f"activation-{kind} transposed", make={0: _transposed})
+    _check(fn, [_rand(5, 64, scale=3.0)], torch.float32, f"activation-{kind} row-strided", make={0: _row_strided})
+
+
 # ---------------------------------------------------------------- rope
 
 def _heads_inner(t):

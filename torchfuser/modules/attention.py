@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F, ops
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, decided, dropout_p, hand_back, host_reads_allowed,
                                      keep_dropout, signature)
-from torchfuser.modules import fallbacks, packed, rotary_complex
+from torchfuser.modules import attention_bias, fallbacks, packed, rotary_complex
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
 
@@ -154,6 +154,17 @@ class AttentionSpec:
     dropout: str | None = None  # float attribute or nn.Dropout child (its .p): the attention-prob dropout
     out_dropout: str | None = None  # nn.Dropout child (GPT-2) or float p (Starcoder2) applied after `out`
     is_causal: bool = True  # causal when no mask is given (the sdpa path's convention)
+    # A position bias the model passes as the forward argument ``bias`` (ALiBi), its layout and where it is
+    # added (attention_bias.py); ``mask_fill``: a boolean mask True where scores are hidden (MPT).
+    bias: str | None = None
+    bias_batched: bool = True
+    bias_mode: str = "add"
+    mask_fill: bool = False
+    # The forward argument the output is added to, after the output dropout (BLOOM's ``residual``).
+    residual: str | None = None
+    # The attention implementation the probe ran under, where the module's math depends on it (Falcon 5.17's
+    # alibi paths differ between eager and sdpa): another one at call time runs the original.
+    implementation: str | None = None
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
 
@@ -232,10 +243,11 @@ class FusedAttention(FusedModule):
         _record_attention_weights(original, out)
         return out
 
-    def _fallback_reason(self, kwargs) -> str | None:
+    def _fallback_reason(self, kwargs, hidden: Tensor) -> str | None:
         """Why this call must run the original module, or None (checked on every call: cheap reads only)."""
         impl = getattr(self.config, "_attn_implementation", None)
-        if impl not in _IMPLEMENTATIONS:
+        # A module that adds a position bias and holds no config computes its attention itself (BLOOM, MPT).
+        if impl not in _IMPLEMENTATIONS and not (impl is None and self.config is None and self.spec.bias is not None):
             return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
         if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
             return "output_attentions=True (SDPA never forms the attention weights)"
@@ -245,8 +257,8 @@ class FusedAttention(FusedModule):
                     f"output_{key}=True (transformers records it from the original module)")
         if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
             return "called with encoder states (cross-attention)"
-        if kwargs.get("alibi") is not None or kwargs.get("position_bias") is not None:
-            return "called with a position bias (alibi), which the fused attention does not add"
+        if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
+            return why
         if self.spec.rotary_complex:
             return rotary_complex.unusable(kwargs.get(self.spec.rotary_complex), self.spec)
         if self.spec.rotary_dim:
@@ -298,7 +310,7 @@ class FusedAttention(FusedModule):
         s = self.spec
         if args:  # positional arguments, named as the original forward names them
             kwargs.update(zip(s.positional, args))
-        why = self._fallback_reason(kwargs)
+        why = self._fallback_reason(kwargs, hidden_states)
         if why is not None:
             fallbacks.count(self, why)
             return self._fallback(hidden_states, kwargs)
@@ -322,19 +334,25 @@ class FusedAttention(FusedModule):
             k, v = cache.update(k, v, self.layer_idx)
         # Eager attention adds the mask it is given and nothing else; sdpa falls back on is_causal
         # when the model passes no mask. Same convention here.
-        eager = self.config._attn_implementation == "eager"
+        eager = getattr(self.config, "_attn_implementation", None) == "eager"
         mask = kwargs.get("attention_mask") if s.uses_mask else None
+        if s.bias is not None or s.mask_fill:  # the module computes its attention itself: eager's convention
+            eager = True
+            q, mask, exact_rows = attention_bias.prepared(s, kwargs.get(s.bias), mask, q, k, hidden_states, _has_empty_rows)
+        else:
+            exact_rows = None
         # Eager attention gives a query whose keys are all masked a uniform softmax (min + score
         # rounds to min) and differentiates through it as plain math. PyTorch's fused SDPA kernels
         # agree on the forward but not on the backward of such rows, so only then use the math kernel.
         # Compiled code and CUDA graphs cannot branch on the mask's values: take the exact kernel
         # whenever it might matter.
-        exact = eager and mask is not None and mask.is_floating_point() and (
+        exact = exact_rows if exact_rows is not None else eager and mask is not None and mask.is_floating_point() and (
             not host_reads_allowed() or _has_empty_rows(mask)
         )
         p = dropout_p(self, s.dropout)
         # Packed rows (position_ids restarting, transformers' block-causal mask): variable-length attention.
-        varlen = packed.kernel_for(q) if s.is_causal and cache is None and not p and host_reads_allowed() else None
+        plain = s.bias is None and not s.mask_fill  # a bias lives in the dense mask: no variable-length kernel
+        varlen = packed.kernel_for(q) if plain and s.is_causal and cache is None and not p and host_reads_allowed() else None
         samples = packed.segments(mask, kwargs.get("position_ids")) if varlen is not None else None
         if samples is not None:
             packed.counted(self)
@@ -344,4 +362,5 @@ class FusedAttention(FusedModule):
                 out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling,
                                                 is_causal=(False if eager else None) if s.uses_mask else s.is_causal)
         out = single(out.reshape(*lead, -1).contiguous(), getattr(self, s.out), self)
-        return apply_dropout(self, s.out_dropout, out), None
+        out = apply_dropout(self, s.out_dropout, out)
+        return (out if s.residual is None else out + kwargs[s.residual]), None

@@ -34,13 +34,15 @@ class GatedMLPSpec:
 
 @dataclass(frozen=True)
 class MLPSpec:
-    """dropout(fc_out(gelu(fc_in(x))))."""
+    """dropout(fc_out(act(fc_in(x)))) (+ residual)."""
 
     fc_in: str
     fc_out: str
-    approximate: str  # "none" (erf GELU) or "tanh"
+    approximate: str  # GELU's: "none" (erf GELU) or "tanh"
     dropout: str | None = None  # after fc_out: an nn.Dropout child or a float p attribute (Starcoder2)
     keep: tuple[str, ...] = ()
+    activation: str = "gelu"  # "gelu" (per ``approximate``), "relu" or "relu2" (functional.activation)
+    residual: str | None = None  # a forward argument added after the dropout (BLOOM's and MPT's MLPs)
 
 
 class _WithLoRA:
@@ -135,7 +137,19 @@ class FusedMLP(_WithLoRA, FusedModule):
         names = (spec.fc_in, spec.fc_out, keep_dropout(self, original, spec.dropout)) + spec.keep
         adopt(self, original, [n for n in names if n is not None])
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         s = self.spec
-        h = F.gelu(single(x, getattr(self, s.fc_in), self), s.approximate, backend=self.backend)
-        return apply_dropout(self, s.dropout, single(h, getattr(self, s.fc_out), self))
+        h = single(x, getattr(self, s.fc_in), self)
+        if s.activation == "gelu":
+            h = F.gelu(h, s.approximate, backend=self.backend)
+        else:
+            h = F.activation(h, s.activation, backend=self.backend)
+        out = apply_dropout(self, s.dropout, single(h, getattr(self, s.fc_out), self))
+        if s.residual is None:
+            if args or kwargs:
+                raise TypeError(f"FusedMLP takes the hidden states alone, got {len(args) + len(kwargs)} more arguments")
+            return out
+        residual = args[0] if args else kwargs.get(s.residual)
+        if residual is None or len(args) + len(kwargs) != 1:
+            raise TypeError(f"FusedMLP takes the hidden states and {s.residual!r}, as the original MLP does")
+        return out + residual

@@ -1,6 +1,7 @@
 """A pre-norm decoder layer with its residual adds fused into its norms (RMSNorm or LayerNorm).
 
     x ─ norm_in ─ attention ─ (+ x) ─ s ─ norm_mid ─ MLP ─ (+ s) ─ out          (sequential)
+    x ─ attention ─ (+ x) ─ norm_in ─ h ─ MLP ─ (+ h) ─ norm_mid ─ out          (``post_norm``: OPT-350m)
     out = x + attention(norm_in(x)) + MLP(norm_mid(x))                         (``parallel``: GPT-NeoX,
           with norm_mid = norm_in where one norm feeds both (GPT-J, Phi, Cohere))
 
@@ -118,6 +119,7 @@ class ResidualNormSpec:
     norm_in: str = "input_layernorm"
     norm_mid: str = "post_attention_layernorm"  # = norm_in: one norm feeds both blocks (parallel only)
     parallel: bool = False  # out = x + attention(norm_in(x)) + mlp(norm_mid(x))
+    post_norm: bool = False  # h = norm_in(x + attention(x)); out = norm_mid(h + mlp(h)) (OPT-350m)
     # Parameters the original forward does not hand to the attention and that must be at their default
     # (None) for the fused path (GPT-2's encoder_hidden_states); any other value runs the original forward.
     at_default: tuple[str, ...] = ()
@@ -187,10 +189,21 @@ class ResidualNormForward:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
         norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s)
+        if s.post_norm:
+            return self._post(call, x, norm_in, attention, mlp)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
         a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
         out = self._body(x, y, a[0], low, attention, mlp)
+        return (out, a[1]) if s.returns_rest else out
+
+    def _post(self, call: dict, x, norm_in, attention, mlp):
+        """Post-norm: each residual add inside the norm after it (``add_layer_norm``; its sum is not needed
+        afterwards, so only the norm's gradient flows back through it)."""
+        s = self.spec
+        a = attention(x, **call) if not s.attention_input else attention(**{s.attention_input: x}, **call)
+        h = norm_in.add(x, a[0])[1]
+        out = getattr(self.layer, s.norm_mid).add(h, mlp(h))[1]
         return (out, a[1]) if s.returns_rest else out
 
     def _body(self, x, y, a, low, attention, mlp):

@@ -4,6 +4,7 @@ Each op has a fake implementation (for torch.compile and the meta device) and re
 autograd, and dispatches to the backend named in its last argument. Every backend returns
 contiguous outputs with exactly the shapes and dtypes the fake implementations give.
 """
+from .activation import activation
 from .add_layer_norm import add_layer_norm, layer_norm_opening_residual
 from .gated import gelu, geglu, geglu_erf, geglu_erf_packed, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import layer_norm
@@ -13,6 +14,7 @@ from .rms_norm import add_rms_norm, rms_norm, rms_norm_opening_residual
 from .rope import rope
 
 __all__ = [
+    "activation",
     "add_layer_norm", "layer_norm_opening_residual",
     "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed",
     "geglu_packed", "geglu_erf", "geglu_erf_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",

@@ -14,6 +14,7 @@ from torch import nn
 
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import AttentionSpec, FusedAttention, split_concat
+from torchfuser.modules.attention_bias import BIAS_ARGS, BIAS_MODES
 from torchfuser.patterns import _probe
 
 _MODEL_WIDTH = 8  # probe width on the model side of the projections
@@ -43,9 +44,6 @@ class ProbeDropout(nn.Module):
         return self.factor * x
 
 
-BIAS_ARGS = ("alibi", "position_bias")  # position biases added to the scores, which the fused attention does not add
-
-
 def forward_params(module: nn.Module) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(module.forward).parameters.values())
@@ -65,8 +63,24 @@ _NOT_TABLES = frozenset({"attention_mask", "position_ids", "position_embeddings"
 def complex_table_args(module: nn.Module) -> list[str]:
     """Required arguments after the hidden states that might carry a complex rotary table (Llama 4's
     vision ``freqs_ci``): only the probe decides whether one does."""
-    return [p.name for p in forward_params(module)[1:]
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and p.name not in _NOT_TABLES]
+    return [p.name for p in forward_params(module)[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty and p.name not in _NOT_TABLES and p.name not in BIAS_ARGS]
+
+
+def extra_fields(module: nn.Module) -> list[dict]:
+    """AttentionSpec fields to try for what a forward requires besides the usual arguments: a position
+    bias (``BIAS_ARGS``, unless the config switches it off) in each layout and place, with a float or a
+    True-hides boolean mask; and a required argument the output may be added to (BLOOM's residual)."""
+    names = [p.name for p in forward_params(module)]
+    cfg = getattr(module, "config", None)
+    bias = next((a for a in BIAS_ARGS if a in names and getattr(cfg, a, None) is not False), None)
+    fields = [{}]
+    if bias is not None:
+        impl = getattr(cfg, "_attn_implementation", None)  # None: the module holds no config (BLOOM, MPT)
+        fields = [dict(bias=bias, bias_batched=batched, bias_mode=mode, mask_fill=fill, implementation=impl)
+                  for fill in (False, True) for batched in (True, False) for mode in BIAS_MODES]
+    # None too: a required argument may be something else, a complex rotary table (Llama 4's vision freqs_ci)
+    return [dict(f, residual=r) for r in [*complex_table_args(module), None] for f in fields]
 
 
 def ignores_mask(module: nn.Module, spec: AttentionSpec) -> bool | None:
@@ -112,7 +126,9 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     # probe tells which one the forward applies where.
     drops = [n for n, m in module._modules.items() if isinstance(m, nn.Dropout)]
     for i, n in enumerate(drops):
-        probe._modules[n] = ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i)
+        # A module adding a position bias computes attention itself and calls its own dropouts: real ones
+        # there (identities in eval), whose draws in training match SDPA's math kernel's from one seed.
+        probe._modules[n] = nn.Dropout(0.15 + 0.1 * i).eval() if spec.bias else ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i)
     for i, n in enumerate(_probe.float_dropouts(module)):
         probe.__dict__[n] = 0.2 + 0.1 * i
     for n, b in module._buffers.items():
@@ -123,9 +139,17 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
     mask[1, :, :, 1] = low  # a padded key in the second sequence
     kwargs = {"attention_mask": mask}
-    # A position-bias argument without a default gets None: the pattern lets it through only where the
-    # config switches it off (Falcon's alibi in transformers 5.17, with alibi=False)
+    # A position-bias argument without a default gets None unless the spec adds it (the pattern probes
+    # none where the config switches it off: Falcon's alibi in transformers 5.17, with alibi=False).
     kwargs.update({p.name: None for p in forward_params(module)[1:] if p.default is p.empty and p.name in BIAS_ARGS})
+    if spec.bias is not None:  # random, so that a wrong layout, scale or place shows; MPT's table is wider
+        heads = spec.num_heads
+        shape = (_BATCH * heads, 1, _SEQ) if spec.bias_batched else (heads, 1, _SEQ + 3)
+        kwargs[spec.bias] = _probe.randn(*shape, gen=gen)
+    if spec.mask_fill:
+        kwargs["attention_mask"] = mask == low
+    if spec.residual is not None:
+        kwargs[spec.residual] = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
     if spec.rotary_complex:  # S × 1 × D/2, as Llama 4 passes it; random, so that any other convention shows
         shape = (_SEQ, 1, spec.rotary_dim // 2)
         kwargs[spec.rotary_complex] = torch.complex(_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
@@ -181,11 +205,14 @@ def row_runs(rows: tuple[int, ...]) -> str:
 def run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
     """(original output, fused output). In training both run the sdpa path from one seed: equal
     outputs then mean the same dropouts with the same p at the same places."""
-    if training:
+    if training and spec.bias is None:
         probe = copy.copy(probe)
         probe.config = copy.copy(probe.config)
         probe.config.__dict__["_attn_implementation_internal"] = "sdpa"
     probe.training = training
+    for m in probe._modules.values():
+        if isinstance(m, nn.Dropout):  # the probe's own (bias specs), not the model's
+            m.training = training
     fused = FusedAttention(probe, spec, "reference")
     fused.training = training
     with torch.no_grad(), _probe.saved_rng():

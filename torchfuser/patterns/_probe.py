@@ -98,7 +98,7 @@ def run(probe: nn.Module, *args):
 
 
 def activation_kind(act) -> str | None:
-    """Which standard activation a callable computes: 'silu', 'gelu_tanh', 'gelu', or None."""
+    """Which standard activation a callable computes: 'silu', 'gelu_tanh', 'gelu', 'relu', 'relu2' (squared), or None."""
     if isinstance(act, nn.Dropout) or isinstance(act, nn.Module) and any(True for _ in act.parameters()):
         return None
     x = randn(64, gen=generator(1)) * 3
@@ -113,6 +113,8 @@ def activation_kind(act) -> str | None:
         "silu": torch.nn.functional.silu(x),
         "gelu_tanh": torch.nn.functional.gelu(x, approximate="tanh"),
         "gelu": torch.nn.functional.gelu(x),
+        "relu": torch.relu(x),
+        "relu2": torch.relu(x) ** 2,
     }
     return next((k for k, ref in candidates.items() if close(y, ref)), None)
 

@@ -12,7 +12,7 @@ from torchfuser.patterns import _probe
 
 _EXTRA = "_torchfuser_probe_extra"
 _WIDTH = 8
-_KINDS = ("sequential", "parallel")
+_KINDS = ("sequential", "parallel", "post")
 
 
 class _Marker:
@@ -123,6 +123,9 @@ class _Probe:
         mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
         if kind == "parallel":
             return x + f["attention"](f["norm_in"](x)) + f["mlp"](mid(x))
+        if kind == "post":  # post-norm (OPT-350m): norm_in after the attention's add, norm_mid after the MLP's
+            h = f["norm_in"](x + f["attention"](x))
+            return mid(h + f["mlp"](h))
         s = x + f["attention"](f["norm_in"](x))
         return s + f["mlp"](mid(s))
 

@@ -11,7 +11,10 @@ layout, norm or mask handling all show there). Last come a fused qkv
 projection's other arrangements: q, k and v in another order, in several blocks each with its
 share of the heads (CodeGen's [q|v|k] per model-parallel shard). A one-token probe traces which
 rows of the projection v is read from, and only the arrangements that read v from there are
-probed; when none does, the skip reason names the rows.
+probed; when none does, the skip reason names the rows. A forward that takes a position bias (ALiBi:
+BLOOM's ``alibi``, MPT's ``position_bias``) is probed with a random one in each layout and place
+(``modules/attention_bias.py``), and one that requires another tensor with the residual added to its output
+(BLOOM's), all found by the same probes.
 """
 from __future__ import annotations
 
@@ -25,14 +28,13 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    BIAS_ARGS, check, complex_table_args, forward_params, mask_variants, row_runs, rows_read, takes_rope,
+    check, complex_table_args, extra_fields, forward_params, mask_variants, row_runs, rows_read, takes_rope,
     value_rows,
 )
 from torchfuser.patterns.base import Pattern, Skip
 
 # Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
 _MAX_PROBES = 24
-_UNSUPPORTED_ARGS = BIAS_ARGS
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
 
 
@@ -50,7 +52,7 @@ def _int_attr(obj, *names):
 def _heads(module: nn.Module, q_in: int):
     """(num_heads, num_kv_heads, head_dim) from the module's attributes, falling back on its config."""
     cfg = getattr(module, "config", None)
-    heads = _int_attr(module, "num_heads", "num_attention_heads") or _int_attr(cfg, "num_attention_heads", "n_head")
+    heads = _int_attr(module, "num_heads", "num_attention_heads", "n_heads") or _int_attr(cfg, "num_attention_heads", "n_head")
     d = _int_attr(module, "head_dim", "head_size") or _int_attr(cfg, "head_dim")
     if d is None and heads:
         d = q_in // heads
@@ -159,13 +161,15 @@ def _norm_roles(module, norms, heads, kv, d):
             yield dict(q_norm=qn, k_norm=kn, norm_per_head=False)
 
 
-def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None):
+def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None, bias: bool = False):
     """(attention-prob dropout, output dropout) pairs given the output Dropout child the eval probe
     found. The prob dropout is a float attribute or another Dropout child (its ``.p``); without an
     output child, a float attribute may be a functional dropout on the output (Starcoder2)."""
     floats = _probe.float_dropouts(module)
     probs = [*floats, *(n for n in drops if n != out_child), None]
     outs = [out_child] if out_child is not None else [None, *floats]
+    if bias:  # real dropouts in its probes (identities in eval): any child may be the output's too
+        outs = [None, *floats, *drops]
     for out in outs:
         for prob in probs:
             if prob is None or prob != out:
@@ -223,6 +227,8 @@ class AttentionPattern(Pattern):
             filter(None, (lora.unsupported(n, module._modules[n]) for n in projs)), None)
         result = Skip(result) if result else self._parts(module, projs)
         if not isinstance(result, Skip):
+            result = (*result, extra_fields(module))
+        if not isinstance(result, Skip):
             positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
             parts, rope = result, takes_rope(module)
             result = self._search(module, projs, parts, positional, rope)
@@ -251,13 +257,9 @@ class AttentionPattern(Pattern):
             # A short probe cannot see it: the factor is 1 for the first floor_scale positions.
             return ("attention temperature tuning (Llama 4's NoPE layers): queries are scaled by position "
                     "beyond floor_scale tokens, which SDPA is not told")
-        for arg in _UNSUPPORTED_ARGS:
-            # Taken but switched off by the config field of its name (Falcon in transformers 5.17 with
-            # alibi=False: the model passes None; a call given one runs the original, counted)
-            if arg in arg_names and getattr(cfg, arg, None) is not False:
-                return (f"its forward takes {arg!r}, a position bias added to the attention scores (ALiBi, "
-                        "T5-style buckets), which the fused attention does not add (SDPA could take it in its "
-                        "additive mask, not built: the probe passes no bias to check where it is added and how scaled)")
+        clip = getattr(module, "clip_qkv", None)
+        if clip:  # a probe's small values never reach the clamp: it could not tell
+            return f"it clamps its q/k/v projection to ±{clip} (clip_qkv), which the fused attention does not"
         own = [n for n, p in module._parameters.items() if p is not None]
         if own:
             what = ("attention sinks (a learned logit per head in the softmax's denominator)" if "sinks" in own
@@ -265,11 +267,11 @@ class AttentionPattern(Pattern):
             return (f"{what}: {_reasons.quoted(own)}, besides its projections; the fused attention (SDPA) computes "
                     "softmax(q·kᵀ·scale + mask)·v and nothing they add")
         impl = getattr(cfg, "_attn_implementation", None)
-        if impl is None:
+        if impl is None and not (cfg is None and any(f.get("bias") for f in extra_fields(module))):
             return ("its model chooses no attention implementation (config._attn_implementation is None): it "
                     "computes attention its own way (linear or recurrent attention, or an older model's own code), "
                     "which the fused attention does not assume")
-        if impl not in _IMPLEMENTATIONS:
+        if impl not in (*_IMPLEMENTATIONS, None):
             return (f"attention implementation {impl!r}: only 'eager' and 'sdpa' are reproduced (load the model with "
                     "attn_implementation='sdpa' to fuse it)")
         if getattr(cfg, "output_attentions", False):
@@ -303,17 +305,20 @@ class AttentionPattern(Pattern):
     @staticmethod
     def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False, complex_args=()):
         """Every spec the structure allows, dropout probabilities aside, likeliest first."""
-        norms, drops, buffers = parts
+        norms, drops, buffers, extras = parts
         for out, layout, qkv, fields, (heads, kv, d) in _shapes(module, projs, blocks):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
                     for rotary in _rotary_guesses(module, d, pair_tables, complex_args) if takes_rope else ({},):
-                        yield AttentionSpec(
-                            layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
-                            scaling=_scaling(module, d), **fields, **rotary, **norm_roles,
-                            out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
-                            positional=positional, keep=buffers,
-                        )
+                        for extra in extras:
+                            if extra["residual"] is not None and extra["residual"] == rotary.get("rotary_complex"):
+                                continue
+                            yield AttentionSpec(
+                                layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
+                                scaling=_scaling(module, d), **fields, **rotary, **norm_roles, **extra,
+                                out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
+                                positional=positional, keep=buffers,
+                            )
 
     def _search(self, module, projs, parts, positional, takes_rope, complex_args=()):
         """The first spec both probes accept, else a Skip. Two stages keep the search small: the
@@ -329,7 +334,7 @@ class AttentionPattern(Pattern):
         tables = [False, True] if takes_rope and not complex_args else [False]
         v_rows, tried, v_fits, ignored = {}, set(), False, [None]
         for blocks, pair_tables in itertools.product((False, True), tables):
-            budget = _MAX_PROBES
+            budget = _MAX_PROBES * len(parts[3])  # a budget per bias / residual variant
             for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks, complex_args):
                 if blocks:
                     key = (spec.qkv, spec.out, spec.rotary_table_dim)
@@ -363,7 +368,7 @@ class AttentionPattern(Pattern):
 
     @staticmethod
     def _pick_dropouts(module, spec: AttentionSpec, drops):
-        for prob, out in _dropout_roles(module, drops, spec.out_dropout):
+        for prob, out in _dropout_roles(module, drops, spec.out_dropout, spec.bias is not None):
             candidate = dataclasses.replace(spec, dropout=prob, out_dropout=out)
             if check(module, candidate, training=True) is None:
                 return candidate

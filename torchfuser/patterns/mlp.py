@@ -1,4 +1,5 @@
-"""MLP blocks: gated (gate/up/down or a fused gate_up) and plain (fc_in → GELU → fc_out).
+"""MLP blocks: gated (gate/up/down or a fused gate_up) and plain (fc_in → GELU, ReLU or squared ReLU → fc_out,
+perhaps + a residual the forward is passed: BLOOM's and MPT's MLPs add it themselves).
 
 A candidate has two or three projection children (``nn.Linear`` or GPT-2's ``Conv1D``) whose
 shapes chain H → I → H, a parameter-free activation child and perhaps a dropout. Which
@@ -9,6 +10,7 @@ the formula exactly.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +26,14 @@ _ACT_FNS = {
     "silu": torch.nn.functional.silu,
     "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
     "gelu": torch.nn.functional.gelu,
+    "relu": torch.relu,
+    "relu2": lambda t: torch.relu(t) ** 2,
 }
 
 
-_ACT_WORDS = {"silu": "SiLU", "gelu_tanh": "tanh-GELU", "gelu": "exact (erf) GELU"}
+_ACT_WORDS = {"silu": "SiLU", "gelu_tanh": "tanh-GELU", "gelu": "exact (erf) GELU", "relu": "ReLU",
+              "relu2": "squared ReLU"}
+_PLAIN_ACTS = ("gelu", "gelu_tanh", "relu", "relu2")  # the plain MLP's kernels: gelu and activation
 
 
 def _unknown(module: nn.Module, names: list[str]) -> str:
@@ -71,18 +77,36 @@ def _parts(module: nn.Module) -> _Parts | None:
     return _Parts(proj, acts[0][0], acts[0][1], drops[0] if drops else None, others)
 
 
-def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int, int]], what: str):
+def _residual_arg(module: nn.Module) -> str | None:
+    """The one argument besides the input that the forward requires, if any (BLOOM's and MPT's MLPs take
+    the residual and add it themselves): the probe passes a random tensor there and tells whether it is."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return required[0] if len(required) == 1 else None
+
+
+def _inputs(gen, residual: str | None):
+    """The probe's input, and a residual of its shape where the forward takes one."""
+    x = _probe.randn(_probe.PROBE_ROWS, _H, gen=gen)
+    return (x,) if residual is None else (x, _probe.randn(_probe.PROBE_ROWS, _H, gen=gen))
+
+
+def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int, int]], what: str,
+                  residual: str | None = None):
     gen = _probe.generator(4)
     probe = _probe.shallow_copy(module)
     small = {n: _probe.small_projection(lora.base_of(module._modules[n]), *widths[n], gen) for n in widths}
     probe._modules.update(small)
     if parts.dropout is not None:
         probe._modules[parts.dropout] = _Scale()
-    x = _probe.randn(_probe.PROBE_ROWS, _H, gen=gen)
+    xs = _inputs(gen, residual)
     try:
-        return small, x, _probe.run(probe, x)
+        return small, xs, _probe.run(probe, *xs)
     except Exception as err:
-        return small, x, Skip(_reasons.failed_probe(module, err, what))
+        return small, xs, Skip(_reasons.failed_probe(module, err, what))
 
 
 def _in_training(module: nn.Module, spec, small: dict, fused_cls):
@@ -101,16 +125,16 @@ def _in_training(module: nn.Module, spec, small: dict, fused_cls):
     for i, n in enumerate(floats):
         probe.__dict__[n] = 0.2 + 0.1 * i
     probe.training = True
-    x = _probe.randn(_probe.PROBE_ROWS, _H, gen=gen)
+    xs = _inputs(gen, getattr(spec, "residual", None))
     for name in dict.fromkeys([spec.dropout, None, *children, *floats]):
         candidate = dataclasses.replace(spec, dropout=name)
         fused = fused_cls(probe, candidate, "reference")
         fused.training = True
         with torch.no_grad(), _probe.saved_rng():
             _probe.seed_cpu(0)
-            want = type(probe).forward(probe, x)  # the class's forward: no hooks
+            want = type(probe).forward(probe, *xs)  # the class's forward: no hooks
             _probe.seed_cpu(0)
-            got = fused(x)
+            got = fused(*xs)
         if _probe.close(got, want):
             return candidate
     return Skip("in training its output differs from the fused MLP with any dropout found after the last "
@@ -168,7 +192,7 @@ class GatedMLPPattern(Pattern):
 
     @staticmethod
     def _probe_roles(module, parts: _Parts, down: str, widths: dict, layouts: list[dict]):
-        small, x, y = _probe_module(module, parts, widths, "MLPs computing down(act(gate(x))·up(x)) from x alone")
+        small, (x,), y = _probe_module(module, parts, widths, "MLPs computing down(act(gate(x))·up(x)) from x alone")
         if isinstance(y, Skip):
             return y
         act = _ACT_FNS[parts.act_kind]
@@ -190,7 +214,8 @@ _DOES_NOT = "forward does not compute"
 
 class MLPPattern(Pattern):
     name = "mlp"
-    description = "fc_out(gelu(fc_in(x))) with erf or tanh GELU (GPT-2 Conv1D, NeoX, Phi, Starcoder2)"
+    description = ("fc_out(act(fc_in(x))) with erf or tanh GELU (GPT-2 Conv1D, NeoX, Phi, Starcoder2), ReLU or "
+                   "squared ReLU (Nemotron, Persimmon); + a residual argument (BLOOM, MPT)")
     fused = FusedMLP
 
     def match(self, module):
@@ -206,9 +231,9 @@ class MLPPattern(Pattern):
             return Skip(_unknown(module, parts.others))
         if why := _lora_problem(module, parts):
             return Skip(why)
-        if parts.act_kind not in ("gelu", "gelu_tanh"):
+        if parts.act_kind not in _PLAIN_ACTS:
             return Skip(f"an ungated MLP with {_ACT_WORDS[parts.act_kind]}, fc_out(act(fc_in(x))): only ungated MLPs "
-                        "with GELU (erf or tanh) are fused")
+                        "with GELU (erf or tanh), ReLU or squared ReLU are fused")
         skips = []
         for fc_in, fc_out in orders:
             found = self._probe_roles(module, parts, fc_in, fc_out)
@@ -219,15 +244,21 @@ class MLPPattern(Pattern):
 
     @staticmethod
     def _probe_roles(module, parts: _Parts, fc_in: str, fc_out: str):
-        small, x, y = _probe_module(module, parts, {fc_in: (_H, _I), fc_out: (_I, _H)},
-                                    "MLPs computing fc_out(gelu(fc_in(x))) from x alone")
+        residual = _residual_arg(module)
+        small, xs, y = _probe_module(module, parts, {fc_in: (_H, _I), fc_out: (_I, _H)},
+                                     "MLPs computing fc_out(act(fc_in(x))) from x (and adding a residual)", residual)
         if isinstance(y, Skip):
             return y
-        expected = small[fc_out](_ACT_FNS[parts.act_kind](small[fc_in](x)))
+        expected = small[fc_out](_ACT_FNS[parts.act_kind](small[fc_in](xs[0])))
         if parts.dropout is not None:
             expected = 3.0 * expected
+        if residual is not None:
+            expected = expected + xs[1]
         if not _probe.close(y, expected):
-            return Skip(f"{_DOES_NOT} fc_out(gelu(fc_in(x))) (then dropout)")
+            return Skip(f"{_DOES_NOT} fc_out(act(fc_in(x))) (then dropout" +
+                        (f", then + {residual})" if residual else ")"))
         approximate = "tanh" if parts.act_kind == "gelu_tanh" else "none"
-        spec = MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,))
+        activation = "gelu" if parts.act_kind.startswith("gelu") else parts.act_kind
+        spec = MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,),
+                       activation=activation, residual=residual)
         return _in_training(module, spec, small, FusedMLP)

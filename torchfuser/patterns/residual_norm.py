@@ -8,6 +8,7 @@ when its output is exactly one of
     s = x + attention(norm_in(x))[0];   out = s + mlp(norm_mid(s))        (sequential: Llama, GPT-2)
     out = x + attention(norm_in(x))[0] + mlp(norm_mid(x))                 (parallel: GPT-NeoX)
     out = x + attention(norm(x))[0] + mlp(norm(x))                        (parallel, one norm: GPT-J, Phi)
+    h = norm_in(x + attention(x)[0]);   out = norm_mid(h + mlp(h))        (post-norm: OPT-350m)
 
 (in training mode, every dropout of the layer at p = 0.5, so that one between the blocks shows; if
 one does, the layer still qualifies when the formula holds with them at 0, and its fused forward
@@ -84,13 +85,13 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             pass
         return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
                     f"stand-ins for them it raised {type(err).__name__}: {first_line})")
-    if not _saw_input(probe, calls):
-        return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     kind = probe.kind(out)
+    if not _saw_input(probe, calls) and kind != "post":
+        return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     if kind is None and _passes_residual(probe, calls):
         return Skip("its attention or MLP is passed the residual and adds it itself (BLOOM's blocks end in "
                     "dropout_add(output, residual), MPT's MLP too): the layer has no residual add of its own to fuse "
-                    "into its norms")
+                    "into its norms (the fused attention and MLP add it in their own forward)")
     if kind is None and isinstance(out, tuple):
         return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
@@ -134,7 +135,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     if inline:
         roles["mlp"] = ""
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
-                            **roles, mlp_inline=inline, parallel=kind == "parallel", at_default=defaulted, positional=positional,
+                            **roles, mlp_inline=inline, parallel=kind == "parallel", post_norm=kind == "post",
+                            at_default=defaulted, positional=positional,
                             drops_extra=drops_extra, returns_rest=returns_rest)
 
 
@@ -222,7 +224,8 @@ def _p(module: nn.Module, name: str) -> float:
 
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
-    description = "pre-norm decoder layer (sequential or parallel): residual adds inside its norms (forward and backward)"
+    description = ("pre-norm decoder layer (sequential or parallel) or post-norm one (OPT-350m): residual adds inside its "
+                   "norms (forward and backward)")
 
     def __init__(self, norms_fused: bool = True, layer_norms_fused: bool = True):
         # whether the rms_norm / layer_norm patterns run in the same optimize call

@@ -5,6 +5,7 @@ Importing this package is cheap: torch-mlir is imported on the first compile.
 """
 from __future__ import annotations
 
+from .activation import activation_bwd, activation_fwd
 from .ops import (
     add_layer_norm_fwd, add_rms_norm_bwd, add_rms_norm_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd,
     geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, gelu_bwd, gelu_fwd, layer_norm_bwd, layer_norm_fwd,
@@ -13,6 +14,7 @@ from .ops import (
 )
 
 __all__ = [
+    "activation_fwd", "activation_bwd",
     "rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
     "add_layer_norm_fwd", "layer_norm_res_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",

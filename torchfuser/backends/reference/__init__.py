@@ -1,4 +1,5 @@
 """The reference backend: plain PyTorch. The numerical oracle and the fallback on any device."""
+from .activation import activation_bwd, activation_fwd
 from .dequant_4bit import dequantize_4bit_fwd
 from .dequant_matmul_4bit import dequant_matmul_4bit_bwd, dequant_matmul_4bit_fwd
 from .gated import (
@@ -13,6 +14,7 @@ from .rms_norm import add_rms_norm_bwd, add_rms_norm_fwd, rms_norm_bwd, rms_norm
 from .rope import rope_bwd, rope_fwd
 
 __all__ = [
+    "activation_fwd", "activation_bwd",
     "rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
     "add_layer_norm_fwd", "layer_norm_res_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",

@@ -4,6 +4,7 @@ Every function here has the signature and return values of its twin in ``backend
 and returns contiguous outputs in the input dtype (statistics in fp32). Only this package
 imports triton.
 """
+from .activation import activation_bwd, activation_fwd
 from . import _interpret
 
 _interpret.apply()
@@ -26,6 +27,7 @@ from .rms_norm import add_rms_norm_bwd, add_rms_norm_fwd, rms_norm_bwd, rms_norm
 from .rope import rope_bwd, rope_fwd
 
 __all__ = [
+    "activation_fwd", "activation_bwd",
     "rms_norm_fwd", "rms_norm_bwd", "add_rms_norm_fwd", "add_rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
     "add_layer_norm_fwd", "layer_norm_res_bwd",
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",

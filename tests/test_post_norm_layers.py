@@ -1,0 +1,115 @@
+"""Post-norm decoder layers (OPT-350m's do_layer_norm_before=False): h = norm(x + attention(x)), then
+out = norm(h + mlp(h)), each residual add inside the norm after it (``ResidualNormSpec.post_norm``). One
+training step fused vs unfused: loss and every gradient (fp32 tight, bf16 by the numerics rule against
+float64); restore; active dropout between the blocks left unfused with the reason; and a CUDA run."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import torchfuser
+from torchfuser.modules import fallbacks
+from torchfuser.modules.residual_norm import ResidualNormForward
+
+from numerics import assert_within_rule
+
+VOCAB = 96
+# OPT-350m's form: post-norm layers, embeddings projected in and out (word_embed_proj_dim ≠ hidden_size)
+_OPT350 = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, ffn_dim=64, word_embed_proj_dim=16, do_layer_norm_before=False)
+
+
+def make(impl: str = "sdpa", **overrides):
+    cfg = AutoConfig.for_model("opt", **{**_OPT350, "dropout": 0.0, **overrides})
+    cfg._attn_implementation = impl
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float().train()
+
+
+def step(model, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    torch.manual_seed(0)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+    loss.backward()
+    return loss.detach()
+
+
+def layers(model):
+    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_training_step_fused_matches_unfused(impl):
+    ref = make(impl)
+    fused = copy.deepcopy(ref)
+    keys = list(ref.state_dict())
+    torchfuser.optimize(fused, backend="reference")
+    found = layers(fused)
+    assert len(found) == 2, str(torchfuser.report(fused))
+    spec = found[0].forward.spec
+    assert spec.post_norm and not spec.parallel
+    assert (spec.norm_in, spec.norm_mid) == ("self_attn_layer_norm", "final_layer_norm")
+    assert list(fused.state_dict()) == keys
+    loss_ref, loss = step(ref), step(fused)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), n
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert not fallbacks.counts(fused), fallbacks.counts(fused)
+    torchfuser.restore(fused)
+    assert not layers(fused) and list(fused.state_dict()) == keys
+
+
+def test_bf16_within_the_rule():
+    ref64 = make().double()
+    plain = copy.deepcopy(ref64).to(torch.bfloat16)
+    fused = copy.deepcopy(plain)
+    torchfuser.optimize(fused, backend="reference")
+    assert len(layers(fused)) == 2
+    losses = [step(m) for m in (fused, plain, ref64)]
+    assert_within_rule(losses[0].reshape(1), losses[1].reshape(1), losses[2].reshape(1), 1e-2, "loss")
+    for (n, f), (_, p), (_, r) in zip(fused.named_parameters(), plain.named_parameters(), ref64.named_parameters()):
+        assert_within_rule(f.grad, p.grad, r.grad, 1e-2 * max(1.0, r.grad.abs().max().item()), n)
+
+
+def test_active_dropout_is_left_unfused_with_the_reason():
+    model = make(dropout=0.1)
+    torchfuser.optimize(model, backend="reference")
+    assert not layers(model)
+    reasons = [e.reason for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
+    assert reasons and all("dropout between its blocks" in r for r in reasons), reasons
+
+
+def test_switched_on_dropout_runs_the_original():
+    ref = make()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    for m in (ref, fused):
+        for layer in m.model.decoder.layers:
+            layer.dropout = 0.2  # after fusion: the fused forward has none, so the original runs (counted)
+    torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)
+    assert "dropout between the blocks is on" in str(fallbacks.counts(fused))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_with_the_defaults():
+    ref = make().cuda()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused)
+    assert len(layers(fused)) == 2, str(torchfuser.report(fused))
+    losses = []
+    for m in (ref, fused):
+        for _ in range(2):  # twice: a second call may replay what the first captured
+            m.zero_grad(set_to_none=True)
+            loss = step(m, "cuda")
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-4, msg=n)
