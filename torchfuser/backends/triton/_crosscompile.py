@@ -256,6 +256,15 @@ def _scenarios(hiddens, dtypes, tokens):
     for t, parts, dim, scale in ((f32(3 * r, d), "hl", 0, 1.0), (f32(tokens, 3 * r)[:, r:2 * r], "hlh", 1, 2.0),
                                  (f32(d, r), "hhl", 1, 1.0), (f32(tokens, 3 * r), "hlh", 1, 1.0)):
         yield "hilo_split", lambda t=t, p=parts, dm=dim, s=scale: hilo_split(t, p, dm, torch.bfloat16, s)
+    # The plain MLP's ReLU and squared ReLU (Nemotron, Persimmon, CTRL), after all the others.
+    from . import activation
+
+    for dt in dtypes:
+        for n in hiddens:
+            x = torch.empty(tokens, 4 * n, dtype=dt, device=meta)
+            for kind in ("relu", "relu2"):
+                yield f"activation_fwd-{kind}", lambda x=x, k=kind: activation.activation_fwd(x, k)
+                yield f"activation_bwd-{kind}", lambda x=x, k=kind: activation.activation_bwd(x, x, k)
 
 
 def _rowwise_both(path, fn, *args):
