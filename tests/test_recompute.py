@@ -101,3 +101,29 @@ def test_made_again_only_where_a_gradient_is_recorded():
     with torch.no_grad():
         model(input_ids=ids)  # nothing saved, no hook pushed: it must simply run
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_attention_is_handed_a_v_of_its_own(lora, monkeypatch):
+    """The attention kernel saves v for its backward: v, a view of the joint q/k/v projection's output, kept all of
+    [q | k | v] alive until the backward (q and k are made anew by rope), 1.25 hidden-sized tensors a token a layer
+    more than v at Llama-3-8B's shapes. v is now a copy of its own wherever grad mode is on. Under CPU autocast (the
+    joint projection) and with LoRA (its fused node)."""
+    from torchfuser.modules import attention
+
+    model = _model(torch.bfloat16 if lora else torch.float32, lora)
+    torchfuser.optimize(model, backend="reference")
+    kept, real = [], attention.sdpa_attention_forward
+
+    def recording(module, q, k, v, *args, **kwargs):
+        kept.append(v.untyped_storage().nbytes() / (v.numel() * v.element_size()))
+        return real(module, q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", recording)
+    ids = torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not lora):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # (a cache would hand back copies)
+        assert kept == [1.0, 1.0], kept
+        with torch.no_grad():  # generate and evaluation: no copy (nothing is saved)
+            model(input_ids=ids, use_cache=False)
+    assert kept[2:] == [4.0, 4.0], kept  # q 64 + k 32 + v 32 columns, of which v holds 32

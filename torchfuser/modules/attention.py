@@ -318,6 +318,12 @@ class FusedAttention(FusedModule):
         q, k, v = self._project(hidden_states)
         if s.q_norm is not None and s.norm_per_head:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
+        base = None if torch.compiler.is_compiling() else v._base  # (compiled: the compiler plans what is saved)
+        if (s.rotary_dim or s.q_norm is not None) and base is not None and base.numel() > v.numel() and torch.is_grad_enabled():
+            # q and k are made anew (rope, norms); v would be the one view left of the joint projection's
+            # output, and the attention's saved v would keep all of [q | k | v] alive until the backward
+            # (1.5 hidden-sized tensors a token a layer at Llama-3-8B's shapes, for v's 0.25): keep a copy.
+            v = v.contiguous()
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if s.rotary_dim:
             cos, sin = (rotary_complex.tables(kwargs[s.rotary_complex], q.shape[2]) if s.rotary_complex
