@@ -3,6 +3,7 @@ the same loss and gradients, bit for bit, as keeping it; h's bytes no longer sav
 aside under hooks that decide what is kept (non-reentrant checkpointing, offloading)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -54,7 +55,10 @@ CASES = [("reference", torch.float32, False), ("reference", torch.bfloat16, True
 
 
 @pytest.mark.parametrize("backend,dtype,lora", CASES)
-def test_h_made_again_gives_the_kept_h_gradients_bit_for_bit_and_saves_its_bytes(backend, dtype, lora):
+def test_h_made_again_gives_the_kept_h_gradients_bit_for_bit_and_saves_its_bytes(backend, dtype, lora, monkeypatch):
+    from torchfuser.modules import residual_norm
+
+    monkeypatch.setattr(residual_norm, "_made_again", lambda *args: contextlib.nullcontext())  # h alone here
     model = _model(dtype, lora)
     torchfuser.optimize(model, backend=backend)
     assert torchfuser.report(model).fused
@@ -66,6 +70,31 @@ def test_h_made_again_gives_the_kept_h_gradients_bit_for_bit_and_saves_its_bytes
         assert torch.equal(grads_a[n], grads_b[n]), n
     h_bytes = 2 * T * I * torch.finfo(dtype).bits // 8
     assert bytes_b - bytes_a == 2 * h_bytes  # one h a layer, two layers
+
+
+@pytest.mark.parametrize("backend,dtype,lora", CASES)
+def test_norm_outputs_made_again_give_the_same_gradients_bit_for_bit(backend, dtype, lora, monkeypatch):
+    """The decoder layer's two RMSNorm outputs are made again from what the norms keep (the layer's input, the
+    sum after the attention) for the projections after them: bit for bit the gradients of keeping them, and
+    the bytes saved less are those of the tensors made again (each layer: its two norm outputs and h)."""
+    model = _model(dtype, lora)
+    torchfuser.optimize(model, backend=backend)
+    remade = []
+    real = recompute._Recipe.__init__
+
+    def init(self, make, t):
+        remade.append((t.shape[-1], t.untyped_storage().nbytes()))
+        real(self, make, t)
+
+    monkeypatch.setattr(recompute._Recipe, "__init__", init)
+    loss_a, grads_a, bytes_a = _step(model, "counting")  # recipes under counting hooks
+    loss_b, grads_b, bytes_b = _step(model, "other")  # any other hook: everything kept
+    assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()
+    for n in grads_a:
+        assert torch.equal(grads_a[n], grads_b[n]), n
+    assert bytes_b - bytes_a == sum(b for _, b in remade)
+    widths = sorted(w for w, _ in remade)
+    assert widths.count(I) == 2 and widths.count(H) >= 4, widths  # h, and both norms' outputs, in each layer
 
 
 def test_the_unfused_model_trains_the_same():

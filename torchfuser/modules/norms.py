@@ -7,8 +7,9 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
+from torchfuser.modules import recompute
 from torchfuser.modules.base import FusedModule, adopt, decided, signature
-from torchfuser.ops._call import autocast_enabled
+from torchfuser.ops._call import autocast_enabled, kernel
 from torchfuser.ops.rms_norm import add_rms_norm_fp8_producer
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -127,6 +128,18 @@ class FusedRMSNorm(FusedModule):
         if out_dtype is None and (out := _out_dtype(s, x, weight)) != x.dtype:  # the original norm's dtype
             out_dtype, maxima = out, False
         return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), backend, out_dtype, maxima)
+
+
+    def made_again(self, y: Tensor, src: Tensor):
+        """While active, ``y`` — this norm of ``src`` from ``add`` (src: the sum it stored) or ``opening_residual``
+        (src: x), in y's dtype, without FP8 maxima — is not kept by what saves it for the backward (the
+        projections after the norm): the backward makes it again from src, which the norm's backward keeps. Bit
+        for bit: every backend's ``add_rms_norm_fwd`` normalises the stored sum with its own ``rms_norm_fwd``, as
+        this does (``modules.recompute``; a hidden-sized tensor a token less kept per norm)."""
+        s, w = self.spec, getattr(self, self.spec.weight)
+        backend = decided(self, ("again", src.device, self.backend), lambda: F.backend_for(self.backend, src.device))
+        eps, offset, dtype = float(s.eps), float(s.offset), y.dtype
+        return recompute.made_again(y, lambda: kernel(backend, "rms_norm_fwd")(src, w, eps, offset, dtype)[0])
 
 
 class FusedLayerNorm(FusedModule):

@@ -10,7 +10,7 @@ one more elementwise kernel in the backward.
 The mechanism is a saved-tensor hook around the down projection alone: a tensor saved there that is h
 (its storage, its size) is packed as the recipe to make it again; any other goes through unchanged.
 It stands aside (h is kept, as before) where it could change what others rely on:
-- another saved-tensor hook is active that is not a counting one (``COUNTING``): non-reentrant
+- another saved-tensor hook is active that is not a counting one (``COUNTING``) or another recipe's: non-reentrant
   checkpointing or an offloading hook decides what is kept there, and a recipe holding [gate | up]
   would keep what they free;
 - under ``torch.compile`` (the compiler plans what to save itself) and where no gradient is recorded.
@@ -26,6 +26,9 @@ from torch import Tensor
 _autograd = torch._C._autograd
 # A pack hook carrying this attribute only looks at what is saved (bytes counters): recipes compose with it.
 COUNTING = "_torchfuser_counting"
+# A pack hook carrying this one is made_again's own: an inner made_again composes with it (the norm's output
+# made again around the MLP whose h is made again too).
+RECIPE = "_torchfuser_recipe"
 RECIPES = [0]  # tensors packed as recipes so far (made again in the backward, not kept): the probes read it
 
 
@@ -48,7 +51,7 @@ def _outer():
     hooks = top(True)
     if hooks is None:
         return None
-    return hooks if getattr(hooks[0], COUNTING, False) else False
+    return hooks if getattr(hooks[0], COUNTING, False) or getattr(hooks[0], RECIPE, False) else False
 
 
 def _data_ptr(t: Tensor) -> int | None:
@@ -63,7 +66,8 @@ def _data_ptr(t: Tensor) -> int | None:
 def made_again(out: Tensor, make: Callable[[], Tensor]):
     """While active, ``out`` (the result of ``make()``, which reads only tensors kept anyway) is not kept
     by what saves it for the backward: the backward calls ``make`` again."""
-    if torch.compiler.is_compiling() or not (out.requires_grad and torch.is_grad_enabled()):
+    # (out itself may need no gradient and still be saved: layer 0's norm output, read by its LoRA A's gradient)
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         yield
         return
     outer = _outer()
@@ -83,5 +87,6 @@ def made_again(out: Tensor, make: Callable[[], Tensor]):
             return packed()
         return outer[1](packed[0]) if outer else packed[0]
 
+    setattr(pack, RECIPE, True)
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield

@@ -36,6 +36,7 @@ goes through the class's wrapper, which checkpoints it. transformers 5.17 checkp
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from dataclasses import dataclass
@@ -192,8 +193,10 @@ class ResidualNormForward:
         if s.post_norm:
             return self._post(call, x, norm_in, attention, mlp)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
-        y, x = norm_in.opening_residual(x, low, _maxima(attention, "in", x, low))
-        a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+        maxima = _maxima(attention, "in", x, low)
+        y, x = norm_in.opening_residual(x, low, maxima)
+        with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
+            a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
         out = self._body(x, y, a[0], low, attention, mlp)
         return (out, a[1]) if s.returns_rest else out
 
@@ -218,7 +221,8 @@ class ResidualNormForward:
             return x + a + mlp(y)
         maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
         h, y = norm_mid.add(x, a, low, maxima)
-        return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
+        with _made_again(norm_mid, y, h, any(maxima)):
+            return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
     def _unfused(self, args, x, call) -> str | None:
         """Why this call runs the original forward, or None."""
@@ -243,6 +247,14 @@ class ResidualNormForward:
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: bool):
+    """The block after an RMSNorm does not keep the norm's output y: the backward makes it again from src
+    (``FusedRMSNorm.made_again``); not with FP8 maxima (another kernel), nor for LayerNorms."""
+    if maxima or not isinstance(norm, FusedRMSNorm) or not y.numel():
+        return contextlib.nullcontext()
+    return norm.made_again(y, src)
 
 
 def _mlp(layer: nn.Module, s: ResidualNormSpec):
