@@ -46,6 +46,27 @@ class ProbeDropout(nn.Module):
 BIAS_ARGS = ("alibi", "position_bias")  # position biases added to the scores, which the fused attention does not add
 
 
+_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
+
+
+def is_weightless_norm(m: nn.Module) -> bool:
+    """A child without parameters or children computing x·rsqrt(mean(x²) + eps) over the last dim, eps its
+    own attribute (Llama 4's text ``qk_norm``): checked on a float64 probe, not taken from its name."""
+    if m._modules or any(p is not None for p in m._parameters.values()) or isinstance(m, (nn.Dropout, nn.Identity)):
+        return False
+    eps = next((v for n in _EPS_ATTRS if isinstance(v := getattr(m, n, None), float)), None)
+    if eps is None:
+        return False
+    x = _probe.randn(3, 6, gen=_probe.generator(7))
+    try:
+        with torch.no_grad():
+            got = m(x)
+    except Exception:
+        return False
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return isinstance(got, torch.Tensor) and got.shape == x.shape and _probe.close(got, want)
+
+
 def forward_params(module: nn.Module) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(module.forward).parameters.values())
@@ -106,7 +127,7 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     n_out = _probe.projection_dims(proj[spec.out])[0]
     probe._modules[spec.out] = _probe.small_projection(proj[spec.out], n_out, _MODEL_WIDTH, gen)
     for n in (spec.q_norm, spec.k_norm):
-        if n is not None:
+        if n is not None and getattr(module._modules[n], "weight", None) is not None:  # a weightless one stays
             probe._modules[n] = ProbeNorm(module._modules[n].weight.shape[0], gen)
     # Every dropout gets its own p (and every Dropout child its own mark), so that the training
     # probe tells which one the forward applies where.
@@ -126,8 +147,8 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     # A position-bias argument without a default gets None: the pattern lets it through only where the
     # config switches it off (Falcon's alibi in transformers 5.17, with alibi=False)
     kwargs.update({p.name: None for p in forward_params(module)[1:] if p.default is p.empty and p.name in BIAS_ARGS})
-    if spec.rotary_complex:  # S × 1 × D/2, as Llama 4 passes it; random, so that any other convention shows
-        shape = (_SEQ, 1, spec.rotary_dim // 2)
+    if spec.rotary_complex:  # S × 1 × D/2 as Llama 4's vision tower passes it (B × S × D/2: its text model's)
+        shape = (_BATCH, _SEQ, spec.rotary_dim // 2) if flat_tables else (_SEQ, 1, spec.rotary_dim // 2)
         kwargs[spec.rotary_complex] = torch.complex(_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
     elif spec.rotary_dim or takes_rope(module):
         # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
@@ -204,7 +225,8 @@ def check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
     except Exception as err:  # a wrong guess often fails on shapes
         if not spec.rotary_dim:
             return f"{type(err).__name__}: {err}"
-        try:  # rotary tables shared by the batch, S × D (Pixtral / Mistral 3's vision attention)
+        # rotary tables shared by the batch, S × D (Pixtral / Mistral 3's vision attention); complex ones per row
+        try:
             probe, x, kwargs = probe_copy(module, spec, flat_tables=True)
             want, got = run_both(probe, spec, x, kwargs, training)
         except Exception:

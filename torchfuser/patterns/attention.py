@@ -25,8 +25,8 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    BIAS_ARGS, check, complex_table_args, forward_params, mask_variants, row_runs, rows_read, takes_rope,
-    value_rows,
+    BIAS_ARGS, check, complex_table_args, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
+    takes_rope, value_rows,
 )
 from torchfuser.patterns.base import Pattern, Skip
 
@@ -151,6 +151,9 @@ def _norm_roles(module, norms, heads, kv, d):
     if not norms:
         yield {}
         return
+    if len(norms) == 1:  # one weightless norm applied to q and to k (Llama 4's text qk_norm)
+        yield dict(q_norm=norms[0], k_norm=norms[0], norm_per_head=True)
+        return
     for qn, kn in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk")):
         wq, wk = (module._modules[n].weight.shape[0] for n in (qn, kn))
         if wq == wk == d:
@@ -226,8 +229,11 @@ class AttentionPattern(Pattern):
             positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
             parts, rope = result, takes_rope(module)
             result = self._search(module, projs, parts, positional, rope)
-            tables = () if rope or not isinstance(result, Skip) else tuple(complex_table_args(module))
-            if tables:  # a required argument may be a complex rotary table (Llama 4's vision freqs_ci)
+            # A required argument may be a complex rotary table (Llama 4's vision freqs_ci), or the
+            # position_embeddings may be one (Llama 4's text freqs_cis).
+            tables = (() if not isinstance(result, Skip) else ("position_embeddings",) if rope
+                      else tuple(complex_table_args(module)))
+            if tables:
                 found = self._search(module, projs, parts, positional, True, tables)
                 result = result if isinstance(found, Skip) else found
         if isinstance(result, Skip) and "position_ids" in names and "position_embeddings" not in names:
@@ -279,7 +285,7 @@ class AttentionPattern(Pattern):
     @staticmethod
     def _parts(module: nn.Module, projs):
         """(norm children, dropout children, buffer names) or a Skip for unknown children."""
-        norms, drops, unknown = [], [], []
+        norms, drops, unknown, weightless = [], [], [], []
         for n, m in module._modules.items():
             if m is None or n in projs:
                 continue
@@ -289,12 +295,18 @@ class AttentionPattern(Pattern):
                 continue
             elif _is_norm(m):
                 norms.append(n)
+            elif is_weightless_norm(m):
+                weightless.append(n)
             else:
                 unknown.append(n)
+        if len(weightless) == 1 and not norms:
+            norms = weightless
+        elif weightless:
+            unknown += weightless
         if unknown:
             return Skip(f"unrecognised submodules {unknown} ({_reasons.children(module, unknown)}) besides its "
                         "projections: the fused attention reproduces projections, a q and a k norm and dropouts only")
-        if len(norms) not in (0, 2):
+        if len(norms) not in (0, 2) and norms != weightless:
             return Skip(f"{'a single norm' if len(norms) == 1 else f'{len(norms)} norms'} ({_reasons.quoted(norms)}), "
                         "not a pair of q and k norms")
         return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
@@ -308,12 +320,15 @@ class AttentionPattern(Pattern):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
                     for rotary in _rotary_guesses(module, d, pair_tables, complex_args) if takes_rope else ({},):
-                        yield AttentionSpec(
-                            layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
-                            scaling=_scaling(module, d), **fields, **rotary, **norm_roles,
-                            out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
-                            positional=positional, keep=buffers,
-                        )
+                        # per-head q/k norms before the rotary (Qwen3), else after it (HunYuan, Llama 4)
+                        after = (False, True) if norm_roles.get("norm_per_head") and rotary.get("rotary_dim") else (False,)
+                        for norm_after_rope in after:
+                            yield AttentionSpec(
+                                layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
+                                scaling=_scaling(module, d), **fields, **rotary, **norm_roles,
+                                norm_after_rope=norm_after_rope, out_dropout=out_child,
+                                is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
+                            )
 
     def _search(self, module, projs, parts, positional, takes_rope, complex_args=()):
         """The first spec both probes accept, else a Skip. Two stages keep the search small: the
