@@ -313,22 +313,23 @@ class AttentionPattern(Pattern):
 
     # -- guesses and probes ----------------------------------------------------------------
     @staticmethod
-    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False, complex_args=()):
-        """Every spec the structure allows, dropout probabilities aside, likeliest first."""
+    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False, complex_args=(),
+               after_rope=False):
+        """Every spec the structure allows, dropout probabilities aside, likeliest first; with ``after_rope``,
+        only those with per-head q/k norms, applied after the rotary (HunYuan, Llama 4's text qk_norm)."""
         norms, drops, buffers = parts
         for out, layout, qkv, fields, (heads, kv, d) in _shapes(module, projs, blocks):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
                     for rotary in _rotary_guesses(module, d, pair_tables, complex_args) if takes_rope else ({},):
-                        # per-head q/k norms before the rotary (Qwen3), else after it (HunYuan, Llama 4)
-                        after = (False, True) if norm_roles.get("norm_per_head") and rotary.get("rotary_dim") else (False,)
-                        for norm_after_rope in after:
-                            yield AttentionSpec(
-                                layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
-                                scaling=_scaling(module, d), **fields, **rotary, **norm_roles,
-                                norm_after_rope=norm_after_rope, out_dropout=out_child,
-                                is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
-                            )
+                        if after_rope and not (norm_roles.get("norm_per_head") and rotary.get("rotary_dim")):
+                            continue  # the same spec as with the norms before the rotary
+                        yield AttentionSpec(
+                            layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
+                            scaling=_scaling(module, d), **fields, **rotary, **norm_roles, norm_after_rope=after_rope,
+                            out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
+                            positional=positional, keep=buffers,
+                        )
 
     def _search(self, module, projs, parts, positional, takes_rope, complex_args=()):
         """The first spec both probes accept, else a Skip. Two stages keep the search small: the
@@ -343,9 +344,12 @@ class AttentionPattern(Pattern):
         # A forward that ignores the mask it is given (found once an output differs) is probed as such.
         tables = [False, True] if takes_rope and not complex_args else [False]
         v_rows, tried, v_fits, ignored = {}, set(), False, [None]
-        for blocks, pair_tables in itertools.product((False, True), tables):
+        # q/k norms after the rotary are a stage of their own, after every placement before it.
+        placements = (False, True) if parts[0] and takes_rope else (False,)
+        for after_rope, blocks, pair_tables in itertools.product(placements, (False, True), tables):
             budget = _MAX_PROBES
-            for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks, complex_args):
+            for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks, complex_args,
+                                    after_rope):
                 if blocks:
                     key = (spec.qkv, spec.out, spec.rotary_table_dim)
                     if key not in v_rows:
