@@ -18,11 +18,16 @@ _TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projec
             "vision_output_dim", "projector_input_dim", "projector_output_dim")
 
 
+def _is_sub(key, value) -> bool:
+    """Whether ``value`` is a sub-config (not a per-layer table, whose keys are layer indices)."""
+    return isinstance(value, dict) and key != "per_layer_config" and ("model_type" in value or str(key).endswith("_config"))
+
+
 def _images(values: dict) -> dict:
     """Small images in every (sub-)config with a patch size: ``PATCHES`` patches a side."""
     out = {}
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+        if _is_sub(key, value):
             out[key] = {**value, **_images(value)}
     patch = values.get("patch_size")
     patch = patch[0] if isinstance(patch, (list, tuple)) and patch else patch
@@ -79,7 +84,7 @@ def _special_ids(values: dict, taken: list[int]) -> dict:
     """Token ids past the tiny vocabulary moved to its top, each to its own id."""
     out = {}
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+        if _is_sub(key, value):
             out[key] = {**value, **_special_ids(value, taken)}
         elif isinstance(key, str) and _TOKEN_ID.search(key) and isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
             out[key] = VOCAB - 1 - len(taken)
@@ -87,11 +92,26 @@ def _special_ids(values: dict, taken: list[int]) -> dict:
     return out
 
 
+def _int_layer_keys(values: dict) -> dict:
+    """Per-layer tables keyed by layer index as strings ('05', as a nested config serialises them) keyed by int,
+    in every sub-config, so that the causal-LM sweep maps them into the tiny depth."""
+    out = {}
+    for key, value in values.items():
+        if key == "per_layer_config" and isinstance(value, dict) and all(str(k).isdigit() for k in value):
+            out[key] = {int(k): v for k, v in value.items()}
+        elif _is_sub(key, value):
+            out[key] = _int_layer_keys(value)
+        else:
+            out[key] = value
+    return out
+
+
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
         # Sub-configs merge field by field; any other dict (a per-layer table) is replaced whole.
-        sub = isinstance(v, dict) and isinstance(out.get(k), dict) and ("model_type" in v or str(k).endswith("_config"))
+        sub = isinstance(v, dict) and isinstance(out.get(k), dict) and k != "per_layer_config" and (
+            "model_type" in v or str(k).endswith("_config"))
         out[k] = _merge(out[k], v) if sub else v
     return out
 
@@ -99,7 +119,12 @@ def _merge(a: dict, b: dict) -> dict:
 def tiny_config(model_type: str):
     from transformers import AutoConfig
 
-    defaults = AutoConfig.for_model(model_type).to_dict()
+    base = AutoConfig.for_model(model_type)
+    defaults = _int_layer_keys(base.to_dict())
+    for key, cls in (getattr(type(base), "sub_configs", None) or {}).items():
+        # A vision tower the config leaves out by default (Gemma 4's): its sub-config's own defaults.
+        if "vision" in key and defaults.get(key) is None and getattr(cls, "model_type", "") and cls.__name__ != "AutoConfig":
+            defaults[key] = _int_layer_keys(cls().to_dict())
     values = _merge(defaults, arch_sweep._tiny(defaults))
     values = _merge(values, _images(values))
     values = _merge(values, _special_ids(values, []))

@@ -67,6 +67,13 @@ def pixel_candidates(model, n_images: int):
         side = 2 * merge
         yield {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
                "image_grid_thw": torch.tensor([[1, side, side]] * n_images)}
+    positions = next((n for n in ("image_position_ids", "pixel_position_ids") if n in params), None)
+    if positions is not None:  # patches flattened a row, with their (x, y) on the grid (Gemma 4's processor)
+        side = 2 * _first_int(vis, ("pooling_kernel_size",), PATCHES // 2)  # pooled by k × k patches
+        xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).reshape(-1, 2)
+        for p in dict.fromkeys((patch, _first_int(vis, ("model_patch_size",), patch))):  # Gemma 4 unified: its own
+            yield {"pixel_values": torch.rand(n_images, side * side, channels * p * p, generator=gen),
+                   positions: xy.expand(n_images, -1, -1).clone()}
     extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
     for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size), (n_images, 2, channels, size, size)):
         pixels = torch.randn(*shape, generator=gen)
