@@ -102,13 +102,13 @@ def _feature_rows(out, width: int) -> int:
     return total // width
 
 
-def _image_token(cfg) -> int:
+def _image_token(cfg) -> int | None:
     for sub in (cfg, getattr(cfg, "text_config", None)):
         for name in ("image_token_id", "image_token_index", "image_token"):
             v = getattr(sub, name, None)
             if isinstance(v, int) and not isinstance(v, bool):
                 return v
-    raise ValueError("the config names no image token id")
+    return None  # the image reaches the model another way (an encoder-decoder, or features put before the text)
 
 
 def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
@@ -118,7 +118,9 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     width = getattr(text, "hidden_size", None)
     fn = _get_image_features(model)
     image = _image_token(model.config)
-    if fn is None or not isinstance(width, int):
+    if image is None:  # text alone in input_ids: the model puts the image in itself
+        n = 0
+    elif fn is None or not isinstance(width, int):
         n = rows  # cross-attention to the image (Mllama): one image token a row marks it
     else:
         kwargs = {k: v for k, v in pixels.items() if k in inspect.signature(fn).parameters}
@@ -130,13 +132,15 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     specials = {v for v in range(VOCAB - 16, VOCAB)}
     body = [t for t in range(3, VOCAB) if t not in specials]
     ids = torch.tensor(body)[torch.randint(0, len(body), (rows, PROMPT + n // rows + TAIL), generator=gen)]
-    ids[:, PROMPT:PROMPT + n // rows] = image
-    labels = ids.masked_fill(ids == image, -100)
+    if image is not None:
+        ids[:, PROMPT:PROMPT + n // rows] = image
+    is_image = ids == image if image is not None else torch.zeros_like(ids, dtype=torch.bool)
+    labels = ids.masked_fill(is_image, -100)
     inputs = {"input_ids": ids, "labels": labels, **pixels}
     params = inspect.signature(type(model).forward).parameters
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in params:
-            inputs[name] = (ids == image).long()
+            inputs[name] = is_image.long()
     return inputs
 
 
@@ -163,12 +167,33 @@ def grads_match(ref, fused, rel: float = 1e-4) -> str | None:
     return None
 
 
+def _decoder_prefix(model) -> str | None:
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    return next((n for n, m in model.named_modules() if m is decoder), None) if decoder is not None else None
+
+
+def _image_reached_loss(model, inputs) -> bool:
+    """Whether the image reaches the loss: a parameter outside the language model got a nonzero gradient (in the
+    step just run), or the loss changes with other random pixels (a vision tower inside the language model, GIT's)."""
+    prefix = _decoder_prefix(model)
+    if prefix is not None and any(p.grad is not None and p.grad.any() for n, p in model.named_parameters()
+                                  if not n.startswith(prefix + ".") and "embed" not in n and "lm_head" not in n):
+        return True
+    other = {k: (torch.randn(v.shape, generator=torch.Generator().manual_seed(9)) if k == "pixel_values" else v.clone())
+             for k, v in inputs.items()}
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = model(**{k: v.clone() for k, v in inputs.items()}, use_cache=False).loss
+        torch.manual_seed(0)
+        b = model(**other, use_cache=False).loss
+    return not torch.equal(a, b)
+
+
 def towers(model, rep) -> dict[str, dict[str, int]]:
     """Fused blocks per tower: ``text`` (under the language model, or the head on the model itself) and
     ``vision`` (everything else: the vision encoder and the projector)."""
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    prefix = next((n for n, m in model.named_modules() if m is decoder), None) if decoder is not None else None
+    prefix = _decoder_prefix(model)
     out: dict[str, dict[str, int]] = {}
     for e in rep.fused:
         text = e.name == "" or e.pattern == "lm_head_loss" or (
@@ -204,6 +229,10 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
                 tried = True
         if inputs is None:
             return Result(model_type, "unbuildable", "inputs: " + why)
+        if _image_token(ref.config) is None and not _image_reached_loss(ref, inputs):
+            return Result(model_type, "unbuildable", "inputs: with no image token id in its config, the pixels given "
+                          "beside plain text do not reach the loss (no gradient outside its language model, the same loss with other "
+                          "pixels): its image placeholders are not known here")
         def add_towers(res, model, rep):
             res.towers = towers(model, rep)
 
