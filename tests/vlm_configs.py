@@ -141,11 +141,34 @@ def tiny_config(model_type: str):
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
                 setattr(sub, name, 0)
+    _placeholders(cfg, values)
     return cfg
 
 
+def _placeholders(cfg, values: dict) -> None:
+    """An image token id the config declares but leaves None (its processor adds the token: BLIP-2) set to a
+    free id at the top of the tiny vocabulary; an encoder-decoder's missing decoder start and pad tokens (UDOP, VisionEncoderDecoder) 0."""
+    taken = set()
+    stack = [values]
+    while stack:
+        for key, value in stack.pop().items():
+            if _is_sub(key, value):
+                stack.append(value)
+            elif _TOKEN_ID.search(str(key)) and isinstance(value, int) and not isinstance(value, bool):
+                taken.add(value)
+    free = (i for i in range(VOCAB - 2, VOCAB - 16, -1) if i not in taken)
+    for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):  # a video model's
+        if hasattr(cfg, name) and getattr(cfg, name) is None:
+            setattr(cfg, name, next(free))
+            break
+    if getattr(cfg, "is_encoder_decoder", False):  # labels shifted right into decoder inputs need both
+        for name in ("decoder_start_token_id", "pad_token_id"):
+            if getattr(cfg, name, None) is None:
+                setattr(cfg, name, 0)
+
+
 def _vision(cfg):
-    sub = next((getattr(cfg, n) for n in ("vision_config", "visual_config", "vision_tower_config")
+    sub = next((getattr(cfg, n) for n in ("vision_config", "visual_config", "vision_tower_config", "encoder")
                 if getattr(cfg, n, None) is not None), cfg)
     return sub
 

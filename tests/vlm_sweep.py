@@ -75,9 +75,12 @@ def pixel_candidates(model, n_images: int):
             yield {"pixel_values": torch.rand(n_images, side * side, channels * p * p, generator=gen),
                    positions: xy.expand(n_images, -1, -1).clone()}
     extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
+    if "qformer_input_ids" in params:  # InstructBLIP: the instruction, given to its Q-Former too
+        extra["qformer_input_ids"] = torch.randint(3, VOCAB - 16, (n_images, 4), generator=gen)
     for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size), (n_images, 2, channels, size, size)):
         pixels = torch.randn(*shape, generator=gen)
-        yield {"pixel_values": pixels}
+        if "qformer_input_ids" not in extra:
+            yield {"pixel_values": pixels}
         if extra:
             yield {"pixel_values": pixels, **extra}
 
@@ -104,7 +107,7 @@ def _feature_rows(out, width: int) -> int:
 
 def _image_token(cfg) -> int | None:
     for sub in (cfg, getattr(cfg, "text_config", None)):
-        for name in ("image_token_id", "image_token_index", "image_token"):
+        for name in ("image_token_id", "image_token_index", "image_token", "video_token_id", "video_token_index"):
             v = getattr(sub, name, None)
             if isinstance(v, int) and not isinstance(v, bool):
                 return v
@@ -141,6 +144,8 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in params:
             inputs[name] = is_image.long()
+    if "image_attention_mask" in params and pixels["pixel_values"].dim() == 5:  # cross-attention (IDEFICS): all see it
+        inputs["image_attention_mask"] = torch.ones(rows, ids.shape[1], pixels["pixel_values"].shape[1], dtype=torch.long)
     return inputs
 
 
@@ -231,8 +236,8 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
             return Result(model_type, "unbuildable", "inputs: " + why)
         if _image_token(ref.config) is None and not _image_reached_loss(ref, inputs):
             return Result(model_type, "unbuildable", "inputs: with no image token id in its config, the pixels given "
-                          "beside plain text do not reach the loss (no gradient outside its language model, the same loss with other "
-                          "pixels): its image placeholders are not known here")
+                          "beside plain text do not reach the loss (no gradient outside its language model, the same "
+                          "loss with other pixels): its image placeholders are not known here")
         def add_towers(res, model, rep):
             res.towers = towers(model, rep)
 
