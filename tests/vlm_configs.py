@@ -51,6 +51,12 @@ def _images(values: dict) -> dict:
         for key, value in values.items():  # layer indices (full-attention layers, deepstack taps) → the two kept
             if key.endswith(("indexes", "indices")) and isinstance(value, list) and all(isinstance(i, int) for i in value):
                 out[key] = sorted({min(i, 1) for i in value})
+    depth = values.get("num_hidden_layers")
+    if isinstance(depth, int) and depth <= 2:  # hidden-state taps past the tiny depth (Mllama's intermediate layers)
+        for key, value in values.items():
+            if key.endswith(("indexes", "indices")) and isinstance(value, list) and value \
+                    and all(isinstance(i, int) and not isinstance(i, bool) for i in value) and max(value) >= depth:
+                out[key] = sorted({min(i, depth - 1) for i in value})
     ratio = values.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
         out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)

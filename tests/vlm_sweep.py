@@ -31,6 +31,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arch_sweep  # noqa: E402
 from vlm_configs import PATCHES, VOCAB, _first_int, _vision, tiny_config  # noqa: E402
+from vlm_pixels import pixel_candidates  # noqa: E402
 
 PROMPT, TAIL = 3, 5  # text tokens before and after the image
 
@@ -51,38 +52,6 @@ def _model_class(model_type: str):
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
-
-
-def pixel_candidates(model, n_images: int):
-    """Pixel inputs of the shapes image-text models take, most specific first (keyword → tensor)."""
-    vis = _vision(model.config)
-    params = inspect.signature(type(model).forward).parameters
-    gen = torch.Generator().manual_seed(2)
-    channels = _first_int(vis, ("num_channels", "in_channels", "in_chans", "image_channels"), 3)
-    patch = _first_int(vis, ("patch_size",), 14)
-    size = _first_int(vis, ("image_size",), patch * PATCHES)
-    if "image_grid_thw" in params:
-        temporal = _first_int(vis, ("temporal_patch_size",), 1)
-        merge = _first_int(vis, ("spatial_merge_size", "merge_size"), 1)
-        side = 2 * merge
-        yield {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
-               "image_grid_thw": torch.tensor([[1, side, side]] * n_images)}
-    positions = next((n for n in ("image_position_ids", "pixel_position_ids") if n in params), None)
-    if positions is not None:  # patches flattened a row, with their (x, y) on the grid (Gemma 4's processor)
-        side = 2 * _first_int(vis, ("pooling_kernel_size",), PATCHES // 2)  # pooled by k × k patches
-        xy = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).reshape(-1, 2)
-        for p in dict.fromkeys((patch, _first_int(vis, ("model_patch_size",), patch))):  # Gemma 4 unified: its own
-            yield {"pixel_values": torch.rand(n_images, side * side, channels * p * p, generator=gen),
-                   positions: xy.expand(n_images, -1, -1).clone()}
-    extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
-    if "qformer_input_ids" in params:  # InstructBLIP: the instruction, given to its Q-Former too
-        extra["qformer_input_ids"] = torch.randint(3, VOCAB - 16, (n_images, 4), generator=gen)
-    for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size), (n_images, 2, channels, size, size)):
-        pixels = torch.randn(*shape, generator=gen)
-        if "qformer_input_ids" not in extra:
-            yield {"pixel_values": pixels}
-        if extra:
-            yield {"pixel_values": pixels, **extra}
 
 
 def _get_image_features(model):
@@ -126,7 +95,9 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     elif fn is None or not isinstance(width, int):
         n = rows  # cross-attention to the image (Mllama): one image token a row marks it
     else:
-        kwargs = {k: v for k, v in pixels.items() if k in inspect.signature(fn).parameters}
+        takes = inspect.signature(fn).parameters
+        open_ = any(p.kind is p.VAR_KEYWORD for p in takes.values())  # passed on to the inner model's (VideoLLaMA 3)
+        kwargs = {k: v for k, v in pixels.items() if k in takes or open_}
         with torch.no_grad():
             n = _feature_rows(fn(**kwargs), width)
     if n % rows:
@@ -144,6 +115,8 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in params:
             inputs[name] = is_image.long()
+    if "cross_attention_mask" in params and "aspect_ratio_mask" in pixels:  # every token sees its row's image tiles
+        inputs["cross_attention_mask"] = pixels["aspect_ratio_mask"][:, None].expand(rows, ids.shape[1], -1, -1).clone()
     if "image_attention_mask" in params and pixels["pixel_values"].dim() == 5:  # cross-attention (IDEFICS): all see it
         inputs["image_attention_mask"] = torch.ones(rows, ids.shape[1], pixels["pixel_values"].shape[1], dtype=torch.long)
     return inputs
