@@ -57,11 +57,17 @@ def _images(values: dict) -> dict:
             if key.endswith(("indexes", "indices")) and isinstance(value, list) and value \
                     and all(isinstance(i, int) and not isinstance(i, bool) for i in value) and max(value) >= depth:
                 out[key] = sorted({min(i, depth - 1) for i in value})
+        taps = out.get("intermediate_layers_indices", values.get("intermediate_layers_indices"))
+        if isinstance(taps, list) and isinstance(values.get("vision_output_dim"), int):
+            # Mllama hands on the last hidden state and every tapped one, concatenated
+            out["vision_output_dim"] = values["hidden_size"] * (1 + len(taps))
+        if isinstance(values.get("num_global_layers"), int) and values["num_global_layers"] > 2:
+            out["num_global_layers"] = 2  # a second stack of layers (Mllama's global encoder)
     ratio = values.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
         out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)
     for key in _TO_TEXT:
-        if isinstance(values.get(key), int):
+        if isinstance(values.get(key), int) and key not in out:
             out[key] = arch_sweep._SIZE["hidden_size"]
     for key in _PER_IMAGE:
         if isinstance(values.get(key), int):
