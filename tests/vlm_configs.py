@@ -128,7 +128,15 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
-def tiny_config(model_type: str):
+def _kv_as_heads(values: dict) -> dict:
+    """As many k/v heads as heads, in every (sub-)config."""
+    out = {k: _kv_as_heads(v) if _is_sub(k, v) else v for k, v in values.items()}
+    if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
+
+def tiny_config(model_type: str, kv_as_heads: bool = False):
     from transformers import AutoConfig
 
     base = AutoConfig.for_model(model_type)
@@ -141,6 +149,7 @@ def tiny_config(model_type: str):
     values = _merge(values, _images(values))
     values = _merge(values, _special_ids(values, []))
     values = _merge(values, _sections(values))
+    values = _kv_as_heads(values) if kv_as_heads else values
     values.pop("model_type", None)
     values.pop("transformers_version", None)
     cfg = AutoConfig.for_model(model_type, **values)

@@ -27,6 +27,13 @@ def pixel_candidates(model, n_images: int):
         if "image_merge_sizes" in params:  # VideoLLaMA 3: the merge size per image
             grid["image_merge_sizes"] = torch.tensor([merge] * n_images)
         yield grid
+        if temporal == 1:  # each patch as a C × p × p image (Kimi-K2.5, PaddleOCR-VL)
+            yield {**grid, "pixel_values": grid["pixel_values"].view(-1, channels, patch, patch)}
+    if "image_grid_hw" in params:  # flattened patches with an (h, w) grid (Nemotron-H Omni)
+        merge = _first_int(vis, ("spatial_merge_size", "merge_size"), 1)
+        side = 2 * merge
+        yield {"pixel_values": torch.randn(n_images * side * side, channels * patch * patch, generator=gen),
+               "image_grid_hw": torch.tensor([[side, side]] * n_images)}
     if "spatial_shapes" in params and "pixel_attention_mask" in params:  # NaFlex patches (LFM2-VL's SigLIP 2)
         yield {"pixel_values": torch.randn(n_images, PATCHES**2, channels * patch * patch, generator=gen),
                "spatial_shapes": torch.tensor([[PATCHES, PATCHES]] * n_images),

@@ -186,14 +186,22 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
     short = arch_sweep._short
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        try:
-            cfg = tiny_config(model_type)
-            for key, value in (vision or {}).items():
-                setattr(_vision(cfg), key, value)
-            torch.manual_seed(0)
-            ref = _model_class(model_type)._from_config(cfg).float().train()
-        except Exception as err:
-            return Result(model_type, "unbuildable", "config or model: " + short(err))
+        ref = None
+        for kv_as_heads in (False, True):  # a config that wants as many k/v heads as heads (no GQA): so be it
+            try:
+                cfg = tiny_config(model_type, kv_as_heads)
+                for key, value in (vision or {}).items():
+                    setattr(_vision(cfg), key, value)
+                torch.manual_seed(0)
+                ref = _model_class(model_type)._from_config(cfg).float().train()
+                break
+            except Exception as err:
+                # A config validator's own words, not its wrapper's (StrictDataclassClassValidationError); a missing
+                # package's message from its first line with words (transformers' start with a newline)
+                cause = err.__cause__ if err.__cause__ is not None and "Validation" in type(err).__name__ else err
+                first = next((line for line in str(cause).splitlines() if line.strip()), "")
+                if kv_as_heads or not ("num_key_value_heads" in first and "num_attention_heads" in first):
+                    return Result(model_type, "unbuildable", f"config or model: {type(cause).__name__}: {first}"[:180])
         fused = copy.deepcopy(ref)
         inputs, loss_ref, why, tried = None, None, "no pixel input shape tried", False
         for pixels in pixel_candidates(ref, 2):
