@@ -72,6 +72,9 @@ def _images(values: dict) -> dict:
     for key in _PER_IMAGE:
         if isinstance(values.get(key), int):
             out[key] = (PATCHES // 2) ** 2
+    for key, value in values.items():  # patches an image → its query tokens (Aria's projector): the tiny image's
+        if key.endswith("patch_to_query_dict") and isinstance(value, dict) and value:
+            out[key] = {PATCHES**2: (PATCHES // 2) ** 2}
     return out
 
 
@@ -156,7 +159,9 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
     for sub in (cfg, getattr(cfg, "text_config", None)):
         rope = getattr(sub, "rope_parameters", None)
         # Multimodal rotary sections the model defaults when the config names none (sized for head_dim 128).
-        if "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
+        merges = isinstance(getattr(_vision(cfg), "spatial_merge_size", None), int)  # Qwen-VL-style (PaddleOCR-VL)
+        mrope = "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) or (merges and sub is not cfg)
+        if mrope and isinstance(rope, dict):
             default = {"mrope_section": [16, 24, 24], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
             rope.setdefault("mrope_section", _sections(default)["mrope_section"])
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
