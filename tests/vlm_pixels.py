@@ -52,11 +52,17 @@ def pixel_candidates(model, n_images: int):
             yield {"pixel_values": torch.rand(n_images, side * side, channels * p * p, generator=gen),
                    positions: xy.expand(n_images, -1, -1).clone()}
     extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
+    high = getattr(model.config, "high_res_vision_config", None)
+    if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the image at its high resolution
+        hs = _first_int(high, ("image_size",), size)
+        extra["high_res_pixel_values"] = torch.randn(n_images, channels, hs, hs, generator=gen)
     if "qformer_input_ids" in params:  # InstructBLIP: the instruction, given to its Q-Former too
         extra["qformer_input_ids"] = torch.randint(3, VOCAB - 16, (n_images, 4), generator=gen)
     for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size), (n_images, 2, channels, size, size)):
         pixels = torch.randn(*shape, generator=gen)
-        if "qformer_input_ids" not in extra:
+        if not {"qformer_input_ids", "high_res_pixel_values"} & set(extra):  # both required
             yield {"pixel_values": pixels}
         if extra:
             yield {"pixel_values": pixels, **extra}
+        if "pixel_attention_mask" in params and len(shape) == 5:  # every pixel real (Granite-Docling's Idefics3)
+            yield {"pixel_values": pixels, **extra, "pixel_attention_mask": torch.ones(*shape[:2], size, size, dtype=torch.bool)}
