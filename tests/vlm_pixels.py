@@ -64,5 +64,6 @@ def pixel_candidates(model, n_images: int):
             yield {"pixel_values": pixels}
         if extra:
             yield {"pixel_values": pixels, **extra}
-        if "pixel_attention_mask" in params and len(shape) == 5:  # every pixel real (Granite-Docling's Idefics3)
-            yield {"pixel_values": pixels, **extra, "pixel_attention_mask": torch.ones(*shape[:2], size, size, dtype=torch.bool)}
+        if "pixel_attention_mask" in params and len(shape) == 5:  # every pixel, or every tile, real (Granite-Docling)
+            for mask in (torch.ones(*shape[:2], size, size, dtype=torch.bool), torch.ones(*shape[:2], dtype=torch.bool)):
+                yield {"pixel_values": pixels, **extra, "pixel_attention_mask": mask}

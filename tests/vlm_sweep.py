@@ -90,7 +90,11 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     width = getattr(text, "hidden_size", None)
     fn = _get_image_features(model)
     image = _image_token(model.config)
-    if image is None:  # text alone in input_ids: the model puts the image in itself
+    params = inspect.signature(type(model).forward).parameters
+    slots = getattr(model.config, "latent_query_num", None)
+    if image is None and "image_embeds_position_mask" in params and isinstance(slots, int):
+        n = rows * slots  # Kosmos-2: the positions of a row's image features, marked by a mask, not by a token
+    elif image is None:  # text alone in input_ids: the model puts the image in itself
         n = 0
     elif fn is None or not isinstance(width, int):
         n = rows  # cross-attention to the image (Mllama): one image token a row marks it
@@ -109,9 +113,11 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     if image is not None:
         ids[:, PROMPT:PROMPT + n // rows] = image
     is_image = ids == image if image is not None else torch.zeros_like(ids, dtype=torch.bool)
+    is_image[:, PROMPT:PROMPT + n // rows] = True
     labels = ids.masked_fill(is_image, -100)
     inputs = {"input_ids": ids, "labels": labels, **pixels}
-    params = inspect.signature(type(model).forward).parameters
+    if "image_embeds_position_mask" in params:
+        inputs["image_embeds_position_mask"] = is_image.long()
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in params:
             inputs[name] = is_image.long()
