@@ -51,6 +51,9 @@ def _images(values: dict) -> dict:
         for key, value in values.items():  # layer indices (full-attention layers, deepstack taps) → the two kept
             if key.endswith(("indexes", "indices")) and isinstance(value, list) and all(isinstance(i, int) for i in value):
                 out[key] = sorted({min(i, 1) for i in value})
+    for key, tiny in (("layers", 2), ("attention_heads", 4)):  # Kosmos-2's text config names them so
+        if isinstance(values.get(key), int) and not isinstance(values[key], bool) and values[key] > tiny:
+            out[key] = tiny
     depth = values.get("num_hidden_layers")
     if isinstance(depth, int) and depth <= 2:  # hidden-state taps past the tiny depth (Mllama's intermediate layers)
         for key, value in values.items():
