@@ -12,7 +12,7 @@ VOCAB = arch_sweep.VOCAB
 PATCHES = 8  # patches a side of a tiny image
 _TOKEN_ID = re.compile(r"(_token_id|_token_index|_token_ids)$")
 # Vision fields tied to the number of patches a side: tokens after pooling (Gemma 3), image sequence lengths.
-_PER_IMAGE = ("mm_tokens_per_image",)
+_PER_IMAGE = ("mm_tokens_per_image", "latent_query_num")
 # Widths of what a vision tower hands the language model: the text width.
 _TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim",
             "vision_output_dim", "projector_input_dim", "projector_output_dim")

@@ -51,6 +51,13 @@ def pixel_candidates(model, n_images: int):
         for p in dict.fromkeys((patch, _first_int(vis, ("model_patch_size",), patch))):  # Gemma 4 unified: its own
             yield {"pixel_values": torch.rand(n_images, side * side, channels * p * p, generator=gen),
                    positions: xy.expand(n_images, -1, -1).clone()}
+    if "flattened_patches" in params:  # Pix2Struct-style: each patch's (row, column), then its pixels
+        dim = _first_int(vis, ("patch_embed_hidden_size",), channels * patch * patch)
+        rows, cols = torch.meshgrid(torch.arange(1, PATCHES + 1), torch.arange(1, PATCHES + 1), indexing="ij")
+        pos = torch.stack([rows, cols], -1).reshape(1, -1, 2).expand(n_images, -1, -1).float()
+        flat = torch.cat([pos, torch.randn(n_images, PATCHES**2, dim, generator=gen)], -1)
+        side = {k: torch.tensor([patch * PATCHES] * n_images) for k in ("width", "height") if k in params}
+        yield {"flattened_patches": flat, **side}
     extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
     high = getattr(model.config, "high_res_vision_config", None)
     if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the image at its high resolution

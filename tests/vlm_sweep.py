@@ -123,8 +123,9 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
             inputs[name] = is_image.long()
     if "cross_attention_mask" in params and "aspect_ratio_mask" in pixels:  # every token sees its row's image tiles
         inputs["cross_attention_mask"] = pixels["aspect_ratio_mask"][:, None].expand(rows, ids.shape[1], -1, -1).clone()
-    if "image_attention_mask" in params and pixels["pixel_values"].dim() == 5:  # cross-attention (IDEFICS): all see it
-        inputs["image_attention_mask"] = torch.ones(rows, ids.shape[1], pixels["pixel_values"].shape[1], dtype=torch.long)
+    px = pixels.get("pixel_values")
+    if "image_attention_mask" in params and px is not None and px.dim() == 5:  # cross-attention (IDEFICS): all see it
+        inputs["image_attention_mask"] = torch.ones(rows, ids.shape[1], px.shape[1], dtype=torch.long)
     return inputs
 
 
@@ -164,8 +165,12 @@ def _image_reached_loss(model, inputs) -> bool:
     if prefix is not None and any(p.grad is not None and p.grad.any() for n, p in model.named_parameters()
                                   if not n.startswith(prefix + ".") and "embed" not in n and "lm_head" not in n):
         return True
-    other = {k: (torch.randn(v.shape, generator=torch.Generator().manual_seed(9)) if k == "pixel_values" else v.clone())
-             for k, v in inputs.items()}
+    other = {k: v.clone() for k, v in inputs.items()}
+    gen = torch.Generator().manual_seed(9)
+    if "pixel_values" in other:
+        other["pixel_values"] = torch.randn(other["pixel_values"].shape, generator=gen)
+    if "flattened_patches" in other:  # the pixels, not the patches' positions
+        other["flattened_patches"][..., 2:] = torch.randn(other["flattened_patches"][..., 2:].shape, generator=gen)
     with torch.no_grad():
         torch.manual_seed(0)
         a = model(**{k: v.clone() for k, v in inputs.items()}, use_cache=False).loss
