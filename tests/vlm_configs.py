@@ -81,14 +81,16 @@ def _images(values: dict) -> dict:
     return out
 
 
-def _sections(values: dict, factor: float = 1.0) -> dict:
+def _sections(values: dict, factor: float = 1.0, rope_dim: int | None = None) -> dict:
     """Multimodal rotary sections (``mrope_section``, in any nested dict) rescaled to the tiny half rotary width."""
     out = {}
     factor = values.get("partial_rotary_factor") if isinstance(values.get("partial_rotary_factor"), float) else factor
-    half = int(arch_sweep._SIZE["head_dim"] * factor) // 2
+    # multi-head latent attention rotates a width of its own (HY-V4-VL)
+    rope_dim = values["qk_rope_head_dim"] if isinstance(values.get("qk_rope_head_dim"), int) else rope_dim
+    half = (rope_dim if isinstance(rope_dim, int) else int(arch_sweep._SIZE["head_dim"] * factor)) // 2
     for key, value in values.items():
         if isinstance(value, dict):
-            inner = _sections(value, factor)
+            inner = _sections(value, factor, rope_dim)
             if inner:
                 out[key] = {**value, **inner}
         elif isinstance(key, str) and key.endswith("section") and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
