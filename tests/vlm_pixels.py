@@ -38,6 +38,9 @@ def pixel_candidates(model, n_images: int):
         yield {"pixel_values": torch.randn(n_images, PATCHES**2, channels * patch * patch, generator=gen),
                "spatial_shapes": torch.tensor([[PATCHES, PATCHES]] * n_images),
                "pixel_attention_mask": torch.ones(n_images, PATCHES**2, dtype=torch.long)}
+    if "target_sizes" in params:  # MiniCPM-V: every image's patches in one row of p-high strips, its (h, w) in patches
+        yield {"pixel_values": torch.randn(1, channels, patch, n_images * PATCHES**2 * patch, generator=gen),
+               "target_sizes": torch.tensor([[PATCHES, PATCHES]] * n_images)}
     if "aspect_ratio_ids" in params:  # tiles (Mllama): one image a row in its first tile, the others padding
         tiles = _first_int(vis, ("max_num_tiles",), 1)
         mask = torch.zeros(n_images, 1, tiles, dtype=torch.long)
