@@ -16,6 +16,7 @@ BUILT = {
     "blip-2": ("text", "lm_head_loss", 1),  # image token id the config leaves None
     "kosmos-2": ("vision", "attention", 3),  # image positions by mask
     "got_ocr2": ("vision", "rel_pos_attention", 2),  # SAM-style vision attention with decomposed relative positions
+    "minicpm_ocr": ("vision", "varlen_attention", 3),  # packed patch strips; its attention requires max_seqlen
 }
 
 
