@@ -52,6 +52,8 @@ def _images(values: dict) -> dict:
         for key, value in values.items():  # layer indices (full-attention layers, deepstack taps) → the two kept
             if key.endswith(("indexes", "indices")) and isinstance(value, list) and all(isinstance(i, int) for i in value):
                 out[key] = sorted({min(i, 1) for i in value})
+    if isinstance(values.get("qk_rope_head_dim"), int) and "head_dim" in values:  # latent attention: as arch_sweep
+        out["head_dim"] = values["qk_rope_head_dim"]
     for key, tiny in (("layers", 2), ("attention_heads", 4)):  # Kosmos-2's text config names them so
         if isinstance(values.get(key), int) and not isinstance(values[key], bool) and values[key] > tiny:
             out[key] = tiny

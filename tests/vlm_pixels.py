@@ -20,7 +20,7 @@ def pixel_candidates(model, n_images: int):
     size = _first_int(vis, ("image_size",), patch * PATCHES)
     if "image_grid_thw" in params:
         temporal = _first_int(vis, ("temporal_patch_size",), 1)
-        merge = _first_int(vis, ("spatial_merge_size", "merge_size"), 1)
+        merge = _first_int(vis, ("spatial_merge_size", "merge_size", "merge_kernel_size"), 1)
         side = 2 * merge
         grid = {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
                 "image_grid_thw": torch.tensor([[1, side, side]] * n_images)}
@@ -30,7 +30,7 @@ def pixel_candidates(model, n_images: int):
         if temporal == 1:  # each patch as a C × p × p image (Kimi-K2.5, PaddleOCR-VL)
             yield {**grid, "pixel_values": grid["pixel_values"].view(-1, channels, patch, patch)}
     if "image_grid_hw" in params:  # flattened patches with an (h, w) grid (Nemotron-H Omni)
-        merge = _first_int(vis, ("spatial_merge_size", "merge_size"), 1)
+        merge = _first_int(vis, ("spatial_merge_size", "merge_size", "merge_kernel_size"), 1)
         side = 2 * merge
         yield {"pixel_values": torch.randn(n_images * side * side, channels * patch * patch, generator=gen),
                "image_grid_hw": torch.tensor([[side, side]] * n_images)}
