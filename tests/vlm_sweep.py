@@ -108,6 +108,7 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
         raise ValueError(f"{n} image features do not split into {rows} images")
     gen = torch.Generator().manual_seed(1)
     specials = {v for v in range(VOCAB - 16, VOCAB)}
+    specials |= {image}  # an image token id below the reserved top (Cosmos 3 Edge's) is never text
     body = [t for t in range(3, VOCAB) if t not in specials]
     ids = torch.tensor(body)[torch.randint(0, len(body), (rows, PROMPT + n // rows + TAIL), generator=gen)]
     if image is not None:
