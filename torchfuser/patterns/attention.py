@@ -208,7 +208,7 @@ def _probe_failed(module: nn.Module, first: str, tried: int, cut: bool) -> str:
 
 def _no_mask(params) -> str | None:
     """Why a forward that cannot be given a mask is not fused (the probe and the fused module pass one)."""
-    if any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params):
+    if not params or any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params):
         return None
     return (f"its forward takes no attention mask (only {_reasons.quoted([p.name for p in params])}): it arranges "
             "what it attends over from its input itself (a (batch, height, width, channels) map cut into windows, as "
