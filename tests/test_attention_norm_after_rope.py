@@ -57,7 +57,7 @@ MODELS = {"llama4_text": _llama4, "hunyuan": _hunyuan}
 
 def _run(module, x, g, kwargs):
     x = x.detach().clone().requires_grad_(True)
-    mask = torch.full((S, S), float("-inf")).triu(1).expand(B, 1, S, S).clone()
+    mask = torch.full((S, S), float("-inf"), dtype=x.dtype, device=x.device).triu(1).expand(B, 1, S, S).clone()
     mask[1, :, :, 2] = float("-inf")  # a padded key in the second row
     out = module(x, attention_mask=mask, **kwargs)[0]
     return out, torch.autograd.grad(out, [x, *module.parameters()], g)
@@ -134,3 +134,30 @@ def test_mixed_placement_not_fused():
     attn.__class__ = type("MixedNormAttention", (type(attn),), {"forward": _mixed_forward})
     result = AttentionPattern().match(attn)
     assert isinstance(result, Skip) and "not softmax" in result.reason, result
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton rope kernel)")
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_bf16_within_the_numerics_rule(name):
+    """On a GPU (backend auto: Triton's rope, SDPA): output and every gradient in bf16 within the rule."""
+    from numerics import assert_within_rule
+
+    attn, kwargs = MODELS[name]()
+    spec = AttentionPattern().match(attn)
+    gen = torch.Generator().manual_seed(5)
+    x, g = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+    ref_mod = copy.deepcopy(attn).double()
+    pe = kwargs["position_embeddings"]
+    complex_ = isinstance(pe, torch.Tensor)  # Llama 4's complex table, else (cos, sin)
+    pe64 = pe.to(torch.complex128) if complex_ else tuple(t.double() for t in pe)
+    ref, ref_g = _run(ref_mod, x.double(), g.double(), {"position_embeddings": pe64})
+    pe = pe.cuda() if complex_ else tuple(t.cuda().bfloat16() for t in pe)
+    cuda_kwargs = {"position_embeddings": pe}
+    xb, gb = x.cuda().bfloat16(), g.cuda().bfloat16()
+    want, want_g = _run(copy.deepcopy(attn).cuda().bfloat16(), xb, gb, cuda_kwargs)
+    fused = FusedAttention(copy.deepcopy(attn).cuda().bfloat16(), spec)
+    got, got_g = _run(fused, xb, gb, cuda_kwargs)
+    assert_within_rule(got.cpu(), want.cpu(), ref, 1e-2, "output")
+    for n, a, b, r in zip(["input", *(n for n, _ in attn.named_parameters())], got_g, want_g, ref_g):
+        assert_within_rule(a.cpu(), b.cpu(), r, 1e-2 * r.abs().max().item(), n)
+    assert not fallbacks.counts(fused)

@@ -109,3 +109,23 @@ def test_attention_weights_asked_for_run_the_original():
     out, weights = fused(x, output_attentions=True)
     assert weights is not None and fallbacks.counts(fused)
     torch.testing.assert_close(out, attn(x)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (SDPA's kernels with a mask that requires grad)")
+def test_cuda_bf16_within_the_numerics_rule():
+    """On a GPU: SDPA's own kernel with the position terms as a differentiable mask; every gradient in bf16
+    within the rule against float64."""
+    attn = _attention()
+    spec = RelPosAttentionPattern().match(attn)
+    gen = torch.Generator().manual_seed(4)
+    x, g = torch.randn(2, 4, 4, C, generator=gen), torch.randn(2, 4, 4, C, generator=gen)
+    ref_mod = copy.deepcopy(attn).double()
+    ref, ref_g = _grads(ref_mod, x.double(), g.double())
+    xb, gb = x.cuda().bfloat16(), g.cuda().bfloat16()
+    want, want_g = _grads(copy.deepcopy(attn).cuda().bfloat16(), xb, gb)
+    fused = FusedRelPosAttention(copy.deepcopy(attn).cuda().bfloat16(), spec)
+    got_, got_g = _grads(fused, xb, gb)
+    assert_within_rule(got_.cpu(), want.cpu(), ref, 1e-2, "output")
+    for n, a, b, r in zip(["input", *(n for n, _ in attn.named_parameters())], got_g, want_g, ref_g):
+        assert_within_rule(a.cpu(), b.cpu(), r, 1e-2 * r.abs().max().item(), n)
+    assert not fallbacks.counts(fused)
