@@ -38,6 +38,10 @@ def pixel_candidates(model, n_images: int):
         yield {"pixel_values": torch.randn(n_images, PATCHES**2, channels * patch * patch, generator=gen),
                "spatial_shapes": torch.tensor([[PATCHES, PATCHES]] * n_images),
                "pixel_attention_mask": torch.ones(n_images, PATCHES**2, dtype=torch.long)}
+    if "image_patches" in params:  # Fuyu: the image's patches, flattened, straight into its projection
+        patches = torch.randn(n_images, PATCHES**2, channels * patch * patch, generator=gen)
+        yield {"image_patches": patches}
+        yield {"pixel_values": patches}  # the name its get_image_features takes them by
     if "target_sizes" in params:  # MiniCPM-V: every image's patches in one row of p-high strips, its (h, w) in patches
         yield {"pixel_values": torch.randn(1, channels, patch, n_images * PATCHES**2 * patch, generator=gen),
                "target_sizes": torch.tensor([[PATCHES, PATCHES]] * n_images)}
