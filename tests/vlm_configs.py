@@ -202,9 +202,11 @@ def _placeholders(cfg, values: dict) -> None:
 
 
 def _vision(cfg):
-    sub = next((getattr(cfg, n) for n in ("vision_config", "visual_config", "vision_tower_config", "encoder")
-                if getattr(cfg, n, None) is not None), cfg)
-    return sub
+    """The vision config: named as such, or an encoder's (VisionEncoderDecoder), or one inside that (T5Gemma 2)."""
+    names = ("vision_config", "visual_config", "vision_tower_config", "encoder")
+    sub = next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), cfg)
+    inner = next((getattr(sub, n) for n in names[:3] if getattr(sub, n, None) is not None), None) if sub is not cfg else None
+    return inner if inner is not None else sub
 
 
 def _first_int(cfg, names, default):
