@@ -117,6 +117,9 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     is_image[:, PROMPT:PROMPT + n // rows] = True
     labels = ids.masked_fill(is_image, -100)
     inputs = {"input_ids": ids, "labels": labels, **pixels}
+    if "bbox" in params:  # a layout model's word boxes (UDOP): each token in a box of its own, 0-1000 coordinates
+        start = torch.arange(ids.shape[1]) * 1000 // ids.shape[1]
+        inputs["bbox"] = torch.stack([start, start, start + 10, start + 10], -1).expand(rows, -1, -1).clone()
     if "image_embeds_position_mask" in params:
         inputs["image_embeds_position_mask"] = is_image.long()
     for name in ("token_type_ids", "mm_token_type_ids"):
