@@ -206,17 +206,6 @@ def _probe_failed(module: nn.Module, first: str, tried: int, cut: bool) -> str:
     return f"its forward could not run as the fused attention would, for {tries} (likeliest: {first})"
 
 
-def _no_mask(params) -> str | None:
-    """Why a forward that cannot be given a mask is not fused (the probe and the fused module pass one)."""
-    if not params or any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return (f"its forward takes no attention mask (only {_reasons.quoted([p.name for p in params])}): it arranges "
-            "what it attends over from its input itself (a (batch, height, width, channels) map cut into windows, as "
-            "DaViT / Florence-2's window attention does, or channel groups, as DaViT's channel attention does), where "
-            "the fused attention takes (batch, tokens, channels) and a mask; one that calls transformers' attention "
-            "interface on what it builds (Florence-2's) runs SDPA already under attn_implementation='sdpa'")
-
-
 class AttentionPattern(Pattern):
     name = "attention"
     description = "projections → q/k norm → rope (functional.rope) → SDPA → output projection"
@@ -233,7 +222,7 @@ class AttentionPattern(Pattern):
             return None
         if not hinted and next(_shapes(module, projs), None) is None:
             return None  # takes a mask but has no q/k/v/o projections (e.g. a decoder layer with an inline MLP)
-        result = self._unsupported(module, names) or _no_mask(params) or next(
+        result = self._unsupported(module, names) or _reasons.no_mask(params) or next(
             filter(None, (lora.unsupported(n, module._modules[n]) for n in projs)), None)
         result = Skip(result) if result else self._parts(module, projs)
         if not isinstance(result, Skip):
