@@ -176,6 +176,8 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
             if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
                 setattr(sub, name, 0)
     _placeholders(cfg, values)
+    if getattr(cfg, "alpha_initializer", None) == "zeros":  # gated cross-attention (IDEFICS) open, so the image counts
+        cfg.alpha_initializer = "ones"
     return cfg
 
 
