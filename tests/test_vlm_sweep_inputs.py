@@ -19,6 +19,7 @@ BUILT = {
     "kosmos-2": ("vision", "attention", 3),  # image positions by mask
     "got_ocr2": ("vision", "rel_pos_attention", 2),  # SAM-style vision attention with decomposed relative positions
     "minicpm_ocr": ("vision", "varlen_attention", 3),  # packed patch strips; its attention requires max_seqlen
+    "ovis2_5": ("vision", "varlen_attention", 2),  # the image's run between its start and end tokens
 }
 
 

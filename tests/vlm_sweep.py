@@ -113,6 +113,9 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     ids = torch.tensor(body)[torch.randint(0, len(body), (rows, PROMPT + n // rows + TAIL), generator=gen)]
     if image is not None:
         ids[:, PROMPT:PROMPT + n // rows] = image
+        bounds = [getattr(model.config, f"image_{e}_token_id", None) for e in ("start", "end")]
+        if all(isinstance(t, int) for t in bounds):  # the image's run between its start and end tokens (Ovis 2.5)
+            ids[:, PROMPT - 1], ids[:, PROMPT + n // rows] = bounds
     is_image = ids == image if image is not None else torch.zeros_like(ids, dtype=torch.bool)
     is_image[:, PROMPT:PROMPT + n // rows] = True
     labels = ids.masked_fill(is_image, -100)
