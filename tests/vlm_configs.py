@@ -12,17 +12,23 @@ VOCAB = arch_sweep.VOCAB
 PATCHES = 8  # patches a side of a tiny image
 _TOKEN_ID = re.compile(r"(_token_id|_token_index|_token_ids)$")
 # Vision fields tied to the number of patches a side: tokens after pooling (Gemma 3), image sequence lengths.
-_PER_IMAGE = ("mm_tokens_per_image",)
+_PER_IMAGE = ("mm_tokens_per_image", "latent_query_num")
 # Widths of what a vision tower hands the language model: the text width.
 _TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim",
-            "vision_output_dim", "projector_input_dim", "projector_output_dim")
+            "vision_output_dim", "projector_input_dim", "projector_output_dim", "projection_hidden_size",
+            "vision_hidden_size")  # the last two: the vision tower's own width (Kimi-K2.5, Nemotron-H Omni), 64 too
+
+
+def _is_sub(key, value) -> bool:
+    """Whether ``value`` is a sub-config (not a per-layer table, whose keys are layer indices)."""
+    return isinstance(value, dict) and key != "per_layer_config" and ("model_type" in value or str(key).endswith("_config"))
 
 
 def _images(values: dict) -> dict:
     """Small images in every (sub-)config with a patch size: ``PATCHES`` patches a side."""
     out = {}
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+        if _is_sub(key, value):
             out[key] = {**value, **_images(value)}
     patch = values.get("patch_size")
     patch = patch[0] if isinstance(patch, (list, tuple)) and patch else patch
@@ -46,26 +52,48 @@ def _images(values: dict) -> dict:
         for key, value in values.items():  # layer indices (full-attention layers, deepstack taps) → the two kept
             if key.endswith(("indexes", "indices")) and isinstance(value, list) and all(isinstance(i, int) for i in value):
                 out[key] = sorted({min(i, 1) for i in value})
+    if isinstance(values.get("qk_rope_head_dim"), int) and "head_dim" in values:  # latent attention: as arch_sweep
+        out["head_dim"] = values["qk_rope_head_dim"]
+    for key, tiny in (("layers", 2), ("attention_heads", 4)):  # Kosmos-2's text config names them so
+        if isinstance(values.get(key), int) and not isinstance(values[key], bool) and values[key] > tiny:
+            out[key] = tiny
+    depth = values.get("num_hidden_layers")
+    if isinstance(depth, int) and depth <= 2:  # hidden-state taps past the tiny depth (Mllama's intermediate layers)
+        for key, value in values.items():
+            if key.endswith(("indexes", "indices")) and isinstance(value, list) and value \
+                    and all(isinstance(i, int) and not isinstance(i, bool) for i in value) and max(value) >= depth:
+                out[key] = sorted({min(i, depth - 1) for i in value})
+        taps = out.get("intermediate_layers_indices", values.get("intermediate_layers_indices"))
+        if isinstance(taps, list) and isinstance(values.get("vision_output_dim"), int):
+            # Mllama hands on the last hidden state and every tapped one, concatenated
+            out["vision_output_dim"] = values["hidden_size"] * (1 + len(taps))
+        if isinstance(values.get("num_global_layers"), int) and values["num_global_layers"] > 2:
+            out["num_global_layers"] = 2  # a second stack of layers (Mllama's global encoder)
     ratio = values.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
         out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)
     for key in _TO_TEXT:
-        if isinstance(values.get(key), int):
+        if isinstance(values.get(key), int) and key not in out:
             out[key] = arch_sweep._SIZE["hidden_size"]
     for key in _PER_IMAGE:
         if isinstance(values.get(key), int):
             out[key] = (PATCHES // 2) ** 2
+    for key, value in values.items():  # patches an image → its query tokens (Aria's projector): the tiny image's
+        if key.endswith("patch_to_query_dict") and isinstance(value, dict) and value:
+            out[key] = {PATCHES**2: (PATCHES // 2) ** 2}
     return out
 
 
-def _sections(values: dict, factor: float = 1.0) -> dict:
+def _sections(values: dict, factor: float = 1.0, rope_dim: int | None = None) -> dict:
     """Multimodal rotary sections (``mrope_section``, in any nested dict) rescaled to the tiny half rotary width."""
     out = {}
     factor = values.get("partial_rotary_factor") if isinstance(values.get("partial_rotary_factor"), float) else factor
-    half = int(arch_sweep._SIZE["head_dim"] * factor) // 2
+    # multi-head latent attention rotates a width of its own (HY-V4-VL)
+    rope_dim = values["qk_rope_head_dim"] if isinstance(values.get("qk_rope_head_dim"), int) else rope_dim
+    half = (rope_dim if isinstance(rope_dim, int) else int(arch_sweep._SIZE["head_dim"] * factor)) // 2
     for key, value in values.items():
         if isinstance(value, dict):
-            inner = _sections(value, factor)
+            inner = _sections(value, factor, rope_dim)
             if inner:
                 out[key] = {**value, **inner}
         elif isinstance(key, str) and key.endswith("section") and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
@@ -79,7 +107,7 @@ def _special_ids(values: dict, taken: list[int]) -> dict:
     """Token ids past the tiny vocabulary moved to its top, each to its own id."""
     out = {}
     for key, value in values.items():
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+        if _is_sub(key, value):
             out[key] = {**value, **_special_ids(value, taken)}
         elif isinstance(key, str) and _TOKEN_ID.search(key) and isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
             out[key] = VOCAB - 1 - len(taken)
@@ -87,42 +115,100 @@ def _special_ids(values: dict, taken: list[int]) -> dict:
     return out
 
 
+def _int_layer_keys(values: dict) -> dict:
+    """Per-layer tables keyed by layer index as strings ('05', as a nested config serialises them) keyed by int,
+    in every sub-config, so that the causal-LM sweep maps them into the tiny depth."""
+    out = {}
+    for key, value in values.items():
+        if key == "per_layer_config" and isinstance(value, dict) and all(str(k).isdigit() for k in value):
+            out[key] = {int(k): v for k, v in value.items()}
+        elif _is_sub(key, value):
+            out[key] = _int_layer_keys(value)
+        else:
+            out[key] = value
+    return out
+
+
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items():
         # Sub-configs merge field by field; any other dict (a per-layer table) is replaced whole.
-        sub = isinstance(v, dict) and isinstance(out.get(k), dict) and ("model_type" in v or str(k).endswith("_config"))
+        sub = isinstance(v, dict) and isinstance(out.get(k), dict) and k != "per_layer_config" and (
+            "model_type" in v or str(k).endswith("_config"))
         out[k] = _merge(out[k], v) if sub else v
     return out
 
 
-def tiny_config(model_type: str):
+def _kv_as_heads(values: dict) -> dict:
+    """As many k/v heads as heads, in every (sub-)config."""
+    out = {k: _kv_as_heads(v) if _is_sub(k, v) else v for k, v in values.items()}
+    if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
+
+def tiny_config(model_type: str, kv_as_heads: bool = False):
     from transformers import AutoConfig
 
-    defaults = AutoConfig.for_model(model_type).to_dict()
+    base = AutoConfig.for_model(model_type)
+    defaults = _int_layer_keys(base.to_dict())
+    for key, cls in (getattr(type(base), "sub_configs", None) or {}).items():
+        # A vision tower the config leaves out by default (Gemma 4's): its sub-config's own defaults.
+        if "vision" in key and defaults.get(key) is None and getattr(cls, "model_type", "") and cls.__name__ != "AutoConfig":
+            defaults[key] = _int_layer_keys(cls().to_dict())
     values = _merge(defaults, arch_sweep._tiny(defaults))
     values = _merge(values, _images(values))
     values = _merge(values, _special_ids(values, []))
     values = _merge(values, _sections(values))
+    values = _kv_as_heads(values) if kv_as_heads else values
     values.pop("model_type", None)
     values.pop("transformers_version", None)
     cfg = AutoConfig.for_model(model_type, **values)
     for sub in (cfg, getattr(cfg, "text_config", None)):
         rope = getattr(sub, "rope_parameters", None)
         # Multimodal rotary sections the model defaults when the config names none (sized for head_dim 128).
-        if "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) and isinstance(rope, dict):
+        merges = isinstance(getattr(_vision(cfg), "spatial_merge_size", None), int)  # Qwen-VL-style (PaddleOCR-VL)
+        mrope = "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) or (merges and sub is not cfg)
+        if mrope and isinstance(rope, dict):
             default = {"mrope_section": [16, 24, 24], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
             rope.setdefault("mrope_section", _sections(default)["mrope_section"])
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
                 setattr(sub, name, 0)
+    _placeholders(cfg, values)
+    if getattr(cfg, "alpha_initializer", None) == "zeros":  # gated cross-attention (IDEFICS) open, so the image counts
+        cfg.alpha_initializer = "ones"
     return cfg
 
 
+def _placeholders(cfg, values: dict) -> None:
+    """An image token id the config declares but leaves None (its processor adds the token: BLIP-2) set to a
+    free id at the top of the tiny vocabulary; an encoder-decoder's missing decoder start and pad tokens (UDOP, VisionEncoderDecoder) 0."""
+    taken = set()
+    stack = [values]
+    while stack:
+        for key, value in stack.pop().items():
+            if _is_sub(key, value):
+                stack.append(value)
+            elif _TOKEN_ID.search(str(key)) and isinstance(value, int) and not isinstance(value, bool):
+                taken.add(value)
+    free = (i for i in range(VOCAB - 2, VOCAB - 16, -1) if i not in taken)
+    for name in ("image_token_id", "image_token_index", "video_token_id", "video_token_index"):  # a video model's
+        if hasattr(cfg, name) and getattr(cfg, name) is None:
+            setattr(cfg, name, next(free))
+            break
+    if getattr(cfg, "is_encoder_decoder", False):  # labels shifted right into decoder inputs need both
+        for name in ("decoder_start_token_id", "pad_token_id"):
+            if getattr(cfg, name, None) is None:
+                setattr(cfg, name, 0)
+
+
 def _vision(cfg):
-    sub = next((getattr(cfg, n) for n in ("vision_config", "visual_config", "vision_tower_config")
-                if getattr(cfg, n, None) is not None), cfg)
-    return sub
+    """The vision config: named as such, or an encoder's (VisionEncoderDecoder), or one inside that (T5Gemma 2)."""
+    names = ("vision_config", "visual_config", "vision_tower_config", "encoder")
+    sub = next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), cfg)
+    inner = next((getattr(sub, n) for n in names[:3] if getattr(sub, n, None) is not None), None) if sub is not cfg else None
+    return inner if inner is not None else sub
 
 
 def _first_int(cfg, names, default):

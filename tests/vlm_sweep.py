@@ -31,6 +31,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arch_sweep  # noqa: E402
 from vlm_configs import PATCHES, VOCAB, _first_int, _vision, tiny_config  # noqa: E402
+from vlm_pixels import pixel_candidates  # noqa: E402
 
 PROMPT, TAIL = 3, 5  # text tokens before and after the image
 
@@ -53,28 +54,6 @@ def _model_class(model_type: str):
     return getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
 
 
-def pixel_candidates(model, n_images: int):
-    """Pixel inputs of the shapes image-text models take, most specific first (keyword → tensor)."""
-    vis = _vision(model.config)
-    params = inspect.signature(type(model).forward).parameters
-    gen = torch.Generator().manual_seed(2)
-    channels = _first_int(vis, ("num_channels", "in_channels", "in_chans", "image_channels"), 3)
-    patch = _first_int(vis, ("patch_size",), 14)
-    size = _first_int(vis, ("image_size",), patch * PATCHES)
-    if "image_grid_thw" in params:
-        temporal = _first_int(vis, ("temporal_patch_size",), 1)
-        merge = _first_int(vis, ("spatial_merge_size", "merge_size"), 1)
-        side = 2 * merge
-        yield {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
-               "image_grid_thw": torch.tensor([[1, side, side]] * n_images)}
-    extra = {"image_sizes": torch.tensor([[size, size]] * n_images)} if "image_sizes" in params else {}
-    for shape in ((n_images, channels, size, size), (n_images, 1, channels, size, size), (n_images, 2, channels, size, size)):
-        pixels = torch.randn(*shape, generator=gen)
-        yield {"pixel_values": pixels}
-        if extra:
-            yield {"pixel_values": pixels, **extra}
-
-
 def _get_image_features(model):
     for m in (model, getattr(model, "model", None)):
         fn = getattr(m, "get_image_features", None)
@@ -95,13 +74,13 @@ def _feature_rows(out, width: int) -> int:
     return total // width
 
 
-def _image_token(cfg) -> int:
+def _image_token(cfg) -> int | None:
     for sub in (cfg, getattr(cfg, "text_config", None)):
-        for name in ("image_token_id", "image_token_index", "image_token"):
+        for name in ("image_token_id", "image_token_index", "image_token", "video_token_id", "video_token_index"):
             v = getattr(sub, name, None)
             if isinstance(v, int) and not isinstance(v, bool):
                 return v
-    raise ValueError("the config names no image token id")
+    return None  # the image reaches the model another way (an encoder-decoder, or features put before the text)
 
 
 def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
@@ -111,25 +90,49 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     width = getattr(text, "hidden_size", None)
     fn = _get_image_features(model)
     image = _image_token(model.config)
-    if fn is None or not isinstance(width, int):
+    params = inspect.signature(type(model).forward).parameters
+    slots = getattr(model.config, "latent_query_num", None)
+    if image is None and "image_embeds_position_mask" in params and isinstance(slots, int):
+        n = rows * slots  # Kosmos-2: the positions of a row's image features, marked by a mask, not by a token
+    elif image is None:  # text alone in input_ids: the model puts the image in itself
+        n = 0
+    elif fn is None or not isinstance(width, int):
         n = rows  # cross-attention to the image (Mllama): one image token a row marks it
     else:
-        kwargs = {k: v for k, v in pixels.items() if k in inspect.signature(fn).parameters}
+        takes = inspect.signature(fn).parameters
+        open_ = any(p.kind is p.VAR_KEYWORD for p in takes.values())  # passed on to the inner model's (VideoLLaMA 3)
+        kwargs = {k: v for k, v in pixels.items() if k in takes or open_}
         with torch.no_grad():
             n = _feature_rows(fn(**kwargs), width)
     if n % rows:
         raise ValueError(f"{n} image features do not split into {rows} images")
     gen = torch.Generator().manual_seed(1)
     specials = {v for v in range(VOCAB - 16, VOCAB)}
+    specials |= {image}  # an image token id below the reserved top (Cosmos 3 Edge's) is never text
     body = [t for t in range(3, VOCAB) if t not in specials]
     ids = torch.tensor(body)[torch.randint(0, len(body), (rows, PROMPT + n // rows + TAIL), generator=gen)]
-    ids[:, PROMPT:PROMPT + n // rows] = image
-    labels = ids.masked_fill(ids == image, -100)
+    if image is not None:
+        ids[:, PROMPT:PROMPT + n // rows] = image
+        bounds = [getattr(model.config, f"image_{e}_token_id", None) for e in ("start", "end")]
+        if all(isinstance(t, int) for t in bounds):  # the image's run between its start and end tokens (Ovis 2.5)
+            ids[:, PROMPT - 1], ids[:, PROMPT + n // rows] = bounds
+    is_image = ids == image if image is not None else torch.zeros_like(ids, dtype=torch.bool)
+    is_image[:, PROMPT:PROMPT + n // rows] = True
+    labels = ids.masked_fill(is_image, -100)
     inputs = {"input_ids": ids, "labels": labels, **pixels}
-    params = inspect.signature(type(model).forward).parameters
+    if "bbox" in params:  # a layout model's word boxes (UDOP): each token in a box of its own, 0-1000 coordinates
+        start = torch.arange(ids.shape[1]) * 1000 // ids.shape[1]
+        inputs["bbox"] = torch.stack([start, start, start + 10, start + 10], -1).expand(rows, -1, -1).clone()
+    if "image_embeds_position_mask" in params:
+        inputs["image_embeds_position_mask"] = is_image.long()
     for name in ("token_type_ids", "mm_token_type_ids"):
         if name in params:
-            inputs[name] = (ids == image).long()
+            inputs[name] = is_image.long()
+    if "cross_attention_mask" in params and "aspect_ratio_mask" in pixels:  # every token sees its row's image tiles
+        inputs["cross_attention_mask"] = pixels["aspect_ratio_mask"][:, None].expand(rows, ids.shape[1], -1, -1).clone()
+    px = pixels.get("pixel_values")
+    if "image_attention_mask" in params and px is not None and px.dim() == 5:  # cross-attention (IDEFICS): all see it
+        inputs["image_attention_mask"] = torch.ones(rows, ids.shape[1], px.shape[1], dtype=torch.long)
     return inputs
 
 
@@ -156,12 +159,37 @@ def grads_match(ref, fused, rel: float = 1e-4) -> str | None:
     return None
 
 
+def _decoder_prefix(model) -> str | None:
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    return next((n for n, m in model.named_modules() if m is decoder), None) if decoder is not None else None
+
+
+def _image_reached_loss(model, inputs) -> bool:
+    """Whether the image reaches the loss: a parameter outside the language model got a nonzero gradient (in the
+    step just run), or the loss changes with other random pixels (a vision tower inside the language model, GIT's)."""
+    prefix = _decoder_prefix(model)
+    if prefix is not None and any(p.grad is not None and p.grad.any() for n, p in model.named_parameters()
+                                  if not n.startswith(prefix + ".") and "embed" not in n and "lm_head" not in n):
+        return True
+    other = {k: v.clone() for k, v in inputs.items()}
+    gen = torch.Generator().manual_seed(9)
+    if "pixel_values" in other:
+        other["pixel_values"] = torch.randn(other["pixel_values"].shape, generator=gen)
+    if "flattened_patches" in other:  # the pixels, not the patches' positions
+        other["flattened_patches"][..., 2:] = torch.randn(other["flattened_patches"][..., 2:].shape, generator=gen)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = model(**{k: v.clone() for k, v in inputs.items()}, use_cache=False).loss
+        torch.manual_seed(0)
+        b = model(**other, use_cache=False).loss
+    return not torch.equal(a, b)
+
+
 def towers(model, rep) -> dict[str, dict[str, int]]:
     """Fused blocks per tower: ``text`` (under the language model, or the head on the model itself) and
     ``vision`` (everything else: the vision encoder and the projector)."""
-    get = getattr(model, "get_decoder", None)
-    decoder = get() if callable(get) else None
-    prefix = next((n for n, m in model.named_modules() if m is decoder), None) if decoder is not None else None
+    prefix = _decoder_prefix(model)
     out: dict[str, dict[str, int]] = {}
     for e in rep.fused:
         text = e.name == "" or e.pattern == "lm_head_loss" or (
@@ -176,14 +204,22 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
     short = arch_sweep._short
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        try:
-            cfg = tiny_config(model_type)
-            for key, value in (vision or {}).items():
-                setattr(_vision(cfg), key, value)
-            torch.manual_seed(0)
-            ref = _model_class(model_type)._from_config(cfg).float().train()
-        except Exception as err:
-            return Result(model_type, "unbuildable", "config or model: " + short(err))
+        ref = None
+        for kv_as_heads in (False, True):  # a config that wants as many k/v heads as heads (no GQA): so be it
+            try:
+                cfg = tiny_config(model_type, kv_as_heads)
+                for key, value in (vision or {}).items():
+                    setattr(_vision(cfg), key, value)
+                torch.manual_seed(0)
+                ref = _model_class(model_type)._from_config(cfg).float().train()
+                break
+            except Exception as err:
+                # A config validator's own words, not its wrapper's (StrictDataclassClassValidationError); a missing
+                # package's message from its first line with words (transformers' start with a newline)
+                cause = err.__cause__ if err.__cause__ is not None and "Validation" in type(err).__name__ else err
+                first = next((line for line in str(cause).splitlines() if line.strip()), "")
+                if kv_as_heads or not ("num_key_value_heads" in first and "num_attention_heads" in first):
+                    return Result(model_type, "unbuildable", f"config or model: {type(cause).__name__}: {first}"[:180])
         fused = copy.deepcopy(ref)
         inputs, loss_ref, why, tried = None, None, "no pixel input shape tried", False
         for pixels in pixel_candidates(ref, 2):
@@ -197,6 +233,10 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
                 tried = True
         if inputs is None:
             return Result(model_type, "unbuildable", "inputs: " + why)
+        if _image_token(ref.config) is None and not _image_reached_loss(ref, inputs):
+            return Result(model_type, "unbuildable", "inputs: with no image token id in its config, the pixels given "
+                          "beside plain text do not reach the loss (no gradient outside its language model, the same "
+                          "loss with other pixels): its image placeholders are not known here")
         def add_towers(res, model, rep):
             res.towers = towers(model, rep)
 

@@ -151,6 +151,8 @@ class AttentionSpec:
     q_norm: str | None = None
     k_norm: str | None = None
     norm_per_head: bool = True  # q/k norm over head_dim (Qwen3) or over all heads at once (OLMo2)
+    # Per-head q/k norms after the rotary (HunYuan's; Llama 4's text qk_norm, one weightless norm for both).
+    norm_after_rope: bool = False
     dropout: str | None = None  # float attribute or nn.Dropout child (its .p): the attention-prob dropout
     out_dropout: str | None = None  # nn.Dropout child (GPT-2) or float p (Starcoder2) applied after `out`
     is_causal: bool = True  # causal when no mask is given (the sdpa path's convention)
@@ -316,7 +318,7 @@ class FusedAttention(FusedModule):
             return self._fallback(hidden_states, kwargs)
         lead = hidden_states.shape[:-1]
         q, k, v = self._project(hidden_states)
-        if s.q_norm is not None and s.norm_per_head:
+        if s.q_norm is not None and s.norm_per_head and not s.norm_after_rope:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         base = None if torch.compiler.is_compiling() else v._base  # (compiled: the compiler plans what is saved)
         if (s.rotary_dim or s.q_norm is not None) and base is not None and base.numel() > v.numel() and torch.is_grad_enabled():
@@ -333,6 +335,8 @@ class FusedAttention(FusedModule):
             if s.rotary_sin_first:
                 cos, sin = sin, cos
             q, k = self._rope(q, k, cos, sin)
+        if s.norm_after_rope:  # over each head's channels: the B×H×S×D layout does not matter
+            q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
         cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
         if cache is not None:
             # GPT-2 under an encoder-decoder cache keeps its self-attention states in a sub-cache.

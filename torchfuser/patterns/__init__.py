@@ -10,11 +10,12 @@ from torchfuser.patterns.lm_head import LMHeadLossPattern
 from torchfuser.patterns.mlp import GatedMLPPattern, MLPPattern
 from torchfuser.patterns.moe import MoEPattern
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
+from torchfuser.patterns.rel_pos_attention import RelPosAttentionPattern
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 from torchfuser.patterns.varlen_attention import VarlenAttentionPattern
 
 PATTERNS: dict[str, Pattern] = {p.name: p for p in (
-    LMHeadLossPattern(), VarlenAttentionPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(),
+    LMHeadLossPattern(), VarlenAttentionPattern(), RelPosAttentionPattern(), AttentionPattern(), RMSNormPattern(), LayerNormPattern(),
     MoEPattern(),  # before the MLPs: a block of experts is one candidate, its parts are not
     GatedMLPPattern(), MLPPattern(), ResidualNormPattern())}
 

@@ -44,6 +44,27 @@ class ProbeDropout(nn.Module):
         return self.factor * x
 
 
+_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
+
+
+def is_weightless_norm(m: nn.Module) -> bool:
+    """A child without parameters or children computing x·rsqrt(mean(x²) + eps) over the last dim, eps its
+    own attribute (Llama 4's text ``qk_norm``): checked on a float64 probe, not taken from its name."""
+    if m._modules or any(p is not None for p in m._parameters.values()) or isinstance(m, (nn.Dropout, nn.Identity)):
+        return False
+    eps = next((v for n in _EPS_ATTRS if isinstance(v := getattr(m, n, None), float)), None)
+    if eps is None:
+        return False
+    x = _probe.randn(3, 6, gen=_probe.generator(7))
+    try:
+        with torch.no_grad():
+            got = m(x)
+    except Exception:
+        return False
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return isinstance(got, torch.Tensor) and got.shape == x.shape and _probe.close(got, want)
+
+
 def forward_params(module: nn.Module) -> list[inspect.Parameter]:
     try:
         return list(inspect.signature(module.forward).parameters.values())
@@ -80,7 +101,7 @@ def extra_fields(module: nn.Module) -> list[dict]:
         fields = [dict(bias=bias, bias_batched=batched, bias_mode=mode, mask_fill=fill, implementation=impl)
                   for fill in (False, True) for batched in (True, False) for mode in BIAS_MODES]
     # None too: a required argument may be something else, a complex rotary table (Llama 4's vision freqs_ci)
-    return [dict(f, residual=r) for r in [*complex_table_args(module), None] for f in fields]
+    return [dict(f, residual=r) for r in [None, *complex_table_args(module)] for f in fields]
 
 
 def ignores_mask(module: nn.Module, spec: AttentionSpec) -> bool | None:
@@ -120,7 +141,7 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     n_out = _probe.projection_dims(proj[spec.out])[0]
     probe._modules[spec.out] = _probe.small_projection(proj[spec.out], n_out, _MODEL_WIDTH, gen)
     for n in (spec.q_norm, spec.k_norm):
-        if n is not None:
+        if n is not None and getattr(module._modules[n], "weight", None) is not None:  # a weightless one stays
             probe._modules[n] = ProbeNorm(module._modules[n].weight.shape[0], gen)
     # Every dropout gets its own p (and every Dropout child its own mark), so that the training
     # probe tells which one the forward applies where.
@@ -150,8 +171,9 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
         kwargs["attention_mask"] = mask == low
     if spec.residual is not None:
         kwargs[spec.residual] = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
-    if spec.rotary_complex:  # S × 1 × D/2, as Llama 4 passes it; random, so that any other convention shows
-        shape = (_SEQ, 1, spec.rotary_dim // 2)
+    if spec.rotary_complex:  # S × 1 × D/2 as Llama 4's vision tower passes it (B × S × D/2: its text model's);
+        # random, so that any other convention shows
+        shape = (_BATCH, _SEQ, spec.rotary_dim // 2) if flat_tables else (_SEQ, 1, spec.rotary_dim // 2)
         kwargs[spec.rotary_complex] = torch.complex(_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
     elif spec.rotary_dim or takes_rope(module):
         # Random, not true cos/sin: any convention other than rotate-half shows, and a module that
@@ -231,7 +253,8 @@ def check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
     except Exception as err:  # a wrong guess often fails on shapes
         if not spec.rotary_dim:
             return f"{type(err).__name__}: {err}"
-        try:  # rotary tables shared by the batch, S × D (Pixtral / Mistral 3's vision attention)
+        # rotary tables shared by the batch, S × D (Pixtral / Mistral 3's vision attention); complex ones per row
+        try:
             probe, x, kwargs = probe_copy(module, spec, flat_tables=True)
             want, got = run_both(probe, spec, x, kwargs, training)
         except Exception:

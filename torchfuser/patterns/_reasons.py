@@ -38,3 +38,14 @@ def failed_probe(module: nn.Module, err: BaseException, what: str) -> str:
     first = str(err).splitlines()[0] if str(err) else ""
     return (f"{cls}'s forward does not run on a plain (tokens, hidden) input, so it is not one of the {what} "
             f"that are fused (it raised {type(err).__name__}: {first})")
+
+
+def no_mask(params) -> str | None:
+    """Why a forward that cannot be given a mask is not fused (the probe and the fused module pass one)."""
+    if not params or any(p.name == "attention_mask" or p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return (f"its forward takes no attention mask (only {quoted([p.name for p in params])}): it arranges "
+            "what it attends over from its input itself (a (batch, height, width, channels) map cut into windows, as "
+            "DaViT / Florence-2's window attention does, or channel groups, as DaViT's channel attention does), where "
+            "the fused attention takes (batch, tokens, channels) and a mask; one that calls transformers' attention "
+            "interface on what it builds (Florence-2's) runs SDPA already under attn_implementation='sdpa'")

@@ -28,8 +28,8 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    check, complex_table_args, extra_fields, forward_params, mask_variants, row_runs, rows_read, takes_rope,
-    value_rows,
+    check, complex_table_args, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
+    takes_rope, value_rows,
 )
 from torchfuser.patterns.base import Pattern, Skip
 
@@ -153,6 +153,9 @@ def _norm_roles(module, norms, heads, kv, d):
     if not norms:
         yield {}
         return
+    if len(norms) == 1:  # one weightless norm applied to q and to k (Llama 4's text qk_norm)
+        yield dict(q_norm=norms[0], k_norm=norms[0], norm_per_head=True)
+        return
     for qn, kn in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk")):
         wq, wk = (module._modules[n].weight.shape[0] for n in (qn, kn))
         if wq == wk == d:
@@ -223,7 +226,7 @@ class AttentionPattern(Pattern):
             return None
         if not hinted and next(_shapes(module, projs), None) is None:
             return None  # takes a mask but has no q/k/v/o projections (e.g. a decoder layer with an inline MLP)
-        result = self._unsupported(module, names) or next(
+        result = self._unsupported(module, names) or _reasons.no_mask(params) or next(
             filter(None, (lora.unsupported(n, module._modules[n]) for n in projs)), None)
         result = Skip(result) if result else self._parts(module, projs)
         if not isinstance(result, Skip):
@@ -232,8 +235,11 @@ class AttentionPattern(Pattern):
             positional = tuple(p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD)
             parts, rope = result, takes_rope(module)
             result = self._search(module, projs, parts, positional, rope)
-            tables = () if rope or not isinstance(result, Skip) else tuple(complex_table_args(module))
-            if tables:  # a required argument may be a complex rotary table (Llama 4's vision freqs_ci)
+            # A required argument may be a complex rotary table (Llama 4's vision freqs_ci), or the
+            # position_embeddings may be one (Llama 4's text freqs_cis).
+            tables = (() if not isinstance(result, Skip) else ("position_embeddings",) if rope
+                      else tuple(complex_table_args(module)))
+            if tables:
                 found = self._search(module, projs, parts, positional, True, tables)
                 result = result if isinstance(found, Skip) else found
         if isinstance(result, Skip) and "position_ids" in names and "position_embeddings" not in names:
@@ -281,7 +287,7 @@ class AttentionPattern(Pattern):
     @staticmethod
     def _parts(module: nn.Module, projs):
         """(norm children, dropout children, buffer names) or a Skip for unknown children."""
-        norms, drops, unknown = [], [], []
+        norms, drops, unknown, weightless = [], [], [], []
         for n, m in module._modules.items():
             if m is None or n in projs:
                 continue
@@ -291,33 +297,43 @@ class AttentionPattern(Pattern):
                 continue
             elif _is_norm(m):
                 norms.append(n)
+            elif is_weightless_norm(m):
+                weightless.append(n)
             else:
                 unknown.append(n)
+        if len(weightless) == 1 and not norms:
+            norms = weightless
+        elif weightless:
+            unknown += weightless
         if unknown:
             return Skip(f"unrecognised submodules {unknown} ({_reasons.children(module, unknown)}) besides its "
                         "projections: the fused attention reproduces projections, a q and a k norm and dropouts only")
-        if len(norms) not in (0, 2):
+        if len(norms) not in (0, 2) and norms != weightless:
             return Skip(f"{'a single norm' if len(norms) == 1 else f'{len(norms)} norms'} ({_reasons.quoted(norms)}), "
                         "not a pair of q and k norms")
         return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
 
     # -- guesses and probes ----------------------------------------------------------------
     @staticmethod
-    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False, complex_args=()):
-        """Every spec the structure allows, dropout probabilities aside, likeliest first."""
+    def _specs(module, projs, parts, positional, takes_rope, pair_tables=False, blocks=False, complex_args=(),
+               after_rope=False):
+        """Every spec the structure allows, dropout probabilities aside, likeliest first; with ``after_rope``,
+        only those with per-head q/k norms, applied after the rotary (HunYuan, Llama 4's text qk_norm)."""
         norms, drops, buffers, extras = parts
         for out, layout, qkv, fields, (heads, kv, d) in _shapes(module, projs, blocks):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
                 for out_child in [None, *drops]:
                     for rotary in _rotary_guesses(module, d, pair_tables, complex_args) if takes_rope else ({},):
+                        if after_rope and not (norm_roles.get("norm_per_head") and rotary.get("rotary_dim")):
+                            continue  # the same spec as with the norms before the rotary
                         for extra in extras:
                             if extra["residual"] is not None and extra["residual"] == rotary.get("rotary_complex"):
                                 continue
                             yield AttentionSpec(
                                 layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
                                 scaling=_scaling(module, d), **fields, **rotary, **norm_roles, **extra,
-                                out_dropout=out_child, is_causal=bool(getattr(module, "is_causal", True)),
-                                positional=positional, keep=buffers,
+                                norm_after_rope=after_rope, out_dropout=out_child,
+                                is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
                             )
 
     def _search(self, module, projs, parts, positional, takes_rope, complex_args=()):
@@ -333,9 +349,12 @@ class AttentionPattern(Pattern):
         # A forward that ignores the mask it is given (found once an output differs) is probed as such.
         tables = [False, True] if takes_rope and not complex_args else [False]
         v_rows, tried, v_fits, ignored = {}, set(), False, [None]
-        for blocks, pair_tables in itertools.product((False, True), tables):
+        # q/k norms after the rotary are a stage of their own, after every placement before it.
+        placements = (False, True) if parts[0] and takes_rope else (False,)
+        for after_rope, blocks, pair_tables in itertools.product(placements, (False, True), tables):
             budget = _MAX_PROBES * len(parts[3])  # a budget per bias / residual variant
-            for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks, complex_args):
+            for spec in self._specs(module, projs, parts, positional, takes_rope, pair_tables, blocks, complex_args,
+                                    after_rope):
                 if blocks:
                     key = (spec.qkv, spec.out, spec.rotary_table_dim)
                     if key not in v_rows:

@@ -79,6 +79,8 @@ def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict, extra
     x = x.unsqueeze(0) if spec.batched else x
     cu = torch.tensor([0, *torch.tensor(_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     kwargs = {"cu_seqlens": cu, **(extra or {})}
+    if "max_seqlen" in _params(module):  # required by some (MiniCPM-V's vision attention)
+        kwargs["max_seqlen"] = max(_LENGTHS)
     if "position_embeddings" in _params(module):
         kwargs["position_embeddings"] = (_probe.randn(s, spec.head_dim, gen=gen), _probe.randn(s, spec.head_dim, gen=gen))
     try:

@@ -1,0 +1,71 @@
+"""The image-text sweep's processor-style inputs (tests/vlm_pixels.py, tests/vlm_configs.py): types that were
+unbuildable before their inputs were made as their processors make them, now built, fused and exact (loss and
+every gradient, as tests/vlm_sweep.py checks); pixels that do not reach the loss are told from pixels that do; per-layer tables keyed by strings land in the tiny depth."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vlm_configs
+import vlm_sweep
+
+# type → (tower, pattern, fused blocks): what each must fuse, besides being exact.
+BUILT = {
+    "mllama": ("vision", "attention", 4),  # tiles, aspect ratios, cross-attention mask; its global layers
+    "gemma4": ("text", "lm_head_loss", 1),  # patches with (x, y) positions, per-layer table, vision tower filled in
+    "blip-2": ("text", "lm_head_loss", 1),  # image token id the config leaves None
+    "kosmos-2": ("vision", "attention", 3),  # image positions by mask
+    "got_ocr2": ("vision", "rel_pos_attention", 2),  # SAM-style vision attention with decomposed relative positions
+    "minicpm_ocr": ("vision", "varlen_attention", 3),  # packed patch strips; its attention requires max_seqlen
+    "ovis2_5": ("vision", "varlen_attention", 2),  # the image's run between its start and end tokens
+}
+
+
+def _installed(model_type):
+    if model_type not in vlm_sweep.model_types():
+        pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
+
+
+@pytest.mark.parametrize("model_type", BUILT)
+def test_built_fused_and_exact(model_type):
+    _installed(model_type)
+    r = vlm_sweep.run_one(model_type)
+    assert r.kind == "fused", (r.kind, r.detail)
+    tower, pattern, count = BUILT[model_type]
+    assert r.towers.get(tower, {}).get(pattern) == count, (r.towers, r.skipped.get(pattern))
+
+
+class _TwoTowers(torch.nn.Module):
+    """A language model and a vision tower whose output reaches the loss, or not."""
+
+    def __init__(self, uses_pixels: bool):
+        super().__init__()
+        self.language_model, self.vision_tower, self.uses_pixels = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), uses_pixels
+
+    def get_decoder(self):
+        return self.language_model
+
+    def forward(self, input_ids, pixel_values, labels, use_cache=False):
+        h = self.language_model(input_ids.float())
+        if self.uses_pixels:
+            h = h + self.vision_tower(pixel_values).mean()
+        return SimpleNamespace(loss=(h - labels).pow(2).mean())
+
+
+@pytest.mark.parametrize("uses_pixels", [True, False])
+def test_pixels_that_do_not_reach_the_loss_are_told_apart(uses_pixels):
+    """A type whose config names no image token gets plain text beside its pixels: built only where they count."""
+    model = _TwoTowers(uses_pixels)
+    inputs = {"input_ids": torch.ones(2, 4), "pixel_values": torch.randn(2, 4), "labels": torch.zeros(2, 4)}
+    vlm_sweep._step(model, inputs)
+    assert vlm_sweep._image_reached_loss(model, inputs) is uses_pixels
+
+
+def test_per_layer_table_keyed_by_strings_maps_into_the_tiny_depth():
+    values = {"text_config": {"model_type": "x", "per_layer_config": {"05": {"head_dim": 512}}, "a_config": {}}}
+    assert vlm_configs._int_layer_keys(values)["text_config"]["per_layer_config"] == {5: {"head_dim": 512}}
+    merged = vlm_configs._merge(values, {"text_config": {"per_layer_config": {1: {"head_dim": 512}}}})
+    assert merged["text_config"]["per_layer_config"] == {1: {"head_dim": 512}}  # replaced whole, not merged
+    assert not vlm_configs._is_sub("per_layer_config", {"model_type": "x"})
