@@ -24,3 +24,21 @@ def assert_within_rule(fused: torch.Tensor, same_dtype: torch.Tensor, ref64: tor
 
 
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+def assert_trains_like(ref, fused, step, keys, loss_rtol: float = 1e-6) -> None:
+    """One fp32 training step of ``fused`` (fused in place, ``state_dict`` keys ``keys``) against ``ref``: the loss,
+    every gradient (none where none), no call-time fallback; then ``restore`` gives the keys back."""
+    import torchfuser
+    from torchfuser.modules import fallbacks
+
+    assert list(fused.state_dict()) == keys
+    loss_ref, loss = step(ref), step(fused)
+    torch.testing.assert_close(loss, loss_ref, rtol=loss_rtol, atol=1e-6)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), n
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
+    assert not fallbacks.counts(fused), fallbacks.counts(fused)  # every call ran fused
+    torchfuser.restore(fused)
+    assert list(fused.state_dict()) == keys

@@ -17,7 +17,7 @@ import torchfuser
 from torchfuser.modules import fallbacks
 from torchfuser.modules.residual_norm import ResidualNormForward
 
-from numerics import assert_within_rule
+from numerics import assert_trains_like, assert_within_rule
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -89,15 +89,7 @@ def test_one_training_step_fused_matches_unfused(name):
     spec = fused_layers[0].forward.spec
     form = FAMILIES[name][3]
     assert spec.parallel == (form != "sequential") and (spec.norm_mid == spec.norm_in) == (form == "shared"), spec
-    assert list(fused.state_dict()) == keys
-    loss_ref, loss = step(ref), step(fused)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
-        assert (a.grad is None) == (b.grad is None), n
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
-    assert not fallbacks.counts(fused), fallbacks.counts(fused)  # every call ran fused
-    torchfuser.restore(fused)
+    assert_trains_like(ref, fused, step, keys, loss_rtol=1e-6)
     assert not layers(fused) and list(fused.state_dict()) == keys
 
 

@@ -13,10 +13,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import torchfuser
 import torchfuser.functional as F
-from torchfuser.modules import fallbacks
 from torchfuser.modules.mlp import FusedMLP
 
-from numerics import ATOL, assert_within_rule
+from numerics import ATOL, assert_trains_like, assert_within_rule
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -88,15 +87,7 @@ def test_training_step_fused_matches_unfused(name):
     assert len(found) == 2, str(torchfuser.report(fused))
     _, _, activation, residual = MODELS[name]
     assert (found[0].spec.activation, found[0].spec.residual) == (activation, residual), found[0].spec
-    assert list(fused.state_dict()) == keys
-    loss_ref, loss = step(ref), step(fused)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
-        assert (a.grad is None) == (b.grad is None), n
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
-    assert not fallbacks.counts(fused), fallbacks.counts(fused)
-    torchfuser.restore(fused)
+    assert_trains_like(ref, fused, step, keys, loss_rtol=1e-5)
     assert not mlps(fused) and list(fused.state_dict()) == keys
 
 

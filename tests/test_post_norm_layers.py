@@ -14,7 +14,7 @@ import torchfuser
 from torchfuser.modules import fallbacks
 from torchfuser.modules.residual_norm import ResidualNormForward
 
-from numerics import assert_within_rule
+from numerics import assert_trains_like, assert_within_rule
 
 VOCAB = 96
 # OPT-350m's form: post-norm layers, embeddings projected in and out (word_embed_proj_dim ≠ hidden_size)
@@ -55,15 +55,7 @@ def test_training_step_fused_matches_unfused(impl):
     spec = found[0].forward.spec
     assert spec.post_norm and not spec.parallel
     assert (spec.norm_in, spec.norm_mid) == ("self_attn_layer_norm", "final_layer_norm")
-    assert list(fused.state_dict()) == keys
-    loss_ref, loss = step(ref), step(fused)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
-        assert (a.grad is None) == (b.grad is None), n
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
-    assert not fallbacks.counts(fused), fallbacks.counts(fused)
-    torchfuser.restore(fused)
+    assert_trains_like(ref, fused, step, keys, loss_rtol=1e-6)
     assert not layers(fused) and list(fused.state_dict()) == keys
 
 
