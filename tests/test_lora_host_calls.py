@@ -6,6 +6,7 @@ adapters (the hi/lo split path): 8 nodes a step (q/k/v, o, gate/up, down in each
 benchmarks/probes/lora_aten_calls.py prints the counts by op (docs/performance/NOTES-lora.md)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -63,6 +64,11 @@ def _node_calls(monkeypatch, model, ids) -> tuple[int, int]:
 def test_aten_calls_of_the_fused_lora_nodes_are_bounded(dtype, monkeypatch):
     from test_lora_fused import _pair
 
+    from torchfuser.modules import residual_norm
+
+    # The nodes' own calls: the norms' outputs, made again when a node's backward unpacks them, are the
+    # norms' work (one rms_norm forward each), not the node's.
+    monkeypatch.setattr(residual_norm, "_made_again", lambda *args: contextlib.nullcontext())
     _, fused = _pair("llama", dtype=dtype)
     torchfuser.optimize(fused, backend="reference")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
