@@ -129,7 +129,6 @@ class FusedRMSNorm(FusedModule):
             out_dtype, maxima = out, False
         return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), backend, out_dtype, maxima)
 
-
     def made_again(self, y: Tensor, src: Tensor):
         """While active, ``y`` — this norm of ``src`` from ``add`` (src: the sum it stored) or ``opening_residual``
         (src: x), in y's dtype, without FP8 maxima — is not kept by what saves it for the backward (the

@@ -17,6 +17,8 @@ the norms can be the producers of three FP8 GEMM operands (``_maxima``; off by d
 the switch ``fp8_norm_producers``, ``torchfuser.switches``): norm_in's output (the q/k/v projections'
 input), norm_mid's (the gate/up projections'), and the gradient norm_mid's backward hands the
 attention's output (the output projection's dy) carry their maxima to the GEMMs.
+The norms' outputs are not kept by the projections after them: the backward makes them again from what the
+norms keep (``FusedRMSNorm.made_again``, ``modules.recompute``).
 
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
