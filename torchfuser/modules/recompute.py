@@ -1,4 +1,5 @@
-"""Activations made again in the backward instead of kept: the gated MLP's act(gate)·up.
+"""Activations made again in the backward instead of kept: the gated MLP's act(gate)·up, and a decoder
+layer's RMSNorm outputs (``FusedRMSNorm.made_again``: made again from what the norm keeps).
 
 A gated MLP saves [gate | up] (T × 2I) for its activation's backward, and the down projection saves
 its input h = act(gate)·up (T × I) for its weight's or its LoRA adapter's gradient. h is one
