@@ -42,3 +42,27 @@ def assert_trains_like(ref, fused, step, keys, loss_rtol: float = 1e-6) -> None:
     assert not fallbacks.counts(fused), fallbacks.counts(fused)  # every call ran fused
     torchfuser.restore(fused)
     assert list(fused.state_dict()) == keys
+
+
+def assert_bf16_within_rule(fused, plain, ref64, step) -> None:
+    """bf16 ``fused`` and ``plain`` (the same model unfused) against its float64 copy ``ref64``: the loss and every
+    gradient of the fused model no further from float64's than twice the unfused model's error (+ 1e-2, scaled
+    by the gradient's size)."""
+    losses = [step(m) for m in (fused, plain, ref64)]
+    assert_within_rule(losses[0].reshape(1), losses[1].reshape(1), losses[2].reshape(1), 1e-2, "loss")
+    for (n, f), (_, p), (_, r) in zip(fused.named_parameters(), plain.named_parameters(), ref64.named_parameters()):
+        assert_within_rule(f.grad, p.grad, r.grad, 1e-2 * max(1.0, r.grad.abs().max().item()), n)
+
+
+def assert_cuda_steps_like(ref, fused, step) -> None:
+    """Two CUDA training steps each (a second call may replay what the first captured): the last loss and every
+    gradient of ``fused`` close to ``ref``'s (GPU kernels: a tolerance, not bits)."""
+    losses = []
+    for m in (ref, fused):
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            loss = step(m, "cuda")
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-4)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-4, msg=n)

@@ -22,7 +22,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F, ops
-from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, decided, dropout_p, hand_back, host_reads_allowed,
+from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, call_original, decided, dropout_p, host_reads_allowed,
                                      keep_dropout, signature)
 from torchfuser.modules import attention_bias, fallbacks, packed, rotary_complex
 from torchfuser.modules.adapters import lora
@@ -239,10 +239,8 @@ class FusedAttention(FusedModule):
     # -- fallback -------------------------------------------------------------------------
     def _fallback(self, hidden_states, kwargs):
         """Run the original module on whatever this module now holds (after .to(), re-tying...)."""
-        original = self.__dict__["_original"]
-        hand_back(self, original)
-        out = original(hidden_states, **kwargs)
-        _record_attention_weights(original, out)
+        out = call_original(self, hidden_states, **kwargs)
+        _record_attention_weights(self.__dict__["_original"], out)
         return out
 
     def _fallback_reason(self, kwargs, hidden: Tensor) -> str | None:

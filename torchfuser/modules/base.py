@@ -155,6 +155,14 @@ def hand_back(fused: nn.Module, original: nn.Module) -> None:
     original.training = fused.training  # not .train(): the children are shared and already set
 
 
+def call_original(fused: nn.Module, *args, **kwargs):
+    """The original module ``fused`` replaced (kept as ``fused.__dict__["_original"]``), called on whatever
+    ``fused`` now holds (``hand_back``): a call-time fallback."""
+    original = fused.__dict__["_original"]
+    hand_back(fused, original)
+    return original(*args, **kwargs)
+
+
 def loaded_fsdp():
     """``torch.distributed.fsdp`` if something imported it, else None: then no model can be wrapped
     or sharded by it, and importing it only to check would cost 0.5 s."""

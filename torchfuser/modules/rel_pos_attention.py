@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from torchfuser.modules import fallbacks
 from torchfuser.modules.attention import _collector, _recorded_from
-from torchfuser.modules.base import FusedModule, adopt, hand_back
+from torchfuser.modules.base import FusedModule, adopt, call_original
 from torchfuser.modules.projections import single
 
 
@@ -90,9 +90,7 @@ class FusedRelPosAttention(FusedModule):
         why = self._fallback_reason(hidden_states, kwargs)
         if why is not None:
             fallbacks.count(self, why)
-            original = self.__dict__["_original"]
-            hand_back(self, original)
-            return original(hidden_states, **kwargs)
+            return call_original(self, hidden_states, **kwargs)
         b, h, w, _ = hidden_states.shape
         heads, d = s.num_heads, s.head_dim
         qkv = single(hidden_states, getattr(self, s.qkv), self).reshape(b, h * w, 3, heads, d)

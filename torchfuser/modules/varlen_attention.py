@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F
 from torchfuser.modules import fallbacks, packed
-from torchfuser.modules.base import FusedModule, adopt, hand_back
+from torchfuser.modules.base import FusedModule, adopt, call_original
 from torchfuser.modules.projections import project, single
 
 _IMPLEMENTATIONS = ("eager", "sdpa")
@@ -101,9 +101,7 @@ class FusedVarlenAttention(FusedModule):
         why = self._fallback_reason(hidden_states, kwargs)
         if why is not None:
             fallbacks.count(self, why)
-            original = self.__dict__["_original"]
-            hand_back(self, original)
-            return original(hidden_states, **kwargs)
+            return call_original(self, hidden_states, **kwargs)
         x = hidden_states[0] if s.batched else hidden_states
         n, h, d = x.shape[0], s.num_heads, s.head_dim
         if s.layout == "concat":  # [q | k | v], k and v with kv_heads heads each
