@@ -46,6 +46,10 @@ class Switches:
     # transient Ŵ. Off: not measured faster than dequantise-then-cuBLAS yet (benchmarks/probes/dequant_gemm_probe.py,
     # NOTES-qlora.md). Within the accuracy rule when on (tests/backends/test_dequant_matmul_4bit.py).
     qlora_dequant_gemm: bool = False
+    # MLIR backend (CPU): a no-grad call of at most ops._call.MLIR_SMALL elements (a decode step's rows) runs the
+    # reference kernel, measured cheaper per call there (NOTES-trl.md, rollouts). Off: the MLIR kernel always
+    # (the MLIR kernel tests). Within the accuracy rule either way (the reference backend is the oracle).
+    mlir_small_to_reference: bool = True
 
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:

@@ -73,6 +73,13 @@ def _in_dtype(x: Tensor, out: torch.dtype) -> Tensor:
     return x if wide == x.dtype else x.to(wide)
 
 
+def _add_out_dtype(spec, x: Tensor, residual: Tensor, w: Tensor) -> torch.dtype | None:
+    """The dtype the original norm returns for s = x + residual where it is not s's, else None."""
+    s_dtype = torch.promote_types(x.dtype, residual.dtype)
+    out = _out_dtype(spec, x, w, s_dtype)
+    return None if out == s_dtype else out
+
+
 class FusedRMSNorm(FusedModule):
     def __init__(self, original: nn.Module, spec: RMSNormSpec, backend: str = "auto"):
         super().__init__(spec, backend)
@@ -102,17 +109,19 @@ class FusedRMSNorm(FusedModule):
         ``maxima``: whether the norm's output, and residual's gradient, hand their FP8 maxima on to the
         GEMMs that take them (plain eager; ``modules.fp8.producer_maxima`` decides)."""
         s = self.spec
+        w = getattr(self, s.weight)
         if out_dtype is None:  # the original norm's dtype for s (x + residual's promoted dtype), where not s's
-            s_dtype = torch.promote_types(x.dtype, residual.dtype)
-            out = _out_dtype(s, x, getattr(self, s.weight), s_dtype)
-            if out != s_dtype:  # (the caller's maxima were asked for an output of s's dtype)
+            # (once per dtype signature, as the checks: x.device's type and its autocast state are in the key)
+            on = x.device.type != "cpu" and autocast_enabled(x.device.type)
+            out = decided(self, ("add_dtype", x.dtype, residual.dtype, w.dtype, x.device.type, on),
+                          lambda: _add_out_dtype(s, x, residual, w))
+            if out is not None:  # (the caller's maxima were asked for an output of s's dtype)
                 out_dtype, maxima = out, (False, False)
         if not any(maxima):  # the checks and the backend once per call signature, as in forward
-            w = getattr(self, s.weight)
             key = ("add", signature(x), signature(residual), signature(w), out_dtype, self.backend)
             backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_add_rms_norm(x, residual, w, out_dtype)))
             return ops.add_rms_norm(x, residual, w, float(s.eps), float(s.offset), backend, out_dtype)
-        weight = getattr(self, s.weight)
+        weight = w
         backend = F.backend_for(self.backend, F.check_add_rms_norm(x, residual, weight, out_dtype))
         return add_rms_norm_fp8_producer(x, residual, weight, float(s.eps), float(s.offset), backend,
                                          out_dtype, *maxima)
@@ -123,9 +132,10 @@ class FusedRMSNorm(FusedModule):
         in the norm's backward kernel (``ops.rms_norm_opening_residual``). ``maxima``: whether the norm's
         output hands its FP8 maxima on, as in ``add``."""
         s, weight = self.spec, getattr(self, self.spec.weight)
-        backend = decided(self, ("opening", signature(x), signature(weight), self.backend),
-                          lambda: F.backend_for(self.backend, F.check_rms_norm(x, weight)))
-        if out_dtype is None and (out := _out_dtype(s, x, weight)) != x.dtype:  # the original norm's dtype
+        on = x.device.type != "cpu" and autocast_enabled(x.device.type)  # (read by _out_dtype: in the key)
+        backend, out = decided(self, ("opening", signature(x), signature(weight), self.backend, on),
+                               lambda: (F.backend_for(self.backend, F.check_rms_norm(x, weight)), _out_dtype(s, x, weight)))
+        if out_dtype is None and out != x.dtype:  # the original norm's dtype
             out_dtype, maxima = out, False
         return ops.rms_norm_opening_residual(x, weight, float(s.eps), float(s.offset), backend, out_dtype, maxima)
 

@@ -20,7 +20,9 @@ import os
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from torchfuser import backends as _backends
 from torchfuser.backends import kernel as _backend_kernel, reference as _reference
+from torchfuser.switches import SWITCHES as _SWITCHES
 
 _C = torch._C
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -49,7 +51,7 @@ def _own_storage(out):
     forbids in-place updates of a custom Function's view outputs (XLM does ``tensor *= mask`` on a
     norm's output). ``detach`` drops the view relation at no cost; the storage and strides stay."""
     if isinstance(out, tuple):
-        return tuple(o.detach() if o._is_view() else o for o in out)
+        return tuple(o.detach() if o is not None and o._is_view() else o for o in out)  # (None: an _infer's statistic)
     return out.detach() if out._is_view() else out
 
 
@@ -75,6 +77,46 @@ def kernel(backend: str, name: str):
     if not _C._dispatch_tls_local_exclude_set().has(_DK.FuncTorchDynamicLayerFrontMode):
         return fn
     return lambda *args: _with_keys(fn, *args)
+
+
+# MLIR on the CPU: a compiled kernel's call costs 10-40 µs of host time before any work (argument packing,
+# the ExecutionEngine's call), which a decode step's few rows never pay back. Measured per op (thread CPU
+# time, one thread, benchmarks/probes/generate_mlir_crossover.py; NOTES-trl.md "Rollouts with generate"):
+# the reference kernel is cheaper up to ~64k elements of the first input for rms_norm, add_rms_norm, swiglu
+# and rope. So a no-grad call (no backward to keep consistent with) whose first input has at most
+# ``MLIR_SMALL`` elements runs the reference kernel (the report says so), unless
+# ``switches.mlir_small_to_reference`` is off (tests of the MLIR kernels turn it off).
+MLIR_SMALL = 32768
+
+
+def _small_mlir(args) -> bool:
+    return args[-1] == "mlir" and args[0].numel() <= MLIR_SMALL and _SWITCHES.mlir_small_to_reference
+
+
+_RAW: dict = {}  # (backend, forward kernel name) -> the forward kernel wrapped in _forward_kernel
+
+
+def nograd_forward(fwd_name: str, args: tuple):
+    """The forward kernel ``fwd_name`` of ``args[-1]``'s backend on ``args[:-1]``, for a plain eager call
+    without grad mode (the caller checks ``plain_eager``): no autograd Function, no custom op, the kernel
+    resolved once per (backend, op) rather than per call, and the backend's ``<op>_infer`` where it has one
+    (``_inference_kernel``; the same values, bit for bit). MLIR calls of a few rows take the reference
+    kernel (``MLIR_SMALL``). Autocast (the kernel must not see it) and functorch's excluded keys go the
+    general way, through ``kernel``."""
+    backend = "reference" if _small_mlir(args) else args[-1]
+    if _C._is_any_autocast_enabled() or _C._dispatch_tls_local_exclude_set().has(_DK.FuncTorchDynamicLayerFrontMode):
+        return kernel(backend, fwd_name)(*args[:-1])
+    fn = _RAW.get((backend, fwd_name))
+    if fn is None:
+        fn = _RAW[(backend, fwd_name)] = _inference_kernel(backend, fwd_name)
+    return fn(*args[:-1])
+
+
+def _inference_kernel(backend: str, fwd_name: str):
+    """The backend's ``<op>_infer`` where it has one (the forward's values without what only its backward
+    needs: statistics, layouts), else its ``<op>_fwd``; wrapped as ``kernel`` wraps forwards."""
+    infer = getattr(_backends.kernels(backend), fwd_name.removesuffix("_fwd") + "_infer", None)
+    return kernel(backend, fwd_name) if infer is None else functools.partial(_forward_kernel, infer)
 
 
 def autocast_enabled(device_type: str) -> bool:
@@ -176,7 +218,10 @@ def autograd(fwd_op, setup, backward, elementwise: bool = True):
         if impl is not None and plain_eager(args):
             # No graph to record (generate, TRL's rollouts and reference scoring run under no_grad):
             # the kernel alone, without the autograd Function's bookkeeping and saved tensors.
-            return impl(*args) if not torch.is_grad_enabled() else Eager.apply(*args)
+            if torch.is_grad_enabled():
+                return Eager.apply(*args)
+            # An elementwise op's implementation is its backend's forward kernel on args[:-1]: called as that.
+            return nograd_forward(fwd_name, args) if elementwise else impl(*args)
         if definition is not None and inductor_fuses(args[-1], op):
             # As the kernels do: the inputs' dtypes, never autocast's.
             with torch.autocast(args[0].device.type, enabled=False):

@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from . import fp8_quant
-from ._call import autograd, empty, kernel, plain_eager, run
+from ._call import autograd, empty, kernel, nograd_forward, plain_eager, run
 
 
 @torch.library.custom_op("torchfuser::rms_norm_fwd", mutates_args=())
@@ -190,5 +190,7 @@ def rms_norm_opening_residual(
     code sees two uses of x."""
     backend = "reference" if empty(x, weight) else backend
     if plain_eager((x, weight)):
+        if not torch.is_grad_enabled() and not y_amax:  # no graph to record (decode): the kernel alone
+            return nograd_forward("rms_norm_fwd", (x, weight, eps, offset, out_dtype, backend))[0], x
         return _NormOpeningResidual.apply(x, weight, eps, offset, backend, out_dtype, y_amax)
     return rms_norm(x, weight, eps, offset, backend).to(out_dtype or x.dtype), x

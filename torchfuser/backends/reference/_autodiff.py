@@ -10,7 +10,16 @@ from torchfuser.backends._saved_hooks import hooks_set_aside
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """fp32 for fp16/bf16/fp32 inputs, fp64 when any input is fp64 (the test oracle)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+    for t in tensors:  # a loop, not a generator: every reference kernel call runs this (host time)
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64
+    return torch.float32
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the dispatcher call where t has that dtype already (the same tensor either
+    way): a decode step's kernels are microseconds, and each such call costs about one."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def vjp(fn: Callable, inputs: Sequence[torch.Tensor | None], grads, *args) -> tuple:

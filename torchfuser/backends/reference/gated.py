@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from ._autodiff import compute_dtype, vjp
+from ._autodiff import cast, compute_dtype, vjp
 
 
 def swiglu(gate, up):
     ct = compute_dtype(gate, up)
-    return (F.silu(gate.to(ct)) * up.to(ct)).to(gate.dtype)
+    return cast(F.silu(cast(gate, ct)) * cast(up, ct), gate.dtype)
 
 
 def geglu(gate, up):

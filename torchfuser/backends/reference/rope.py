@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._autodiff import compute_dtype, vjp
+from ._autodiff import cast, compute_dtype, vjp
 
 
 def _rotate_half(t):
@@ -19,9 +19,9 @@ def rope(q, k, cos, sin):
         qr, kr = rope(q[..., :rd], k[..., :rd], cos, sin)
         return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
     ct = compute_dtype(q, k)
-    c, s = cos.to(ct).unsqueeze(1), sin.to(ct).unsqueeze(1)
-    qf, kf = q.to(ct), k.to(ct)
-    return (qf * c + _rotate_half(qf) * s).to(q.dtype), (kf * c + _rotate_half(kf) * s).to(k.dtype)
+    c, s = cast(cos, ct).unsqueeze(1), cast(sin, ct).unsqueeze(1)
+    qf, kf = cast(q, ct), cast(k, ct)
+    return cast(qf * c + _rotate_half(qf) * s, q.dtype), cast(kf * c + _rotate_half(kf) * s, k.dtype)
 
 
 def empty_heads_inner(t):
@@ -39,6 +39,13 @@ def _heads_inner(t):
 def rope_fwd(q, k, cos, sin):
     qo, ko = rope(q, k, cos, sin)
     return _heads_inner(qo), _heads_inner(ko)
+
+
+def rope_infer(q, k, cos, sin):
+    """``rope_fwd`` for a call with no backward (``ops._call.nograd_forward``): the same values, laid out as
+    the arithmetic leaves them (B×H×S×D, as the unfused model's), without the copies into B×S×H×D memory
+    that only spare the backward's."""
+    return rope(q, k, cos, sin)
 
 
 def rope_bwd(dq, dk, cos, sin):
