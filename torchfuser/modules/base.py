@@ -43,8 +43,13 @@ class FusedModule(nn.Module):
         (``Pattern.build`` keeps it as ``_original``, outside ``_modules``: no state_dict key, no
         second visit by ``.to()``): model code reads its children's config, eps, sizes and flags
         (Mamba2 passes ``self.norm.variance_epsilon`` to its kernel), and must get what it got."""
+        d = self.__dict__  # parameters, buffers, submodules: nn.Module's lookup, one Python frame less a read
+        for key in ("_parameters", "_modules", "_buffers"):
+            store = d.get(key)  # (absent while a copy or unpickling is being built)
+            if store is not None and name in store:
+                return store[name]
         try:
-            return super().__getattr__(name)  # parameters, buffers, submodules
+            return super().__getattr__(name)
         except AttributeError:
             original = self.__dict__.get("_original")
             if original is None or name.startswith("__"):  # copy/pickle protocol probes stay misses
@@ -88,11 +93,20 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_backward_pre_hooks")
 
 
+_MODULE = nn.modules.module
+
+
 def hooked(*modules: nn.Module) -> bool:
     """Whether calling these modules runs hooks (their own or global ones): then code that calls their
     weights directly, not the modules, would skip them."""
-    return any(getattr(nn.modules.module, n) for n in _GLOBAL_HOOKS) or any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
+    # Loops, not generators: every fused decoder layer's call asks (host time of a decode step).
+    if (_MODULE._global_forward_hooks or _MODULE._global_forward_pre_hooks or _MODULE._global_backward_hooks
+            or _MODULE._global_backward_pre_hooks):
+        return True
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return True
+    return False
 
 
 def adopt(fused: nn.Module, original: nn.Module, names) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import functools
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
@@ -59,6 +60,7 @@ class _WithLoRA:
         return super().extra_repr() + (f", with {t}" if (t := self.lora_summary) else "")
 
 
+_NOTHING = contextlib.nullcontext()  # reusable
 _GATED_OPS = {"silu": "swiglu", "gelu_tanh": "geglu", "gelu": "geglu_erf"}  # the torchfuser.ops names
 _GATED_ACTS = {"silu": F.swiglu, "gelu_tanh": F.geglu, "gelu": functools.partial(F.geglu, approximate="none")}
 
@@ -90,7 +92,9 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
 
     def _h_made_again(self, h: Tensor, make):
         """The down projection does not keep its input h: the backward makes it again (modules.recompute)."""
-        return recompute.made_again(h, make) if make is not None else contextlib.nullcontext()
+        if make is None or not torch.is_grad_enabled():  # (no_grad: nothing is saved, nothing to make again)
+            return _NOTHING
+        return recompute.made_again(h, make)
 
     def _gated(self, x: Tensor):
         """(h, a function that makes h again from tensors the activation keeps for its backward, or None)."""

@@ -55,6 +55,7 @@ from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
 
 _log = logging.getLogger(__name__)
+_NOTHING = contextlib.nullcontext()  # reusable
 # Keywords a layer's KV cache goes by (transformers versions and families): a checkpointed layer must not
 # get one, or its recompute in the backward would write the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -254,8 +255,8 @@ class ResidualNormForward:
 def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: bool):
     """The block after an RMSNorm does not keep the norm's output y: the backward makes it again from src
     (``FusedRMSNorm.made_again``); not with FP8 maxima (another kernel), nor for LayerNorms."""
-    if maxima or not isinstance(norm, FusedRMSNorm) or not y.numel():
-        return contextlib.nullcontext()
+    if maxima or not torch.is_grad_enabled() or not isinstance(norm, FusedRMSNorm) or not y.numel():
+        return _NOTHING  # (no_grad: nothing is saved for a backward, so nothing to make again)
     return norm.made_again(y, src)
 
 
