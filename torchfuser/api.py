@@ -13,6 +13,7 @@ from torchfuser.modules import fallbacks, fp8 as _fp8, offload as _offload, pack
 from torchfuser.modules.fp8 import step as _fp8_step
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.modules.lm_head import FusedLMHeadLoss
+from torchfuser.ops._call import SMALL_NOTE as _SMALL_NOTE, small_calls_note as _small_calls_note
 from torchfuser.report import FusionReport
 
 __all__ = ["optimize", "restore", "report"]
@@ -370,7 +371,7 @@ def _undo(model: nn.Module) -> None:
 
 _LORA_HEAD = "adapters: "
 # Notes made anew at each report: the old ones go first.
-_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED, _offload.HEAD)
+_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED, _offload.HEAD, _SMALL_NOTE)
 
 
 def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
@@ -407,7 +408,8 @@ def report(model: nn.Module) -> FusionReport:
         result.notes.append(_COMPILE_NOTE)
     result.notes += (fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
                      + _experts.changed(target, result)
-                     + _offload.notes(target, result, getattr(_settings.of(target), "checkpointing", False)))
+                     + _offload.notes(target, result, getattr(_settings.of(target), "checkpointing", False))
+                     + _small_calls_note({e.backend for e in result.fused}))
     if replaced:  # the report kept on the model stays as optimize made it; this one says what runs now
         result = copy.copy(result)
         result._entries = {name: replaced.get(name, e) for name, e in result._entries.items()}

@@ -93,6 +93,17 @@ def _small_mlir(args) -> bool:
     return args[-1] == "mlir" and args[0].numel() <= MLIR_SMALL and _SWITCHES.mlir_small_to_reference
 
 
+SMALL_NOTE = "mlir: "  # the start of the report's note on it (refreshed at every report)
+
+
+def small_calls_note(backends) -> list[str]:
+    """The report's note where a fused block runs MLIR kernels and small no-grad calls take the reference ones."""
+    if "mlir" not in backends or not _SWITCHES.mlir_small_to_reference:
+        return []
+    return [f"{SMALL_NOTE}calls without grad mode of at most {MLIR_SMALL} elements (a decode step's rows) run the "
+            "reference kernels, measured cheaper per call there (switches.mlir_small_to_reference; NOTES-trl.md)"]
+
+
 _RAW: dict = {}  # (backend, forward kernel name) -> the forward kernel wrapped in _forward_kernel
 
 

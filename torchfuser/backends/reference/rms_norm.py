@@ -29,7 +29,7 @@ def rms_norm_infer(x, weight, eps, offset, out_dtype=None):
     xf = cast(x, ct)
     w = cast(weight, ct)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w + offset if offset else w)
-    return cast(y, out_dtype or x.dtype), None
+    return cast(cast(y, x.dtype), out_dtype or x.dtype), None  # rounded to x's dtype first, as rms_norm_fwd
 
 
 def add_rms_norm_infer(x, r, weight, eps, offset, out_dtype=None):

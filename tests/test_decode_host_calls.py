@@ -1,0 +1,166 @@
+"""A decode step of a fused model (greedy ``generate`` with a KV cache, a batch of left-padded prompts, no_grad,
+training mode as TRL's rollouts keep it) does no more host work than the unfused model's: its ATen calls are
+counted (torch.profiler, top-level calls), not timed, and so are its Python calls (cProfile). The bounds are
+checked to fail on the path they replaced (the ops' full forward kernels under no_grad). The logits must be
+equal to the unfused model's, bit for bit. Timed: benchmarks/probes/generate_rollouts.py (NOTES-trl.md).
+"""
+from __future__ import annotations
+
+import cProfile
+import copy
+import pstats
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+import torchfuser
+from torchfuser import ops, switches
+from torchfuser.ops import _call
+
+# Python calls a fused decode step may add to the unfused one (tiny Llama, 2 layers; transformers 5.25: +700,
+# 5.17 about the same; before the no-grad kernel path and the cuts in the modules' call path, +980).
+PYTHON_CALLS_EXTRA = 850
+
+
+def _pair(backend: str):
+    cfg = AutoConfig.for_model("llama", hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(cfg)
+    fused = torchfuser.optimize(copy.deepcopy(base), backend=backend)
+    for m in (base, fused):
+        m.train()  # TRL's rollouts: the trainer's mode, under no_grad
+    return base, fused
+
+
+def _prompts(batch: int = 4, longest: int = 12):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row in range(batch):
+        n = longest - 3 * row  # left padding of 0, 3, 6, 9 tokens
+        ids[row, -n:] = torch.randint(4, 1024, (n,), generator=gen)
+        mask[row, -n:] = 1
+    return ids, mask
+
+
+class _Decode:
+    """One decode step of ``model`` after a prefill, repeatable: the cache is cut back after each step."""
+
+    def __init__(self, model):
+        self.model, (ids, mask) = model, _prompts()
+        self.cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=self.cache, use_cache=True)
+        self.next = out.logits[:, -1:].argmax(-1)
+        self.mask = torch.cat([mask, torch.ones_like(self.next)], dim=1)
+
+    def __call__(self):
+        with torch.no_grad():
+            logits = self.model(input_ids=self.next, attention_mask=self.mask, past_key_values=self.cache,
+                                use_cache=True).logits
+        self.cache.crop(-1)
+        return logits
+
+
+def _aten_calls(step) -> int:
+    step()  # warm (decisions made once per call signature)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def _python_calls(step) -> int:
+    step()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    return pstats.Stats(prof).total_calls
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_a_fused_decode_step_makes_no_more_aten_calls_and_equal_logits(backend):
+    base, fused = _pair(backend)
+    plain, step = _Decode(base), _Decode(fused)
+    assert torch.equal(step(), plain())
+    assert _aten_calls(step) <= _aten_calls(plain)
+
+
+def test_the_aten_bound_fails_on_the_full_forward_kernels(monkeypatch):
+    """The bound can fail: the ops' ``_fwd`` kernels (rope's copies into its backward's layout, the norms'
+    statistics) in place of the ``_infer`` ones under no_grad make more ATen calls than the unfused model."""
+    base, fused = _pair("reference")
+    monkeypatch.setattr(_call, "_RAW", {})
+    monkeypatch.setattr(_call, "_inference_kernel", _call.kernel)
+    plain, step = _Decode(base), _Decode(fused)
+    assert torch.equal(step(), plain())
+    assert _aten_calls(step) > _aten_calls(plain)
+
+
+def test_a_fused_decode_step_adds_a_bounded_number_of_python_calls():
+    base, fused = _pair("reference")
+    plain, step = _Decode(base), _Decode(fused)
+    extra = _python_calls(step) - _python_calls(plain)
+    assert extra <= PYTHON_CALLS_EXTRA, f"a fused decode step makes {extra} Python calls more than the unfused one"
+
+
+def _asked(monkeypatch):
+    """The backends nograd_forward resolves kernels for (each served by the reference kernel: nothing compiles)."""
+    asked = []
+
+    def spy(backend, fwd_name):
+        asked.append(backend)
+        return _call.kernel("reference", fwd_name)
+
+    monkeypatch.setattr(_call, "_RAW", {})
+    monkeypatch.setattr(_call, "_inference_kernel", spy)
+    return asked
+
+
+def test_small_no_grad_mlir_calls_take_the_reference_kernel_and_the_switch_turns_it_off(monkeypatch):
+    asked = _asked(monkeypatch)
+    w = torch.randn(128)
+    small, large = torch.randn(4, 128), torch.randn(_call.MLIR_SMALL // 128 + 1, 128)
+    with torch.no_grad():
+        ops.rms_norm(small, w, 1e-6, 0.0, "mlir")
+        ops.rms_norm(large, w, 1e-6, 0.0, "mlir")
+        ops.swiglu(small, small, "mlir")
+        with switches.switched(mlir_small_to_reference=False):
+            _call._RAW.clear()
+            ops.rms_norm(small, w, 1e-6, 0.0, "mlir")
+    assert asked == ["reference", "mlir", "reference", "mlir"]
+    asked.clear()
+    ops.rms_norm(small.requires_grad_(), w, 1e-6, 0.0, "reference")  # grad mode: the autograd Function's path
+    assert asked == []
+
+
+def test_the_report_says_small_mlir_calls_run_the_reference_kernels():
+    _, fused = _pair("reference")
+    assert not any(n.startswith(_call.SMALL_NOTE) for n in torchfuser.report(fused).notes)
+    assert _call.small_calls_note({"mlir"}) and not _call.small_calls_note({"reference", "triton"})
+    with switches.switched(mlir_small_to_reference=False):
+        assert not _call.small_calls_note({"mlir"})
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_inference_kernels_equal_the_forward_kernels_bit_for_bit(dtype, offset):
+    from torchfuser.backends import reference as ref
+
+    gen = torch.Generator().manual_seed(2)
+    x, r = (torch.randn(3, 5, 64, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(64, generator=gen).to(dtype)
+    for out_dtype in (None, torch.float32):
+        assert torch.equal(ref.rms_norm_infer(x, w, 1e-6, offset, out_dtype)[0], ref.rms_norm_fwd(x, w, 1e-6, offset, out_dtype)[0])
+        got, want = ref.add_rms_norm_infer(x, r, w, 1e-6, offset, out_dtype), ref.add_rms_norm_fwd(x, r, w, 1e-6, offset, out_dtype)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    q, k = torch.randn(2, 4, 5, 32, generator=gen).to(dtype), torch.randn(2, 2, 5, 32, generator=gen).to(dtype)
+    cos, sin = torch.randn(2, 5, 32, generator=gen).to(dtype), torch.randn(2, 5, 32, generator=gen).to(dtype)
+    for got, want in zip(ref.rope_infer(q, k, cos, sin), ref.rope_fwd(q, k, cos, sin)):
+        assert torch.equal(got, want)
