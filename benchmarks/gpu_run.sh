@@ -123,12 +123,13 @@ for stage in "$@"; do
     # trl-dpo / trl-grpo / trl-distill: whole steps, TRL alone, TRL + Liger, TRL + TorchFuserCallback (one call each).
     trl-head) timeout ${HEAD_S:-480} python3 benchmarks/lm_head_trl.py --device cuda ${HEAD_ARGS:-} --out "$OUT/lm-head-trl.jsonl" ;;
     trl-tests) timeout ${TESTS_S:-300} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
-              tests/test_trl_trainers.py tests/test_generate_rl.py tests/test_trl.py tests/test_trl_report.py ;;
+              tests/test_trl_trainers.py tests/test_generate_rl.py tests/test_trl.py tests/test_trl_report.py tests/test_decode_host_calls.py ;;
     trl-dpo) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload dpo ${TRL_ARGS:-} --out "$OUT/trl-dpo.jsonl" ;;
     trl-grpo) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload grpo ${TRL_ARGS:-} --out "$OUT/trl-grpo.jsonl" ;;
     trl-distill) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload distill ${TRL_ARGS:-} --out "$OUT/trl-distill.jsonl" ;;
-    trl-rollouts) timeout 300 python3 benchmarks/probes/generate_rollouts.py --config qwen15b --device cuda --dtype bfloat16 \
-              --batch 16 --prompt 128 --new ${NEW_TOKENS:-128} --backends auto --out "$OUT/trl-rollouts.jsonl" ;;
+    trl-rollouts) timeout 420 python3 benchmarks/probes/generate_rollouts.py --config qwen15b --device cuda --dtype bfloat16 \
+              --batch 16 --prompt 128 --new ${NEW_TOKENS:-128} --backends auto reference --rounds 5 --report-mismatch \
+              --out "$OUT/trl-rollouts.jsonl" ;;
     # QLoRA (issue 37): NF4 llama8b, PEFT vs TorchFuser vs Unsloth at 2 × 2048; then the longest context (batch 1, steps of
     # 16384 tokens until OOM) with QLoRA and with a bf16 base (CTX_S: seconds; each length is a process of its own).
     qlora) timeout ${QLORA_S:-480} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --quant ${QUANT:-nf4} --batch 2 --seq 2048 \
