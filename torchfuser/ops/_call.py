@@ -83,14 +83,20 @@ def kernel(backend: str, name: str):
 # the ExecutionEngine's call), which a decode step's few rows never pay back. Measured per op (thread CPU
 # time, one thread, benchmarks/probes/generate_mlir_crossover.py; NOTES-trl.md "Rollouts with generate"):
 # the reference kernel is cheaper up to ~64k elements of the first input for rms_norm, add_rms_norm, swiglu
-# and rope. So a no-grad call (no backward to keep consistent with) whose first input has at most
-# ``MLIR_SMALL`` elements runs the reference kernel (the report says so), unless
-# ``switches.mlir_small_to_reference`` is off (tests of the MLIR kernels turn it off).
+# and rope. So a no-grad call whose first input has at most ``MLIR_SMALL`` elements runs the reference
+# kernel (the report says so), unless ``switches.mlir_small_to_reference`` is off (a test that must run the
+# MLIR kernels on a few rows without grad turns it off) or the call runs inside a backward pass (a recompute,
+# which must give bit for bit what the forward gave). The price: a no-grad call (TRL's scoring of the old
+# log-probs) and a grad-mode call of the same small input (the training forward) may differ by the two
+# backends' rounding (within the accuracy rule; unfused they are equal); the switch off makes them equal.
 MLIR_SMALL = 32768
 
 
 def _small_mlir(args) -> bool:
-    return args[-1] == "mlir" and args[0].numel() <= MLIR_SMALL and _SWITCHES.mlir_small_to_reference
+    # Not inside a backward pass: what a backward makes again under no_grad (modules.recompute: an MLP's
+    # activation) must be bit for bit what the grad-mode forward made, with the same kernel.
+    return (args[-1] == "mlir" and args[0].numel() <= MLIR_SMALL and _SWITCHES.mlir_small_to_reference
+            and _C._current_graph_task_id() == -1)
 
 
 SMALL_NOTE = "mlir: "  # the start of the report's note on it (refreshed at every report)
