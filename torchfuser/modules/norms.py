@@ -110,16 +110,19 @@ class FusedRMSNorm(FusedModule):
         GEMMs that take them (plain eager; ``modules.fp8.producer_maxima`` decides)."""
         s = self.spec
         w = getattr(self, s.weight)
-        if out_dtype is None:  # the original norm's dtype for s (x + residual's promoted dtype), where not s's
-            # (once per dtype signature, as the checks: x.device's type and its autocast state are in the key)
-            on = x.device.type != "cpu" and autocast_enabled(x.device.type)
-            out = decided(self, ("add_dtype", x.dtype, residual.dtype, w.dtype, x.device.type, on),
-                          lambda: _add_out_dtype(s, x, residual, w))
-            if out is not None:  # (the caller's maxima were asked for an output of s's dtype)
-                out_dtype, maxima = out, (False, False)
-        if not any(maxima):  # the checks and the backend once per call signature, as in forward
-            key = ("add", signature(x), signature(residual), signature(w), out_dtype, self.backend)
-            backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_add_rms_norm(x, residual, w, out_dtype)))
+        # The output dtype (where the caller gives none: the original norm's for s = x + residual, None where
+        # that is s's own), the checks and the backend once per call signature, as in forward; autocast is
+        # read by the dtype rule on a GPU, so its state is in the key.
+        on = x.device.type != "cpu" and autocast_enabled(x.device.type)
+        key = ("add", signature(x), signature(residual), signature(w), out_dtype, self.backend, on)
+
+        def decide():
+            out = _add_out_dtype(s, x, residual, w) if out_dtype is None else None
+            return out, F.backend_for(self.backend, F.check_add_rms_norm(x, residual, w, out or out_dtype))
+        out, backend = decided(self, key, decide)
+        if out is not None:  # (the caller's maxima were asked for an output of s's dtype)
+            out_dtype, maxima = out, (False, False)
+        if not (maxima[0] or maxima[1]):
             return ops.add_rms_norm(x, residual, w, float(s.eps), float(s.offset), backend, out_dtype)
         weight = w
         backend = F.backend_for(self.backend, F.check_add_rms_norm(x, residual, weight, out_dtype))

@@ -147,11 +147,15 @@ class ResidualNormForward:
         """The keywords the original forward would pass to the attention, or None if unsure (``_MISSING``
         without a required argument)."""
         s = self.spec
-        if any(kwargs.pop(name, None) is not None for name in s.at_default):
-            return None
-        call = {key: kwargs.pop(name, default) for name, key, default in s.arguments}
-        if any(v is inspect.Parameter.empty for v in call.values()):
-            return _MISSING  # the original forward raises as it would have
+        # Loops, not generators: every call of the layer runs this (host time of a decode step).
+        for name in s.at_default:
+            if kwargs.pop(name, None) is not None:
+                return None
+        call = {}
+        for name, key, default in s.arguments:
+            value = call[key] = kwargs.pop(name, default)
+            if value is inspect.Parameter.empty:
+                return _MISSING  # the original forward raises as it would have
         for old, key in s.renames:
             if old in kwargs:
                 call[key] = kwargs.pop(old)
@@ -277,8 +281,9 @@ def dropout_attr(layer: nn.Module, name: str):
 
 def _unfused_norms(*norms: nn.Module) -> str | None:
     """Why the fused path cannot use these norms' kernels in place of calling them, or None."""
-    if not all(isinstance(n, (FusedRMSNorm, FusedLayerNorm)) for n in norms):
-        return "its norms are no longer fused RMSNorms or LayerNorms"
+    for n in norms:  # (a loop, not a generator: host time)
+        if not isinstance(n, (FusedRMSNorm, FusedLayerNorm)):
+            return "its norms are no longer fused RMSNorms or LayerNorms"
     if not _as_class(*norms):
         return "hooks (or a forward of their own) on its norms: the fused path would skip them"
     return None
@@ -287,7 +292,12 @@ def _unfused_norms(*norms: nn.Module) -> str | None:
 def _as_class(*modules: nn.Module) -> bool:
     """Whether calling these modules would run just their class's forward (no hooks, no forward
     replaced on the instance), so that this forward may call their methods instead."""
-    return not hooked(*modules) and not any("forward" in m.__dict__ for m in modules)
+    if hooked(*modules):
+        return False
+    for m in modules:  # (a loop, not a generator: host time)
+        if "forward" in m.__dict__:
+            return False
+    return True
 
 
 def _projection_dtype(x, attention: nn.Module, mlp: nn.Module) -> torch.dtype | None:

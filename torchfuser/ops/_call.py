@@ -51,7 +51,10 @@ def _own_storage(out):
     forbids in-place updates of a custom Function's view outputs (XLM does ``tensor *= mask`` on a
     norm's output). ``detach`` drops the view relation at no cost; the storage and strides stay."""
     if isinstance(out, tuple):
-        return tuple(o.detach() if o is not None and o._is_view() else o for o in out)  # (None: an _infer's statistic)
+        for o in out:  # (None: an _infer's statistic)
+            if o is not None and o._is_view():
+                return tuple(o.detach() if o is not None and o._is_view() else o for o in out)
+        return out
     return out.detach() if out._is_view() else out
 
 
