@@ -243,9 +243,10 @@ class FusedAttention(FusedModule):
         _record_attention_weights(self.__dict__["_original"], out)
         return out
 
-    def _fallback_reason(self, kwargs, hidden: Tensor) -> str | None:
-        """Why this call must run the original module, or None (checked on every call: cheap reads only)."""
-        impl = getattr(self.config, "_attn_implementation", None)
+    def _fallback_reason(self, kwargs, hidden: Tensor, impl=None) -> str | None:
+        """Why this call must run the original module, or None (checked on every call: cheap reads only).
+        ``impl``: the config's attention implementation where the caller has read it (read here otherwise)."""
+        impl = getattr(self.config, "_attn_implementation", None) if impl is None else impl
         # A module that adds a position bias and holds no config computes its attention itself (BLOOM, MPT).
         if impl not in _IMPLEMENTATIONS and not (impl is None and self.config is None and self.spec.bias is not None):
             return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
@@ -255,8 +256,9 @@ class FusedAttention(FusedModule):
         if collected and (key := _recorded_from(self.__dict__["_original"], collected)) is not None:
             return ("output_attentions=True (SDPA never forms the attention weights)" if key == "attentions" else
                     f"output_{key}=True (transformers records it from the original module)")
-        if any(kwargs.get(n) is not None for n in _CROSS_KWARGS):
-            return "called with encoder states (cross-attention)"
+        for n in _CROSS_KWARGS:  # (a loop, not a generator: every call reads these)
+            if kwargs.get(n) is not None:
+                return "called with encoder states (cross-attention)"
         if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
             return why
         if self.spec.rotary_complex:
@@ -310,7 +312,8 @@ class FusedAttention(FusedModule):
         s = self.spec
         if args:  # positional arguments, named as the original forward names them
             kwargs.update(zip(s.positional, args))
-        why = self._fallback_reason(kwargs, hidden_states)
+        impl = getattr(self.config, "_attn_implementation", None)  # read once a call (a config read costs µs)
+        why = self._fallback_reason(kwargs, hidden_states, impl)
         if why is not None:
             fallbacks.count(self, why)
             return self._fallback(hidden_states, kwargs)
@@ -335,14 +338,17 @@ class FusedAttention(FusedModule):
             q, k = self._rope(q, k, cos, sin)
         if s.norm_after_rope:  # over each head's channels: the B×H×S×D layout does not matter
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
-        cache = next((kwargs[n] for n in _CACHE_KWARGS if kwargs.get(n) is not None), None)
+        cache = None
+        for n in _CACHE_KWARGS:  # (a loop, not a generator: host time)
+            if (cache := kwargs.get(n)) is not None:
+                break
         if cache is not None:
             # GPT-2 under an encoder-decoder cache keeps its self-attention states in a sub-cache.
             cache = getattr(cache, "self_attention_cache", cache)
             k, v = cache.update(k, v, self.layer_idx)
         # Eager attention adds the mask it is given and nothing else; sdpa falls back on is_causal
         # when the model passes no mask. Same convention here.
-        eager = getattr(self.config, "_attn_implementation", None) == "eager"
+        eager = impl == "eager"
         mask = kwargs.get("attention_mask") if s.uses_mask else None
         if s.bias is not None or s.mask_fill:  # the module computes its attention itself: eager's convention
             eager = True
