@@ -50,8 +50,10 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
     (``modules.fp8``)."""
     if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, linears, owner)) is not None:
         return y
-    if len(linears) > 1 and not all(type(m) is nn.Linear for m in linears):
-        return lora.joint(x, linears, owner) if any(map(lora.is_lora, linears)) else None
+    if len(linears) > 1:
+        for m in linears:  # (a loop, not a generator: every fused attention and MLP call runs this)
+            if type(m) is not nn.Linear:
+                return lora.joint(x, linears, owner) if any(map(lora.is_lora, linears)) else None
     device = x.device.type
     if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not autocast_enabled(device)
             or not _plain(linears)):

@@ -123,7 +123,9 @@ def nograd_forward(fwd_name: str, args: tuple):
     (``_inference_kernel``; the same values, bit for bit). MLIR calls of a few rows take the reference
     kernel (``MLIR_SMALL``). Autocast (the kernel must not see it) and functorch's excluded keys go the
     general way, through ``kernel``."""
-    backend = "reference" if _small_mlir(args) else args[-1]
+    backend = args[-1]
+    if backend == "mlir" and _small_mlir(args):
+        backend = "reference"
     if _C._is_any_autocast_enabled() or _C._dispatch_tls_local_exclude_set().has(_DK.FuncTorchDynamicLayerFrontMode):
         return kernel(backend, fwd_name)(*args[:-1])
     fn = _RAW.get((backend, fwd_name))
@@ -134,9 +136,10 @@ def nograd_forward(fwd_name: str, args: tuple):
 
 def _inference_kernel(backend: str, fwd_name: str):
     """The backend's ``<op>_infer`` where it has one (the forward's values without what only its backward
-    needs: statistics, layouts), else its ``<op>_fwd``; wrapped as ``kernel`` wraps forwards."""
+    needs: statistics, layouts; tensors of their own, never views, so called as they are), else its
+    ``<op>_fwd``, wrapped as ``kernel`` wraps forwards (``_own_storage``)."""
     infer = getattr(_backends.kernels(backend), fwd_name.removesuffix("_fwd") + "_infer", None)
-    return kernel(backend, fwd_name) if infer is None else functools.partial(_forward_kernel, infer)
+    return kernel(backend, fwd_name) if infer is None else infer
 
 
 def autocast_enabled(device_type: str) -> bool:

@@ -24,12 +24,15 @@ def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
 
 def rms_norm_infer(x, weight, eps, offset, out_dtype=None):
     """``rms_norm_fwd`` for a call with no backward (``ops._call.nograd_forward``): the same arithmetic, the
-    statistic kept as a column (one ATen call less) and not returned (None)."""
+    statistic kept as a column (one ATen call less) and not returned (None). Tensors of their own, never views
+    (``ops._call`` calls the ``_infer`` kernels unwrapped)."""
     ct = compute_dtype(x, weight)
-    xf = cast(x, ct)
-    w = cast(weight, ct)
+    xf = x if x.dtype == ct else x.to(ct)  # (inline, not cast(): host time, a decode step calls this per norm)
+    w = weight if weight.dtype == ct else weight.to(ct)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (w + offset if offset else w)
-    return cast(cast(y, x.dtype), out_dtype or x.dtype), None  # rounded to x's dtype first, as rms_norm_fwd
+    if y.dtype != x.dtype:  # rounded to x's dtype first, as rms_norm_fwd
+        y = y.to(x.dtype)
+    return (y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)), None
 
 
 def add_rms_norm_infer(x, r, weight, eps, offset, out_dtype=None):

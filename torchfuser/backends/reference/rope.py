@@ -19,6 +19,9 @@ def rope(q, k, cos, sin):
         qr, kr = rope(q[..., :rd], k[..., :rd], cos, sin)
         return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
     ct = compute_dtype(q, k)
+    if q.dtype == ct and k.dtype == ct and cos.dtype == ct and sin.dtype == ct:  # no cast anywhere (host time)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
     c, s = cast(cos, ct).unsqueeze(1), cast(sin, ct).unsqueeze(1)
     qf, kf = cast(q, ct), cast(k, ct)
     return cast(qf * c + _rotate_half(qf) * s, q.dtype), cast(kf * c + _rotate_half(kf) * s, k.dtype)
@@ -44,7 +47,7 @@ def rope_fwd(q, k, cos, sin):
 def rope_infer(q, k, cos, sin):
     """``rope_fwd`` for a call with no backward (``ops._call.nograd_forward``): the same values, laid out as
     the arithmetic leaves them (B×H×S×D, as the unfused model's), without the copies into B×S×H×D memory
-    that only spare the backward's."""
+    that only spare the backward's. Tensors of their own, never views (called unwrapped)."""
     return rope(q, k, cos, sin)
 
 
