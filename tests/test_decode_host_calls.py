@@ -164,6 +164,8 @@ def test_the_inference_kernels_equal_the_forward_kernels_bit_for_bit(dtype, offs
     cos, sin = torch.randn(2, 5, 32, generator=gen).to(dtype), torch.randn(2, 5, 32, generator=gen).to(dtype)
     for got, want in zip(ref.rope_infer(q, k, cos, sin), ref.rope_fwd(q, k, cos, sin)):
         assert torch.equal(got, want) and not got._is_view()  # (called unwrapped: never views)
+    g, u = torch.randn(3, 5, 96, generator=gen).to(dtype), torch.randn(3, 5, 96, generator=gen).to(dtype)
+    assert torch.equal(ref.swiglu_infer(g, u), ref.swiglu_fwd(g, u)) and not ref.swiglu_infer(g, u)._is_view()
     for out_dtype in (None, torch.float32):
         assert not ref.rms_norm_infer(x, w, 1e-6, offset, out_dtype)[0]._is_view()
         assert not any(t._is_view() for t in ref.add_rms_norm_infer(x, r, w, 1e-6, offset, out_dtype)[:2])

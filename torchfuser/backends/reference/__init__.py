@@ -4,7 +4,7 @@ from .dequant_4bit import dequantize_4bit_fwd
 from .dequant_matmul_4bit import dequant_matmul_4bit_bwd, dequant_matmul_4bit_fwd
 from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
-    swiglu_packed_bwd, swiglu_packed_fwd,
+    swiglu_infer, swiglu_packed_bwd, swiglu_packed_fwd,
 )
 from .hilo_split import hilo_split
 from .layer_norm import add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd, layer_norm_res_bwd
@@ -20,6 +20,6 @@ __all__ = [
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
-    "rope_fwd", "rope_bwd", "rms_norm_infer", "add_rms_norm_infer", "rope_infer", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
+    "rope_fwd", "rope_bwd", "rms_norm_infer", "add_rms_norm_infer", "rope_infer", "swiglu_infer", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
     "moe_experts_bwd", "dequantize_4bit_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
 ]

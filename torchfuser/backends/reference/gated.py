@@ -3,6 +3,7 @@
 The ``*_packed`` variants take one [gate | up] tensor and give its gradient as one tensor."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from ._autodiff import cast, compute_dtype, vjp
@@ -46,6 +47,15 @@ def gelu(x, approximate: str):
 
 def swiglu_fwd(gate, up):
     return swiglu(gate, up).contiguous()
+
+
+def swiglu_infer(gate, up):
+    """``swiglu_fwd`` for a call with no backward (``ops._call.nograd_forward``): the same values, without the
+    cast calls where gate and up are fp32 already and without the copy to a contiguous layout. Tensors of
+    their own, never views (called unwrapped)."""
+    if gate.dtype == torch.float32 and up.dtype == torch.float32:
+        return F.silu(gate) * up
+    return swiglu(gate, up)
 
 
 def swiglu_bwd(dy, gate, up):
