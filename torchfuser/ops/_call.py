@@ -77,7 +77,7 @@ def kernel(backend: str, name: str):
         # way (autocast is applied when tracing, around the op), and the reference backend's fp32
         # products must not be turned back into bf16 ones in eager.
         fn = functools.partial(_without_autocast, fn)
-    if not _C._dispatch_tls_local_exclude_set().has(_DK.FuncTorchDynamicLayerFrontMode):
+    if not _C._dispatch_tls_is_dispatch_key_excluded(_DK.FuncTorchDynamicLayerFrontMode):
         return fn
     return lambda *args: _with_keys(fn, *args)
 
@@ -126,7 +126,7 @@ def nograd_forward(fwd_name: str, args: tuple):
     backend = args[-1]
     if backend == "mlir" and _small_mlir(args):
         backend = "reference"
-    if _C._is_any_autocast_enabled() or _C._dispatch_tls_local_exclude_set().has(_DK.FuncTorchDynamicLayerFrontMode):
+    if _C._is_any_autocast_enabled() or _C._dispatch_tls_is_dispatch_key_excluded(_DK.FuncTorchDynamicLayerFrontMode):
         return kernel(backend, fwd_name)(*args[:-1])
     fn = _RAW.get((backend, fwd_name))
     if fn is None:
