@@ -113,7 +113,7 @@ def small_calls_note(backends) -> list[str]:
             "reference kernels, measured cheaper per call there (switches.mlir_small_to_reference; NOTES-trl.md)"]
 
 
-_RAW: dict = {}  # (backend, forward kernel name) -> the forward kernel wrapped in _forward_kernel
+_RAW: dict = {}  # (backend, forward kernel name) -> what nograd_forward calls for it (_inference_kernel)
 
 
 def nograd_forward(fwd_name: str, args: tuple):
