@@ -34,8 +34,10 @@ BIAS_ARGS = ("alibi", "position_bias")  # the forward arguments that carry a pos
 def call_reason(spec, kwargs: dict, hidden: Tensor, impl: str | None) -> str | None:
     """Why this call must run the original module, as far as biases, the implementation and a residual
     argument go (FusedAttention's other reasons are its own), or None."""
-    if spec.bias is None and any(kwargs.get(a) is not None for a in BIAS_ARGS):
-        return "called with a position bias (alibi), which the fused attention does not add"
+    if spec.bias is None:
+        for a in BIAS_ARGS:  # (a loop, not a generator: every fused attention call reads these)
+            if kwargs.get(a) is not None:
+                return "called with a position bias (alibi), which the fused attention does not add"
     if spec.implementation is not None and impl != spec.implementation:
         return f"attention implementation {impl!r}, not the {spec.implementation!r} it was fused under"
     if (why := unusable(spec, kwargs.get(spec.bias), hidden)) is not None:

@@ -102,9 +102,10 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         if s.gate_up is not None:
             packed, gate_first = single(x, getattr(self, s.gate_up), self), s.gate_first
         else:  # gate and up as one GEMM under autocast; None where that would differ
-            packed, gate_first = joint(x, [getattr(self, s.gate), getattr(self, s.up)], self), True
+            linears = [getattr(self, s.gate), getattr(self, s.up)]
+            packed, gate_first = joint(x, linears, self), True
         if packed is None:
-            gate, up = getattr(self, s.gate)(x), getattr(self, s.up)(x)
+            gate, up = linears[0](x), linears[1](x)
             return act(gate, up, backend=backend), lambda: act(gate, up, backend=backend)
         if gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
             h = self._packed_act(packed, x)
