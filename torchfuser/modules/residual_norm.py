@@ -133,6 +133,9 @@ class ResidualNormSpec:
     returns_rest: bool = False
     # (fc_in, activation, fc_out): the layer's own children computing its MLP (OPT), with ``mlp`` = ""
     mlp_inline: tuple[str, ...] = ()
+    # "attention" / "mlp": the block takes the residual as its second positional argument and adds it itself
+    # (BLOOM's both, MPT's MLP); sequential layers only. Its sum's two gradients still meet in a norm's kernel.
+    residual_passed: tuple[str, ...] = ()
 
 
 class ResidualNormForward:
@@ -198,7 +201,10 @@ class ResidualNormForward:
         maxima = _maxima(attention, "in", x, low)
         y, x = norm_in.opening_residual(x, low, maxima)
         with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
-            a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+            if "attention" in s.residual_passed:  # it returns x + its output (BLOOM)
+                a = attention(y, x, **call)
+            else:
+                a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
         out = self._body(x, y, a[0], low, attention, mlp)
         return (out, a[1]) if s.returns_rest else out
 
@@ -221,9 +227,15 @@ class ResidualNormForward:
             if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
                 return mlp.add_to(x + a, y)
             return x + a + mlp(y)
-        maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
-        h, y = norm_mid.add(x, a, low, maxima)
+        if "attention" in s.residual_passed:  # a is the sum already: h's two gradients summed in norm_mid's backward
+            maxima = (False, False)
+            y, h = norm_mid.opening_residual(a, low)
+        else:
+            maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
+            h, y = norm_mid.add(x, a, low, maxima)
         with _made_again(norm_mid, y, h, any(maxima)):
+            if "mlp" in s.residual_passed:  # it adds h itself (BLOOM, MPT)
+                return mlp(y, h)
             return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
     def _unfused(self, args, x, call) -> str | None:

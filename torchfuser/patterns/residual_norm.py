@@ -88,10 +88,12 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     kind = probe.kind(out)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
-    if kind is None and _passes_residual(probe, calls):
-        return Skip("its attention or MLP is passed the residual and adds it itself (BLOOM's blocks end in "
-                    "dropout_add(output, residual), MPT's MLP too): the layer has no residual add of its own to fuse "
-                    "into its norms (the fused attention and MLP add it in their own forward)")
+    passes = {r: _passes_residual(probe, calls, r) for r in ("attention", "mlp")}
+    if any(passes.values()) and kind != "sequential":
+        return Skip("its attention or MLP is passed a residual and adds it itself (BLOOM's blocks end in "
+                    "dropout_add(output, residual), MPT's MLP too), and with stand-ins adding it the layer is not the "
+                    "pre-norm x + attention(norm(x)), then + mlp(norm(·)) (BLOOM's "
+                    "apply_residual_connection_post_layernorm passes the norm's output as the residual)")
     if kind is None and isinstance(out, tuple):
         return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
@@ -100,9 +102,10 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                     "sum: something sits between the blocks (a residual scale, a post-norm, a gate)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
-    if any(len(calls[r][0][0]) != 1 or calls[r][0][1] for r in calls if r != "attention"):
+    if any(len(calls[r][0][0]) != 1 + passes.get(r, False) or calls[r][0][1] for r in calls if r != "attention"):
         return Skip("its forward passes its MLP or norms more than their input")
     (pos, kw) = calls["attention"][0]
+    pos = pos[:1] if passes["attention"] else pos
     inputs = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
     if pos and (len(pos) != 1 or inputs or not isinstance(pos[0], torch.Tensor)):
         return Skip("its forward passes the attention positional arguments besides its input")
@@ -137,12 +140,14 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
                             **roles, mlp_inline=inline, parallel=kind == "parallel", post_norm=kind == "post",
                             at_default=defaulted, positional=positional,
-                            drops_extra=drops_extra, returns_rest=returns_rest)
+                            drops_extra=drops_extra, returns_rest=returns_rest,
+                            residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]))
 
 
-def _passes_residual(probe, calls: dict) -> bool:
-    """Whether the attention or the MLP gets a second positional tensor of the layer's shape (its residual)."""
-    firsts = [c[0] for r in ("attention", "mlp") for c in calls.get(r, [])[:1]]
+def _passes_residual(probe, calls: dict, role: str) -> bool:
+    """Whether the block in ``role`` gets a second positional tensor of the layer's shape (its residual: the
+    probe's stand-in adds it, as BLOOM's attention and MLP and MPT's MLP do, and the formula checks which)."""
+    firsts = [c[0] for c in calls.get(role, [])[:1]]
     return any(len(pos) == 2 and isinstance(pos[1], torch.Tensor) and pos[1].shape == probe.x.shape for pos in firsts)
 
 
