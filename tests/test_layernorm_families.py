@@ -141,7 +141,7 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
     ("bloom", dict(hidden_size=32, n_layer=2, n_head=4, apply_residual_connection_post_layernorm=True),
-     "passes the norm's output as the residual"),
+     "the residual is the norm's output"),
     ("opt", dict(_OPT, dropout=0.1), "dropout between its blocks (dropout) is on"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):

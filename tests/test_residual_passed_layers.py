@@ -73,7 +73,7 @@ def test_residual_from_the_norm_output_is_left_alone_with_the_reason():
     torchfuser.optimize(fused, backend="reference")
     assert not layers(fused)
     reasons = _reasons(fused)
-    assert reasons and all("passes the norm's output as the residual" in r for r in reasons), reasons
+    assert reasons and all("the residual is the norm's output" in r for r in reasons), reasons
     torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)
 
 

@@ -90,10 +90,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     passes = {r: _passes_residual(probe, calls, r) for r in ("attention", "mlp")}
     if any(passes.values()) and kind != "sequential":
-        return Skip("its attention or MLP is passed a residual and adds it itself (BLOOM's blocks end in "
-                    "dropout_add(output, residual), MPT's MLP too), and with stand-ins adding it the layer is not the "
-                    "pre-norm x + attention(norm(x)), then + mlp(norm(·)) (BLOOM's "
-                    "apply_residual_connection_post_layernorm passes the norm's output as the residual)")
+        return Skip(_passed_residual_reason(probe, calls))
     if kind is None and isinstance(out, tuple):
         return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
@@ -142,6 +139,22 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             at_default=defaulted, positional=positional,
                             drops_extra=drops_extra, returns_rest=returns_rest,
                             residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]))
+
+
+def _passed_residual_reason(probe, calls: dict) -> str:
+    """Why a layer whose blocks are passed a residual (and add it themselves) is not the fused form."""
+    first = "its attention or MLP is passed a residual and adds it itself (BLOOM's and MPT's blocks do), but "
+    residuals = [c[0][0][1] for r in ("attention", "mlp") for c in calls.get(r, [])[:1] if len(c[0][0]) == 2]
+    if any(_probe.close(t, probe.fns["norm_in"](probe.x)) for t in residuals):
+        return first + ("the residual is the norm's output, not the layer's input (BLOOM's apply_residual_connection_"
+                        "post_layernorm): h = n + attention(n) with n = norm(x), a form no pattern fuses")
+    mlp = calls.get("mlp", [])[:1]
+    if probe.roles["norm_in"] == probe.roles["norm_mid"] and mlp and len(mlp[0][0]) == 2 and mlp[0][0][1] is probe.x:
+        return first + ("the module is not a whole pre-norm layer of that form: its blocks are a norm, an attention and "
+                        "an output block adding the input (a pre-LN BERT attention sublayer: x + output(attention("
+                        "norm(x))), whose MLP half sits in a sibling module), a form no pattern fuses")
+    return first + ("with stand-ins adding it the layer is not the pre-norm x + attention(norm(x)), then "
+                    "+ mlp(norm(·)), a form no pattern fuses")
 
 
 def _passes_residual(probe, calls: dict, role: str) -> bool:
