@@ -144,7 +144,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
 def _passed_residual_reason(probe, calls: dict) -> str:
     """Why a layer whose blocks are passed a residual (and add it themselves) is not the fused form."""
     first = "its attention or MLP is passed a residual and adds it itself (BLOOM's and MPT's blocks do), but "
-    residuals = [c[0][0][1] for r in ("attention", "mlp") for c in calls.get(r, [])[:1] if len(c[0][0]) == 2]
+    residuals = [pos[1] for r in ("attention", "mlp") for pos, _ in calls.get(r, [])[:1] if len(pos) == 2]
     if any(_probe.close(t, probe.fns["norm_in"](probe.x)) for t in residuals):
         return first + ("the residual is the norm's output, not the layer's input (BLOOM's apply_residual_connection_"
                         "post_layernorm): h = n + attention(n) with n = norm(x), a form no pattern fuses")
