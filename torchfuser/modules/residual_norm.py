@@ -136,6 +136,10 @@ class ResidualNormSpec:
     # "attention" / "mlp": the block takes the residual as its second positional argument and adds it itself
     # (BLOOM's both, MPT's MLP); sequential layers only. Its sum's two gradients still meet in a norm's kernel.
     residual_passed: tuple[str, ...] = ()
+    # The layer's dropout on the attention's / the MLP's output before its residual add (``dropout_attr``'s names),
+    # applied here as the original applies it, from the same draws (``patterns._residual_dropout``).
+    attention_dropout: str | None = None
+    mlp_dropout: str | None = None
 
 
 class ResidualNormForward:
@@ -205,7 +209,7 @@ class ResidualNormForward:
                 a = attention(y, x, **call)
             else:
                 a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
-        out = self._body(x, y, a[0], low, attention, mlp)
+        out = self._body(x, y, self._drop(s.attention_dropout, a[0]), low, attention, mlp)
         return (out, a[1]) if s.returns_rest else out
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
@@ -213,8 +217,8 @@ class ResidualNormForward:
         afterwards, so only the norm's gradient flows back through it)."""
         s = self.spec
         a = attention(x, **call) if not s.attention_input else attention(**{s.attention_input: x}, **call)
-        h = norm_in.add(x, a[0])[1]
-        out = getattr(self.layer, s.norm_mid).add(h, mlp(h))[1]
+        h = norm_in.add(x, self._drop(s.attention_dropout, a[0]))[1]
+        out = getattr(self.layer, s.norm_mid).add(h, self._drop(s.mlp_dropout, mlp(h)))[1]
         return (out, a[1]) if s.returns_rest else out
 
     def _body(self, x, y, a, low, attention, mlp):
@@ -222,21 +226,26 @@ class ResidualNormForward:
         output y and the attention's output a."""
         s = self.spec
         norm_mid = getattr(self.layer, s.norm_mid)
+        dropping = self._on(s.mlp_dropout)  # then dropout(mlp(…)) is added, not mlp(…) inside its GEMM
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
-            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
+            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) and not dropping:
                 return mlp.add_to(x + a, y)
-            return x + a + mlp(y)
+            return x + a + self._drop(s.mlp_dropout, mlp(y))
         if "attention" in s.residual_passed:  # a is the sum already: h's two gradients summed in norm_mid's backward
             maxima = (False, False)
             y, h = norm_mid.opening_residual(a, low)
         else:
-            maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
+            # (not the attention output's gradient maxima under its dropout: that gradient is not its output's)
+            out_maxima = a.requires_grad and not self._on(s.attention_dropout) and _maxima(attention, "out", a, None)
+            maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), out_maxima)
             h, y = norm_mid.add(x, a, low, maxima)
         with _made_again(norm_mid, y, h, any(maxima)):
             if "mlp" in s.residual_passed:  # it adds h itself (BLOOM, MPT)
                 return mlp(y, h)
-            return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
+            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) and not dropping:
+                return mlp.add_to(h, y)
+            return h + self._drop(s.mlp_dropout, mlp(y))
 
     def _unfused(self, args, x, call) -> str | None:
         """Why this call runs the original forward, or None."""
@@ -251,10 +260,26 @@ class ResidualNormForward:
         layer, s = self.layer, self.spec
         if why := _unfused_norms(getattr(layer, s.norm_in), getattr(layer, s.norm_mid)):
             return why
-        return "a dropout between the blocks is on (the fused forward has none)" if self._dropping() else None
+        return ("a dropout between the blocks is on, at a place the fused forward does not apply it"
+                if self._dropping() else None)
+
+    def _on(self, name: str | None) -> bool:
+        """Whether the placed dropout ``name`` drops now (training, p > 0)."""
+        return name is not None and self.layer.training and float(dropout_attr(self.layer, name)) > 0
+
+    def _drop(self, name: str | None, t: torch.Tensor) -> torch.Tensor:
+        """The layer's dropout ``name`` on t as the original applies it: its nn.Dropout child called, or the
+        functional dropout with the p it reads (an attribute, or its config's field) and the layer's mode."""
+        if name is None:
+            return t
+        layer = self.layer
+        child = None if name.startswith("config.") else getattr(layer, name)
+        if isinstance(child, nn.Module):
+            return child(t)
+        return nn.functional.dropout(t, float(dropout_attr(layer, name)), layer.training)
 
     def _dropping(self) -> bool:
-        """Whether a dropout between the blocks is on now (the fused forward has none)."""
+        """Whether a dropout between the blocks that the fused forward does not apply (no place found) is on now."""
         layer, s = self.layer, self.spec
         return layer.training and any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
 

@@ -3,6 +3,7 @@ that record how they are called), with a marker object per argument to see where
 (``patterns.residual_norm`` says what it checks)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -90,10 +91,13 @@ class _Probe:
             return out[0], True
         return out, False
 
-    def run(self, p: float = 0.5, config_p: dict | None = None, **kwargs):
+    def run(self, p: float = 0.5, config_p: dict | None = None, ps: dict | None = None, **kwargs):
         """(output, the stand-ins' calls by role), every dropout of the layer at ``p`` (those of its config
-        too, or as ``config_p`` says)."""
+        too, or as ``config_p`` says); with ``ps``, each at ps[name] (0 if absent; ``config.<field>`` for the
+        config's), and the blocks' stand-ins draw from the CPU generator (``drawing``), in the caller's seed."""
         self.markers = kwargs
+        if ps is not None:
+            config_p = {n.removeprefix("config."): v for n, v in ps.items() if n.startswith("config.")}
         probe = _probe.shallow_copy(self.module)
         if self._config_dropouts():
             probe.config = copy.copy(self.module.config)
@@ -107,18 +111,30 @@ class _Probe:
                 visible = copy.copy(child)  # in training, whatever it is
                 visible.training = True
                 if name in children:
-                    visible.p = p
+                    visible.p = p if ps is None else ps.get(name, 0.0)
                 probe._modules[name] = visible
         for name in floats:
-            setattr(probe, name, p)
-        stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention" and self.attention_tuple) for r in dict.fromkeys(self.roles)
+            setattr(probe, name, p if ps is None else ps.get(name, 0.0))
+        fns = self.fns if ps is None else self.drawing()
+        stand = {r: _StandIn(fns[r], tuple_out=r == "attention" and self.attention_tuple) for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
         self.last_rest = stand["attention"].rest
-        with torch.no_grad(), _probe.saved_rng():
+        with torch.no_grad(), contextlib.nullcontext() if ps is not None else _probe.saved_rng():
             out = type(self.module).forward(probe, self.x, **kwargs)
         return out, {r: s.calls for r, s in stand.items()}
+
+    def drawing(self) -> dict:
+        """The stand-ins, the attention's and the MLP's drawing from the CPU generator as they run: where the
+        layer's dropouts draw between or after them shows in the output (its order of draws is checked)."""
+        fns = dict(self.fns)
+        for role in ("attention", "fc_out" if "act" in self.roles else "mlp"):
+            fns[role] = lambda x, f=self.fns[role]: f(x) + 0.25 * torch.rand(x.shape)
+        if "act" in self.roles:  # inline (OPT): its fc_out draws
+            act = self.module._modules[self.roles["act"]]
+            fns["mlp"] = lambda x: fns["fc_out"](act(fns["fc_in"](x)))
+        return fns
 
     def expected(self, kind: str) -> torch.Tensor:
         f, x = self.fns, self.x

@@ -31,7 +31,7 @@ from torchfuser.modules import residual_norm
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _probe, _reasons
+from torchfuser.patterns import _probe, _reasons, _residual_dropout
 from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
@@ -131,6 +131,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             renames.append((alias, landed[0]))
     sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
     positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
+    placed = _dropout_places(probe, kind, dropouts, passes, markers)
+    if placed:  # applied where the original applies them, from the same draws: none left to keep off
+        dropouts = ((), ())
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
     if inline:
         roles["mlp"] = ""
@@ -138,7 +141,19 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             **roles, mlp_inline=inline, parallel=kind == "parallel", post_norm=kind == "post",
                             at_default=defaulted, positional=positional,
                             drops_extra=drops_extra, returns_rest=returns_rest,
-                            residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]))
+                            residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]),
+                            attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None)
+
+
+def _dropout_places(probe, kind: str, dropouts: tuple, passes: dict, markers: dict):
+    """(attention's, MLP's) output dropout when the layer's dropouts between its blocks have a place the fused
+    forward can apply them at (``_residual_dropout``), else None; not on a block that adds the residual itself."""
+    if not dropouts:
+        return None
+    found = _residual_dropout.places(probe, kind, [*dropouts[0], *dropouts[1]], markers)
+    if found is None or any(d is not None and passes.get(r) for d, r in zip(found, ("attention", "mlp"))):
+        return None
+    return found
 
 
 def _passed_residual_reason(probe, calls: dict) -> str:
@@ -283,8 +298,9 @@ class ResidualNormPattern(Pattern):
             return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
         if on:  # it would fuse only calls with them off: in training, none
-            return Skip(f"dropout between its blocks ({', '.join(on)}) is on, and the fused forward has none "
-                        "(it would run only with the dropout at 0)")
+            return Skip(f"dropout between its blocks ({', '.join(on)}) is on, at a place the fused forward does not "
+                        "apply it (not on one block's output before its residual add in the original's order of draws: "
+                        "Falcon's parallel layer drops the sum of both blocks once), and it fuses only calls with it at 0")
         return spec
 
     def apply(self, root, qualname, module, spec, backend) -> Applied:
