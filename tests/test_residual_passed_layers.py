@@ -105,3 +105,36 @@ def test_on_cuda_with_the_defaults(kind):
     torchfuser.optimize(fused)
     assert len(layers(fused)) == 2, str(torchfuser.report(fused))
     assert_cuda_steps_like(ref, fused, step)
+
+
+@pytest.mark.parametrize("kind", ["mpt", "bloom"])
+def test_the_mlp_residual_add_runs_inside_fc_out_under_autocast(kind):
+    """MPT's bias-free MLP adds its residual inside fc_out's GEMM under autocast (``projections.residual_linear``):
+    the sum and every gradient within the numerics rule of the float64 MLP, against autocast's own; BLOOM's
+    fc_out has a bias: the plain add, as autocast computes it."""
+    from torchfuser.modules.mlp import FusedMLP
+    from numerics import assert_within_rule
+
+    ref = make(kind)
+    torchfuser.optimize(ref, backend="reference")
+    mlp = next(m for m in ref.modules() if isinstance(m, FusedMLP))
+    assert mlp.spec.residual is not None
+    torch.manual_seed(3)
+    x, r = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+
+    def run(m, dtype, autocast):
+        xi, ri = (t.detach().to(dtype).clone().requires_grad_() for t in (x, r))
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = m(xi, ri)
+        out.float().square().sum().backward()
+        return out, [out.detach(), xi.grad, ri.grad, *(p.grad for p in m.parameters())]
+
+    out, got = run(mlp, torch.float32, True)
+    assert ("_ResidualLinear" in type(out.grad_fn).__name__) == (kind == "mpt"), out.grad_fn
+    torchfuser.restore(ref)
+    plain = next(m for m in ref.modules() if type(m).__name__.endswith("MLP"))
+    _, base = run(plain, torch.float32, True)
+    _, want = run(copy.deepcopy(plain).double(), torch.float64, False)
+    for i, (g, b, w) in enumerate(zip(got, base, want)):
+        assert_within_rule(g, b, w, 1e-2 * max(1.0, w.abs().max().item()), f"output/gradient {i}")

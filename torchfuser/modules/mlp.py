@@ -146,18 +146,37 @@ class FusedMLP(_WithLoRA, FusedModule):
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         s = self.spec
+        h = self._hidden(x)
+        if s.residual is None:
+            if args or kwargs:
+                raise TypeError(f"FusedMLP takes the hidden states alone, got {len(args) + len(kwargs)} more arguments")
+            return apply_dropout(self, s.dropout, single(h, getattr(self, s.fc_out), self))
+        residual = args[0] if args else kwargs.get(s.residual)
+        if residual is None or len(args) + len(kwargs) != 1:
+            raise TypeError(f"FusedMLP takes the hidden states and {s.residual!r}, as the original MLP does")
+        return self._plus(residual, h, first=False)
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + self(x)`` for an MLP that takes no residual itself, the sum inside fc_out's GEMM where
+        it can be (``projections.residual_linear``: under autocast, a bias-free ``nn.Linear``, no dropout on)."""
+        return self._plus(residual, self._hidden(x))
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        """fc_out's input: inner_dropout(act(fc_in(x)))."""
+        s = self.spec
         h = single(x, getattr(self, s.fc_in), self)
         if s.activation == "gelu":
             h = F.gelu(h, s.approximate, backend=self.backend)
         else:
             h = F.activation(h, s.activation, backend=self.backend)
-        h = apply_dropout(self, s.inner_dropout, h)
+        return apply_dropout(self, s.inner_dropout, h)
+
+    def _plus(self, residual: Tensor, h: Tensor, first: bool = True) -> Tensor:
+        """residual + dropout(fc_out(h)) (``first=False``: that + residual, the original's order; the same sum)."""
+        s = self.spec
+        if dropout_p(self, s.dropout) == 0 and fp8.recipe_of(self) is None:
+            out = residual_linear(residual, h, getattr(self, s.fc_out))
+            if out is not None:
+                return out
         out = apply_dropout(self, s.dropout, single(h, getattr(self, s.fc_out), self))
-        if s.residual is None:
-            if args or kwargs:
-                raise TypeError(f"FusedMLP takes the hidden states alone, got {len(args) + len(kwargs)} more arguments")
-            return out
-        residual = args[0] if args else kwargs.get(s.residual)
-        if residual is None or len(args) + len(kwargs) != 1:
-            raise TypeError(f"FusedMLP takes the hidden states and {s.residual!r}, as the original MLP does")
-        return out + residual
+        return residual + out if first else out + residual

@@ -229,7 +229,7 @@ class ResidualNormForward:
         dropping = self._on(s.mlp_dropout)  # then dropout(mlp(…)) is added, not mlp(…) inside its GEMM
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
-            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) and not dropping:
+            if _adds(mlp) and not dropping:
                 return mlp.add_to(x + a, y)
             return x + a + self._drop(s.mlp_dropout, mlp(y))
         if "attention" in s.residual_passed:  # a is the sum already: h's two gradients summed in norm_mid's backward
@@ -243,7 +243,7 @@ class ResidualNormForward:
         with _made_again(norm_mid, y, h, any(maxima)):
             if "mlp" in s.residual_passed:  # it adds h itself (BLOOM, MPT)
                 return mlp(y, h)
-            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) and not dropping:
+            if _adds(mlp) and not dropping:
                 return mlp.add_to(h, y)
             return h + self._drop(s.mlp_dropout, mlp(y))
 
@@ -286,6 +286,11 @@ class ResidualNormForward:
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _adds(mlp) -> bool:
+    """Whether the MLP block's ``add_to`` may stand for ``residual + mlp(y)`` (the sum inside its last GEMM)."""
+    return (isinstance(mlp, FusedGatedMLP) or isinstance(mlp, FusedMLP) and mlp.spec.residual is None) and _as_class(mlp)
 
 
 def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: bool):
