@@ -140,6 +140,10 @@ class ResidualNormSpec:
     # applied here as the original applies it, from the same draws (``patterns._residual_dropout``).
     attention_dropout: str | None = None
     mlp_dropout: str | None = None
+    # A float attribute of the layer each block's output is multiplied by before its add (Granite's
+    # residual_multiplier), read at each call as the original reads it.
+    attention_scale: str | None = None
+    mlp_scale: str | None = None
 
 
 class ResidualNormForward:
@@ -209,7 +213,7 @@ class ResidualNormForward:
                 a = attention(y, x, **call)
             else:
                 a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
-        out = self._body(x, y, self._drop(s.attention_dropout, a[0]), low, attention, mlp)
+        out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a[0])), low, attention, mlp)
         return (out, a[1]) if s.returns_rest else out
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
@@ -226,12 +230,13 @@ class ResidualNormForward:
         output y and the attention's output a."""
         s = self.spec
         norm_mid = getattr(self.layer, s.norm_mid)
-        dropping = self._on(s.mlp_dropout)  # then dropout(mlp(…)) is added, not mlp(…) inside its GEMM
+        # then dropout(mlp(…)) · scale is added, not mlp(…) inside its GEMM
+        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if _adds(mlp) and not dropping:
                 return mlp.add_to(x + a, y)
-            return x + a + self._drop(s.mlp_dropout, mlp(y))
+            return x + a + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
         if "attention" in s.residual_passed:  # a is the sum already: h's two gradients summed in norm_mid's backward
             maxima = (False, False)
             y, h = norm_mid.opening_residual(a, low)
@@ -245,7 +250,7 @@ class ResidualNormForward:
                 return mlp(y, h)
             if _adds(mlp) and not dropping:
                 return mlp.add_to(h, y)
-            return h + self._drop(s.mlp_dropout, mlp(y))
+            return h + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
 
     def _unfused(self, args, x, call) -> str | None:
         """Why this call runs the original forward, or None."""
@@ -277,6 +282,10 @@ class ResidualNormForward:
         if isinstance(child, nn.Module):
             return child(t)
         return nn.functional.dropout(t, float(dropout_attr(layer, name)), layer.training)
+
+    def _scaled(self, name: str | None, t: torch.Tensor) -> torch.Tensor:
+        """t times the layer's residual scale attribute ``name`` (as the original multiplies it), or t."""
+        return t if name is None else t * getattr(self.layer, name)
 
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks that the fused forward does not apply (no place found) is on now."""

@@ -65,6 +65,8 @@ class _Probe:
         self.last_calls: dict = {}
         self.last_rest = self.markers = None
         self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
+        self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
+        self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
 
     def dropouts(self) -> tuple[list[str], list[str]]:
         """(nn.Dropout children, float dropout attributes) of the layer itself, and ``config.<name>`` for
@@ -115,6 +117,8 @@ class _Probe:
                 probe._modules[name] = visible
         for name in floats:
             setattr(probe, name, p if ps is None else ps.get(name, 0.0))
+        for name, value in self.attrs.items():
+            setattr(probe, name, value)
         fns = self.fns if ps is None else self.drawing()
         stand = {r: _StandIn(fns[r], tuple_out=r == "attention" and self.attention_tuple) for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
@@ -137,22 +141,24 @@ class _Probe:
         return fns
 
     def expected(self, kind: str) -> torch.Tensor:
-        f, x = self.fns, self.x
+        f, x, (ca, cm) = self.fns, self.x, self.scales
         mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
         if kind == "parallel":
-            return x + f["attention"](f["norm_in"](x)) + f["mlp"](mid(x))
+            return x + f["attention"](f["norm_in"](x)) * ca + f["mlp"](mid(x)) * cm
         if kind == "post":  # post-norm (OPT-350m): norm_in after the attention's add, norm_mid after the MLP's
+            if (ca, cm) != (1.0, 1.0):
+                return None
             h = f["norm_in"](x + f["attention"](x))
             return mid(h + f["mlp"](h))
-        s = x + f["attention"](f["norm_in"](x))
-        return s + f["mlp"](mid(s))
+        s = x + f["attention"](f["norm_in"](x)) * ca
+        return s + f["mlp"](mid(s)) * cm
 
     def kind(self, out) -> str | None:
         """Which formula ``out`` is, or None."""
         kinds = _KINDS if self.roles["norm_mid"] != self.roles["norm_in"] else ("parallel",)
         if not isinstance(out, torch.Tensor):
             return None
-        return next((k for k in kinds if _probe.close(out, self.expected(k))), None)
+        return next((k for k in kinds if (want := self.expected(k)) is not None and _probe.close(out, want)), None)
 
 
 def _run_markers(probe: _Probe, params, extra: bool):

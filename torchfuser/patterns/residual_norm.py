@@ -31,7 +31,7 @@ from torchfuser.modules import residual_norm
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _probe, _reasons, _residual_dropout
+from torchfuser.patterns import _probe, _reasons, _residual_dropout, _residual_scale
 from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
@@ -88,6 +88,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     kind = probe.kind(out)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
+    scaled = _scaled_kind(probe, markers, out) if kind is None else None
+    if scaled is not None:
+        kind, scaled = scaled
     passes = {r: _passes_residual(probe, calls, r) for r in ("attention", "mlp")}
     if any(passes.values()) and kind != "sequential":
         return Skip(_passed_residual_reason(probe, calls))
@@ -96,7 +99,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
     if kind is None:
         return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)), nor their parallel "
-                    "sum: something sits between the blocks (a residual scale, a post-norm, a gate)")
+                    "sum: something sits between the blocks (a residual scale not held in one float attribute of the "
+                    "layer, a post-norm, a gate)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
     if any(len(calls[r][0][0]) != 1 + passes.get(r, False) or calls[r][0][1] for r in calls if r != "attention"):
@@ -142,13 +146,30 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             at_default=defaulted, positional=positional,
                             drops_extra=drops_extra, returns_rest=returns_rest,
                             residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]),
-                            attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None)
+                            attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None,
+                            attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None)
+
+
+def _scaled_kind(probe, markers: dict, out):
+    """(the layer's form, (attention's, MLP's) residual scale attribute) where each block's output is added
+    times a float attribute of the layer (Granite, MiniCPM3: ``_residual_scale``), else None."""
+    if not isinstance(out, torch.Tensor):
+        return None
+    found = _residual_scale.scales(probe, markers)
+    if found is None or found == (None, None):
+        return None
+    probe.scales = tuple(1.0 if n is None else float(getattr(probe.module, n)) for n in found)
+    kind = probe.kind(out)
+    if kind is None:
+        probe.scales = (1.0, 1.0)
+        return None
+    return kind, found
 
 
 def _dropout_places(probe, kind: str, dropouts: tuple, passes: dict, markers: dict):
     """(attention's, MLP's) output dropout when the layer's dropouts between its blocks have a place the fused
     forward can apply them at (``_residual_dropout``), else None; not on a block that adds the residual itself."""
-    if not dropouts:
+    if not dropouts or probe.scales != (1.0, 1.0):  # (where a scaled block's dropout acts is not looked for)
         return None
     found = _residual_dropout.places(probe, kind, [*dropouts[0], *dropouts[1]], markers)
     if found is None or any(d is not None and passes.get(r) for d, r in zip(found, ("attention", "mlp"))):
