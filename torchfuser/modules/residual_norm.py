@@ -144,6 +144,7 @@ class ResidualNormSpec:
     # residual_multiplier), read at each call as the original reads it.
     attention_scale: str | None = None
     mlp_scale: str | None = None
+    mlp_tuple: bool = False  # the MLP returns a tuple whose first item the layer adds (GPT-OSS's MoE block)
 
 
 class ResidualNormForward:
@@ -243,7 +244,7 @@ class ResidualNormForward:
         else:
             # (not the attention output's gradient maxima under its dropout: that gradient is not its output's)
             out_maxima = a.requires_grad and not self._on(s.attention_dropout) and _maxima(attention, "out", a, None)
-            maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), out_maxima)
+            maxima = (not (s.mlp_inline or s.mlp_tuple) and _maxima(mlp, "in", x, low), out_maxima)
             h, y = norm_mid.add(x, a, low, maxima)
         with _made_again(norm_mid, y, h, any(maxima)):
             if "mlp" in s.residual_passed:  # it adds h itself (BLOOM, MPT)
@@ -312,6 +313,9 @@ def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: boo
 
 def _mlp(layer: nn.Module, s: ResidualNormSpec):
     """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·)))."""
+    if s.mlp_tuple:
+        block = getattr(layer, s.mlp)
+        return lambda *args: block(*args)[0]
     if not s.mlp_inline:
         return getattr(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)

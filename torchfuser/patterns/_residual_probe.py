@@ -65,6 +65,7 @@ class _Probe:
         self.last_calls: dict = {}
         self.last_rest = self.markers = None
         self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
+        self.mlp_tuple = False  # the stand-in MLP returns (output, marker): GPT-OSS's MoE block returns router scores too
         self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
         self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
 
@@ -120,7 +121,8 @@ class _Probe:
         for name, value in self.attrs.items():
             setattr(probe, name, value)
         fns = self.fns if ps is None else self.drawing()
-        stand = {r: _StandIn(fns[r], tuple_out=r == "attention" and self.attention_tuple) for r in dict.fromkeys(self.roles)
+        stand = {r: _StandIn(fns[r], tuple_out=r == "attention" and self.attention_tuple
+                                   or r == "mlp" and self.mlp_tuple) for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises

@@ -91,6 +91,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     scaled = _scaled_kind(probe, markers, out) if kind is None else None
     if scaled is not None:
         kind, scaled = scaled
+    if kind is None and "act" not in roles and (retried := _mlp_tuple_kind(probe, markers)) is not None:
+        kind, out, calls = retried
     passes = {r: _passes_residual(probe, calls, r) for r in ("attention", "mlp")}
     if any(passes.values()) and kind != "sequential":
         return Skip(_passed_residual_reason(probe, calls))
@@ -147,7 +149,23 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             drops_extra=drops_extra, returns_rest=returns_rest,
                             residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]),
                             attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None,
-                            attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None)
+                            attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
+                            mlp_tuple=probe.mlp_tuple)
+
+
+def _mlp_tuple_kind(probe, markers: dict):
+    """(the layer's form, its output, the calls) where the layer takes the first of a tuple its MLP returns
+    (GPT-OSS's ``hidden_states, _ = self.mlp(…)``: the MoE block's router scores after its output), else None."""
+    probe.mlp_tuple = True
+    try:
+        out, calls = probe.run(0.0, **markers)
+        kind = probe.kind(probe.split(out)[0])
+    except Exception:
+        kind = None
+    if kind is None:
+        probe.mlp_tuple = False
+        return None
+    return kind, probe.split(out)[0], calls
 
 
 def _scaled_kind(probe, markers: dict, out):
