@@ -33,6 +33,7 @@ class _StandIn(nn.Module):
         super().__init__()
         self.fn, self.tuple_out, self.calls = fn, tuple_out, []
         self.rest = _Marker("attention_rest")  # the attention's second output, to see if the layer returns it
+        self.more: tuple = ()  # more outputs after it (JetMoE's attention returns three)
 
     def forward(self, *args, **kwargs):
         self.calls.append((args, kwargs))
@@ -40,7 +41,7 @@ class _StandIn(nn.Module):
         y = self.fn(x)
         if len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].shape == y.shape:
             y = y + args[1]  # a block passed the residual adds it itself (BLOOM's attention and MLP, MPT's MLP)
-        return (y, self.rest) if self.tuple_out else y
+        return (y, self.rest, *self.more) if self.tuple_out else y
 
 
 class _Probe:
@@ -65,6 +66,7 @@ class _Probe:
         self.last_calls: dict = {}
         self.last_rest = self.markers = None
         self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
+        self.attention_outputs = 2  # how many the stand-in attention returns (as a tuple): 3 for JetMoE's
         self.mlp_tuple = False  # the stand-in MLP returns (output, marker): GPT-OSS's MoE block returns router scores too
         self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
         self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
@@ -127,6 +129,7 @@ class _Probe:
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
         self.last_rest = stand["attention"].rest
+        stand["attention"].more = tuple(_Marker("attention_more") for _ in range(self.attention_outputs - 2))
         with torch.no_grad(), contextlib.nullcontext() if ps is not None else _probe.saved_rng():
             out = type(self.module).forward(probe, self.x, **kwargs)
         return out, {r: s.calls for r, s in stand.items()}

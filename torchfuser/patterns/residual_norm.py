@@ -62,7 +62,13 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
     try:
-        out, calls, markers, defaulted = _run_markers(probe, params, extra)
+        try:
+            out, calls, markers, defaulted = _run_markers(probe, params, extra)
+        except ValueError as err:  # "not enough values to unpack (expected 3, got 2)": JetMoE's attention's three
+            if "expected 3" not in str(err):
+                raise
+            probe.attention_outputs = 3
+            out, calls, markers, defaulted = _run_markers(probe, params, extra)
         dropouts = ()
         body = probe.split(out)[0]
         if isinstance(body, torch.Tensor) and probe.kind(body) is None:

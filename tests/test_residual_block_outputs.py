@@ -1,10 +1,13 @@
-"""Layers that add the first item of a tuple their MLP returns (GPT-OSS: ``hidden_states, _ = self.mlp(…)``, the
-MoE block's router scores after its output): ``ResidualNormSpec.mlp_tuple``. One training step fused vs unfused
-(loss and every gradient); a plain MLP is not taken for one."""
+"""Blocks that return more than the residual-norm pattern's stand-ins assumed: an MLP returning a tuple whose first
+item the layer adds (GPT-OSS: ``hidden_states, _ = self.mlp(…)``, the MoE block's router scores after its output:
+``ResidualNormSpec.mlp_tuple``), an attention returning three items (JetMoE's ``hidden_states, _, _ =
+self.self_attention(…)``). One training step fused vs unfused (loss and every gradient); a plain MLP is not
+taken for a tuple one."""
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -28,14 +31,15 @@ def step(model, device="cpu"):
     return loss.detach()
 
 
-def test_gpt_oss_training_step_matches_unfused():
+@pytest.mark.parametrize("model_type, mlp_tuple", [("gpt_oss", True), ("jetmoe", False)])
+def test_training_step_matches_unfused(model_type, mlp_tuple):
     torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(tiny_config("gpt_oss")).float().train()
+    ref = AutoModelForCausalLM.from_config(tiny_config(model_type)).float().train()
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
     found = [m for m in fused.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
     assert len(found) == 2, str(torchfuser.report(fused))
-    assert all(m.forward.spec.mlp_tuple for m in found)
+    assert all(m.forward.spec.mlp_tuple == mlp_tuple for m in found)
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
 
 
