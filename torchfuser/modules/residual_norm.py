@@ -140,6 +140,7 @@ class ResidualNormSpec:
     # applied here as the original applies it, from the same draws (``patterns._residual_dropout``).
     attention_dropout: str | None = None
     mlp_dropout: str | None = None
+    sum_dropout: str | None = None  # parallel: on attention + MLP output, once (Falcon's dropout_add)
     # A float attribute of the layer each block's output is multiplied by before its add (Granite's
     # residual_multiplier), read at each call as the original reads it.
     attention_scale: str | None = None
@@ -232,12 +233,13 @@ class ResidualNormForward:
         s = self.spec
         norm_mid = getattr(self.layer, s.norm_mid)
         # then dropout(mlp(…)) · scale is added, not mlp(…) inside its GEMM
-        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None
+        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None or self._on(s.sum_dropout)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if _adds(mlp) and not dropping:
                 return mlp.add_to(x + a, y)
-            return x + a + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
+            m = self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
+            return x + self._drop(s.sum_dropout, a + m) if s.sum_dropout else x + a + m
         if "attention" in s.residual_passed:  # a is the sum already: h's two gradients summed in norm_mid's backward
             maxima = (False, False)
             y, h = norm_mid.opening_residual(a, low)

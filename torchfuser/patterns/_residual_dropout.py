@@ -8,8 +8,9 @@ masks are the original's. The probe finds the place: every dropout of the layer 
 own, the stand-ins for the attention and the MLP draw from the CPU generator too (so that a dropout drawn
 before or after a block shows), and from one seed the layer's output must equal, exactly, the formula with
 one dropout (or none) on the attention's output and one (or none) on the MLP's, drawn in the fused forward's
-order: attention, its dropout, MLP, its dropout. A form that matches none (Falcon's parallel layer drops the
-sum of both blocks once) keeps the fused forward to the calls where its dropouts are off.
+order: attention, its dropout, MLP, its dropout; or, in a parallel layer, one dropout on the sum of both
+blocks' outputs (Falcon's ``dropout_add(mlp_output + attention_output, residual, …)``). A form that matches
+none keeps the fused forward to the calls where its dropouts are off.
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ _SEED = 11
 _MAX_SOURCES = 4
 
 
-def places(probe, kind: str, sources: list[str], markers: dict) -> tuple[str | None, str | None] | None:
-    """(the dropout on the attention's output, the one on the MLP's output), each a name as
-    ``modules.residual_norm.dropout_attr`` reads it or None; None when no such pair gives the layer's output."""
+def places(probe, kind: str, sources: list[str], markers: dict) -> tuple[str | None, str | None, str | None] | None:
+    """(the dropout on the attention's output, the one on the MLP's output, the one on their sum (parallel
+    layers)), each a name as ``modules.residual_norm.dropout_attr`` reads it or None; None when no such
+    choice gives the layer's output."""
     if not sources or len(sources) > _MAX_SOURCES:
         return None
     ps = {n: 0.5 - 0.1 * i for i, n in enumerate(sources)}  # each its own p: its masks differ from the others'
@@ -39,16 +41,18 @@ def places(probe, kind: str, sources: list[str], markers: dict) -> tuple[str | N
             return None
         if not isinstance(out, torch.Tensor):
             return None
-        for da, dm in itertools.product((None, *sources), repeat=2):
+        sums = [(None, None, n) for n in sources] if kind == "parallel" else []
+        for da, dm, ds in [(*pair, None) for pair in itertools.product((None, *sources), repeat=2)] + sums:
             _probe.seed_cpu(_SEED)
-            want = _expected(probe, fns, kind, ps.get(da), ps.get(dm))
+            want = _expected(probe, fns, kind, ps.get(da), ps.get(dm), ps.get(ds))
             if _probe.close(out, want):
-                return da, dm
+                return da, dm, ds
     return None
 
 
-def _expected(probe, fns: dict, kind: str, pa: float | None, pm: float | None) -> torch.Tensor:
-    """The layer's formula (``_Probe.expected``) with a dropout at p on the attention's and the MLP's output."""
+def _expected(probe, fns: dict, kind: str, pa: float | None, pm: float | None, ps: float | None) -> torch.Tensor:
+    """The layer's formula (``_Probe.expected``) with a dropout at p on the attention's and the MLP's output,
+    or (parallel) on their sum."""
     def drop(t, p):
         return t if p is None else nn.functional.dropout(t, p, True)
 
@@ -59,6 +63,7 @@ def _expected(probe, fns: dict, kind: str, pa: float | None, pm: float | None) -
         return mid(h + drop(fns["mlp"](h), pm))
     a = drop(fns["attention"](norm_in(x)), pa)
     if kind == "parallel":
-        return x + a + drop(fns["mlp"](mid(x)), pm)
+        m = drop(fns["mlp"](mid(x)), pm)
+        return x + drop(a + m, ps) if ps is not None else x + a + m
     s = x + a
     return s + drop(fns["mlp"](mid(s)), pm)

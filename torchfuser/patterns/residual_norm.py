@@ -155,6 +155,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             drops_extra=drops_extra, returns_rest=returns_rest,
                             residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]),
                             attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None,
+                            sum_dropout=placed[2] if placed else None,
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
                             mlp_tuple=probe.mlp_tuple)
 
@@ -191,7 +192,7 @@ def _scaled_kind(probe, markers: dict, out):
 
 
 def _dropout_places(probe, kind: str, dropouts: tuple, passes: dict, markers: dict):
-    """(attention's, MLP's) output dropout when the layer's dropouts between its blocks have a place the fused
+    """(attention's, MLP's, their sum's) dropout when the layer's dropouts between its blocks have a place the fused
     forward can apply them at (``_residual_dropout``), else None; not on a block that adds the residual itself."""
     if not dropouts or probe.scales != (1.0, 1.0):  # (where a scaled block's dropout acts is not looked for)
         return None
@@ -344,8 +345,8 @@ class ResidualNormPattern(Pattern):
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
         if on:  # it would fuse only calls with them off: in training, none
             return Skip(f"dropout between its blocks ({', '.join(on)}) is on, at a place the fused forward does not "
-                        "apply it (not on one block's output before its residual add in the original's order of draws: "
-                        "Falcon's parallel layer drops the sum of both blocks once), and it fuses only calls with it at 0")
+                        "apply it (not on one block's output before its residual add, nor on a parallel layer's sum of "
+                        "both, in the original's order of draws), and it fuses only calls with it at 0")
         return spec
 
     def apply(self, root, qualname, module, spec, backend) -> Applied:
