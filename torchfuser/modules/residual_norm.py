@@ -20,6 +20,11 @@ attention's output (the output projection's dy) carry their maxima to the GEMMs.
 The norms' outputs are not kept by the projections after them: the backward makes them again from what the
 norms keep (``FusedRMSNorm.made_again``, ``modules.recompute``).
 
+Dropouts between the blocks are applied where the original applies them, by the same call, so that from one
+seed the masks are the original's (``attention_dropout``, ``mlp_dropout``, ``sum_dropout``); a residual scale
+attribute is read at each call (``attention_scale``, ``mlp_scale``); blocks passed the residual (BLOOM, MPT)
+get the norms' opening residuals (``residual_passed``).
+
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
 forward passes them (the pattern's probe found which, ``ResidualNormSpec``), and hands anything
@@ -34,13 +39,12 @@ around its class's ``forward``, which a forward on the instance bypasses; so thi
 its fused computation itself, under the same conditions and through the same function
 (``layer._gradient_checkpointing_func``, set by ``gradient_checkpointing_enable``), and once: a fallback
 goes through the class's wrapper, which checkpoints it. transformers 5.17 checkpoints in the layer's
-``__call__``, around this forward: nothing to do there (``_checkpoints``).
+``__call__``, around this forward: nothing to do there (``modules._layer_checkpointing``).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -48,53 +52,14 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
+from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
 
-_log = logging.getLogger(__name__)
-# Keywords a layer's KV cache goes by (transformers versions and families): a checkpointed layer must not
-# get one, or its recompute in the backward would write the cache a second time.
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _MISSING = "a required argument is missing"
-_WARNED: set[type] = set()  # layer classes told so (once, as transformers does)
-
-
-def _forward_level_checkpointing() -> type | None:
-    """transformers' GradientCheckpointingLayer when it checkpoints in its subclasses' ``forward``
-    (transformers 5.25), None when it does so in ``__call__`` (5.17: around any forward) or is absent."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # pragma: no cover - no transformers: no HF checkpointing
-        return None
-    return None if "__call__" in vars(GradientCheckpointingLayer) else GradientCheckpointingLayer
-
-
-_CHECKPOINTED_CLASS = _forward_level_checkpointing()
-
-
-def _checkpoints(layer: nn.Module) -> bool:
-    """Whether transformers' wrapper of the layer class's ``forward`` would checkpoint this call: the
-    wrapper's own conditions (gradient checkpointing on, training, grad enabled)."""
-    return (_CHECKPOINTED_CLASS is not None and isinstance(layer, _CHECKPOINTED_CLASS)
-            and bool(layer.gradient_checkpointing) and layer.training and torch.is_grad_enabled())
-
-
-def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
-    """The keywords as transformers' checkpointing wrapper passes them on: no KV cache (the recompute
-    would update it twice) unless the layer only reads it, ``use_cache`` off."""
-    dropped = [n for n in _CACHE_KWARGS if kwargs.get(n) is not None]
-    if getattr(layer, "_can_checkpoint_with_cache", False):
-        dropped = []
-    if not dropped and not kwargs.get("use_cache"):
-        return kwargs
-    if type(layer) not in _WARNED:
-        _WARNED.add(type(layer))
-        _log.warning("torchfuser: caching is incompatible with gradient checkpointing in %s: it runs without a "
-                     "KV cache", type(layer).__name__)
-    return {**kwargs, **{n: None for n in dropped}, **({"use_cache": False} if "use_cache" in kwargs else {})}
 
 
 @dataclass(frozen=True)

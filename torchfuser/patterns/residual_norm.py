@@ -11,8 +11,12 @@ when its output is exactly one of
     h = norm_in(x + attention(x)[0]);   out = norm_mid(h + mlp(h))        (post-norm: OPT-350m)
 
 (in training mode, every dropout of the layer at p = 0.5, so that one between the blocks shows; if
-one does, the layer still qualifies when the formula holds with them at 0, and its fused forward
-runs only while they are off: ``ResidualNormSpec.dropouts``), and when the attention receives
+one does, the layer still qualifies when the formula holds with them at 0: where each dropout acts on a
+block's output (or a parallel layer's sum) in the original's order of draws, the fused forward applies it
+there (``_residual_dropout``), else it runs only while they are off: ``ResidualNormSpec.dropouts``).
+Variants (``_residual_forms``): blocks passed the residual that add it themselves (BLOOM, MPT), each block's
+output times a float attribute of the layer (Granite, MiniCPM3: ``_residual_scale``), an MLP returning a
+tuple (GPT-OSS), an attention returning three items (JetMoE). The layer qualifies when the attention receives
 norm_in's output (by keyword, or as its one positional argument) and each of the forward's other
 arguments unchanged, which the probe tells apart with a marker object per argument. An argument
 whose marker makes the forward raise (GPT-2's encoder_hidden_states) must stay at its default for
@@ -31,7 +35,7 @@ from torchfuser.modules import residual_norm
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _probe, _reasons, _residual_dropout, _residual_scale
+from torchfuser.patterns import _probe, _reasons, _residual_forms
 from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
@@ -94,14 +98,14 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     kind = probe.kind(out)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
-    scaled = _scaled_kind(probe, markers, out) if kind is None else None
+    scaled = _residual_forms.scaled_kind(probe, markers, out) if kind is None else None
     if scaled is not None:
         kind, scaled = scaled
-    if kind is None and "act" not in roles and (retried := _mlp_tuple_kind(probe, markers)) is not None:
+    if kind is None and "act" not in roles and (retried := _residual_forms.mlp_tuple_kind(probe, markers)) is not None:
         kind, out, calls = retried
-    passes = {r: _passes_residual(probe, calls, r) for r in ("attention", "mlp")}
+    passes = {r: _residual_forms.passes_residual(probe, calls, r) for r in ("attention", "mlp")}
     if any(passes.values()) and kind != "sequential":
-        return Skip(_passed_residual_reason(probe, calls))
+        return Skip(_residual_forms.passed_residual_reason(probe, calls))
     if kind is None and isinstance(out, tuple):
         return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
@@ -143,7 +147,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             renames.append((alias, landed[0]))
     sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
     positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
-    placed = _dropout_places(probe, kind, dropouts, passes, markers)
+    placed = _residual_forms.dropout_places(probe, kind, dropouts, passes, markers)
     if placed:  # applied where the original applies them, from the same draws: none left to keep off
         dropouts = ((), ())
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
@@ -160,69 +164,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             mlp_tuple=probe.mlp_tuple)
 
 
-def _mlp_tuple_kind(probe, markers: dict):
-    """(the layer's form, its output, the calls) where the layer takes the first of a tuple its MLP returns
-    (GPT-OSS's ``hidden_states, _ = self.mlp(…)``: the MoE block's router scores after its output), else None."""
-    probe.mlp_tuple = True
-    try:
-        out, calls = probe.run(0.0, **markers)
-        kind = probe.kind(probe.split(out)[0])
-    except Exception:
-        kind = None
-    if kind is None:
-        probe.mlp_tuple = False
-        return None
-    return kind, probe.split(out)[0], calls
 
 
-def _scaled_kind(probe, markers: dict, out):
-    """(the layer's form, (attention's, MLP's) residual scale attribute) where each block's output is added
-    times a float attribute of the layer (Granite, MiniCPM3: ``_residual_scale``), else None."""
-    if not isinstance(out, torch.Tensor):
-        return None
-    found = _residual_scale.scales(probe, markers)
-    if found is None or found == (None, None):
-        return None
-    probe.scales = tuple(1.0 if n is None else float(getattr(probe.module, n)) for n in found)
-    kind = probe.kind(out)
-    if kind is None:
-        probe.scales = (1.0, 1.0)
-        return None
-    return kind, found
 
-
-def _dropout_places(probe, kind: str, dropouts: tuple, passes: dict, markers: dict):
-    """(attention's, MLP's, their sum's) dropout when the layer's dropouts between its blocks have a place the fused
-    forward can apply them at (``_residual_dropout``), else None; not on a block that adds the residual itself."""
-    if not dropouts or probe.scales != (1.0, 1.0):  # (where a scaled block's dropout acts is not looked for)
-        return None
-    found = _residual_dropout.places(probe, kind, [*dropouts[0], *dropouts[1]], markers)
-    if found is None or any(d is not None and passes.get(r) for d, r in zip(found, ("attention", "mlp"))):
-        return None
-    return found
-
-
-def _passed_residual_reason(probe, calls: dict) -> str:
-    """Why a layer whose blocks are passed a residual (and add it themselves) is not the fused form."""
-    first = "its attention or MLP is passed a residual and adds it itself (BLOOM's and MPT's blocks do), but "
-    residuals = [pos[1] for r in ("attention", "mlp") for pos, _ in calls.get(r, [])[:1] if len(pos) == 2]
-    if any(_probe.close(t, probe.fns["norm_in"](probe.x)) for t in residuals):
-        return first + ("the residual is the norm's output, not the layer's input (BLOOM's apply_residual_connection_"
-                        "post_layernorm): h = n + attention(n) with n = norm(x), a form no pattern fuses")
-    mlp = calls.get("mlp", [])[:1]
-    if probe.roles["norm_in"] == probe.roles["norm_mid"] and mlp and len(mlp[0][0]) == 2 and mlp[0][0][1] is probe.x:
-        return first + ("the module is not a whole pre-norm layer of that form: its blocks are a norm, an attention and "
-                        "an output block adding the input (a pre-LN BERT attention sublayer: x + output(attention("
-                        "norm(x))), whose MLP half sits in a sibling module), a form no pattern fuses")
-    return first + ("with stand-ins adding it the layer is not the pre-norm x + attention(norm(x)), then "
-                    "+ mlp(norm(·)), a form no pattern fuses")
-
-
-def _passes_residual(probe, calls: dict, role: str) -> bool:
-    """Whether the block in ``role`` gets a second positional tensor of the layer's shape (its residual: the
-    probe's stand-in adds it, as BLOOM's attention and MLP and MPT's MLP do, and the formula checks which)."""
-    firsts = [c[0] for c in calls.get(role, [])[:1]]
-    return any(len(pos) == 2 and isinstance(pos[1], torch.Tensor) and pos[1].shape == probe.x.shape for pos in firsts)
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
