@@ -19,7 +19,7 @@ from torchfuser.patterns.base import Skip
 from torchfuser.patterns.mlp import MLPPattern
 
 from arch_sweep import tiny_config
-from numerics import assert_trains_like
+from numerics import assert_cuda_steps_like, assert_trains_like
 
 VOCAB = 128
 
@@ -110,3 +110,13 @@ def test_a_dropout_before_the_first_projection_is_left_alone_with_the_reason(whe
     found = MLPPattern().match(_InnerDrop(where).train())
     assert isinstance(found, Skip) and reason in found.reason, found
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_with_the_defaults():
+    """The gated kernel's output dropped before Wo on the GPU: from one seed the masks are the original's."""
+    ref = _model("modernbert-decoder", mlp_dropout=0.25).cuda()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused)
+    assert sum(isinstance(m, FusedGatedMLP) for m in fused.modules()) == 2, str(torchfuser.report(fused))
+    assert_cuda_steps_like(ref, fused, step)
