@@ -70,3 +70,23 @@ def test_a_factor_written_in_the_code_is_left_alone_with_the_reason():
     torch.manual_seed(0)
     skip = ResidualNormPattern().match(ScaledResidual())
     assert "a residual scale not held in one float attribute of the layer" in skip.reason, skip
+
+
+def test_a_multiplier_at_one_today_is_followed_when_set_later():
+    """Granite's default residual_multiplier is 1.0: the layer is the plain form today, and the probe still
+    finds the attribute it reads, so that a multiplier set after ``optimize`` is followed."""
+    ref = _model("granite", residual_multiplier=1.0)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert {(m.forward.spec.attention_scale, m.forward.spec.mlp_scale) for m in layers(fused)} == {
+        ("residual_multiplier", "residual_multiplier")}
+    for m in (ref, fused):
+        for layer in m.model.layers:
+            layer.residual_multiplier = 0.5
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
+
+
+def test_a_plain_layer_gets_no_scale():
+    ref = _model("llama")
+    torchfuser.optimize(ref, backend="reference")
+    assert {(m.forward.spec.attention_scale, m.forward.spec.mlp_scale) for m in layers(ref)} == {(None, None)}

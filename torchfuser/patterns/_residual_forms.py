@@ -46,11 +46,18 @@ def mlp_tuple_kind(probe, markers: dict):
     return kind, probe.split(out)[0], calls
 
 
-def scaled_kind(probe, markers: dict, out):
+def scaled_kind(probe, markers: dict, out, kind: str | None):
     """(the layer's form, (attention's, MLP's) residual scale attribute) where each block's output is added
-    times a float attribute of the layer (Granite, MiniCPM3: ``_residual_scale``), else None."""
-    if not isinstance(out, torch.Tensor):
+    times a float attribute of the layer (Granite, MiniCPM3: ``_residual_scale``), else None. For a layer
+    already of a form (``kind``), only an attribute at 1.0 today is looked for (Granite's default multiplier:
+    set later, the fused forward must follow it)."""
+    if not isinstance(out, torch.Tensor) or kind == "post":
         return None
+    if kind is not None:
+        if not any(v == 1.0 for v in vars(probe.module).values() if isinstance(v, float)):
+            return None
+        found = _residual_scale.scales(probe, markers)
+        return None if found is None or found == (None, None) else (kind, found)
     found = _residual_scale.scales(probe, markers)
     if found is None or found == (None, None):
         return None

@@ -25,15 +25,12 @@ def scales(probe, markers: dict) -> tuple[str | None, str | None] | None:
         c = _factor(probe, markers, role)
         if c is None:
             return None
-        if c == 1.0:
-            found.append(None)
-            continue
         names = [n for n, v in vars(probe.module).items()
                  if isinstance(v, float) and not isinstance(v, bool) and "drop" not in n and v == c]
         name = next((n for n in names if _factor(probe, markers, role, {n: _OTHER}) == _OTHER), None)
-        if name is None:
+        if name is None and c != 1.0:
             return None
-        found.append(name)
+        found.append(name)  # (a factor of 1 that no attribute holds: None, no scale)
     return tuple(found)
 
 

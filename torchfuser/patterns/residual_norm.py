@@ -98,7 +98,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     kind = probe.kind(out)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
-    scaled = _residual_forms.scaled_kind(probe, markers, out) if kind is None else None
+    scaled = _residual_forms.scaled_kind(probe, markers, out, kind)
     if scaled is not None:
         kind, scaled = scaled
     if kind is None and "act" not in roles and (retried := _residual_forms.mlp_tuple_kind(probe, markers)) is not None:
