@@ -112,6 +112,22 @@ def test_the_order_of_draws_decides_the_place():
     assert "at a place the fused forward does not apply it" in skip.reason, skip
 
 
+class _MlpFirst(Layer):
+    """Parallel, the MLP called before the attention: the fused forward calls the attention first, so the blocks'
+    own random draws (their dropouts) would come in another order: left alone with the reason."""
+
+    def forward(self, hidden_states, **kwargs):
+        m = self.mlp(self.post_attention_layernorm(hidden_states))
+        a, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        return hidden_states + a + m
+
+
+def test_a_parallel_layer_calling_its_mlp_first_is_left_alone():
+    torch.manual_seed(0)
+    skip = ResidualNormPattern().match(_MlpFirst())
+    assert "calls the MLP before the attention" in skip.reason, skip
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model_type, fields, placed", _FORMS[:3], ids=[f[0] for f in _FORMS[:3]])
 def test_on_cuda_with_the_defaults(model_type, fields, placed):

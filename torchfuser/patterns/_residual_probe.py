@@ -34,9 +34,11 @@ class _StandIn(nn.Module):
         self.fn, self.tuple_out, self.calls = fn, tuple_out, []
         self.rest = _Marker("attention_rest")  # the attention's second output, to see if the layer returns it
         self.more: tuple = ()  # more outputs after it (JetMoE's attention returns three)
+        self.order: list = []  # shared by a run's stand-ins: the order they are called in
 
     def forward(self, *args, **kwargs):
         self.calls.append((args, kwargs))
+        self.order.append(self)
         x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         y = self.fn(x)
         if len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].shape == y.shape:
@@ -64,6 +66,7 @@ class _Probe:
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
         self.module, self.roles = module, roles
         self.last_calls: dict = {}
+        self.last_order: list = []  # the stand-ins of the last run, in the order they were called
         self.last_rest = self.markers = None
         self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
         self.attention_outputs = 2  # how many the stand-in attention returns (as a tuple): 3 for JetMoE's
@@ -128,6 +131,9 @@ class _Probe:
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
+        self.last_order = order = []
+        for role, s in stand.items():
+            s.order, s.role = order, role
         self.last_rest = stand["attention"].rest
         stand["attention"].more = tuple(_Marker("attention_more") for _ in range(self.attention_outputs - 2))
         with torch.no_grad(), contextlib.nullcontext() if ps is not None else _probe.saved_rng():

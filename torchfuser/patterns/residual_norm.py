@@ -115,6 +115,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                     "layer, a post-norm, a gate)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
+    if kind == "parallel" and _mlp_first(probe):
+        return Skip("its forward calls the MLP before the attention, and the fused forward calls the attention "
+                    "first: their random draws in training (dropout) would come in another order")
     if any(len(calls[r][0][0]) != 1 + passes.get(r, False) or calls[r][0][1] for r in calls if r != "attention"):
         return Skip("its forward passes its MLP or norms more than their input")
     (pos, kw) = calls["attention"][0]
@@ -191,6 +194,12 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
                 return found
             skips.append(found)
     return next((s for s in skips if s is not None), None)
+
+
+def _mlp_first(probe) -> bool:
+    """Whether the last probe run called the MLP's stand-in before the attention's."""
+    names = [s.role for s in probe.last_order]
+    return "mlp" in names and "attention" in names and names.index("mlp") < names.index("attention")
 
 
 def _attention_like(m: nn.Module) -> bool:
