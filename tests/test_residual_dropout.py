@@ -66,6 +66,20 @@ def test_training_step_with_dropout_matches_unfused(model_type, fields, placed):
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
 
 
+@pytest.mark.parametrize("model_type", ["biogpt", "xglm"])
+def test_an_inline_mlps_activation_dropout_is_placed(model_type):
+    """OPT-style layers holding fc1 → activation → dropout(activation_dropout) → fc2 themselves: the inner dropout
+    is applied by the fused forward between the activation and fc2 (``mlp_inner_dropout``)."""
+    ref = _model(model_type, dropout=0.2, activation_dropout=0.3)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    found = layers(fused)
+    assert len(found) == 2, str(torchfuser.report(fused))
+    assert {(m.forward.spec.attention_dropout, m.forward.spec.mlp_dropout, m.forward.spec.mlp_inner_dropout)
+            for m in found} == {("dropout", "dropout", "activation_dropout")}
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
+
+
 def test_under_gradient_checkpointing_the_recompute_draws_the_same_masks():
     ref = _model("phi3", resid_pdrop=0.2)
     fused = copy.deepcopy(ref)

@@ -106,6 +106,7 @@ class ResidualNormSpec:
     attention_dropout: str | None = None
     mlp_dropout: str | None = None
     sum_dropout: str | None = None  # parallel: on attention + MLP output, once (Falcon's dropout_add)
+    mlp_inner_dropout: str | None = None  # an inline MLP's, on act(fc_in(·)) (BioGPT's activation_dropout)
     # A float attribute of the layer each block's output is multiplied by before its add (Granite's
     # residual_multiplier), read at each call as the original reads it.
     attention_scale: str | None = None
@@ -169,7 +170,7 @@ class ResidualNormForward:
     def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
-        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s)
+        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s, self._drop)
         if s.post_norm:
             return self._post(call, x, norm_in, attention, mlp)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
@@ -278,15 +279,16 @@ def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: boo
     return norm.made_again(y, src)
 
 
-def _mlp(layer: nn.Module, s: ResidualNormSpec):
-    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·)))."""
+def _mlp(layer: nn.Module, s: ResidualNormSpec, drop):
+    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·))), with
+    ``drop(name, t)`` applying its inner dropout where it has one."""
     if s.mlp_tuple:
         block = getattr(layer, s.mlp)
         return lambda *args: block(*args)[0]
     if not s.mlp_inline:
         return getattr(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
-    return lambda y: fc_out(act(fc_in(y)))
+    return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))
 
 
 def dropout_attr(layer: nn.Module, name: str):

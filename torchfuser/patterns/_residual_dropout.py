@@ -25,10 +25,11 @@ _SEED = 11
 _MAX_SOURCES = 4
 
 
-def places(probe, kind: str, sources: list[str], markers: dict) -> tuple[str | None, str | None, str | None] | None:
+def places(probe, kind: str, sources: list[str], markers: dict) -> tuple[str | None, ...] | None:
     """(the dropout on the attention's output, the one on the MLP's output, the one on their sum (parallel
-    layers)), each a name as ``modules.residual_norm.dropout_attr`` reads it or None; None when no such
-    choice gives the layer's output."""
+    layers), the one on an inline MLP's activation output (OPT-style layers' ``activation_dropout``: BioGPT,
+    XGLM)), each a name as ``modules.residual_norm.dropout_attr`` reads it or None; None when no such choice
+    gives the layer's output."""
     if not sources or len(sources) > _MAX_SOURCES:
         return None
     ps = {n: 0.5 - 0.1 * i for i, n in enumerate(sources)}  # each its own p: its masks differ from the others'
@@ -42,19 +43,26 @@ def places(probe, kind: str, sources: list[str], markers: dict) -> tuple[str | N
         if not isinstance(out, torch.Tensor):
             return None
         sums = [(None, None, n) for n in sources] if kind == "parallel" else []
-        for da, dm, ds in [(*pair, None) for pair in itertools.product((None, *sources), repeat=2)] + sums:
-            _probe.seed_cpu(_SEED)
-            want = _expected(probe, fns, kind, ps.get(da), ps.get(dm), ps.get(ds))
-            if _probe.close(out, want):
-                return da, dm, ds
+        inners = (None, *sources) if "act" in probe.roles else (None,)
+        for di in inners:
+            for da, dm, ds in [(*pair, None) for pair in itertools.product((None, *sources), repeat=2)] + sums:
+                _probe.seed_cpu(_SEED)
+                want = _expected(probe, fns, kind, ps.get(da), ps.get(dm), ps.get(ds), ps.get(di))
+                if _probe.close(out, want):
+                    return da, dm, ds, di
     return None
 
 
-def _expected(probe, fns: dict, kind: str, pa: float | None, pm: float | None, ps: float | None) -> torch.Tensor:
+def _expected(probe, fns: dict, kind: str, pa: float | None, pm: float | None, ps: float | None,
+              pi: float | None = None) -> torch.Tensor:
     """The layer's formula (``_Probe.expected``) with a dropout at p on the attention's and the MLP's output,
-    or (parallel) on their sum."""
+    or (parallel) on their sum, and on an inline MLP's activation output."""
     def drop(t, p):
         return t if p is None else nn.functional.dropout(t, p, True)
+
+    if "act" in probe.roles:  # inline: fc_out(dropout(act(fc_in(·))))
+        act = probe.module._modules[probe.roles["act"]]
+        fns = {**fns, "mlp": lambda t: fns["fc_out"](drop(act(fns["fc_in"](t)), pi))}
 
     x, norm_in = probe.x, fns["norm_in"]
     mid = norm_in if probe.roles["norm_mid"] == probe.roles["norm_in"] else fns["norm_mid"]

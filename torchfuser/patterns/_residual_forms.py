@@ -70,7 +70,7 @@ def scaled_kind(probe, markers: dict, out, kind: str | None):
 
 
 def dropout_places(probe, kind: str, dropouts: tuple, passes: dict, markers: dict):
-    """(attention's, MLP's, their sum's) dropout when the layer's dropouts between its blocks have a place the fused
+    """(attention's, MLP's, their sum's, an inline MLP's inner) dropout when the layer's dropouts between its blocks have a place the fused
     forward can apply them at (``_residual_dropout``), else None; not on a block that adds the residual itself."""
     if not dropouts or probe.scales != (1.0, 1.0):  # (where a scaled block's dropout acts is not looked for)
         return None

@@ -162,7 +162,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             drops_extra=drops_extra, returns_rest=returns_rest,
                             residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]),
                             attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None,
-                            sum_dropout=placed[2] if placed else None,
+                            sum_dropout=placed[2] if placed else None, mlp_inner_dropout=placed[3] if placed else None,
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
                             mlp_tuple=probe.mlp_tuple)
 
