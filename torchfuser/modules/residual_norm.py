@@ -210,8 +210,9 @@ class ResidualNormForward:
             maxima = (False, False)
             y, h = norm_mid.opening_residual(a, low)
         else:
-            # (not the attention output's gradient maxima under its dropout: that gradient is not its output's)
-            out_maxima = a.requires_grad and not self._on(s.attention_dropout) and _maxima(attention, "out", a, None)
+            # (not the attention output's gradient maxima under its dropout or scale: that gradient is not its output's)
+            plain = not self._on(s.attention_dropout) and s.attention_scale is None
+            out_maxima = a.requires_grad and plain and _maxima(attention, "out", a, None)
             maxima = (not (s.mlp_inline or s.mlp_tuple) and _maxima(mlp, "in", x, low), out_maxima)
             h, y = norm_mid.add(x, a, low, maxima)
         with _made_again(norm_mid, y, h, any(maxima)):
