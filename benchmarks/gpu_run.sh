@@ -195,6 +195,12 @@ for stage in "$@"; do
     families-compose) for m in ${MODELS:-gpt2_medium pythia1b4 qwen3_1_7b gemma2b starcoder2_3b phi3mini}; do
               timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-torchfuser+compile} \
                 --out "$OUT/train-step-families.jsonl"; done ;;
+    # issue 38, round 4: BLOOM/MPT layers, dropout in training (their CUDA tests), BLOOM- and MPT-shaped steps.
+    families4-tests) timeout ${TESTS_S:-240} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
+              tests/test_residual_passed_layers.py tests/test_residual_dropout.py tests/test_mlp_inner_dropout.py -k cuda ;;
+    families4-train) for m in ${MODELS:-bloom560m mpt1b}; do
+              timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-eager compile torchfuser} \
+                ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-families4.jsonl"; done ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
 done

@@ -82,8 +82,9 @@ def build(recipe: str, device: torch.device, seed: int, dtype: torch.dtype = tor
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = json.loads((ROOT / "recipes" / f"{recipe}.json").read_text())
+    impl = fields.pop("attn_implementation", "sdpa")  # a recipe may name another: BLOOM and MPT have no SDPA path
     cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = impl
     torch.manual_seed(seed)
     with device:
         model = AutoModelForCausalLM.from_config(cfg)

@@ -105,26 +105,28 @@ def test_bf16_within_the_rule(name):
     assert_bf16_within_rule(fused, plain, ref64, step)
 
 
-def test_active_dropout_between_the_blocks_is_left_unfused_with_the_reason():
-    model = make("neox", hidden_dropout=0.1)
-    torchfuser.optimize(model, backend="reference")
-    skipped = [e for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
-    assert len(skipped) == 2 and all("dropout between its blocks" in e.reason for e in skipped)
+def test_active_dropout_between_the_blocks_is_fused_with_the_same_masks():
+    """GPT-NeoX's post_attention_dropout / post_mlp_dropout on: applied by the fused forward where the original
+    applies them (``patterns._residual_dropout``), from the same draws: the loss and every gradient match."""
+    ref = make("neox", hidden_dropout=0.1)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert len(layers(fused)) == 2
+    assert {(m.forward.spec.attention_dropout, m.forward.spec.mlp_dropout) for m in layers(fused)} == {
+        ("post_attention_dropout", "post_mlp_dropout")}
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
 
 
-def test_dropout_turned_on_after_fusing_runs_the_original_forward():
-    """Fused with the dropouts at 0, then turned on: every call runs the original forward (PyTorch's
-    dropout, the same random stream), counted as a fallback."""
+def test_dropout_turned_on_after_fusing_runs_fused_with_the_same_masks():
+    """Fused with the dropouts at 0, then turned on: the fused forward applies them as the original does (the
+    same random stream), no fallback."""
     ref = make("phi")
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
     for m in (ref, fused):
         for layer in m.model.layers:
             layer.resid_dropout.p = 0.3
-    torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)  # the same dropout masks
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
-    assert "dropout between the blocks" in str(torchfuser.report(fused).fallbacks)
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))  # the same masks, no fallback
 
 
 def test_gpt2_cross_attention_inputs_run_the_original_forward():
@@ -140,8 +142,8 @@ def test_gpt2_cross_attention_inputs_run_the_original_forward():
 
 
 @pytest.mark.parametrize("model_type, overrides, reason", [
-    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), "passed the residual and adds it itself"),
-    ("opt", dict(_OPT, dropout=0.1), "dropout between its blocks (dropout) is on"),
+    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4, apply_residual_connection_post_layernorm=True),
+     "the residual is the norm's output"),
 ])
 def test_what_stays_unfused_says_why(model_type, overrides, reason):
     cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
@@ -163,21 +165,22 @@ def test_a_norm_excluded_by_filter_fn_leaves_its_layer_unfused_with_the_reason()
 
 
 def test_falcon_config_dropout_read_by_the_layer():
-    """Falcon's layer reads its dropouts from its config (``dropout_add(…, self.config.hidden_dropout)``): on when
-    optimize runs, the layer is skipped; turned on later, every call runs the original forward (same masks)."""
-    model = make("falcon", hidden_dropout=0.1)
-    torchfuser.optimize(model, backend="reference")
-    skipped = [e for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
-    assert len(skipped) == 2 and all("config.hidden_dropout" in e.reason for e in skipped), skipped
+    """Falcon's layer reads its dropouts from its config (``dropout_add(…, self.config.hidden_dropout)``). The
+    parallel layer drops the sum of both blocks once (``sum_dropout``), the sequential one each block's output:
+    placed by the probe, applied by the fused forward from the same draws (no fallback)."""
+    ref = make("falcon", hidden_dropout=0.1)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert {m.forward.spec.sum_dropout for m in layers(fused)} == {"config.hidden_dropout"}, torchfuser.report(fused)
+    assert len(layers(fused)) == 2
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
     ref = make("falcon-sequential")
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
     assert len(layers(fused)) == 2
     ref.config.hidden_dropout = fused.config.hidden_dropout = 0.3  # the layers share the model's config
-    torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
-    assert "dropout between the blocks" in str(torchfuser.report(fused).fallbacks)
+    assert {m.forward.spec.mlp_dropout for m in layers(fused)} == {"config.hidden_dropout"}
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
 
 
 def test_a_required_argument_left_out_raises_as_the_original():

@@ -1,7 +1,7 @@
 """Post-norm decoder layers (OPT-350m's do_layer_norm_before=False): h = norm(x + attention(x)), then
 out = norm(h + mlp(h)), each residual add inside the norm after it (``ResidualNormSpec.post_norm``). One
 training step fused vs unfused: loss and every gradient (fp32 tight, bf16 by the numerics rule against
-float64); restore; active dropout between the blocks left unfused with the reason; and a CUDA run."""
+float64); restore; active dropout between the blocks applied from the same draws; and a CUDA run."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import torchfuser
-from torchfuser.modules import fallbacks
 from torchfuser.modules.residual_norm import ResidualNormForward
 
 from numerics import assert_bf16_within_rule, assert_cuda_steps_like, assert_trains_like
@@ -68,23 +67,24 @@ def test_bf16_within_the_rule():
     assert_bf16_within_rule(fused, plain, ref64, step)
 
 
-def test_active_dropout_is_left_unfused_with_the_reason():
-    model = make(dropout=0.1)
-    torchfuser.optimize(model, backend="reference")
-    assert not layers(model)
-    reasons = [e.reason for e in torchfuser.report(model).skipped if e.pattern == "residual_norm"]
-    assert reasons and all("dropout between its blocks" in r for r in reasons), reasons
+def test_active_dropout_is_fused_with_the_same_masks():
+    """OPT's functional dropout on the attention's and the MLP's output (``self.dropout``), placed by the probe:
+    the fused forward applies it before each norm's add, from the same draws (the loss and every gradient)."""
+    ref = make(dropout=0.1)
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert [(m.forward.spec.attention_dropout, m.forward.spec.mlp_dropout) for m in layers(fused)] == [("dropout",) * 2] * 2
+    assert_trains_like(ref, fused, step, list(ref.state_dict()), loss_rtol=1e-6)
 
 
-def test_switched_on_dropout_runs_the_original():
+def test_switched_on_dropout_runs_fused_with_the_same_masks():
     ref = make()
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
     for m in (ref, fused):
         for layer in m.model.decoder.layers:
-            layer.dropout = 0.2  # after fusion: the fused forward has none, so the original runs (counted)
-    torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)
-    assert "dropout between the blocks is on" in str(fallbacks.counts(fused))
+            layer.dropout = 0.2  # after fusion: read at each call, as the original reads it
+    assert_trains_like(ref, fused, step, list(ref.state_dict()), loss_rtol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

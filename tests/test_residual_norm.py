@@ -149,6 +149,13 @@ class FunctionalDropout(Layer):  # a dropout between the blocks, configured at 0
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DropsTheSum(FunctionalDropout):  # a dropout on the layer's output: no place the fused forward applies one at
+    def forward(self, hidden_states, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h = hidden_states + h
+        return nn.functional.dropout(h + self.mlp(self.post_attention_layernorm(h)), self.resid_pdrop, self.training)
+
+
 class OwnArguments(Layer):  # passes the attention a value the caller did not give
     def forward(self, hidden_states, **kwargs):
         h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), output_attentions=False, **kwargs)
@@ -199,12 +206,40 @@ def test_probe_rejects(cls, why):
 
 
 def test_probe_finds_the_dropouts_between_the_blocks():
-    assert ResidualNormPattern().match(WithDropoutChild()).dropouts == ("resid_attn_dropout",)
-    assert ResidualNormPattern().match(FunctionalDropout()).float_dropouts == ("resid_pdrop",)
+    """Placed where the fused forward applies them (``attention_dropout``), or kept off (``dropouts``)."""
+    spec = ResidualNormPattern().match(WithDropoutChild())
+    assert (spec.attention_dropout, spec.mlp_dropout, spec.dropouts) == ("resid_attn_dropout", None, ())
+    spec = ResidualNormPattern().match(FunctionalDropout())
+    assert (spec.attention_dropout, spec.float_dropouts) == ("resid_pdrop", ())
+    spec = ResidualNormPattern().match(DropsTheSum())
+    assert (spec.attention_dropout, spec.mlp_dropout, spec.float_dropouts) == (None, None, ("resid_pdrop",))
     assert ResidualNormPattern().match(Layer()).dropouts == ()
 
 
 @pytest.mark.parametrize("cls, name", [(WithDropoutChild, "resid_attn_dropout"), (FunctionalDropout, "resid_pdrop")])
+def test_a_placed_dropout_that_is_on_runs_fused_with_the_same_masks(cls, name, monkeypatch):
+    ref, fused = _fused_pair(cls)
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    ran = []
+    real = torchfuser.ops.add_rms_norm
+    monkeypatch.setattr(torchfuser.ops, "add_rms_norm", lambda *a: ran.append(1) or real(*a))
+    for model in (ref, fused):
+        layer = model.layers[0]
+        if isinstance(getattr(layer, name), nn.Module):
+            getattr(layer, name).p = 0.5
+        else:
+            setattr(layer, name, 0.5)
+    outs = []
+    for model in (ref, fused):
+        torch.manual_seed(7)
+        outs.append(model(x))
+    torch.testing.assert_close(outs[1], outs[0])  # the same dropout masks
+    assert len(ran) == 2  # both layers fused
+    torch.manual_seed(8)
+    assert not torch.equal(fused(x), outs[1])  # the dropout is on: another seed, other masks
+
+
+@pytest.mark.parametrize("cls, name", [(DropsTheSum, "resid_pdrop")])
 def test_a_dropout_that_is_on_runs_the_original_forward(cls, name, monkeypatch):
     ref, fused = _fused_pair(cls)
     x = torch.randn(2, 5, H, dtype=torch.float64)

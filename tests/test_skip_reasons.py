@@ -18,7 +18,6 @@ from arch_sweep import tiny_config
     ("afmoe", "attention", "more projections than those mean an output gate"),
     ("ministral3", "attention", "Ministral3Attention's forward requires 'position_ids'"),
     ("openai-gpt", "attention", "its model chooses no attention implementation"),
-    ("modernbert-decoder", "gated_mlp", "in training its output differs from the fused MLP with any dropout"),
     ("xlnet", "mlp", "unrecognised submodules ['layer_norm'] ('layer_norm' (LayerNorm))"),
     ("minimax", "residual_norm", "something sits between the blocks"),
 ])

@@ -31,11 +31,12 @@ class GatedMLPSpec:
     gate_first: bool = True  # order of the halves of gate_up's output
     dropout: str | None = None  # after down: an nn.Dropout child or a float p attribute (Seed-OSS)
     keep: tuple[str, ...] = ()  # other parameter-free submodules kept for state and repr
+    inner_dropout: str | None = None  # on act(gate)·up, before down (ModernBERT-decoder's ``drop``)
 
 
 @dataclass(frozen=True)
 class MLPSpec:
-    """dropout(fc_out(act(fc_in(x)))) (+ residual)."""
+    """dropout(fc_out(inner_dropout(act(fc_in(x))))) (+ residual)."""
 
     fc_in: str
     fc_out: str
@@ -44,6 +45,7 @@ class MLPSpec:
     keep: tuple[str, ...] = ()
     activation: str = "gelu"  # "gelu" (per ``approximate``), "relu" or "relu2" (functional.activation)
     residual: str | None = None  # a forward argument added after the dropout (BLOOM's and MPT's MLPs)
+    inner_dropout: str | None = None  # on the activation's output, before fc_out (ProphetNet's activation_dropout)
 
 
 class _WithLoRA:
@@ -70,7 +72,8 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
 
     def __init__(self, original: nn.Module, spec: GatedMLPSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        names = (spec.gate, spec.up, spec.gate_up, spec.down, keep_dropout(self, original, spec.dropout)) + spec.keep
+        names = (spec.gate, spec.up, spec.gate_up, spec.down, keep_dropout(self, original, spec.dropout),
+                 keep_dropout(self, original, spec.inner_dropout)) + spec.keep
         adopt(self, original, [n for n in names if n is not None])
         self._act = _GATED_ACTS[spec.activation]
 
@@ -78,6 +81,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         s = self.spec
         h, make = self._gated(x)
         with self._h_made_again(h, make):
+            h = apply_dropout(self, s.inner_dropout, h)  # the original's functional dropout, in its order
             return apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
@@ -87,6 +91,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         h, make = self._gated(x)
         epilogue = dropout_p(self, s.dropout) == 0 and fp8.recipe_of(self) is None
         with self._h_made_again(h, make):
+            h = apply_dropout(self, s.inner_dropout, h)
             out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
             return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
 
@@ -126,7 +131,8 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         (and, backward, of the gate/up projection's gradient), handing their maxima on (modules.fp8)."""
         s = self.spec
         # No FP8 producer kernel for erf GELU: its down projection quantises its own operand.
-        if s.activation == "gelu" or not fp8.producer_maxima(self, packed, [getattr(self, s.down)]):
+        # Nor with a dropout between it and the down projection: its operand is no longer h.
+        if s.activation == "gelu" or s.inner_dropout is not None or not fp8.producer_maxima(self, packed, [getattr(self, s.down)]):
             return self._activate(packed)
         ups = [getattr(self, n) for n in (s.gate_up,) if n] or [getattr(self, s.gate), getattr(self, s.up)]
         grad_amax = x.requires_grad and fp8.producer_maxima(self, packed, ups)
@@ -139,22 +145,43 @@ class FusedMLP(_WithLoRA, FusedModule):
 
     def __init__(self, original: nn.Module, spec: MLPSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        names = (spec.fc_in, spec.fc_out, keep_dropout(self, original, spec.dropout)) + spec.keep
+        names = (spec.fc_in, spec.fc_out, keep_dropout(self, original, spec.dropout),
+                 keep_dropout(self, original, spec.inner_dropout)) + spec.keep
         adopt(self, original, [n for n in names if n is not None])
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        s = self.spec
+        h = self._hidden(x)
+        if s.residual is None:
+            if args or kwargs:
+                raise TypeError(f"FusedMLP takes the hidden states alone, got {len(args) + len(kwargs)} more arguments")
+            return apply_dropout(self, s.dropout, single(h, getattr(self, s.fc_out), self))
+        residual = args[0] if args else kwargs.get(s.residual)
+        if residual is None or len(args) + len(kwargs) != 1:
+            raise TypeError(f"FusedMLP takes the hidden states and {s.residual!r}, as the original MLP does")
+        return self._plus(residual, h, first=False)
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + self(x)`` for an MLP that takes no residual itself, the sum inside fc_out's GEMM where
+        it can be (``projections.residual_linear``: under autocast, a bias-free ``nn.Linear``, no dropout on)."""
+        return self._plus(residual, self._hidden(x))
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        """fc_out's input: inner_dropout(act(fc_in(x)))."""
         s = self.spec
         h = single(x, getattr(self, s.fc_in), self)
         if s.activation == "gelu":
             h = F.gelu(h, s.approximate, backend=self.backend)
         else:
             h = F.activation(h, s.activation, backend=self.backend)
+        return apply_dropout(self, s.inner_dropout, h)
+
+    def _plus(self, residual: Tensor, h: Tensor, first: bool = True) -> Tensor:
+        """residual + dropout(fc_out(h)) (``first=False``: that + residual, the original's order; the same sum)."""
+        s = self.spec
+        if dropout_p(self, s.dropout) == 0 and fp8.recipe_of(self) is None:
+            out = residual_linear(residual, h, getattr(self, s.fc_out))
+            if out is not None:
+                return out
         out = apply_dropout(self, s.dropout, single(h, getattr(self, s.fc_out), self))
-        if s.residual is None:
-            if args or kwargs:
-                raise TypeError(f"FusedMLP takes the hidden states alone, got {len(args) + len(kwargs)} more arguments")
-            return out
-        residual = args[0] if args else kwargs.get(s.residual)
-        if residual is None or len(args) + len(kwargs) != 1:
-            raise TypeError(f"FusedMLP takes the hidden states and {s.residual!r}, as the original MLP does")
-        return out + residual
+        return residual + out if first else out + residual

@@ -20,6 +20,11 @@ attention's output (the output projection's dy) carry their maxima to the GEMMs.
 The norms' outputs are not kept by the projections after them: the backward makes them again from what the
 norms keep (``FusedRMSNorm.made_again``, ``modules.recompute``).
 
+Dropouts between the blocks are applied where the original applies them, by the same call, so that from one
+seed the masks are the original's (``attention_dropout``, ``mlp_dropout``, ``sum_dropout``); a residual scale
+attribute is read at each call (``attention_scale``, ``mlp_scale``); blocks passed the residual (BLOOM, MPT)
+get the norms' opening residuals (``residual_passed``).
+
 The layer keeps its class, children and parameters: only its ``forward`` is replaced, on the
 instance, by a ``ResidualNormForward``. That calls the children with the arguments the original
 forward passes them (the pattern's probe found which, ``ResidualNormSpec``), and hands anything
@@ -34,13 +39,12 @@ around its class's ``forward``, which a forward on the instance bypasses; so thi
 its fused computation itself, under the same conditions and through the same function
 (``layer._gradient_checkpointing_func``, set by ``gradient_checkpointing_enable``), and once: a fallback
 goes through the class's wrapper, which checkpoints it. transformers 5.17 checkpoints in the layer's
-``__call__``, around this forward: nothing to do there (``_checkpoints``).
+``__call__``, around this forward: nothing to do there (``modules._layer_checkpointing``).
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -48,54 +52,15 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
+from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
 
-_log = logging.getLogger(__name__)
 _NOTHING = contextlib.nullcontext()  # reusable
-# Keywords a layer's KV cache goes by (transformers versions and families): a checkpointed layer must not
-# get one, or its recompute in the backward would write the cache a second time.
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _MISSING = "a required argument is missing"
-_WARNED: set[type] = set()  # layer classes told so (once, as transformers does)
-
-
-def _forward_level_checkpointing() -> type | None:
-    """transformers' GradientCheckpointingLayer when it checkpoints in its subclasses' ``forward``
-    (transformers 5.25), None when it does so in ``__call__`` (5.17: around any forward) or is absent."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # pragma: no cover - no transformers: no HF checkpointing
-        return None
-    return None if "__call__" in vars(GradientCheckpointingLayer) else GradientCheckpointingLayer
-
-
-_CHECKPOINTED_CLASS = _forward_level_checkpointing()
-
-
-def _checkpoints(layer: nn.Module) -> bool:
-    """Whether transformers' wrapper of the layer class's ``forward`` would checkpoint this call: the
-    wrapper's own conditions (gradient checkpointing on, training, grad enabled)."""
-    return (_CHECKPOINTED_CLASS is not None and isinstance(layer, _CHECKPOINTED_CLASS)
-            and bool(layer.gradient_checkpointing) and layer.training and torch.is_grad_enabled())
-
-
-def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
-    """The keywords as transformers' checkpointing wrapper passes them on: no KV cache (the recompute
-    would update it twice) unless the layer only reads it, ``use_cache`` off."""
-    dropped = [n for n in _CACHE_KWARGS if kwargs.get(n) is not None]
-    if getattr(layer, "_can_checkpoint_with_cache", False):
-        dropped = []
-    if not dropped and not kwargs.get("use_cache"):
-        return kwargs
-    if type(layer) not in _WARNED:
-        _WARNED.add(type(layer))
-        _log.warning("torchfuser: caching is incompatible with gradient checkpointing in %s: it runs without a "
-                     "KV cache", type(layer).__name__)
-    return {**kwargs, **{n: None for n in dropped}, **({"use_cache": False} if "use_cache" in kwargs else {})}
 
 
 @dataclass(frozen=True)
@@ -134,6 +99,20 @@ class ResidualNormSpec:
     returns_rest: bool = False
     # (fc_in, activation, fc_out): the layer's own children computing its MLP (OPT), with ``mlp`` = ""
     mlp_inline: tuple[str, ...] = ()
+    # "attention" / "mlp": the block takes the residual as its second positional argument and adds it itself
+    # (BLOOM's both, MPT's MLP); sequential layers only. Its sum's two gradients still meet in a norm's kernel.
+    residual_passed: tuple[str, ...] = ()
+    # The layer's dropout on the attention's / the MLP's output before its residual add (``dropout_attr``'s names),
+    # applied here as the original applies it, from the same draws (``patterns._residual_dropout``).
+    attention_dropout: str | None = None
+    mlp_dropout: str | None = None
+    sum_dropout: str | None = None  # parallel: on attention + MLP output, once (Falcon's dropout_add)
+    mlp_inner_dropout: str | None = None  # an inline MLP's, on act(fc_in(·)) (BioGPT's activation_dropout)
+    # A float attribute of the layer each block's output is multiplied by before its add (Granite's
+    # residual_multiplier), read at each call as the original reads it.
+    attention_scale: str | None = None
+    mlp_scale: str | None = None
+    mlp_tuple: bool = False  # the MLP returns a tuple whose first item the layer adds (GPT-OSS's MoE block)
 
 
 class ResidualNormForward:
@@ -196,15 +175,18 @@ class ResidualNormForward:
     def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
-        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s)
+        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s, self._drop)
         if s.post_norm:
             return self._post(call, x, norm_in, attention, mlp)
         low = _projection_dtype(x, attention, mlp) if not s.parallel else None
         maxima = _maxima(attention, "in", x, low)
         y, x = norm_in.opening_residual(x, low, maxima)
         with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
-            a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
-        out = self._body(x, y, a[0], low, attention, mlp)
+            if "attention" in s.residual_passed:  # it returns x + its output (BLOOM)
+                a = attention(y, x, **call)
+            else:
+                a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+        out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a[0])), low, attention, mlp)
         return (out, a[1]) if s.returns_rest else out
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
@@ -212,8 +194,8 @@ class ResidualNormForward:
         afterwards, so only the norm's gradient flows back through it)."""
         s = self.spec
         a = attention(x, **call) if not s.attention_input else attention(**{s.attention_input: x}, **call)
-        h = norm_in.add(x, a[0])[1]
-        out = getattr(self.layer, s.norm_mid).add(h, mlp(h))[1]
+        h = norm_in.add(x, self._drop(s.attention_dropout, a[0]))[1]
+        out = getattr(self.layer, s.norm_mid).add(h, self._drop(s.mlp_dropout, mlp(h)))[1]
         return (out, a[1]) if s.returns_rest else out
 
     def _body(self, x, y, a, low, attention, mlp):
@@ -221,15 +203,29 @@ class ResidualNormForward:
         output y and the attention's output a."""
         s = self.spec
         norm_mid = getattr(self.layer, s.norm_mid)
+        # then dropout(mlp(…)) · scale is added, not mlp(…) inside its GEMM
+        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None or self._on(s.sum_dropout)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
-            if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
+            if _adds(mlp) and not dropping:
                 return mlp.add_to(x + a, y)
-            return x + a + mlp(y)
-        maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
-        h, y = norm_mid.add(x, a, low, maxima)
+            m = self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
+            return x + self._drop(s.sum_dropout, a + m) if s.sum_dropout else x + a + m
+        if "attention" in s.residual_passed:  # a is the sum already: h's two gradients summed in norm_mid's backward
+            maxima = (False, False)
+            y, h = norm_mid.opening_residual(a, low)
+        else:
+            # (not the attention output's gradient maxima under its dropout or scale: that gradient is not its output's)
+            plain = not self._on(s.attention_dropout) and s.attention_scale is None
+            out_maxima = a.requires_grad and plain and _maxima(attention, "out", a, None)
+            maxima = (not (s.mlp_inline or s.mlp_tuple) and _maxima(mlp, "in", x, low), out_maxima)
+            h, y = norm_mid.add(x, a, low, maxima)
         with _made_again(norm_mid, y, h, any(maxima)):
-            return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
+            if "mlp" in s.residual_passed:  # it adds h itself (BLOOM, MPT)
+                return mlp(y, h)
+            if _adds(mlp) and not dropping:
+                return mlp.add_to(h, y)
+            return h + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
 
     def _unfused(self, args, x, call) -> str | None:
         """Why this call runs the original forward, or None."""
@@ -244,16 +240,41 @@ class ResidualNormForward:
         layer, s = self.layer, self.spec
         if why := _unfused_norms(getattr(layer, s.norm_in), getattr(layer, s.norm_mid)):
             return why
-        return "a dropout between the blocks is on (the fused forward has none)" if self._dropping() else None
+        return ("a dropout between the blocks is on, at a place the fused forward does not apply it"
+                if self._dropping() else None)
+
+    def _on(self, name: str | None) -> bool:
+        """Whether the placed dropout ``name`` drops now (training, p > 0)."""
+        return name is not None and self.layer.training and float(dropout_attr(self.layer, name)) > 0
+
+    def _drop(self, name: str | None, t: torch.Tensor) -> torch.Tensor:
+        """The layer's dropout ``name`` on t as the original applies it: its nn.Dropout child called, or the
+        functional dropout with the p it reads (an attribute, or its config's field) and the layer's mode."""
+        if name is None:
+            return t
+        layer = self.layer
+        child = None if name.startswith("config.") else getattr(layer, name)
+        if isinstance(child, nn.Module):
+            return child(t)
+        return nn.functional.dropout(t, float(dropout_attr(layer, name)), layer.training)
+
+    def _scaled(self, name: str | None, t: torch.Tensor) -> torch.Tensor:
+        """t times the layer's residual scale attribute ``name`` (as the original multiplies it), or t."""
+        return t if name is None else t * getattr(self.layer, name)
 
     def _dropping(self) -> bool:
-        """Whether a dropout between the blocks is on now (the fused forward has none)."""
+        """Whether a dropout between the blocks that the fused forward does not apply (no place found) is on now."""
         layer, s = self.layer, self.spec
         return layer.training and any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
+
+
+def _adds(mlp) -> bool:
+    """Whether the MLP block's ``add_to`` may stand for ``residual + mlp(y)`` (the sum inside its last GEMM)."""
+    return (isinstance(mlp, FusedGatedMLP) or isinstance(mlp, FusedMLP) and mlp.spec.residual is None) and _as_class(mlp)
 
 
 def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: bool):
@@ -264,12 +285,16 @@ def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: boo
     return norm.made_again(y, src)
 
 
-def _mlp(layer: nn.Module, s: ResidualNormSpec):
-    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·)))."""
+def _mlp(layer: nn.Module, s: ResidualNormSpec, drop):
+    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·))), with
+    ``drop(name, t)`` applying its inner dropout where it has one."""
+    if s.mlp_tuple:
+        block = getattr(layer, s.mlp)
+        return lambda *args: block(*args)[0]
     if not s.mlp_inline:
         return getattr(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
-    return lambda y: fc_out(act(fc_in(y)))
+    return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))
 
 
 def dropout_attr(layer: nn.Module, name: str):

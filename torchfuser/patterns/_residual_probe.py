@@ -3,6 +3,7 @@ that record how they are called), with a marker object per argument to see where
 (``patterns.residual_norm`` says what it checks)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -32,12 +33,17 @@ class _StandIn(nn.Module):
         super().__init__()
         self.fn, self.tuple_out, self.calls = fn, tuple_out, []
         self.rest = _Marker("attention_rest")  # the attention's second output, to see if the layer returns it
+        self.more: tuple = ()  # more outputs after it (JetMoE's attention returns three)
+        self.order: list = []  # shared by a run's stand-ins: the order they are called in
 
     def forward(self, *args, **kwargs):
         self.calls.append((args, kwargs))
+        self.order.append(self)
         x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         y = self.fn(x)
-        return (y, self.rest) if self.tuple_out else y
+        if len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].shape == y.shape:
+            y = y + args[1]  # a block passed the residual adds it itself (BLOOM's attention and MLP, MPT's MLP)
+        return (y, self.rest, *self.more) if self.tuple_out else y
 
 
 class _Probe:
@@ -60,8 +66,13 @@ class _Probe:
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
         self.module, self.roles = module, roles
         self.last_calls: dict = {}
+        self.last_order: list = []  # the stand-ins of the last run, in the order they were called
         self.last_rest = self.markers = None
         self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
+        self.attention_outputs = 2  # how many the stand-in attention returns (as a tuple): 3 for JetMoE's
+        self.mlp_tuple = False  # the stand-in MLP returns (output, marker): GPT-OSS's MoE block returns router scores too
+        self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
+        self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
 
     def dropouts(self) -> tuple[list[str], list[str]]:
         """(nn.Dropout children, float dropout attributes) of the layer itself, and ``config.<name>`` for
@@ -88,10 +99,13 @@ class _Probe:
             return out[0], True
         return out, False
 
-    def run(self, p: float = 0.5, config_p: dict | None = None, **kwargs):
+    def run(self, p: float = 0.5, config_p: dict | None = None, ps: dict | None = None, **kwargs):
         """(output, the stand-ins' calls by role), every dropout of the layer at ``p`` (those of its config
-        too, or as ``config_p`` says)."""
+        too, or as ``config_p`` says); with ``ps``, each at ps[name] (0 if absent; ``config.<field>`` for the
+        config's), and the blocks' stand-ins draw from the CPU generator (``drawing``), in the caller's seed."""
         self.markers = kwargs
+        if ps is not None:
+            config_p = {n.removeprefix("config."): v for n, v in ps.items() if n.startswith("config.")}
         probe = _probe.shallow_copy(self.module)
         if self._config_dropouts():
             probe.config = copy.copy(self.module.config)
@@ -105,36 +119,57 @@ class _Probe:
                 visible = copy.copy(child)  # in training, whatever it is
                 visible.training = True
                 if name in children:
-                    visible.p = p
+                    visible.p = p if ps is None else ps.get(name, 0.0)
                 probe._modules[name] = visible
         for name in floats:
-            setattr(probe, name, p)
-        stand = {r: _StandIn(self.fns[r], tuple_out=r == "attention" and self.attention_tuple) for r in dict.fromkeys(self.roles)
+            setattr(probe, name, p if ps is None else ps.get(name, 0.0))
+        for name, value in self.attrs.items():
+            setattr(probe, name, value)
+        fns = self.fns if ps is None else self.drawing()
+        stand = {r: _StandIn(fns[r], tuple_out=r == "attention" and self.attention_tuple
+                                   or r == "mlp" and self.mlp_tuple) for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
+        self.last_order = order = []
+        for role, s in stand.items():
+            s.order, s.role = order, role
         self.last_rest = stand["attention"].rest
-        with torch.no_grad(), _probe.saved_rng():
+        stand["attention"].more = tuple(_Marker("attention_more") for _ in range(self.attention_outputs - 2))
+        with torch.no_grad(), contextlib.nullcontext() if ps is not None else _probe.saved_rng():
             out = type(self.module).forward(probe, self.x, **kwargs)
         return out, {r: s.calls for r, s in stand.items()}
 
+    def drawing(self) -> dict:
+        """The stand-ins, the attention's and the MLP's drawing from the CPU generator as they run: where the
+        layer's dropouts draw between or after them shows in the output (its order of draws is checked)."""
+        fns = dict(self.fns)
+        for role in ("attention", "fc_out" if "act" in self.roles else "mlp"):
+            fns[role] = lambda x, f=self.fns[role]: f(x) + 0.25 * torch.rand(x.shape)
+        if "act" in self.roles:  # inline (OPT): its fc_out draws
+            act = self.module._modules[self.roles["act"]]
+            fns["mlp"] = lambda x: fns["fc_out"](act(fns["fc_in"](x)))
+        return fns
+
     def expected(self, kind: str) -> torch.Tensor:
-        f, x = self.fns, self.x
+        f, x, (ca, cm) = self.fns, self.x, self.scales
         mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
         if kind == "parallel":
-            return x + f["attention"](f["norm_in"](x)) + f["mlp"](mid(x))
+            return x + f["attention"](f["norm_in"](x)) * ca + f["mlp"](mid(x)) * cm
         if kind == "post":  # post-norm (OPT-350m): norm_in after the attention's add, norm_mid after the MLP's
+            if (ca, cm) != (1.0, 1.0):
+                return None
             h = f["norm_in"](x + f["attention"](x))
             return mid(h + f["mlp"](h))
-        s = x + f["attention"](f["norm_in"](x))
-        return s + f["mlp"](mid(s))
+        s = x + f["attention"](f["norm_in"](x)) * ca
+        return s + f["mlp"](mid(s)) * cm
 
     def kind(self, out) -> str | None:
         """Which formula ``out`` is, or None."""
         kinds = _KINDS if self.roles["norm_mid"] != self.roles["norm_in"] else ("parallel",)
         if not isinstance(out, torch.Tensor):
             return None
-        return next((k for k in kinds if _probe.close(out, self.expected(k))), None)
+        return next((k for k in kinds if (want := self.expected(k)) is not None and _probe.close(out, want)), None)
 
 
 def _run_markers(probe: _Probe, params, extra: bool):

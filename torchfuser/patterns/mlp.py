@@ -126,8 +126,7 @@ def _in_training(module: nn.Module, spec, small: dict, fused_cls):
         probe.__dict__[n] = 0.2 + 0.1 * i
     probe.training = True
     xs = _inputs(gen, getattr(spec, "residual", None))
-    for name in dict.fromkeys([spec.dropout, None, *children, *floats]):
-        candidate = dataclasses.replace(spec, dropout=name)
+    for candidate in _candidates(spec, [*children, *floats]):
         fused = fused_cls(probe, candidate, "reference")
         fused.training = True
         with torch.no_grad(), _probe.saved_rng():
@@ -138,7 +137,31 @@ def _in_training(module: nn.Module, spec, small: dict, fused_cls):
         if _probe.close(got, want):
             return candidate
     return Skip("in training its output differs from the fused MLP with any dropout found after the last "
-                "projection (a dropout elsewhere, or another training-only step)")
+                "projection and any before it (a dropout elsewhere, or another training-only step)")
+
+
+def _candidates(spec, names: list[str]):
+    """Where the dropouts may sit: the one the eval probe found; after the last projection (``dropout``) each
+    name or none, and on the activation's output before it (``inner_dropout``) each other name or none."""
+    outer = dict.fromkeys([spec.dropout, spec.inner_dropout, None, *names])
+    seen = set()
+    for first in (spec, *(dataclasses.replace(spec, dropout=o, inner_dropout=i) for o in outer for i in (None, *names)
+                          if i is None or i != o)):
+        key = (first.dropout, first.inner_dropout)
+        if key not in seen:
+            seen.add(key)
+            yield first
+
+
+def _dropout_place(y, last: nn.Module, h, dropout: str | None, rest=0.0) -> dict | None:
+    """Where the eval probe's stand-in for the Dropout child (``_Scale``: 3·) acts: {"dropout": name} after the
+    last projection, {"inner_dropout": name} on its input h (ModernBERT-decoder), {} without one; None if y is
+    neither (the training probe then tells the two apart where a bias-free projection makes them agree)."""
+    if dropout is None:
+        return {} if _probe.close(y, last(h) + rest) else None
+    if _probe.close(y, 3.0 * last(h) + rest):
+        return {"dropout": dropout}
+    return {"inner_dropout": dropout} if _probe.close(y, last(3.0 * h) + rest) else None
 
 
 def _roles_by_shape(parts: _Parts) -> list[dict]:
@@ -202,11 +225,11 @@ class GatedMLPPattern(Pattern):
                 g, u = (g, u) if layout["gate_first"] else (u, g)
             else:
                 g, u = small[layout["gate"]](x), small[layout["up"]](x)
-            mark = 3.0 if parts.dropout is not None else 1.0  # the eval probe's stand-in for a Dropout child
-            if _probe.close(y, mark * small[down](act(g) * u)):
-                spec = GatedMLPSpec(activation=parts.act_kind, down=down, dropout=parts.dropout, keep=(parts.act,), **layout)
+            where = _dropout_place(y, small[down], act(g) * u, parts.dropout)
+            if where is not None:
+                spec = GatedMLPSpec(activation=parts.act_kind, down=down, keep=(parts.act,), **where, **layout)
                 return _in_training(module, spec, small, FusedGatedMLP)
-        return Skip(f"{_DOES_NOT} down(act(gate(x))·up(x)) (then dropout)")
+        return Skip(f"{_DOES_NOT} down(act(gate(x))·up(x)) (a dropout before or after down)")
 
 
 _DOES_NOT = "forward does not compute"
@@ -249,16 +272,13 @@ class MLPPattern(Pattern):
                                      "MLPs computing fc_out(act(fc_in(x))) from x (and adding a residual)", residual)
         if isinstance(y, Skip):
             return y
-        expected = small[fc_out](_ACT_FNS[parts.act_kind](small[fc_in](xs[0])))
-        if parts.dropout is not None:
-            expected = 3.0 * expected
-        if residual is not None:
-            expected = expected + xs[1]
-        if not _probe.close(y, expected):
-            return Skip(f"{_DOES_NOT} fc_out(act(fc_in(x))) (then dropout" +
+        rest = xs[1] if residual is not None else 0.0
+        where = _dropout_place(y, small[fc_out], _ACT_FNS[parts.act_kind](small[fc_in](xs[0])), parts.dropout, rest)
+        if where is None:
+            return Skip(f"{_DOES_NOT} fc_out(act(fc_in(x))) (a dropout before or after fc_out" +
                         (f", then + {residual})" if residual else ")"))
         approximate = "tanh" if parts.act_kind == "gelu_tanh" else "none"
         activation = "gelu" if parts.act_kind.startswith("gelu") else parts.act_kind
-        spec = MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, dropout=parts.dropout, keep=(parts.act,),
-                       activation=activation, residual=residual)
+        spec = MLPSpec(fc_in=fc_in, fc_out=fc_out, approximate=approximate, keep=(parts.act,),
+                       activation=activation, residual=residual, **where)
         return _in_training(module, spec, small, FusedMLP)

@@ -11,8 +11,12 @@ when its output is exactly one of
     h = norm_in(x + attention(x)[0]);   out = norm_mid(h + mlp(h))        (post-norm: OPT-350m)
 
 (in training mode, every dropout of the layer at p = 0.5, so that one between the blocks shows; if
-one does, the layer still qualifies when the formula holds with them at 0, and its fused forward
-runs only while they are off: ``ResidualNormSpec.dropouts``), and when the attention receives
+one does, the layer still qualifies when the formula holds with them at 0: where each dropout acts on a
+block's output (or a parallel layer's sum) in the original's order of draws, the fused forward applies it
+there (``_residual_dropout``), else it runs only while they are off: ``ResidualNormSpec.dropouts``).
+Variants (``_residual_forms``): blocks passed the residual that add it themselves (BLOOM, MPT), each block's
+output times a float attribute of the layer (Granite, MiniCPM3: ``_residual_scale``), an MLP returning a
+tuple (GPT-OSS), an attention returning three items (JetMoE). The layer qualifies when the attention receives
 norm_in's output (by keyword, or as its one positional argument) and each of the forward's other
 arguments unchanged, which the probe tells apart with a marker object per argument. An argument
 whose marker makes the forward raise (GPT-2's encoder_hidden_states) must stay at its default for
@@ -31,7 +35,7 @@ from torchfuser.modules import residual_norm
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _probe, _reasons
+from torchfuser.patterns import _probe, _reasons, _residual_forms
 from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
@@ -62,7 +66,13 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
     try:
-        out, calls, markers, defaulted = _run_markers(probe, params, extra)
+        try:
+            out, calls, markers, defaulted = _run_markers(probe, params, extra)
+        except ValueError as err:  # "not enough values to unpack (expected 3, got 2)": JetMoE's attention's three
+            if "expected 3" not in str(err):
+                raise
+            probe.attention_outputs = 3
+            out, calls, markers, defaulted = _run_markers(probe, params, extra)
         dropouts = ()
         body = probe.split(out)[0]
         if isinstance(body, torch.Tensor) and probe.kind(body) is None:
@@ -88,21 +98,30 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     kind = probe.kind(out)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
-    if kind is None and _passes_residual(probe, calls):
-        return Skip("its attention or MLP is passed the residual and adds it itself (BLOOM's blocks end in "
-                    "dropout_add(output, residual), MPT's MLP too): the layer has no residual add of its own to fuse "
-                    "into its norms (the fused attention and MLP add it in their own forward)")
+    scaled = _residual_forms.scaled_kind(probe, markers, out, kind)
+    if scaled is not None:
+        kind, scaled = scaled
+    if kind is None and "act" not in roles and (retried := _residual_forms.mlp_tuple_kind(probe, markers)) is not None:
+        kind, out, calls = retried
+    passes = {r: _residual_forms.passes_residual(probe, calls, r) for r in ("attention", "mlp")}
+    if any(passes.values()) and kind != "sequential":
+        return Skip(_residual_forms.passed_residual_reason(probe, calls))
     if kind is None and isinstance(out, tuple):
         return Skip("its forward returns a tuple other than the hidden states alone or followed by the attention's "
                     "second output (GPT-Neo's (hidden states, cache, weights)), which the fused forward does not build")
     if kind is None:
         return Skip("its forward is not the pre-norm x + attention(norm(x)), then + mlp(norm(·)), nor their parallel "
-                    "sum: something sits between the blocks (a residual scale, a post-norm, a gate)")
+                    "sum: something sits between the blocks (a residual scale not held in one float attribute of the "
+                    "layer, a post-norm, a gate)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
-    if any(len(calls[r][0][0]) != 1 or calls[r][0][1] for r in calls if r != "attention"):
+    if kind == "parallel" and _mlp_first(probe):
+        return Skip("its forward calls the MLP before the attention, and the fused forward calls the attention "
+                    "first: their random draws in training (dropout) would come in another order")
+    if any(len(calls[r][0][0]) != 1 + passes.get(r, False) or calls[r][0][1] for r in calls if r != "attention"):
         return Skip("its forward passes its MLP or norms more than their input")
     (pos, kw) = calls["attention"][0]
+    pos = pos[:1] if passes["attention"] else pos
     inputs = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
     if pos and (len(pos) != 1 or inputs or not isinstance(pos[0], torch.Tensor)):
         return Skip("its forward passes the attention positional arguments besides its input")
@@ -131,19 +150,26 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             renames.append((alias, landed[0]))
     sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
     positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
+    placed = _residual_forms.dropout_places(probe, kind, dropouts, passes, markers)
+    if placed:  # applied where the original applies them, from the same draws: none left to keep off
+        dropouts = ((), ())
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
     if inline:
         roles["mlp"] = ""
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
                             **roles, mlp_inline=inline, parallel=kind == "parallel", post_norm=kind == "post",
                             at_default=defaulted, positional=positional,
-                            drops_extra=drops_extra, returns_rest=returns_rest)
+                            drops_extra=drops_extra, returns_rest=returns_rest,
+                            residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]),
+                            attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None,
+                            sum_dropout=placed[2] if placed else None, mlp_inner_dropout=placed[3] if placed else None,
+                            attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
+                            mlp_tuple=probe.mlp_tuple)
 
 
-def _passes_residual(probe, calls: dict) -> bool:
-    """Whether the attention or the MLP gets a second positional tensor of the layer's shape (its residual)."""
-    firsts = [c[0] for r in ("attention", "mlp") for c in calls.get(r, [])[:1]]
-    return any(len(pos) == 2 and isinstance(pos[1], torch.Tensor) and pos[1].shape == probe.x.shape for pos in firsts)
+
+
+
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
@@ -168,6 +194,12 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
                 return found
             skips.append(found)
     return next((s for s in skips if s is not None), None)
+
+
+def _mlp_first(probe) -> bool:
+    """Whether the last probe run called the MLP's stand-in before the attention's."""
+    names = [s.role for s in probe.last_order]
+    return "mlp" in names and "attention" in names and names.index("mlp") < names.index("attention")
 
 
 def _attention_like(m: nn.Module) -> bool:
@@ -265,8 +297,9 @@ class ResidualNormPattern(Pattern):
             return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
         if on:  # it would fuse only calls with them off: in training, none
-            return Skip(f"dropout between its blocks ({', '.join(on)}) is on, and the fused forward has none "
-                        "(it would run only with the dropout at 0)")
+            return Skip(f"dropout between its blocks ({', '.join(on)}) is on, at a place the fused forward does not "
+                        "apply it (not on one block's output before its residual add, nor on a parallel layer's sum of "
+                        "both, in the original's order of draws), and it fuses only calls with it at 0")
         return spec
 
     def apply(self, root, qualname, module, spec, backend) -> Applied:
