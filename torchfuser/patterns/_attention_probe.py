@@ -81,11 +81,38 @@ _NOT_TABLES = frozenset({"attention_mask", "position_ids", "position_embeddings"
                          "use_cache", "cache", "past_key_values", "layer_past", "head_mask"})
 
 
+def _required(module: nn.Module) -> list[inspect.Parameter]:
+    return [p for p in forward_params(module)[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty]
+
+
+def dict_args(module: nn.Module) -> list[str]:
+    """Required arguments annotated as dicts (Gemma 4's ``shared_kv_states``, where a layer hands its k and v on
+    to later layers): the probes give each a dict of its own, and what the forward writes there is compared."""
+    return [p.name for p in _required(module) if "dict" in str(p.annotation).lower()]
+
+
 def complex_table_args(module: nn.Module) -> list[str]:
     """Required arguments after the hidden states that might carry a complex rotary table (Llama 4's
     vision ``freqs_ci``): only the probe decides whether one does."""
-    return [p.name for p in forward_params(module)[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.default is p.empty and p.name not in _NOT_TABLES and p.name not in BIAS_ARGS]
+    dicts = dict_args(module)
+    return [p.name for p in _required(module) if p.name not in _NOT_TABLES and p.name not in BIAS_ARGS
+            and p.name not in dicts]
+
+
+def dict_writes(module: nn.Module, spec: AttentionSpec) -> tuple[tuple[str, str], ...] | None:
+    """(argument, key) of every entry the module's forward writes into the dicts it is given (``dict_args``);
+    None where it does not run with ``spec``'s probe."""
+    if not dict_args(module):
+        return ()
+    try:
+        probe, x, kwargs = probe_copy(module, spec)
+        probe.training = False
+        with torch.no_grad(), _probe.saved_rng():
+            type(probe).forward(probe, x, **kwargs)
+    except Exception:
+        return None
+    return tuple((n, key) for n in dict_args(module) for key in kwargs[n])
 
 
 def extra_fields(module: nn.Module) -> list[dict]:
@@ -140,7 +167,7 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
         probe._modules[n] = _probe.small_projection(proj[n], _MODEL_WIDTH, _probe.projection_dims(proj[n])[1], gen)
     n_out = _probe.projection_dims(proj[spec.out])[0]
     probe._modules[spec.out] = _probe.small_projection(proj[spec.out], n_out, _MODEL_WIDTH, gen)
-    for n in (spec.q_norm, spec.k_norm):
+    for n in (spec.q_norm, spec.k_norm, spec.v_norm):
         if n is not None and getattr(module._modules[n], "weight", None) is not None:  # a weightless one stays
             probe._modules[n] = ProbeNorm(module._modules[n].weight.shape[0], gen)
     # Every dropout gets its own p (and every Dropout child its own mark), so that the training
@@ -171,6 +198,7 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
         kwargs["attention_mask"] = mask == low
     if spec.residual is not None:
         kwargs[spec.residual] = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
+    kwargs.update({n: {} for n in dict_args(module)})
     if spec.rotary_complex:  # S × 1 × D/2 as Llama 4's vision tower passes it (B × S × D/2: its text model's);
         # random, so that any other convention shows
         shape = (_BATCH, _SEQ, spec.rotary_dim // 2) if flat_tables else (_SEQ, 1, spec.rotary_dim // 2)
@@ -237,30 +265,47 @@ def run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
             m.training = training
     fused = FusedAttention(probe, spec, "reference")
     fused.training = training
+    # A dict argument of each its own (``dict_args``): what each forward writes there is compared.
+    want_kw, got_kw = ({k: {} if isinstance(v, dict) else v for k, v in kwargs.items()} for _ in range(2))
     with torch.no_grad(), _probe.saved_rng():
         _probe.seed_cpu(0)
-        want = type(probe).forward(probe, x, **kwargs)  # the class's forward: no hooks
+        want = type(probe).forward(probe, x, **want_kw)  # the class's forward: no hooks
         _probe.seed_cpu(0)
-        got = fused(x, **kwargs)
-    return want, got
+        got = fused(x, **got_kw)
+    return want, got, [(n, want_kw[n], got_kw[n]) for n, v in kwargs.items() if isinstance(v, dict)]
+
+
+def _writes_differ(written) -> str | None:
+    """Why what the fused forward wrote into the dict arguments is not what the module wrote, or None."""
+    for name, want, got in written:
+        if want.keys() != got.keys():
+            return (f"it writes {sorted(map(str, want))} into its argument {name!r} (the fused attention writes "
+                    f"{sorted(map(str, got))}: its k and v, where a layer hands them on as one entry)")
+        for key in want:
+            a, b = want[key], got[key]
+            same = (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+                    and all(isinstance(t, torch.Tensor) and t.shape == u.shape and _probe.close(u, t) for t, u in zip(a, b)))
+            if not same:
+                return f"what it writes into {name!r}[{key!r}] is not the (k, v) the fused attention attends over"
+    return None
 
 
 def check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
     """None if FusedAttention(spec) computes what ``module`` computes, else why not."""
     try:
         probe, x, kwargs = probe_copy(module, spec)
-        want, got = run_both(probe, spec, x, kwargs, training)
+        want, got, written = run_both(probe, spec, x, kwargs, training)
     except Exception as err:  # a wrong guess often fails on shapes
         if not spec.rotary_dim:
             return f"{type(err).__name__}: {err}"
         # rotary tables shared by the batch, S × D (Pixtral / Mistral 3's vision attention); complex ones per row
         try:
             probe, x, kwargs = probe_copy(module, spec, flat_tables=True)
-            want, got = run_both(probe, spec, x, kwargs, training)
+            want, got, written = run_both(probe, spec, x, kwargs, training)
         except Exception:
             return f"{type(err).__name__}: {err}"
     if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
         return "forward does not return (output, attention weights)"
     if not _probe.close(got[0], want[0]):
         return "output differs" + (" in training (dropout)" if training else " (scaling, rotary convention, norms or mask)")
-    return None
+    return _writes_differ(written)

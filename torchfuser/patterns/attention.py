@@ -28,7 +28,7 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    check, complex_table_args, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
+    check, complex_table_args, dict_writes, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
     takes_rope, value_rows,
 )
 from torchfuser.patterns.base import Pattern, Skip
@@ -95,6 +95,7 @@ def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex
         return
     yield from (dict(rotary_dim=rd) for rd in dims)
     yield from (dict(rotary_dim=rd, rotary_interleave=pairs) for rd in dims for pairs in ("pairs", "half"))
+    yield from (dict(rotary_dim=rd, rotary_sin_negated=True) for rd in dims)  # [x2, -x1] (NanoChat)
     yield dict(rotary_dim=0)
 
 
@@ -149,19 +150,32 @@ def _shapes(module: nn.Module, projs, blocks: bool = False):
             yield out, layout, qkv, fields, (heads, kv, d)
 
 
+def _norm_placements(module, name, d, all_heads) -> list[bool]:
+    """Whether a norm child may run per head (over head_dim) or over all heads at once (``all_heads`` wide):
+    what its weight's width allows, both for a weightless one (the probe decides)."""
+    weight = getattr(module._modules[name], "weight", None)
+    if weight is None:
+        return [True, False]
+    return [per for per, width in ((True, d), (False, all_heads)) if weight.shape[0] == width]
+
+
 def _norm_roles(module, norms, heads, kv, d):
+    """q, k (and v) norm roles the norm children may play, likeliest first: one weightless norm is q's and k's
+    (Llama 4's text qk_norm), two are q's and k's, three q's, k's and v's (Gemma 4's weightless v_norm)."""
     if not norms:
         yield {}
         return
     if len(norms) == 1:  # one weightless norm applied to q and to k (Llama 4's text qk_norm)
         yield dict(q_norm=norms[0], k_norm=norms[0], norm_per_head=True)
         return
-    for qn, kn in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk")):
-        wq, wk = (module._modules[n].weight.shape[0] for n in (qn, kn))
-        if wq == wk == d:
-            yield dict(q_norm=qn, k_norm=kn, norm_per_head=True)
-        elif (wq, wk) == (heads * d, kv * d):
-            yield dict(q_norm=qn, k_norm=kn, norm_per_head=False)
+    letters = "qkv"[:len(norms)]
+    for names in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, letters)):
+        qk = [per for per in _norm_placements(module, names[0], d, heads * d)
+              if per in _norm_placements(module, names[1], d, kv * d)]
+        vs = _norm_placements(module, names[2], d, kv * d) if len(names) == 3 else [None]
+        for per, v_per in itertools.product(qk, vs):
+            v = {} if v_per is None else dict(v_norm=names[2], v_norm_per_head=v_per)
+            yield dict(q_norm=names[0], k_norm=names[1], norm_per_head=per, **v)
 
 
 def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None, bias: bool = False):
@@ -297,20 +311,17 @@ class AttentionPattern(Pattern):
                 continue
             elif _is_norm(m):
                 norms.append(n)
-            elif is_weightless_norm(m):
+            elif is_weightless_norm(m):  # RMS norms without a weight (NanoChat's q/k norms, Gemma 4's v norm)
+                norms.append(n)
                 weightless.append(n)
             else:
                 unknown.append(n)
-        if len(weightless) == 1 and not norms:
-            norms = weightless
-        elif weightless:
-            unknown += weightless
         if unknown:
             return Skip(f"unrecognised submodules {unknown} ({_reasons.children(module, unknown)}) besides its "
-                        "projections: the fused attention reproduces projections, a q and a k norm and dropouts only")
-        if len(norms) not in (0, 2) and norms != weightless:
+                        "projections: the fused attention reproduces projections, q, k and v norms and dropouts only")
+        if len(norms) > 3 or (len(norms) == 1 and norms != weightless):
             return Skip(f"{'a single norm' if len(norms) == 1 else f'{len(norms)} norms'} ({_reasons.quoted(norms)}), "
-                        "not a pair of q and k norms")
+                        "not a pair of q and k norms (with a v norm, or one weightless norm for both)")
         return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
 
     # -- guesses and probes ----------------------------------------------------------------
@@ -348,7 +359,7 @@ class AttentionPattern(Pattern):
         # if it reads v from the rows the module does (one-token probes, one per table width).
         # A forward that ignores the mask it is given (found once an output differs) is probed as such.
         tables = [False, True] if takes_rope and not complex_args else [False]
-        v_rows, tried, v_fits, ignored = {}, set(), False, [None]
+        v_rows, tried, v_fits, ignored, writes = {}, set(), False, [None], None
         # q/k norms after the rotary are a stage of their own, after every placement before it.
         placements = (False, True) if parts[0] and takes_rope else (False,)
         for after_rope, blocks, pair_tables in itertools.product(placements, (False, True), tables):
@@ -367,6 +378,10 @@ class AttentionPattern(Pattern):
                 if not budget:
                     cut = True
                     break
+                if writes is None:  # what it hands on through dict arguments: found once its forward runs
+                    writes = dict_writes(module, spec)
+                if writes and len(writes) == 1:  # one entry: its (k, v), if the probe agrees
+                    spec = dataclasses.replace(spec, kv_out=writes[0])
                 for spec in mask_variants(module, spec, ignored):
                     if not budget:
                         cut = True
