@@ -173,6 +173,9 @@ class AttentionSpec:
     # (argument, key): the forward writes its (k, v), B × kv heads × S × D, into that dict argument under that
     # key, for later layers to attend over (Gemma 4's shared_kv_states, written by a layer of each type).
     kv_out: tuple[str, str] | None = None
+    # Dropout children of p = 0 that the forward calls where the fused attention applies none (BLIP's, on the
+    # probabilities whatever the attention implementation): identities while p stays 0; then the original runs.
+    idle_dropouts: tuple[str, ...] = ()
     # rotate-half with the sign of its halves flipped, [x2, -x1] (NanoChat): the rope of -sin.
     rotary_sin_negated: bool = False
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
@@ -211,6 +214,10 @@ def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tens
     # A view with one block (GPT-2, Phi-3); with several, each of q, k, v is gathered from its blocks.
     q, k, v = (parts[spec.qkv_order.index(p)].flatten(-2) for p in "qkv")
     return q, k, v
+
+
+def _fmt(names) -> str:
+    return ", ".join(repr(n) for n in names)
 
 
 def _submodule_names(spec: AttentionSpec) -> list[str]:
@@ -267,6 +274,10 @@ class FusedAttention(FusedModule):
             return "called with encoder states (cross-attention)"
         if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
             return why
+        if self.spec.idle_dropouts and self.training:
+            children = self.__dict__["_original"]._modules
+            if any(getattr(children[n], "p", 0) for n in self.spec.idle_dropouts):
+                return f"dropout p > 0 in {_fmt(self.spec.idle_dropouts)}, 0 when it was fused (and left out)"
         if self.spec.kv_out is not None and not isinstance(kwargs.get(self.spec.kv_out[0]), dict):
             return f"no dict given as {self.spec.kv_out[0]!r} (where it hands its k and v on to later layers)"
         if self.spec.rotary_complex:

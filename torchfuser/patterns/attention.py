@@ -333,7 +333,10 @@ class AttentionPattern(Pattern):
         norms, drops, buffers, extras = parts
         for out, layout, qkv, fields, (heads, kv, d) in _shapes(module, projs, blocks):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
-                for out_child in [None, *drops]:
+                # Last, Dropout children of p = 0 as the identities they are (BLIP's, called on the probabilities
+                # whatever the attention implementation): the fused module runs the original if one's p changes.
+                idle = tuple(n for n in drops if module._modules[n].p == 0)
+                for out_child, idle in [*((c, ()) for c in [None, *drops]), *([(None, idle)] if idle else [])]:
                     for rotary in _rotary_guesses(module, d, pair_tables, complex_args) if takes_rope else ({},):
                         if after_rope and not (norm_roles.get("norm_per_head") and rotary.get("rotary_dim")):
                             continue  # the same spec as with the norms before the rotary
@@ -343,7 +346,7 @@ class AttentionPattern(Pattern):
                             yield AttentionSpec(
                                 layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
                                 scaling=_scaling(module, d), **fields, **rotary, **norm_roles, **extra,
-                                norm_after_rope=after_rope, out_dropout=out_child,
+                                norm_after_rope=after_rope, out_dropout=out_child, idle_dropouts=idle,
                                 is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
                             )
 
@@ -402,6 +405,7 @@ class AttentionPattern(Pattern):
 
     @staticmethod
     def _pick_dropouts(module, spec: AttentionSpec, drops):
+        drops = [n for n in drops if n not in spec.idle_dropouts]
         for prob, out in _dropout_roles(module, drops, spec.out_dropout, spec.bias is not None):
             candidate = dataclasses.replace(spec, dropout=prob, out_dropout=out)
             if check(module, candidate, training=True) is None:
