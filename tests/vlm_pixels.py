@@ -19,7 +19,7 @@ def pixel_candidates(model, n_images: int):
     patch = _first_int(vis, ("patch_size",), 14)
     size = _first_int(vis, ("image_size",), patch * PATCHES)
     if "image_grid_thw" in params:
-        temporal = _first_int(vis, ("temporal_patch_size",), 1)
+        temporal = _first_int(vis, ("temporal_patch_size", "patch_temporal"), 1)
         merge = _first_int(vis, ("spatial_merge_size", "merge_size", "merge_kernel_size"), 1)
         side = 2 * merge
         grid = {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
