@@ -16,7 +16,8 @@ _PER_IMAGE = ("mm_tokens_per_image", "latent_query_num")
 # Widths of what a vision tower hands the language model: the text width.
 _TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim",
             "vision_output_dim", "projector_input_dim", "projector_output_dim", "projection_hidden_size",
-            "vision_hidden_size")  # the last two: the vision tower's own width (Kimi-K2.5, Nemotron-H Omni), 64 too
+            "vision_hidden_size",  # these two: the vision tower's own width (Kimi-K2.5, Nemotron-H Omni), 64 too
+            "decoder_hidden_size")  # an encoder's width as its decoder reads it (PP-FormulaNet's cross-attention)
 
 
 def _is_sub(key, value) -> bool:
