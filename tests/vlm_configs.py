@@ -73,6 +73,8 @@ def _images(values: dict) -> dict:
     ratio = values.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
         out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)
+    if isinstance(values.get("d_kv"), int):  # T5-style head width (Pix2Struct's): heads · d_kv is the hidden width
+        out["d_kv"] = arch_sweep._SIZE["head_dim"]
     for key in _TO_TEXT:
         if isinstance(values.get(key), int) and key not in out:
             out[key] = arch_sweep._SIZE["hidden_size"]
