@@ -175,6 +175,10 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
         if mrope and isinstance(rope, dict):
             default = {"mrope_section": [16, 24, 24], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
             rope.setdefault("mrope_section", _sections(default)["mrope_section"])
+        fields = sub.to_dict() if sub is not None else {}
+        if "sliding_window" in fields and fields["sliding_window"] is None and any(
+                "sliding" in k and not k.startswith("use_") for k in fields if k != "sliding_window"):
+            sub.sliding_window = 16  # sliding-attention fields but no window: checkpoints set one (Step 3.7's)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
                 setattr(sub, name, 0)
