@@ -73,6 +73,10 @@ def _images(values: dict) -> dict:
     ratio = values.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
         out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)
+    down = values.get("downsample_channels")
+    if isinstance(down, list) and down and all(isinstance(c, int) for c in down):  # a SAM feature map handed on as
+        width = arch_sweep._SIZE["hidden_size"]  # the next encoder's patch embeddings (Unlimited-OCR): its width
+        out["downsample_channels"] = [max(1, width >> (len(down) - 1 - i)) for i in range(len(down))]
     if isinstance(values.get("d_kv"), int):  # T5-style head width (Pix2Struct's): heads · d_kv is the hidden width
         out["d_kv"] = arch_sweep._SIZE["head_dim"]
     for key in _TO_TEXT:
