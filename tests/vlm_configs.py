@@ -183,6 +183,8 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
         if "sliding_window" in fields and fields["sliding_window"] is None and any(
                 "sliding" in k and not k.startswith("use_") for k in fields if k != "sliding_window"):
             sub.sliding_window = 16  # sliding-attention fields but no window: checkpoints set one (Step 3.7's)
+        if "mlp_layer_types" in fields and fields["mlp_layer_types"] is None and fields.get("num_hidden_layers") == 2:
+            sub.mlp_layer_types = ["dense", "sparse"]  # left None, read per layer (DeepSeek-OCR 2): one of each kind
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
                 setattr(sub, name, 0)
