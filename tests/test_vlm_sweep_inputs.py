@@ -25,6 +25,7 @@ BUILT = {
     "step3p7": ("vision", "attention", 2),  # a sliding window its config declares but leaves None
     "unlimited_ocr": ("vision", "rel_pos_attention", 2),  # a SAM map's channels as the next encoder's width
     "deepseek_ocr2": ("vision", "rel_pos_attention", 2),  # per-layer MLP kinds left None
+    "inkling2": ("vision", "varlen_attention", 2),  # channels-last token images; adjacent-pair rotary over cu_seqlens
 }
 
 

@@ -77,6 +77,8 @@ def _images(values: dict) -> dict:
     if isinstance(down, list) and down and all(isinstance(c, int) for c in down):  # a SAM feature map handed on as
         width = arch_sweep._SIZE["hidden_size"]  # the next encoder's patch embeddings (Unlimited-OCR): its width
         out["downsample_channels"] = [max(1, width >> (len(down) - 1 - i)) for i in range(len(down))]
+    if isinstance(values.get("unpadded_vocab_size"), int):  # a head narrower than the padded vocabulary (Inkling 2)
+        out["unpadded_vocab_size"] = VOCAB - 16  # text tokens only: the ids above are the sweep's special ones
     if isinstance(values.get("d_kv"), int):  # T5-style head width (Pix2Struct's): heads · d_kv is the hidden width
         out["d_kv"] = arch_sweep._SIZE["head_dim"]
     for key in _TO_TEXT:
