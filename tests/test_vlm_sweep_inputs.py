@@ -26,6 +26,8 @@ BUILT = {
     "unlimited_ocr": ("vision", "rel_pos_attention", 2),  # a SAM map's channels as the next encoder's width
     "deepseek_ocr2": ("vision", "rel_pos_attention", 2),  # per-layer MLP kinds left None
     "inkling2": ("vision", "varlen_attention", 2),  # channels-last token images; adjacent-pair rotary over cu_seqlens
+    "muse_spark": ("vision", "varlen_attention", 2),  # per-stage audio lists cut; merged patch width kept as merged
+    "muse_glimmer": ("vision", "varlen_attention", 2),  # patch_temporal; merged patch width kept as merged
 }
 
 

@@ -112,6 +112,36 @@ def _sections(values: dict, factor: float = 1.0, rope_dim: int | None = None) ->
     return out
 
 
+def _stages(values: dict, defaults: dict) -> dict:
+    """Per-layer lists left longer than the tiny depth (a hierarchical tower's per-stage patch sizes and widths
+    that the causal-LM sweep keeps one per kind: Muse Spark's audio tower) cut to its first stages."""
+    out = {}
+    for key, value in values.items():
+        if _is_sub(key, value) and isinstance(defaults.get(key), dict):
+            inner = _stages(value, defaults[key])
+            if inner:
+                out[key] = {**value, **inner}
+    n, n0 = values.get("num_hidden_layers"), defaults.get("num_hidden_layers")
+    if isinstance(n, int) and isinstance(n0, int) and n < n0:
+        for key, value in values.items():
+            if isinstance(value, list) and len(value) == n0 and len(defaults.get(key) or ()) == n0:
+                out[key] = value[:n]
+    return out
+
+
+def _merged_widths(values: dict, defaults: dict) -> dict:
+    """A top-level width that is the vision width times merge² by default (the merged patches a projector reads:
+    Muse Spark's and Muse Glimmer's out_hidden_size) stays so at the tiny widths."""
+    vis0, vis = defaults.get("vision_config"), values.get("vision_config")
+    if not (isinstance(vis0, dict) and isinstance(vis, dict)):
+        return {}
+    merge = next((vis0[k] for k in ("spatial_merge_size", "merge_size") if isinstance(vis0.get(k), int)), None)
+    if not merge or not isinstance(vis0.get("hidden_size"), int) or not isinstance(vis.get("hidden_size"), int):
+        return {}
+    return {k: vis["hidden_size"] * merge**2 for k in _TO_TEXT
+            if isinstance(defaults.get(k), int) and defaults[k] == vis0["hidden_size"] * merge**2}
+
+
 def _special_ids(values: dict, taken: list[int]) -> dict:
     """Token ids past the tiny vocabulary moved to its top, each to its own id."""
     out = {}
@@ -167,6 +197,8 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
             defaults[key] = _int_layer_keys(cls().to_dict())
     values = _merge(defaults, arch_sweep._tiny(defaults))
     values = _merge(values, _images(values))
+    values = _merge(values, _stages(values, defaults))
+    values = _merge(values, _merged_widths(values, defaults))
     values = _merge(values, _special_ids(values, []))
     values = _merge(values, _sections(values))
     values = _kv_as_heads(values) if kv_as_heads else values
