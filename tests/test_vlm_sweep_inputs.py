@@ -28,6 +28,7 @@ BUILT = {
     "inkling2": ("vision", "varlen_attention", 2),  # channels-last token images; adjacent-pair rotary over cu_seqlens
     "muse_spark": ("vision", "varlen_attention", 2),  # per-stage audio lists cut; merged patch width kept as merged
     "muse_glimmer": ("vision", "varlen_attention", 2),  # patch_temporal; merged patch width kept as merged
+    "mistral_large4": ("vision", "attention", 2),  # per-layer kinds padded to the depth; runs only without GQA
 }
 
 

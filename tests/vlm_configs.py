@@ -114,7 +114,8 @@ def _sections(values: dict, factor: float = 1.0, rope_dim: int | None = None) ->
 
 def _stages(values: dict, defaults: dict) -> dict:
     """Per-layer lists left longer than the tiny depth (a hierarchical tower's per-stage patch sizes and widths
-    that the causal-LM sweep keeps one per kind: Muse Spark's audio tower) cut to its first stages."""
+    that the causal-LM sweep keeps one per kind: Muse Spark's audio tower) cut to its first stages; shorter ones
+    (Mistral Large 4's attention kinds, the depth set by its MLP kinds) padded with their last entry."""
     out = {}
     for key, value in values.items():
         if _is_sub(key, value) and isinstance(defaults.get(key), dict):
@@ -126,6 +127,8 @@ def _stages(values: dict, defaults: dict) -> dict:
         for key, value in values.items():
             if isinstance(value, list) and len(value) == n0 and len(defaults.get(key) or ()) == n0:
                 out[key] = value[:n]
+            elif isinstance(value, list) and value and len(value) < n and len(defaults.get(key) or ()) == n0:
+                out[key] = value + value[-1:] * (n - len(value))  # one kept per kind, the depth set by another list
     return out
 
 
