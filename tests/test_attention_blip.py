@@ -105,3 +105,24 @@ def test_raised_dropout_runs_the_original():
     want = type(attn).forward(attn, x)[0]
     torch.testing.assert_close(got, want)
     assert any("dropout p > 0" in why for why in fallbacks.counts(fused)[""]), fallbacks.counts(fused)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_bf16_within_the_numerics_rule(name):
+    """On a GPU (backend auto, SDPA): output and every gradient in bf16 within the rule against float64."""
+    from numerics import assert_within_rule
+
+    attn = MODELS[name]().train()
+    spec = AttentionPattern().match(attn)
+    gen = torch.Generator().manual_seed(5)
+    x, g = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+    ref, ref_g = _run(copy.deepcopy(attn).cuda().double(), x.cuda().double(), g.cuda().double())
+    xb, gb = x.cuda().bfloat16(), g.cuda().bfloat16()
+    want, want_g = _run(copy.deepcopy(attn).cuda().bfloat16(), xb, gb)
+    fused = FusedAttention(copy.deepcopy(attn).cuda().bfloat16(), spec).train()
+    got, got_g = _run(fused, xb, gb)
+    assert_within_rule(got.double(), want.double(), ref, 1e-2, "output")
+    for n, a, b, r in zip(["input", *(n for n, _ in attn.named_parameters())], got_g, want_g, ref_g):
+        assert_within_rule(a.double(), b.double(), r, 1e-2 * r.abs().max().item(), n)
+    assert not fallbacks.counts(fused)

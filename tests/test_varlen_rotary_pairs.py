@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -81,3 +82,30 @@ def test_probe_tells_pairs_from_rotate_half():
     projs = {n: (32, 32) for n in ("q_proj", "k_proj", "v_proj", "out_proj")}
     assert _probe_once(attn, spec, projs) is None
     assert _probe_once(attn, dataclasses.replace(spec, rotary_pairs=False), projs) is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (PyTorch's varlen attention kernel, Triton's rope)")
+def test_cuda_bf16_pairs_within_the_numerics_rule():
+    """On a GPU (backend auto): output and every gradient in bf16 within the rule against float64."""
+    from numerics import assert_within_rule
+
+    torch.manual_seed(0)
+    model = Tower().cuda().bfloat16()
+    ref = Tower().cuda().double()
+    ref.load_state_dict(model.state_dict())
+    x, cu, pe = _inputs()
+    x, cu = x.cuda(), cu.cuda()
+    g = torch.randn(x.shape[0], 32, generator=torch.Generator().manual_seed(5)).cuda()
+
+    def run(m, dtype):
+        out = m(x.to(dtype), cu, tuple(t.cuda().to(dtype) for t in pe))
+        return out, torch.autograd.grad(out, [*m.parameters()], g.to(dtype))
+
+    want64, want64_g = run(ref, torch.float64)
+    plain, plain_g = run(model, torch.bfloat16)
+    torchfuser.optimize(model)
+    assert isinstance(model.attn, FusedVarlenAttention) and model.attn.spec.rotary_pairs
+    got, got_g = run(model, torch.bfloat16)
+    assert_within_rule(got.double(), plain.double(), want64, 1e-2, "output")
+    for a, b, r in zip(got_g, plain_g, want64_g):
+        assert_within_rule(a.double(), b.double(), r, 1e-2 * r.abs().max().item(), "grad")
