@@ -20,6 +20,15 @@ BUILT = {
     "got_ocr2": ("vision", "rel_pos_attention", 2),  # SAM-style vision attention with decomposed relative positions
     "minicpm_ocr": ("vision", "varlen_attention", 3),  # packed patch strips; its attention requires max_seqlen
     "ovis2_5": ("vision", "varlen_attention", 2),  # the image's run between its start and end tokens
+    "pix2struct": ("vision", "attention", 2),  # T5-style head width d_kv made tiny with the heads
+    "pp_formulanet": ("vision", "rel_pos_attention", 2),  # the encoder's width as its decoder reads it
+    "step3p7": ("vision", "attention", 2),  # a sliding window its config declares but leaves None
+    "unlimited_ocr": ("vision", "rel_pos_attention", 2),  # a SAM map's channels as the next encoder's width
+    "deepseek_ocr2": ("vision", "rel_pos_attention", 2),  # per-layer MLP kinds left None
+    "inkling2": ("vision", "varlen_attention", 2),  # channels-last token images; adjacent-pair rotary over cu_seqlens
+    "muse_spark": ("vision", "varlen_attention", 2),  # per-stage audio lists cut; merged patch width kept as merged
+    "muse_glimmer": ("vision", "varlen_attention", 2),  # patch_temporal; merged patch width kept as merged
+    "mistral_large4": ("vision", "attention", 2),  # per-layer kinds padded to the depth; runs only without GQA
 }
 
 

@@ -16,7 +16,8 @@ _PER_IMAGE = ("mm_tokens_per_image", "latent_query_num")
 # Widths of what a vision tower hands the language model: the text width.
 _TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim",
             "vision_output_dim", "projector_input_dim", "projector_output_dim", "projection_hidden_size",
-            "vision_hidden_size")  # the last two: the vision tower's own width (Kimi-K2.5, Nemotron-H Omni), 64 too
+            "vision_hidden_size",  # these two: the vision tower's own width (Kimi-K2.5, Nemotron-H Omni), 64 too
+            "decoder_hidden_size")  # an encoder's width as its decoder reads it (PP-FormulaNet's cross-attention)
 
 
 def _is_sub(key, value) -> bool:
@@ -72,6 +73,14 @@ def _images(values: dict) -> dict:
     ratio = values.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and "intermediate_size" in values:  # Llama 4: MLP in = shuffled width
         out["intermediate_size"] = int(arch_sweep._SIZE["hidden_size"] / ratio**2)
+    down = values.get("downsample_channels")
+    if isinstance(down, list) and down and all(isinstance(c, int) for c in down):  # a SAM feature map handed on as
+        width = arch_sweep._SIZE["hidden_size"]  # the next encoder's patch embeddings (Unlimited-OCR): its width
+        out["downsample_channels"] = [max(1, width >> (len(down) - 1 - i)) for i in range(len(down))]
+    if isinstance(values.get("unpadded_vocab_size"), int):  # a head narrower than the padded vocabulary (Inkling 2)
+        out["unpadded_vocab_size"] = VOCAB - 16  # text tokens only: the ids above are the sweep's special ones
+    if isinstance(values.get("d_kv"), int):  # T5-style head width (Pix2Struct's): heads · d_kv is the hidden width
+        out["d_kv"] = arch_sweep._SIZE["head_dim"]
     for key in _TO_TEXT:
         if isinstance(values.get(key), int) and key not in out:
             out[key] = arch_sweep._SIZE["hidden_size"]
@@ -101,6 +110,39 @@ def _sections(values: dict, factor: float = 1.0, rope_dim: int | None = None) ->
             scaled[-1] += half - sum(scaled)
             out[key] = scaled
     return out
+
+
+def _stages(values: dict, defaults: dict) -> dict:
+    """Per-layer lists left longer than the tiny depth (a hierarchical tower's per-stage patch sizes and widths
+    that the causal-LM sweep keeps one per kind: Muse Spark's audio tower) cut to its first stages; shorter ones
+    (Mistral Large 4's attention kinds, the depth set by its MLP kinds) padded with their last entry."""
+    out = {}
+    for key, value in values.items():
+        if _is_sub(key, value) and isinstance(defaults.get(key), dict):
+            inner = _stages(value, defaults[key])
+            if inner:
+                out[key] = {**value, **inner}
+    n, n0 = values.get("num_hidden_layers"), defaults.get("num_hidden_layers")
+    if isinstance(n, int) and isinstance(n0, int) and n < n0:
+        for key, value in values.items():
+            if isinstance(value, list) and len(value) == n0 and len(defaults.get(key) or ()) == n0:
+                out[key] = value[:n]
+            elif isinstance(value, list) and value and len(value) < n and len(defaults.get(key) or ()) == n0:
+                out[key] = value + value[-1:] * (n - len(value))  # one kept per kind, the depth set by another list
+    return out
+
+
+def _merged_widths(values: dict, defaults: dict) -> dict:
+    """A top-level width that is the vision width times merge² by default (the merged patches a projector reads:
+    Muse Spark's and Muse Glimmer's out_hidden_size) stays so at the tiny widths."""
+    vis0, vis = defaults.get("vision_config"), values.get("vision_config")
+    if not (isinstance(vis0, dict) and isinstance(vis, dict)):
+        return {}
+    merge = next((vis0[k] for k in ("spatial_merge_size", "merge_size") if isinstance(vis0.get(k), int)), None)
+    if not merge or not isinstance(vis0.get("hidden_size"), int) or not isinstance(vis.get("hidden_size"), int):
+        return {}
+    return {k: vis["hidden_size"] * merge**2 for k in _TO_TEXT
+            if isinstance(defaults.get(k), int) and defaults[k] == vis0["hidden_size"] * merge**2}
 
 
 def _special_ids(values: dict, taken: list[int]) -> dict:
@@ -158,6 +200,8 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
             defaults[key] = _int_layer_keys(cls().to_dict())
     values = _merge(defaults, arch_sweep._tiny(defaults))
     values = _merge(values, _images(values))
+    values = _merge(values, _stages(values, defaults))
+    values = _merge(values, _merged_widths(values, defaults))
     values = _merge(values, _special_ids(values, []))
     values = _merge(values, _sections(values))
     values = _kv_as_heads(values) if kv_as_heads else values
@@ -172,6 +216,12 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
         if mrope and isinstance(rope, dict):
             default = {"mrope_section": [16, 24, 24], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
             rope.setdefault("mrope_section", _sections(default)["mrope_section"])
+        fields = sub.to_dict() if sub is not None else {}
+        if "sliding_window" in fields and fields["sliding_window"] is None and any(
+                "sliding" in k and not k.startswith("use_") for k in fields if k != "sliding_window"):
+            sub.sliding_window = 16  # sliding-attention fields but no window: checkpoints set one (Step 3.7's)
+        if "mlp_layer_types" in fields and fields["mlp_layer_types"] is None and fields.get("num_hidden_layers") == 2:
+            sub.mlp_layer_types = ["dense", "sparse"]  # left None, read per layer (DeepSeek-OCR 2): one of each kind
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(getattr(sub, name, None), int) and getattr(sub, name) >= VOCAB:
                 setattr(sub, name, 0)

@@ -19,7 +19,7 @@ def pixel_candidates(model, n_images: int):
     patch = _first_int(vis, ("patch_size",), 14)
     size = _first_int(vis, ("image_size",), patch * PATCHES)
     if "image_grid_thw" in params:
-        temporal = _first_int(vis, ("temporal_patch_size",), 1)
+        temporal = _first_int(vis, ("temporal_patch_size", "patch_temporal"), 1)
         merge = _first_int(vis, ("spatial_merge_size", "merge_size", "merge_kernel_size"), 1)
         side = 2 * merge
         grid = {"pixel_values": torch.randn(n_images * side * side, channels * temporal * patch * patch, generator=gen),
@@ -29,6 +29,9 @@ def pixel_candidates(model, n_images: int):
         yield grid
         if temporal == 1:  # each patch as a C × p × p image (Kimi-K2.5, PaddleOCR-VL)
             yield {**grid, "pixel_values": grid["pixel_values"].view(-1, channels, patch, patch)}
+        if merge > 1:  # one image token's merge × merge patches as a channels-last image, the grid in tokens (Inkling 2)
+            pm = patch * merge
+            yield {**grid, "pixel_values": torch.randn(n_images * side * side, pm, pm, channels, generator=gen)}
     if "image_grid_hw" in params:  # flattened patches with an (h, w) grid (Nemotron-H Omni)
         merge = _first_int(vis, ("spatial_merge_size", "merge_size", "merge_kernel_size"), 1)
         side = 2 * merge

@@ -204,35 +204,40 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
     short = arch_sweep._short
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
-        ref = None
-        for kv_as_heads in (False, True):  # a config that wants as many k/v heads as heads (no GQA): so be it
+        inputs, loss_ref, why, tried = None, None, "no pixel input shape tried", False
+        # A config that wants as many k/v heads as heads (no GQA), or a model that runs only so (Mistral Large 4's
+        # text attention): so be it.
+        for kv_as_heads in (False, True):
             try:
                 cfg = tiny_config(model_type, kv_as_heads)
                 for key, value in (vision or {}).items():
                     setattr(_vision(cfg), key, value)
                 torch.manual_seed(0)
                 ref = _model_class(model_type)._from_config(cfg).float().train()
-                break
             except Exception as err:
                 # A config validator's own words, not its wrapper's (StrictDataclassClassValidationError); a missing
                 # package's message from its first line with words (transformers' start with a newline)
                 cause = err.__cause__ if err.__cause__ is not None and "Validation" in type(err).__name__ else err
                 first = next((line for line in str(cause).splitlines() if line.strip()), "")
+                if tried:  # the model was built before: its inputs are the reason
+                    break
                 if kv_as_heads or not ("num_key_value_heads" in first and "num_attention_heads" in first):
                     return Result(model_type, "unbuildable", f"config or model: {type(cause).__name__}: {first}"[:180])
-        fused = copy.deepcopy(ref)
-        inputs, loss_ref, why, tried = None, None, "no pixel input shape tried", False
-        for pixels in pixel_candidates(ref, 2):
-            try:
-                inputs = build_inputs(ref, pixels)
-                ref.zero_grad(set_to_none=True)
-                loss_ref = _step(ref, inputs)
+                continue
+            for pixels in pixel_candidates(ref, 2):
+                try:
+                    inputs = build_inputs(ref, pixels)
+                    ref.zero_grad(set_to_none=True)
+                    loss_ref = _step(ref, inputs)
+                    break
+                except Exception as err:
+                    inputs, why = None, why if tried else short(err)
+                    tried = True
+            if inputs is not None:
                 break
-            except Exception as err:
-                inputs, why = None, why if tried else short(err)
-                tried = True
         if inputs is None:
             return Result(model_type, "unbuildable", "inputs: " + why)
+        fused = copy.deepcopy(ref)
         if _image_token(ref.config) is None and not _image_reached_loss(ref, inputs):
             return Result(model_type, "unbuildable", "inputs: with no image token id in its config, the pixels given "
                           "beside plain text do not reach the loss (no gradient outside its language model, the same "

@@ -153,6 +153,9 @@ class AttentionSpec:
     norm_per_head: bool = True  # q/k norm over head_dim (Qwen3) or over all heads at once (OLMo2)
     # Per-head q/k norms after the rotary (HunYuan's; Llama 4's text qk_norm, one weightless norm for both).
     norm_after_rope: bool = False
+    # A norm of v before the attention (Gemma 4's weightless RMS norm), over head_dim or over all k/v heads.
+    v_norm: str | None = None
+    v_norm_per_head: bool = True
     dropout: str | None = None  # float attribute or nn.Dropout child (its .p): the attention-prob dropout
     out_dropout: str | None = None  # nn.Dropout child (GPT-2) or float p (Starcoder2) applied after `out`
     is_causal: bool = True  # causal when no mask is given (the sdpa path's convention)
@@ -167,6 +170,14 @@ class AttentionSpec:
     # The attention implementation the probe ran under, where the module's math depends on it (Falcon 5.17's
     # alibi paths differ between eager and sdpa): another one at call time runs the original.
     implementation: str | None = None
+    # (argument, key): the forward writes its (k, v), B × kv heads × S × D, into that dict argument under that
+    # key, for later layers to attend over (Gemma 4's shared_kv_states, written by a layer of each type).
+    kv_out: tuple[str, str] | None = None
+    # Dropout children of p = 0 that the forward calls where the fused attention applies none (BLIP's, on the
+    # probabilities whatever the attention implementation): identities while p stays 0; then the original runs.
+    idle_dropouts: tuple[str, ...] = ()
+    # rotate-half with the sign of its halves flipped, [x2, -x1] (NanoChat): the rope of -sin.
+    rotary_sin_negated: bool = False
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
 
@@ -205,8 +216,12 @@ def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tens
     return q, k, v
 
 
+def _fmt(names) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
 def _submodule_names(spec: AttentionSpec) -> list[str]:
-    names = (*spec.qkv, spec.out, spec.q_norm, spec.k_norm, *spec.keep)
+    names = (*spec.qkv, spec.out, spec.q_norm, spec.k_norm, spec.v_norm, *spec.keep)
     return [n for n in names if n is not None]
 
 
@@ -261,6 +276,12 @@ class FusedAttention(FusedModule):
                 return "called with encoder states (cross-attention)"
         if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
             return why
+        if self.spec.idle_dropouts and self.training:
+            children = self.__dict__["_original"]._modules
+            if any(getattr(children[n], "p", 0) for n in self.spec.idle_dropouts):
+                return f"dropout p > 0 in {_fmt(self.spec.idle_dropouts)}, 0 when it was fused (and left out)"
+        if self.spec.kv_out is not None and not isinstance(kwargs.get(self.spec.kv_out[0]), dict):
+            return f"no dict given as {self.spec.kv_out[0]!r} (where it hands its k and v on to later layers)"
         if self.spec.rotary_complex:
             return rotary_complex.unusable(kwargs.get(self.spec.rotary_complex), self.spec)
         if self.spec.rotary_dim:
@@ -279,15 +300,14 @@ class FusedAttention(FusedModule):
         lead, d = x.shape[:-1], s.head_dim
         if s.layout == "separate":
             q, k, v = project(x, [getattr(self, n) for n in s.qkv], self)
-            if s.q_norm is not None and not s.norm_per_head:
-                q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
-            return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
-        qkv = single(x, getattr(self, s.qkv[0]), self)
-        if s.layout == "per_head":
-            return qkv.view(*lead, -1, 3 * d).chunk(3, dim=-1)
-        q, k, v = split_concat(s, qkv)
+        elif s.layout == "per_head":  # per-head views (norms over all heads at once are not probed for it)
+            return single(x, getattr(self, s.qkv[0]), self).view(*lead, -1, 3 * d).chunk(3, dim=-1)
+        else:
+            q, k, v = split_concat(s, single(x, getattr(self, s.qkv[0]), self))
         if s.q_norm is not None and not s.norm_per_head:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
+        if s.v_norm is not None and not s.v_norm_per_head:
+            v = getattr(self, s.v_norm)(v)
         return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
 
     def _rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
@@ -321,6 +341,8 @@ class FusedAttention(FusedModule):
         q, k, v = self._project(hidden_states)
         if s.q_norm is not None and s.norm_per_head and not s.norm_after_rope:
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
+        if s.v_norm is not None and s.v_norm_per_head:
+            v = getattr(self, s.v_norm)(v)
         base = None if torch.compiler.is_compiling() else v._base  # (compiled: the compiler plans what is saved)
         if (s.rotary_dim or s.q_norm is not None) and base is not None and base.numel() > v.numel() and torch.is_grad_enabled():
             # q and k are made anew (rope, norms); v would be the one view left of the joint projection's
@@ -335,6 +357,8 @@ class FusedAttention(FusedModule):
                 cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
             if s.rotary_sin_first:
                 cos, sin = sin, cos
+            if s.rotary_sin_negated:
+                sin = -sin
             q, k = self._rope(q, k, cos, sin)
         if s.norm_after_rope:  # over each head's channels: the B×H×S×D layout does not matter
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
@@ -346,6 +370,8 @@ class FusedAttention(FusedModule):
             # GPT-2 under an encoder-decoder cache keeps its self-attention states in a sub-cache.
             cache = getattr(cache, "self_attention_cache", cache)
             k, v = cache.update(k, v, self.layer_idx)
+        if s.kv_out is not None:
+            kwargs[s.kv_out[0]][s.kv_out[1]] = (k, v)
         # Eager attention adds the mask it is given and nothing else; sdpa falls back on is_causal
         # when the model passes no mask. Same convention here.
         eager = impl == "eager"

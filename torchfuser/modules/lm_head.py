@@ -283,7 +283,10 @@ class FusedLMHeadLoss:
         if kwargs.get("inputs_embeds") is not None or not (torch.is_grad_enabled() and head.weight.requires_grad):
             return None
         get = getattr(self.model, "get_input_embeddings", None)
-        embedding = get() if callable(get) else None
+        try:
+            embedding = get() if callable(get) else None
+        except NotImplementedError:  # an encoder-decoder's that transformers does not resolve (PP-FormulaNet's)
+            embedding = None
         return embedding if embedding is not None and tied_embedding.routable(embedding, head) else None
 
     def _check(self, out, capture: CaptureHead, head: nn.Linear) -> None:

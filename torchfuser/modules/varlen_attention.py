@@ -27,6 +27,7 @@ from torchfuser import functional as F
 from torchfuser.modules import fallbacks, packed
 from torchfuser.modules.base import FusedModule, adopt, call_original
 from torchfuser.modules.projections import project, single
+from torchfuser.modules.attention import _deinterleave, _interleave
 
 _IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -50,6 +51,9 @@ class VarlenAttentionSpec:
     num_kv_heads: int = 0
     returns_tuple: bool = False  # the original returns (output, attention weights) (LFM3-VL), not the output alone
     batched: bool = False  # the patches come as one row, 1 × S × hidden (HunYuan-VL), not S × hidden
+    # The rotary turns adjacent channels 2i, 2i+1 together, cos / sin given per channel (Inkling 2's
+    # rotate_pairwise), not rotate-half's i and i + D/2.
+    rotary_pairs: bool = False
 
     @property
     def kv_heads(self) -> int:
@@ -114,7 +118,11 @@ class FusedVarlenAttention(FusedModule):
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # 1 × H × S × D
         if s.rotary:
             cos, sin = kwargs["position_embeddings"]
+            if s.rotary_pairs:  # de-interleaved, pairs sit where rotate-half turns them; interleaved back after
+                q, k, cos, sin = (_deinterleave(t) for t in (q, k, cos, sin))
             q, k = F.rope(q, k, cos.unsqueeze(0), sin.unsqueeze(0), backend=self.backend)
+            if s.rotary_pairs:
+                q, k = _interleave(q), _interleave(k)
         cu = kwargs["cu_seqlens"]
         kernel = packed.kernel_for(q)
         if kernel is not None:

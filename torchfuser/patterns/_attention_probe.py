@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import weakref
 
 import torch
 from torch import nn
@@ -81,11 +82,38 @@ _NOT_TABLES = frozenset({"attention_mask", "position_ids", "position_embeddings"
                          "use_cache", "cache", "past_key_values", "layer_past", "head_mask"})
 
 
+def _required(module: nn.Module) -> list[inspect.Parameter]:
+    return [p for p in forward_params(module)[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.default is p.empty]
+
+
+def dict_args(module: nn.Module) -> list[str]:
+    """Required arguments annotated as dicts (Gemma 4's ``shared_kv_states``, where a layer hands its k and v on
+    to later layers): the probes give each a dict of its own, and what the forward writes there is compared."""
+    return [p.name for p in _required(module) if "dict" in str(p.annotation).lower()]
+
+
 def complex_table_args(module: nn.Module) -> list[str]:
     """Required arguments after the hidden states that might carry a complex rotary table (Llama 4's
     vision ``freqs_ci``): only the probe decides whether one does."""
-    return [p.name for p in forward_params(module)[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-            and p.default is p.empty and p.name not in _NOT_TABLES and p.name not in BIAS_ARGS]
+    dicts = dict_args(module)
+    return [p.name for p in _required(module) if p.name not in _NOT_TABLES and p.name not in BIAS_ARGS
+            and p.name not in dicts]
+
+
+def dict_writes(module: nn.Module, spec: AttentionSpec) -> tuple[tuple[str, str], ...] | None:
+    """(argument, key) of every entry the module's forward writes into the dicts it is given (``dict_args``);
+    None where it does not run with ``spec``'s probe."""
+    if not dict_args(module):
+        return ()
+    try:
+        probe, x, kwargs = probe_copy(module, spec)
+        probe.training = False
+        with torch.no_grad(), _probe.saved_rng():
+            type(probe).forward(probe, x, **kwargs)
+    except Exception:
+        return None
+    return tuple((n, key) for n in dict_args(module) for key in kwargs[n])
 
 
 def extra_fields(module: nn.Module) -> list[dict]:
@@ -115,9 +143,18 @@ def ignores_mask(module: nn.Module, spec: AttentionSpec) -> bool | None:
             masked = type(probe).forward(probe, x, **kwargs)[0]
             kwargs["attention_mask"] = torch.zeros_like(kwargs["attention_mask"])
             open_ = type(probe).forward(probe, x, **kwargs)[0]
+    except TypeError as err:  # it passes a mask of its own on (None: BLIP-2's vision attention), whatever it is given
+        return True if _own_mask(module, err) else None
     except Exception:
         return None
     return bool(torch.equal(masked, open_))
+
+
+def _own_mask(module: nn.Module, err: Exception) -> bool:
+    """Whether ``err`` says the forward, which takes no mask by name, passed a mask of its own on beside the one
+    given (BLIP-2's vision attention: ``attention_mask=None``): it got that far, and it ignores any mask."""
+    return (isinstance(err, TypeError) and "multiple values for keyword argument 'attention_mask'" in str(err)
+            and not any(p.name == "attention_mask" for p in forward_params(module)))
 
 
 def mask_variants(module: nn.Module, spec: AttentionSpec, ignored: list):
@@ -130,17 +167,24 @@ def mask_variants(module: nn.Module, spec: AttentionSpec, ignored: list):
         yield from (dataclasses.replace(spec, uses_mask=False, is_causal=c) for c in (False, True))
 
 
-def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False):
+# module → the model-side width its probes take where the narrow one fails: heads · head_dim for a forward that
+# reads its head width from its input's width (BLIP's); None where that was tried and did not help either.
+_WIDE = weakref.WeakKeyDictionary()
+_MAX_WIDE = 2048  # wider than this, a float64 probe costs more than the block is worth probing
+
+
+def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False, width: int | None = None):
     """(probe module, input, kwargs): ``module`` on random float64 CPU parts (never the model's own
-    tensors, which may be on the meta device or a GPU), narrow on the model side."""
+    tensors, which may be on the meta device or a GPU), narrow on the model side (``width`` wide)."""
+    width = width or _WIDE.get(module) or _MODEL_WIDTH
     gen = _probe.generator(5)
     probe = _probe.shallow_copy(module)
     proj = {n: lora.base_of(module._modules[n]) for n in (*spec.qkv, spec.out)}  # a LoRA layer: its base
     for n in spec.qkv:
-        probe._modules[n] = _probe.small_projection(proj[n], _MODEL_WIDTH, _probe.projection_dims(proj[n])[1], gen)
+        probe._modules[n] = _probe.small_projection(proj[n], width, _probe.projection_dims(proj[n])[1], gen)
     n_out = _probe.projection_dims(proj[spec.out])[0]
-    probe._modules[spec.out] = _probe.small_projection(proj[spec.out], n_out, _MODEL_WIDTH, gen)
-    for n in (spec.q_norm, spec.k_norm):
+    probe._modules[spec.out] = _probe.small_projection(proj[spec.out], n_out, width, gen)
+    for n in (spec.q_norm, spec.k_norm, spec.v_norm):
         if n is not None and getattr(module._modules[n], "weight", None) is not None:  # a weightless one stays
             probe._modules[n] = ProbeNorm(module._modules[n].weight.shape[0], gen)
     # Every dropout gets its own p (and every Dropout child its own mark), so that the training
@@ -149,17 +193,20 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     for i, n in enumerate(drops):
         # A module adding a position bias computes attention itself and calls its own dropouts: real ones
         # there (identities in eval), whose draws in training match SDPA's math kernel's from one seed.
-        probe._modules[n] = nn.Dropout(0.15 + 0.1 * i).eval() if spec.bias else ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i)
+        probe._modules[n] = (nn.Identity() if n in spec.idle_dropouts else nn.Dropout(0.15 + 0.1 * i).eval()
+                             if spec.bias else ProbeDropout(0.15 + 0.1 * i, 3.0 + 2 * i))
     for i, n in enumerate(_probe.float_dropouts(module)):
         probe.__dict__[n] = 0.2 + 0.1 * i
     for n, b in module._buffers.items():
         if b is not None:
             probe._buffers[n] = torch.zeros(b.shape, dtype=torch.float64 if b.is_floating_point() else b.dtype)
-    x = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
+    x = _probe.randn(_BATCH, _SEQ, width, gen=gen)
     low = torch.finfo(torch.float64).min
     mask = torch.full((_SEQ, _SEQ), low, dtype=torch.float64).triu(1).expand(_BATCH, 1, _SEQ, _SEQ).clone()
     mask[1, :, :, 1] = low  # a padded key in the second sequence
-    kwargs = {"attention_mask": mask}
+    # A forward that takes no mask by name and is probed as one ignoring it gets none (BLIP-2's passes its own on).
+    named = any(p.name == "attention_mask" for p in forward_params(module))
+    kwargs = {"attention_mask": mask} if named or spec.uses_mask else {}
     # A position-bias argument without a default gets None unless the spec adds it (the pattern probes
     # none where the config switches it off: Falcon's alibi in transformers 5.17, with alibi=False).
     kwargs.update({p.name: None for p in forward_params(module)[1:] if p.default is p.empty and p.name in BIAS_ARGS})
@@ -170,7 +217,8 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     if spec.mask_fill:
         kwargs["attention_mask"] = mask == low
     if spec.residual is not None:
-        kwargs[spec.residual] = _probe.randn(_BATCH, _SEQ, _MODEL_WIDTH, gen=gen)
+        kwargs[spec.residual] = _probe.randn(_BATCH, _SEQ, width, gen=gen)
+    kwargs.update({n: {} for n in dict_args(module)})
     if spec.rotary_complex:  # S × 1 × D/2 as Llama 4's vision tower passes it (B × S × D/2: its text model's);
         # random, so that any other convention shows
         shape = (_BATCH, _SEQ, spec.rotary_dim // 2) if flat_tables else (_SEQ, 1, spec.rotary_dim // 2)
@@ -237,30 +285,55 @@ def run_both(probe: nn.Module, spec: AttentionSpec, x, kwargs, training: bool):
             m.training = training
     fused = FusedAttention(probe, spec, "reference")
     fused.training = training
+    # A dict argument of each its own (``dict_args``): what each forward writes there is compared.
+    want_kw, got_kw = ({k: {} if isinstance(v, dict) else v for k, v in kwargs.items()} for _ in range(2))
     with torch.no_grad(), _probe.saved_rng():
         _probe.seed_cpu(0)
-        want = type(probe).forward(probe, x, **kwargs)  # the class's forward: no hooks
+        want = type(probe).forward(probe, x, **want_kw)  # the class's forward: no hooks
         _probe.seed_cpu(0)
-        got = fused(x, **kwargs)
-    return want, got
+        got = fused(x, **got_kw)
+    return want, got, [(n, want_kw[n], got_kw[n]) for n, v in kwargs.items() if isinstance(v, dict)]
+
+
+def _writes_differ(written) -> str | None:
+    """Why what the fused forward wrote into the dict arguments is not what the module wrote, or None."""
+    for name, want, got in written:
+        if want.keys() != got.keys():
+            return (f"it writes {sorted(map(str, want))} into its argument {name!r} (the fused attention writes "
+                    f"{sorted(map(str, got))}: its k and v, where a layer hands them on as one entry)")
+        for key in want:
+            a, b = want[key], got[key]
+            same = (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+                    and all(isinstance(t, torch.Tensor) and t.shape == u.shape and _probe.close(u, t) for t, u in zip(a, b)))
+            if not same:
+                return f"what it writes into {name!r}[{key!r}] is not the (k, v) the fused attention attends over"
+    return None
 
 
 def check(module: nn.Module, spec: AttentionSpec, training: bool) -> str | None:
     """None if FusedAttention(spec) computes what ``module`` computes, else why not."""
-    try:
-        probe, x, kwargs = probe_copy(module, spec)
-        want, got = run_both(probe, spec, x, kwargs, training)
-    except Exception as err:  # a wrong guess often fails on shapes
-        if not spec.rotary_dim:
-            return f"{type(err).__name__}: {err}"
-        # rotary tables shared by the batch, S × D (Pixtral / Mistral 3's vision attention); complex ones per row
+    # A wrong guess often fails on shapes. Then: rotary tables shared by the batch, S × D (Pixtral / Mistral 3's
+    # vision attention; complex ones per row); and, once a module, the model-side width heads · head_dim.
+    attempts = [{}, *([dict(flat_tables=True)] if spec.rotary_dim else [])]
+    wide = spec.num_heads * spec.head_dim
+    if module not in _WIDE and _MODEL_WIDTH < wide <= _MAX_WIDE:
+        attempts.append(dict(width=wide))
+    first = None
+    for kw in attempts:
         try:
-            probe, x, kwargs = probe_copy(module, spec, flat_tables=True)
-            want, got = run_both(probe, spec, x, kwargs, training)
-        except Exception:
-            return f"{type(err).__name__}: {err}"
+            probe, x, kwargs = probe_copy(module, spec, **kw)
+            want, got, written = run_both(probe, spec, x, kwargs, training)
+            break
+        except Exception as err:
+            first = first or err
+            if "width" in kw:  # a forward that got as far as passing its own mask on took the width
+                _WIDE[module] = kw["width"] if _own_mask(module, err) else None
+    else:
+        return f"{type(first).__name__}: {first}"
+    if "width" in kw:  # the module's other probes (its mask's, v's rows, dict writes) at that width too
+        _WIDE[module] = kw["width"]
     if not (isinstance(want, tuple) and len(want) == 2 and isinstance(want[0], torch.Tensor)):
         return "forward does not return (output, attention weights)"
     if not _probe.close(got[0], want[0]):
         return "output differs" + (" in training (dropout)" if training else " (scaling, rotary convention, norms or mask)")
-    return None
+    return _writes_differ(written)

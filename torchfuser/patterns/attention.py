@@ -28,9 +28,10 @@ from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns._attention_probe import (
-    check, complex_table_args, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
+    check, complex_table_args, dict_writes, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
     takes_rope, value_rows,
 )
+from torchfuser.patterns._attention_roles import _dropout_roles, _hint_rank, _is_norm, _norm_roles  # noqa: F401
 from torchfuser.patterns.base import Pattern, Skip
 
 # Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
@@ -95,18 +96,8 @@ def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex
         return
     yield from (dict(rotary_dim=rd) for rd in dims)
     yield from (dict(rotary_dim=rd, rotary_interleave=pairs) for rd in dims for pairs in ("pairs", "half"))
+    yield from (dict(rotary_dim=rd, rotary_sin_negated=True) for rd in dims)  # [x2, -x1] (NanoChat)
     yield dict(rotary_dim=0)
-
-
-def _hint_rank(names, roles) -> int:
-    """How many names disagree with the role letters (q/k/v, o): orders guesses, decides nothing."""
-    words = {"q": ("q", "query"), "k": ("k", "key"), "v": ("v", "value"), "o": ("o_", "out", "c_proj", "dense", "wo", "projection")}
-    return sum(not any(n.lower().startswith(w) or w in n.lower() for w in words[r]) for n, r in zip(names, roles))
-
-
-def _is_norm(m: nn.Module) -> bool:
-    params = {n: p for n, p in m._parameters.items() if p is not None}
-    return not m._modules and "weight" in params and params["weight"].dim() == 1 and set(params) <= {"weight", "bias"}
 
 
 def _scaling(module: nn.Module, d: int) -> float:
@@ -147,36 +138,6 @@ def _shapes(module: nn.Module, projs, blocks: bool = False):
             continue
         for layout, qkv, fields in _layouts(inputs, projs, heads, kv, d, blocks):
             yield out, layout, qkv, fields, (heads, kv, d)
-
-
-def _norm_roles(module, norms, heads, kv, d):
-    if not norms:
-        yield {}
-        return
-    if len(norms) == 1:  # one weightless norm applied to q and to k (Llama 4's text qk_norm)
-        yield dict(q_norm=norms[0], k_norm=norms[0], norm_per_head=True)
-        return
-    for qn, kn in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk")):
-        wq, wk = (module._modules[n].weight.shape[0] for n in (qn, kn))
-        if wq == wk == d:
-            yield dict(q_norm=qn, k_norm=kn, norm_per_head=True)
-        elif (wq, wk) == (heads * d, kv * d):
-            yield dict(q_norm=qn, k_norm=kn, norm_per_head=False)
-
-
-def _dropout_roles(module: nn.Module, drops: list[str], out_child: str | None, bias: bool = False):
-    """(attention-prob dropout, output dropout) pairs given the output Dropout child the eval probe
-    found. The prob dropout is a float attribute or another Dropout child (its ``.p``); without an
-    output child, a float attribute may be a functional dropout on the output (Starcoder2)."""
-    floats = _probe.float_dropouts(module)
-    probs = [*floats, *(n for n in drops if n != out_child), None]
-    outs = [out_child] if out_child is not None else [None, *floats]
-    if bias:  # real dropouts in its probes (identities in eval): any child may be the output's too
-        outs = [None, *floats, *drops]
-    for out in outs:
-        for prob in probs:
-            if prob is None or prob != out:
-                yield prob, out
 
 
 def _no_layout(module: nn.Module, projs) -> str:
@@ -297,20 +258,17 @@ class AttentionPattern(Pattern):
                 continue
             elif _is_norm(m):
                 norms.append(n)
-            elif is_weightless_norm(m):
+            elif is_weightless_norm(m):  # RMS norms without a weight (NanoChat's q/k norms, Gemma 4's v norm)
+                norms.append(n)
                 weightless.append(n)
             else:
                 unknown.append(n)
-        if len(weightless) == 1 and not norms:
-            norms = weightless
-        elif weightless:
-            unknown += weightless
         if unknown:
             return Skip(f"unrecognised submodules {unknown} ({_reasons.children(module, unknown)}) besides its "
-                        "projections: the fused attention reproduces projections, a q and a k norm and dropouts only")
-        if len(norms) not in (0, 2) and norms != weightless:
+                        "projections: the fused attention reproduces projections, q, k and v norms and dropouts only")
+        if len(norms) > 3 or (len(norms) == 1 and norms != weightless):
             return Skip(f"{'a single norm' if len(norms) == 1 else f'{len(norms)} norms'} ({_reasons.quoted(norms)}), "
-                        "not a pair of q and k norms")
+                        "not a pair of q and k norms (with a v norm, or one weightless norm for both)")
         return norms, drops, tuple(n for n, b in module._buffers.items() if b is not None)
 
     # -- guesses and probes ----------------------------------------------------------------
@@ -322,7 +280,10 @@ class AttentionPattern(Pattern):
         norms, drops, buffers, extras = parts
         for out, layout, qkv, fields, (heads, kv, d) in _shapes(module, projs, blocks):
             for norm_roles in _norm_roles(module, norms, heads, kv, d):
-                for out_child in [None, *drops]:
+                # Last, Dropout children of p = 0 as the identities they are (BLIP's, called on the probabilities
+                # whatever the attention implementation): the fused module runs the original if one's p changes.
+                idle = tuple(n for n in drops if module._modules[n].p == 0)
+                for out_child, idle in [*((c, ()) for c in [None, *drops]), *([(None, idle)] if idle else [])]:
                     for rotary in _rotary_guesses(module, d, pair_tables, complex_args) if takes_rope else ({},):
                         if after_rope and not (norm_roles.get("norm_per_head") and rotary.get("rotary_dim")):
                             continue  # the same spec as with the norms before the rotary
@@ -332,7 +293,7 @@ class AttentionPattern(Pattern):
                             yield AttentionSpec(
                                 layout=layout, qkv=qkv, out=out, num_heads=heads, num_kv_heads=kv, head_dim=d,
                                 scaling=_scaling(module, d), **fields, **rotary, **norm_roles, **extra,
-                                norm_after_rope=after_rope, out_dropout=out_child,
+                                norm_after_rope=after_rope, out_dropout=out_child, idle_dropouts=idle,
                                 is_causal=bool(getattr(module, "is_causal", True)), positional=positional, keep=buffers,
                             )
 
@@ -348,7 +309,7 @@ class AttentionPattern(Pattern):
         # if it reads v from the rows the module does (one-token probes, one per table width).
         # A forward that ignores the mask it is given (found once an output differs) is probed as such.
         tables = [False, True] if takes_rope and not complex_args else [False]
-        v_rows, tried, v_fits, ignored = {}, set(), False, [None]
+        v_rows, tried, v_fits, ignored, writes = {}, set(), False, [None], None
         # q/k norms after the rotary are a stage of their own, after every placement before it.
         placements = (False, True) if parts[0] and takes_rope else (False,)
         for after_rope, blocks, pair_tables in itertools.product(placements, (False, True), tables):
@@ -367,6 +328,10 @@ class AttentionPattern(Pattern):
                 if not budget:
                     cut = True
                     break
+                if writes is None:  # what it hands on through dict arguments: found once its forward runs
+                    writes = dict_writes(module, spec)
+                if writes and len(writes) == 1:  # one entry: its (k, v), if the probe agrees
+                    spec = dataclasses.replace(spec, kv_out=writes[0])
                 for spec in mask_variants(module, spec, ignored):
                     if not budget:
                         cut = True
@@ -387,6 +352,7 @@ class AttentionPattern(Pattern):
 
     @staticmethod
     def _pick_dropouts(module, spec: AttentionSpec, drops):
+        drops = [n for n in drops if n not in spec.idle_dropouts]
         for prob, out in _dropout_roles(module, drops, spec.out_dropout, spec.bias is not None):
             candidate = dataclasses.replace(spec, dropout=prob, out_dropout=out)
             if check(module, candidate, training=True) is None:

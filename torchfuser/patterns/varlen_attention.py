@@ -60,8 +60,9 @@ def _guesses(module: nn.Module, projs: dict, rotary: bool, norms: list[str]):
         roles = [dict(q_norm=a, k_norm=b) for a, b in sorted(itertools.permutations(norms), key=lambda p: _hint_rank(p, "qk"))
                  if module._modules[a].weight.shape[0] == d] if norms else [{}]
         for layout, qkv in layouts:
-            for rot, role in itertools.product((True, False) if rotary else (False,), roles):
-                yield VarlenAttentionSpec(layout=layout, qkv=qkv, rotary=rot, **role, **common)
+            modes = ((True, False), (False, False), (True, True)) if rotary else ((False, False),)
+            for (rot, pairs), role in itertools.product(modes, roles):  # rotate-half, none, adjacent pairs (Inkling 2)
+                yield VarlenAttentionSpec(layout=layout, qkv=qkv, rotary=rot, rotary_pairs=pairs, **role, **common)
 
 
 def _probe_once(module: nn.Module, spec: VarlenAttentionSpec, projs: dict, extra: dict | None = None) -> str | None:
