@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import torchfuser
 from torchfuser.modules.residual_norm import ResidualNormForward
+from torchfuser.patterns.base import Skip
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 
 from arch_sweep import tiny_config
@@ -68,3 +69,35 @@ def test_the_probe_tells_a_tuple_mlp_from_a_plain_one():
     torch.manual_seed(0)
     assert ResidualNormPattern().match(_TakesFirst()).mlp_tuple
     assert not ResidualNormPattern().match(Layer()).mlp_tuple
+
+
+class _RoutedMLP(_TupleMLP):
+    """An MLP the layer calls differently by its type (Ernie 4.5 VL's MoE block: token types in, a tuple out)."""
+
+    def forward(self, x, token_types):
+        return self.fc(x) * (1 + token_types.unsqueeze(-1)), None
+
+
+class _Branches(Layer):
+    def __init__(self, routed: bool):
+        super().__init__()
+        self.mlp = _RoutedMLP() if routed else nn.Linear(H, H)
+
+    def forward(self, hidden_states, token_types=None, **kwargs):
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h = hidden_states + h
+        n = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, _RoutedMLP):
+            m, _ = self.mlp(n, token_types)
+        else:
+            m = self.mlp(n)
+        return h + m
+
+
+def test_the_probe_takes_the_branch_the_real_child_takes():
+    """The stand-ins are instances of the children's classes: a layer branching on its MLP's type is probed on the
+    branch its real MLP takes (here: passed more than its input, so left alone), not on the plain one."""
+    torch.manual_seed(0)
+    assert ResidualNormPattern().match(_Branches(routed=False)) is not None
+    found = ResidualNormPattern().match(_Branches(routed=True))
+    assert isinstance(found, Skip) and "passes its MLP or norms more than their input" in found.reason

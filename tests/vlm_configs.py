@@ -214,7 +214,7 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
         merges = isinstance(getattr(_vision(cfg), "spatial_merge_size", None), int)  # Qwen-VL-style (PaddleOCR-VL)
         mrope = "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) or (merges and sub is not cfg)
         if mrope and isinstance(rope, dict):
-            default = {"mrope_section": [16, 24, 24], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
+            default = {"mrope_section": [22, 22, 20], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
             rope.setdefault("mrope_section", _sections(default)["mrope_section"])
         fields = sub.to_dict() if sub is not None else {}
         if "sliding_window" in fields and fields["sliding_window"] is None and any(

@@ -30,7 +30,7 @@ class _StandIn(nn.Module):
     """Computes ``fn`` and records each call's arguments."""
 
     def __init__(self, fn, tuple_out: bool = False):
-        super().__init__()
+        nn.Module.__init__(self)  # (not super(): in a subclass of the child's class, that class's __init__ is next)
         self.fn, self.tuple_out, self.calls = fn, tuple_out, []
         self.rest = _Marker("attention_rest")  # the attention's second output, to see if the layer returns it
         self.more: tuple = ()  # more outputs after it (JetMoE's attention returns three)
@@ -44,6 +44,31 @@ class _StandIn(nn.Module):
         if len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].shape == y.shape:
             y = y + args[1]  # a block passed the residual adds it itself (BLOOM's attention and MLP, MPT's MLP)
         return (y, self.rest, *self.more) if self.tuple_out else y
+
+
+_LIKE: dict[type, type] = {}  # the child's class → the stand-in class that is an instance of it too
+
+
+def _stand_in(child: nn.Module | None, fn, tuple_out: bool) -> _StandIn:
+    """A stand-in that is also an instance of ``child``'s class, so that a forward branching on its child's type
+    (Ernie 4.5 VL's ``if isinstance(self.mlp, MoeBlock): h, _ = self.mlp(h, token_type_ids)``) takes the branch
+    it takes on the real child; a plain ``_StandIn`` where the class changes how attributes or calls work."""
+    cls = type(child)
+    plain = (child is None or isinstance(child, _StandIn) or cls.__call__ is not nn.Module.__call__
+             or cls.__getattr__ is not nn.Module.__getattr__ or cls.__setattr__ is not nn.Module.__setattr__)
+    if not plain:
+        like = _LIKE.get(cls)
+        if like is None:
+            try:
+                like = type(f"StandIn[{cls.__name__}]", (_StandIn, cls), {"__module__": __name__})
+            except TypeError:  # a layout or metaclass conflict
+                like = _StandIn
+            _LIKE[cls] = like
+        try:
+            return like(fn, tuple_out)
+        except Exception:  # noqa: BLE001 - a property of the class in the way of the stand-in's attributes
+            _LIKE[cls] = _StandIn
+    return _StandIn(fn, tuple_out)
 
 
 class _Probe:
@@ -126,8 +151,9 @@ class _Probe:
         for name, value in self.attrs.items():
             setattr(probe, name, value)
         fns = self.fns if ps is None else self.drawing()
-        stand = {r: _StandIn(fns[r], tuple_out=r == "attention" and self.attention_tuple
-                                   or r == "mlp" and self.mlp_tuple) for r in dict.fromkeys(self.roles)
+        stand = {r: _stand_in(self.module._modules.get(self.roles[r]), fns[r],
+                              r == "attention" and self.attention_tuple or r == "mlp" and self.mlp_tuple)
+                 for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
