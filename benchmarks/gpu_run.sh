@@ -110,6 +110,14 @@ for stage in "$@"; do
     trust-tests) timeout ${TESTS_S:-240} python3 -m pytest -p no:cacheprovider -v -o addopts="" -rfE --tb=short -n 14 \
               tests/backends/test_dequant_4bit.py tests/backends/test_dequant_matmul_4bit.py tests/test_offload_checkpointing.py \
               tests/test_fp8_weight_writes.py ;;
+    # Every GPU test written since the last device run (2026-12-05): CUDA cases of the CPU sessions' work, one call.
+    pending-tests) timeout ${TESTS_S:-480} python3 -m pytest -p no:cacheprovider -v -o addopts="" -rfE --tb=short -n 14 \
+              tests/backends/test_lce_frozen_head.py tests/test_recompute.py tests/test_lora_hilo_cuda.py \
+              tests/test_plain_mlp_acts.py tests/test_post_norm_layers.py tests/test_alibi_attention.py \
+              tests/test_rel_pos_attention.py tests/test_attention_norm_after_rope.py tests/test_vision_rotary_complex.py \
+              tests/test_attention_v_norm.py tests/test_attention_blip.py tests/test_varlen_rotary_pairs.py \
+              tests/test_residual_passed_layers.py tests/test_residual_dropout.py tests/test_mlp_inner_dropout.py \
+              tests/test_decode_host_calls.py tests/test_generate_rl.py tests/test_auto_graphs.py ;;
     offload-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
               tests/test_offload_checkpointing.py tests/test_checkpointing.py tests/test_bench.py ;;
     # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast
