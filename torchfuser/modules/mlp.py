@@ -15,7 +15,7 @@ from torchfuser.functional import backend_for
 from torchfuser.modules import fp8, recompute
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, decided, dropout_p, keep_dropout, signature
-from torchfuser.modules.projections import joint, residual_linear, single
+from torchfuser.modules.projections import call_linear, joint, residual_linear, single
 from torchfuser.ops import gated as gated_ops
 
 
@@ -105,7 +105,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
             linears = [getattr(self, s.gate), getattr(self, s.up)]
             packed, gate_first = joint(x, linears, self), True
         if packed is None:
-            gate, up = linears[0](x), linears[1](x)
+            gate, up = call_linear(linears[0], x), call_linear(linears[1], x)
             return act(gate, up, backend=backend), lambda: act(gate, up, backend=backend)
         if gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
             h = self._packed_act(packed, x)

@@ -37,6 +37,24 @@ from torchfuser.ops._call import autocast_enabled, plain_eager
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 
 
+_MODULE = nn.modules.module
+
+
+def call_linear(m: nn.Module, x: Tensor) -> Tensor:
+    """``m(x)``; for a plain ``nn.Linear`` that runs just its class's forward (no hooks of its own or global ones,
+    no forward set on the instance) its product without ``nn.Module.__call__`` (host time: a decode step makes
+    seven such calls a layer, and the module call costs more than a small product's dispatch)."""
+    if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+            or m._backward_pre_hooks or _MODULE._global_forward_hooks or _MODULE._global_forward_pre_hooks
+            or _MODULE._global_backward_hooks or _MODULE._global_backward_pre_hooks or "forward" in m.__dict__):
+        return m(x)
+    p = m._parameters
+    w, b = p.get("weight"), p.get("bias", _MODULE)  # (a weight held elsewhere, e.g. a plain attribute: the call)
+    if w is None or b is _MODULE:
+        return m(x)
+    return nn.functional.linear(x, w, b)
+
+
 def _plain(linears) -> bool:
     with_bias = linears[0].bias is not None
     return not hooked(*linears) and all(type(m) is nn.Linear and (m.bias is not None) == with_bias for m in linears)
@@ -80,14 +98,14 @@ def single(x: Tensor, linear: nn.Module, owner: nn.Module | None = None) -> Tens
             y = lora.joint(x, [linear], owner)
             if y is not None:
                 return y
-    return linear(x)
+    return call_linear(linear, x)
 
 
 def project(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -> list[Tensor]:
     """``[m(x) for m in linears]``, as one GEMM where that gives the same result."""
     y = joint(x, linears, owner)
     if y is None:
-        return [m(x) for m in linears]
+        return [call_linear(m, x) for m in linears]
     return list(y.split([m.out_features for m in linears], dim=-1))
 
 
