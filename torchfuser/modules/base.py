@@ -44,10 +44,15 @@ class FusedModule(nn.Module):
         second visit by ``.to()``): model code reads its children's config, eps, sizes and flags
         (Mamba2 passes ``self.norm.variance_epsilon`` to its kernel), and must get what it got."""
         d = self.__dict__  # parameters, buffers, submodules: nn.Module's lookup, one Python frame less a read
-        for key in ("_parameters", "_modules", "_buffers"):
-            store = d.get(key)  # (absent while a copy or unpickling is being built)
-            if store is not None and name in store:
-                return store[name]
+        store = d.get("_parameters")  # (absent while a copy or unpickling is being built)
+        if store is not None and name in store:  # (unrolled, not a loop over the three: host time)
+            return store[name]
+        store = d.get("_modules")
+        if store is not None and name in store:
+            return store[name]
+        store = d.get("_buffers")
+        if store is not None and name in store:
+            return store[name]
         try:
             return super().__getattr__(name)
         except AttributeError:

@@ -66,7 +66,8 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
     Projections carrying PEFT LoRA adapters go to ``modules.adapters.lora`` (with or without autocast),
     which counts on ``owner`` why a call could not run there. With FP8 on (``owner._fp8``), FP8 GEMMs
     (``modules.fp8``)."""
-    if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, linears, owner)) is not None:
+    # (fp8.recipe_of inline: every fused attention and MLP call asks)
+    if owner is not None and owner.__dict__.get("_fp8") is not None and (y := fp8.linear(x, linears, owner)) is not None:
         return y
     if len(linears) > 1:
         for m in linears:  # (a loop, not a generator: every fused attention and MLP call runs this)
@@ -91,7 +92,7 @@ def single(x: Tensor, linear: nn.Module, owner: nn.Module | None = None) -> Tens
     """``linear(x)``; a PEFT LoRA layer runs as the fused LoRA node (``modules.adapters.lora``), which keeps x
     once in its own dtype for the backward where PEFT's adapter keeps an fp32 copy of it (on a bf16
     base: twice the bytes of every adapted output and down projection's input). With FP8 on, FP8 GEMMs."""
-    if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, [linear], owner)) is not None:
+    if owner is not None and owner.__dict__.get("_fp8") is not None and (y := fp8.linear(x, [linear], owner)) is not None:
         return y
     if type(linear) is not nn.Linear:  # plain projections (and traced code) take the call as it is
         if lora.is_lora(linear):

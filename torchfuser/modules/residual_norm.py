@@ -56,6 +56,7 @@ from torchfuser.ops._call import autocast_enabled
 
 _log = logging.getLogger(__name__)
 _NOTHING = contextlib.nullcontext()  # reusable
+_NO_MAXIMA = (False, False)
 # Keywords a layer's KV cache goes by (transformers versions and families): a checkpointed layer must not
 # get one, or its recompute in the backward would write the cache a second time.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -168,7 +169,7 @@ class ResidualNormForward:
 
     def __call__(self, *args, **kwargs):
         layer, s = self.layer, self.spec
-        own = offload.of(layer)
+        own = layer.__dict__.get(offload.KEY)  # (offload.of inline: host time, as below)
         if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
             if own is not None and own.applies(layer):  # checkpointed as asked: run eagerly, a graph break
                 return offload.eager(self, args, kwargs)  # type: ignore[misc]
@@ -176,7 +177,7 @@ class ResidualNormForward:
         if len(args) > 1 and len(args) - 1 <= len(s.positional) and not any(n in kwargs for n in s.positional[:len(args) - 1]):
             # as keywords, the names its forward gives them (GPT2Model passes cache, mask, encoder states so)
             kwargs, args = {**kwargs, **dict(zip(s.positional, args[1:]))}, args[:1]
-        checkpointing = _checkpoints(layer)
+        checkpointing = torch.is_grad_enabled() and _checkpoints(layer)  # (no_grad, decode: no call)
         own = own if own is not None and own.applies(layer) else None  # HF's checkpointing wins where it is on
         if checkpointing or own is not None:
             kwargs = _without_cache(layer, kwargs)
@@ -196,14 +197,19 @@ class ResidualNormForward:
     def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
-        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s)
+        norm_in, attention, mlp = _child(layer, s.norm_in), _child(layer, s.attention), _mlp(layer, s)
         if s.post_norm:
             return self._post(call, x, norm_in, attention, mlp)
-        low = _projection_dtype(x, attention, mlp) if not s.parallel else None
-        maxima = _maxima(attention, "in", x, low)
+        # (no autocast: no projection dtype; FP8 producers off: no maxima; no_grad: nothing made again. Each
+        # asked without a call where it is off: host time of a decode step)
+        low = _projection_dtype(x, attention, mlp) if not s.parallel and torch._C._is_any_autocast_enabled() else None
+        maxima = fp8._SWITCHES.fp8_norm_producers and _maxima(attention, "in", x, low)
         y, x = norm_in.opening_residual(x, low, maxima)
-        with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
+        if not torch.is_grad_enabled():
             a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+        else:
+            with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
+                a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
         out = self._body(x, y, a[0], low, attention, mlp)
         return (out, a[1]) if s.returns_rest else out
 
@@ -220,14 +226,17 @@ class ResidualNormForward:
         """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's
         output y and the attention's output a."""
         s = self.spec
-        norm_mid = getattr(self.layer, s.norm_mid)
+        norm_mid = _child(self.layer, s.norm_mid)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if isinstance(mlp, FusedGatedMLP) and _as_class(mlp):
                 return mlp.add_to(x + a, y)
             return x + a + mlp(y)
-        maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None))
+        maxima = (not s.mlp_inline and _maxima(mlp, "in", x, low), a.requires_grad and _maxima(attention, "out", a, None)
+                  ) if fp8._SWITCHES.fp8_norm_producers else _NO_MAXIMA
         h, y = norm_mid.add(x, a, low, maxima)
+        if not torch.is_grad_enabled():
+            return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
         with _made_again(norm_mid, y, h, any(maxima)):
             return mlp.add_to(h, y) if isinstance(mlp, FusedGatedMLP) and _as_class(mlp) else h + mlp(y)
 
@@ -242,14 +251,16 @@ class ResidualNormForward:
         if call is None:
             return "keywords its forward does not pass on to the attention"
         layer, s = self.layer, self.spec
-        if why := _unfused_norms(getattr(layer, s.norm_in), getattr(layer, s.norm_mid)):
+        if why := _unfused_norms(_child(layer, s.norm_in), _child(layer, s.norm_mid)):
             return why
         return "a dropout between the blocks is on (the fused forward has none)" if self._dropping() else None
 
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks is on now (the fused forward has none)."""
         layer, s = self.layer, self.spec
-        return layer.training and any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
+        if not layer.training or not (s.dropouts or s.float_dropouts):  # (no generator where none: host time)
+            return False
+        return any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
@@ -264,10 +275,16 @@ def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: boo
     return norm.made_again(y, src)
 
 
+def _child(layer: nn.Module, name: str):
+    """``getattr(layer, name)`` for a submodule, read from ``_modules`` without nn.Module's ``__getattr__`` frame."""
+    child = layer._modules.get(name)
+    return child if child is not None else getattr(layer, name)
+
+
 def _mlp(layer: nn.Module, s: ResidualNormSpec):
     """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·)))."""
     if not s.mlp_inline:
-        return getattr(layer, s.mlp)
+        return _child(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
     return lambda y: fc_out(act(fc_in(y)))
 
