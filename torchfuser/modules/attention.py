@@ -11,7 +11,6 @@ weights, rotary tables of an unexpected width) runs the original module instead,
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -250,7 +249,9 @@ class FusedAttention(FusedModule):
         # A module that adds a position bias and holds no config computes its attention itself (BLOOM, MPT).
         if impl not in _IMPLEMENTATIONS and not (impl is None and self.config is None and self.spec.bias is not None):
             return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
-        if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
+        # (the config's flag not read under sdpa, ≈ 1.5 µs a read: transformers refuses output_attentions=True there, and
+        # the original module's sdpa path forms no weights either; a request through the collector is seen below)
+        if kwargs.get("output_attentions") or (impl != "sdpa" and getattr(self.config, "output_attentions", False)):
             return "output_attentions=True (SDPA never forms the attention weights)"
         collected = _collector()
         if collected and (key := _recorded_from(self.__dict__["_original"], collected)) is not None:
@@ -363,7 +364,7 @@ class FusedAttention(FusedModule):
         exact = exact_rows if exact_rows is not None else eager and mask is not None and mask.is_floating_point() and (
             not host_reads_allowed() or _has_empty_rows(mask)
         )
-        p = dropout_p(self, s.dropout)
+        p = dropout_p(self, s.dropout) if s.dropout is not None else 0.0
         # Packed rows (position_ids restarting, transformers' block-causal mask): variable-length attention.
         plain = s.bias is None and not s.mask_fill  # a bias lives in the dense mask: no variable-length kernel
         varlen = packed.kernel_for(q) if plain and s.is_causal and cache is None and not p and host_reads_allowed() else None
@@ -372,9 +373,13 @@ class FusedAttention(FusedModule):
             packed.counted(self)
             out = packed.attention(varlen, q, k, v, *samples, s.scaling)
         else:
-            with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
-                out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling,
-                                                is_causal=(False if eager else None) if s.uses_mask else s.is_causal)
+            causal = (False if eager else None) if s.uses_mask else s.is_causal
+            if exact:
+                with sdpa_kernel(SDPBackend.MATH):
+                    out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling, is_causal=causal)
+            else:  # (no context manager to enter: host time)
+                out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling, is_causal=causal)
         out = single(out.reshape(*lead, -1).contiguous(), getattr(self, s.out), self)
-        out = apply_dropout(self, s.out_dropout, out)
+        if s.out_dropout is not None:
+            out = apply_dropout(self, s.out_dropout, out)
         return (out if s.residual is None else out + kwargs[s.residual]), None

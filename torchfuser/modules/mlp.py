@@ -85,7 +85,10 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on)."""
         s = self.spec
         h, make = self._gated(x)
-        epilogue = dropout_p(self, s.dropout) == 0 and fp8.recipe_of(self) is None
+        epilogue = (s.dropout is None or dropout_p(self, s.dropout) == 0) and self.__dict__.get("_fp8") is None
+        if not torch.is_grad_enabled():  # nothing made again (host time: no context manager)
+            out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
+            return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
         with self._h_made_again(h, make):
             out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
             return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
