@@ -96,3 +96,38 @@ def test_no_grad_op_calls_take_the_general_way_where_they_must(monkeypatch):
 
 class _Sub(torch.Tensor):
     pass
+
+
+def _tiny():
+    from test_decode_host_calls import _pair  # the tiny Llama pair (2 layers), built without the global generator
+    return _pair("reference")
+
+
+def test_the_fused_layer_calls_its_attention_s_forward_only_where_no_hook_would_run():
+    base, fused = _tiny()
+    ids = torch.randint(4, 1024, (2, 5), generator=torch.Generator().manual_seed(0))
+    attention = fused.model.layers[0].self_attn
+    calls = []
+    original = type(attention).forward
+
+    def spy(self, *args, **kwargs):
+        calls.append("forward")
+        return original(self, *args, **kwargs)
+
+    attention.forward = spy.__get__(attention)  # a forward on the instance is what the layer runs
+    with torch.no_grad():
+        assert torch.equal(fused(ids).logits, base(ids).logits) and calls == ["forward"]
+        del attention.forward
+        seen = []
+        handle = attention.register_forward_hook(lambda mod, args, out: seen.append("own"))
+        fused(ids)
+        handle.remove()
+        glob = nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: seen.append("global") if mod is attention else None)
+        try:
+            fused(ids)
+        finally:
+            glob.remove()
+        assert seen == ["own", "global"]
+        fused(ids)
+        assert seen == ["own", "global"]  # removed: not called

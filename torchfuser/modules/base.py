@@ -114,6 +114,17 @@ def hooked(*modules: nn.Module) -> bool:
     return False
 
 
+def callee(module: nn.Module):
+    """What calling ``module`` runs: its bound ``forward`` where ``module(...)`` would run just that (no hooks of its
+    own or global ones, none on the instance, no JIT trace in progress), else the module itself. A fused layer calls
+    its fused blocks so: ``nn.Module.__call__`` costs ≈ 1.4 µs a call (host time of a decode step)."""
+    if (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+            or _MODULE._global_forward_hooks or _MODULE._global_forward_pre_hooks or _MODULE._global_backward_hooks
+            or _MODULE._global_backward_pre_hooks or torch._C._get_tracing_state()):
+        return module
+    return module.forward
+
+
 def adopt(fused: nn.Module, original: nn.Module, names) -> None:
     """Register ``original``'s parameters, buffers and submodules ``names`` on ``fused`` as the
     same objects under the same names, in the original's order (no copies; ``state_dict`` keys

@@ -49,7 +49,7 @@ from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
 from torchfuser.modules.attention import FusedAttention
-from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.base import callee, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
@@ -206,7 +206,8 @@ class ResidualNormForward:
         maxima = fp8._SWITCHES.fp8_norm_producers and _maxima(attention, "in", x, low)
         y, x = norm_in.opening_residual(x, low, maxima)
         if not torch.is_grad_enabled():
-            a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+            run = callee(attention)
+            a = run(y, **call) if not s.attention_input else run(**{s.attention_input: y}, **call)
         else:
             with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
                 a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
