@@ -131,3 +131,21 @@ def test_the_fused_layer_calls_its_attention_s_forward_only_where_no_hook_would_
         assert seen == ["own", "global"]
         fused(ids)
         assert seen == ["own", "global"]  # removed: not called
+
+
+def test_reference_rope_infer_gives_rope_fwd_s_bits():
+    """The no-grad rope (roll and a sign moved into sin) against the forward kernel, bit for bit: full and partial
+    rotary, odd widths, casts, fp64, a single row, and B×S×H×D-laid (transposed) inputs as the attention passes."""
+    from torchfuser.backends.reference.rope import rope_fwd, rope_infer
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [((2, 5, 4, 32), (2, 5, 32), torch.float32, torch.float32), ((1, 1, 2, 8), (1, 1, 8), torch.float32, torch.float32),
+             ((2, 3, 4, 32), (2, 3, 16), torch.float32, torch.float32), ((2, 3, 2, 7), (2, 3, 7), torch.float32, torch.float32),
+             ((2, 3, 4, 16), (2, 3, 16), torch.bfloat16, torch.float32), ((2, 3, 4, 16), (2, 3, 16), torch.float64, torch.float64),
+             ((3, 4, 4, 16), (1, 4, 16), torch.float32, torch.float32)]
+    for (b, s, h, d), table, dtype, tdtype in cases:
+        q = torch.randn(b, s, h, d, generator=gen).to(dtype).transpose(1, 2)
+        k = torch.randn(b, s, max(h // 2, 1), d, generator=gen).to(dtype).transpose(1, 2)
+        cos, sin = (torch.randn(*table, generator=gen).to(tdtype) for _ in range(2))
+        for got, want in zip(rope_infer(q, k, cos, sin), rope_fwd(q, k, cos, sin)):
+            assert got.dtype == want.dtype and torch.equal(got, want), (b, s, h, d, table, dtype)
