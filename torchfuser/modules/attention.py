@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F, ops
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, call_original, decided, dropout_p, host_reads_allowed,
-                                     keep_dropout, signature)
+                                     keep_dropout)
 from torchfuser.modules import attention_bias, fallbacks, packed, rotary_complex
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
@@ -304,8 +304,10 @@ class FusedAttention(FusedModule):
             return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
         # Partial rotary too (rd < head dim): the kernel copies the channels past rd through, no slices or cat.
         # Its checks and backend once per call signature (base.decided; they read requires_grad and grad mode).
-        key = ("rope", signature(q), signature(k), signature(cos), signature(sin), cos.requires_grad,
-               sin.requires_grad, torch.is_grad_enabled(), self.backend)
+        # (base.signature's tuples written inline: one Python call less a tensor, host time of a decode step)
+        key = ("rope", (type(q), q.dtype, q.device, q.shape), (type(k), k.dtype, k.device, k.shape),
+               (type(cos), cos.dtype, cos.device, cos.shape), (type(sin), sin.dtype, sin.device, sin.shape),
+               cos.requires_grad, sin.requires_grad, torch.is_grad_enabled(), self.backend)
         backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_rope(q, k, cos, sin)))
         return ops.rope(q, k, cos, sin, backend)
 

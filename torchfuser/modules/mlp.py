@@ -14,7 +14,7 @@ from torchfuser import functional as F, ops
 from torchfuser.functional import backend_for
 from torchfuser.modules import fp8, recompute
 from torchfuser.modules.adapters import lora
-from torchfuser.modules.base import FusedModule, adopt, apply_dropout, decided, dropout_p, keep_dropout, signature
+from torchfuser.modules.base import FusedModule, adopt, apply_dropout, decided, dropout_p, keep_dropout
 from torchfuser.modules.projections import call_linear, joint, residual_linear, single
 from torchfuser.ops import gated as gated_ops
 
@@ -120,7 +120,8 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         """The activation (``functional.swiglu`` / ``geglu``: up=None for one [gate | up] tensor) with its checks
         and backend decided once per call signature (``base.decided``); ``backend`` is always this module's."""
         op = _GATED_OPS[self.spec.activation]
-        key = (op, signature(gate), signature(up), self.backend)
+        key = (op, (type(gate), gate.dtype, gate.device, gate.shape),  # base.signature inline (host time)
+               None if up is None else (type(up), up.dtype, up.device, up.shape), self.backend)
         backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_gated(op, gate, up)))
         return getattr(ops, op)(gate, up, backend) if up is not None else getattr(ops, f"{op}_packed")(gate, backend)
 

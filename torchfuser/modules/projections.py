@@ -74,7 +74,8 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
             if type(m) is not nn.Linear:
                 return lora.joint(x, linears, owner) if any(map(lora.is_lora, linears)) else None
     device = x.device.type
-    if (len(linears) < 2 or not torch._C._is_any_autocast_enabled() or x.dtype not in _AUTOCAST_CASTS or not autocast_enabled(device)
+    if (len(linears) < 2 or not torch._C._is_any_autocast_enabled() or x.dtype not in _AUTOCAST_CASTS
+            or not autocast_enabled(device)
             or not _plain(linears)):
         return None
     dtype = torch.get_autocast_dtype(device)
@@ -153,7 +154,8 @@ def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | 
     without autocast, a residual that is not fp32 or would broadcast, a bias, a hook, not a plain
     ``nn.Linear``, or outside plain eager mode."""
     device = x.device.type
-    if (not torch._C._is_any_autocast_enabled() or not autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
+    if (not torch._C._is_any_autocast_enabled() or not autocast_enabled(device) or residual.dtype != torch.float32
+            or not _plain([linear])
             or linear.bias is not None or residual.shape != (*x.shape[:-1], linear.out_features)
             or not plain_eager((residual, x, linear.weight))):
         return None
