@@ -11,7 +11,6 @@ weights, rotary tables of an unexpected width) runs the original module instead,
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from torchfuser import functional as F, ops
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, call_original, decided, dropout_p, host_reads_allowed,
-                                     keep_dropout, signature)
+                                     keep_dropout)
 from torchfuser.modules import attention_bias, fallbacks, packed, rotary_complex
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
@@ -265,7 +264,9 @@ class FusedAttention(FusedModule):
         # A module that adds a position bias and holds no config computes its attention itself (BLOOM, MPT).
         if impl not in _IMPLEMENTATIONS and not (impl is None and self.config is None and self.spec.bias is not None):
             return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
-        if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
+        # (the config's flag not read under sdpa, ≈ 1.5 µs a read: transformers refuses output_attentions=True there, and
+        # the original module's sdpa path forms no weights either; a request through the collector is seen below)
+        if kwargs.get("output_attentions") or (impl != "sdpa" and getattr(self.config, "output_attentions", False)):
             return "output_attentions=True (SDPA never forms the attention weights)"
         collected = _collector()
         if collected and (key := _recorded_from(self.__dict__["_original"], collected)) is not None:
@@ -323,8 +324,10 @@ class FusedAttention(FusedModule):
             return torch.cat([qr, q[..., rd:]], dim=-1), torch.cat([kr, k[..., rd:]], dim=-1)
         # Partial rotary too (rd < head dim): the kernel copies the channels past rd through, no slices or cat.
         # Its checks and backend once per call signature (base.decided; they read requires_grad and grad mode).
-        key = ("rope", signature(q), signature(k), signature(cos), signature(sin), cos.requires_grad,
-               sin.requires_grad, torch.is_grad_enabled(), self.backend)
+        # (base.signature's tuples written inline: one Python call less a tensor, host time of a decode step)
+        key = ("rope", (type(q), q.dtype, q.device, q.shape), (type(k), k.dtype, k.device, k.shape),
+               (type(cos), cos.dtype, cos.device, cos.shape), (type(sin), sin.dtype, sin.device, sin.shape),
+               cos.requires_grad, sin.requires_grad, torch.is_grad_enabled(), self.backend)
         backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_rope(q, k, cos, sin)))
         return ops.rope(q, k, cos, sin, backend)
 
@@ -389,7 +392,7 @@ class FusedAttention(FusedModule):
         exact = exact_rows if exact_rows is not None else eager and mask is not None and mask.is_floating_point() and (
             not host_reads_allowed() or _has_empty_rows(mask)
         )
-        p = dropout_p(self, s.dropout)
+        p = dropout_p(self, s.dropout) if s.dropout is not None else 0.0
         # Packed rows (position_ids restarting, transformers' block-causal mask): variable-length attention.
         plain = s.bias is None and not s.mask_fill  # a bias lives in the dense mask: no variable-length kernel
         varlen = packed.kernel_for(q) if plain and s.is_causal and cache is None and not p and host_reads_allowed() else None
@@ -398,9 +401,13 @@ class FusedAttention(FusedModule):
             packed.counted(self)
             out = packed.attention(varlen, q, k, v, *samples, s.scaling)
         else:
-            with sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext():
-                out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling,
-                                                is_causal=(False if eager else None) if s.uses_mask else s.is_causal)
+            causal = (False if eager else None) if s.uses_mask else s.is_causal
+            if exact:
+                with sdpa_kernel(SDPBackend.MATH):
+                    out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling, is_causal=causal)
+            else:  # (no context manager to enter: host time)
+                out, _ = sdpa_attention_forward(self, q, k, v, mask, dropout=p, scaling=s.scaling, is_causal=causal)
         out = single(out.reshape(*lead, -1).contiguous(), getattr(self, s.out), self)
-        out = apply_dropout(self, s.out_dropout, out)
+        if s.out_dropout is not None:
+            out = apply_dropout(self, s.out_dropout, out)
         return (out if s.residual is None else out + kwargs[s.residual]), None

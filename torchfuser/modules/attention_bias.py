@@ -40,7 +40,7 @@ def call_reason(spec, kwargs: dict, hidden: Tensor, impl: str | None) -> str | N
                 return "called with a position bias (alibi), which the fused attention does not add"
     if spec.implementation is not None and impl != spec.implementation:
         return f"attention implementation {impl!r}, not the {spec.implementation!r} it was fused under"
-    if (why := unusable(spec, kwargs.get(spec.bias), hidden)) is not None:
+    if spec.bias is not None and (why := unusable(spec, kwargs.get(spec.bias), hidden)) is not None:
         return why
     if spec.residual is not None and kwargs.get(spec.residual) is None:
         return f"no {spec.residual!r} given (the fused attention adds it to its output)"

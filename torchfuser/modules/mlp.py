@@ -14,8 +14,8 @@ from torchfuser import functional as F, ops
 from torchfuser.functional import backend_for
 from torchfuser.modules import fp8, recompute
 from torchfuser.modules.adapters import lora
-from torchfuser.modules.base import FusedModule, adopt, apply_dropout, decided, dropout_p, keep_dropout, signature
-from torchfuser.modules.projections import joint, residual_linear, single
+from torchfuser.modules.base import FusedModule, adopt, apply_dropout, decided, dropout_p, keep_dropout
+from torchfuser.modules.projections import call_linear, joint, residual_linear, single
 from torchfuser.ops import gated as gated_ops
 
 
@@ -89,7 +89,10 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         (``projections.residual_linear``: under autocast, with an fp32 residual and no dropout on)."""
         s = self.spec
         h, make = self._gated(x)
-        epilogue = dropout_p(self, s.dropout) == 0 and fp8.recipe_of(self) is None
+        epilogue = (s.dropout is None or dropout_p(self, s.dropout) == 0) and self.__dict__.get("_fp8") is None
+        if not torch.is_grad_enabled():  # nothing made again (host time: no context manager)
+            out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
+            return out if out is not None else residual + apply_dropout(self, s.dropout, single(h, getattr(self, s.down), self))
         with self._h_made_again(h, make):
             h = apply_dropout(self, s.inner_dropout, h)
             out = residual_linear(residual, h, getattr(self, s.down)) if epilogue else None
@@ -110,7 +113,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
             linears = [getattr(self, s.gate), getattr(self, s.up)]
             packed, gate_first = joint(x, linears, self), True
         if packed is None:
-            gate, up = linears[0](x), linears[1](x)
+            gate, up = call_linear(linears[0], x), call_linear(linears[1], x)
             return act(gate, up, backend=backend), lambda: act(gate, up, backend=backend)
         if gate_first:  # one [gate | up] tensor: its gradient comes back whole, not concatenated
             h = self._packed_act(packed, x)
@@ -122,7 +125,8 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         """The activation (``functional.swiglu`` / ``geglu``: up=None for one [gate | up] tensor) with its checks
         and backend decided once per call signature (``base.decided``); ``backend`` is always this module's."""
         op = _GATED_OPS[self.spec.activation]
-        key = (op, signature(gate), signature(up), self.backend)
+        key = (op, (type(gate), gate.dtype, gate.device, gate.shape),  # base.signature inline (host time)
+               None if up is None else (type(up), up.dtype, up.device, up.shape), self.backend)
         backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_gated(op, gate, up)))
         return getattr(ops, op)(gate, up, backend) if up is not None else getattr(ops, f"{op}_packed")(gate, backend)
 

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
 from torchfuser.modules import recompute
-from torchfuser.modules.base import FusedModule, adopt, decided, signature
+from torchfuser.modules.base import FusedModule, adopt, decided
 from torchfuser.ops._call import autocast_enabled, kernel
 from torchfuser.ops.rms_norm import add_rms_norm_fp8_producer
 
@@ -91,8 +91,9 @@ class FusedRMSNorm(FusedModule):
         # The checks and the backend once per call signature (host time: a decode step calls every norm once a
         # token). Everything they read is in the key; a weight swapped for another object or dtype, autocast
         # turned on, another device or width gives another key; TRITON_INTERPRET is read at resolve time only.
-        key = ("forward", type(x), x.dtype, x.device, x.shape[-1], signature(w), self.backend,
-               x.device.type != "cpu" and autocast_enabled(x.device.type))
+        # (base.signature's tuples written inline here and below: one Python call less a tensor)
+        key = ("forward", type(x), x.dtype, x.device, x.shape[-1], (type(w), w.dtype, w.device, w.shape),
+               self.backend, x.device.type != "cpu" and autocast_enabled(x.device.type))
 
         def decide():
             out = _out_dtype(s, x, w)
@@ -114,7 +115,9 @@ class FusedRMSNorm(FusedModule):
         # that is s's own), the checks and the backend once per call signature, as in forward; autocast is
         # read by the dtype rule on a GPU, so its state is in the key.
         on = x.device.type != "cpu" and autocast_enabled(x.device.type)
-        key = ("add", signature(x), signature(residual), signature(w), out_dtype, self.backend, on)
+        key = ("add", (type(x), x.dtype, x.device, x.shape),
+               (type(residual), residual.dtype, residual.device, residual.shape), (type(w), w.dtype, w.device, w.shape),
+               out_dtype, self.backend, on)
 
         def decide():
             out = _add_out_dtype(s, x, residual, w) if out_dtype is None else None
@@ -136,7 +139,9 @@ class FusedRMSNorm(FusedModule):
         output hands its FP8 maxima on, as in ``add``."""
         s, weight = self.spec, getattr(self, self.spec.weight)
         on = x.device.type != "cpu" and autocast_enabled(x.device.type)  # (read by _out_dtype: in the key)
-        backend, out = decided(self, ("opening", signature(x), signature(weight), self.backend, on),
+        key = ("opening", (type(x), x.dtype, x.device, x.shape), (type(weight), weight.dtype, weight.device, weight.shape),
+               self.backend, on)
+        backend, out = decided(self, key,
                                lambda: (F.backend_for(self.backend, F.check_rms_norm(x, weight)), _out_dtype(s, x, weight)))
         if out_dtype is None and out != x.dtype:  # the original norm's dtype
             out_dtype, maxima = out, False

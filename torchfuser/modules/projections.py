@@ -37,6 +37,24 @@ from torchfuser.ops._call import autocast_enabled, plain_eager
 _AUTOCAST_CASTS = (torch.float32, torch.bfloat16, torch.float16)  # autocast leaves float64 alone
 
 
+_MODULE = nn.modules.module
+
+
+def call_linear(m: nn.Module, x: Tensor) -> Tensor:
+    """``m(x)``; for a plain ``nn.Linear`` that runs just its class's forward (no hooks of its own or global ones,
+    no forward set on the instance) its product without ``nn.Module.__call__`` (host time: a decode step makes
+    seven such calls a layer, and the module call costs more than a small product's dispatch)."""
+    if (type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+            or m._backward_pre_hooks or _MODULE._global_forward_hooks or _MODULE._global_forward_pre_hooks
+            or _MODULE._global_backward_hooks or _MODULE._global_backward_pre_hooks or "forward" in m.__dict__):
+        return m(x)
+    p = m._parameters
+    w, b = p.get("weight"), p.get("bias", _MODULE)  # (a weight held elsewhere, e.g. a plain attribute: the call)
+    if w is None or b is _MODULE:
+        return m(x)
+    return nn.functional.linear(x, w, b)
+
+
 def _plain(linears) -> bool:
     with_bias = linears[0].bias is not None
     return not hooked(*linears) and all(type(m) is nn.Linear and (m.bias is not None) == with_bias for m in linears)
@@ -48,14 +66,16 @@ def joint(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -
     Projections carrying PEFT LoRA adapters go to ``modules.adapters.lora`` (with or without autocast),
     which counts on ``owner`` why a call could not run there. With FP8 on (``owner._fp8``), FP8 GEMMs
     (``modules.fp8``)."""
-    if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, linears, owner)) is not None:
+    # (fp8.recipe_of inline: every fused attention and MLP call asks)
+    if owner is not None and owner.__dict__.get("_fp8") is not None and (y := fp8.linear(x, linears, owner)) is not None:
         return y
     if len(linears) > 1:
         for m in linears:  # (a loop, not a generator: every fused attention and MLP call runs this)
             if type(m) is not nn.Linear:
                 return lora.joint(x, linears, owner) if any(map(lora.is_lora, linears)) else None
     device = x.device.type
-    if (len(linears) < 2 or x.dtype not in _AUTOCAST_CASTS or not autocast_enabled(device)
+    if (len(linears) < 2 or not torch._C._is_any_autocast_enabled() or x.dtype not in _AUTOCAST_CASTS
+            or not autocast_enabled(device)
             or not _plain(linears)):
         return None
     dtype = torch.get_autocast_dtype(device)
@@ -73,21 +93,21 @@ def single(x: Tensor, linear: nn.Module, owner: nn.Module | None = None) -> Tens
     """``linear(x)``; a PEFT LoRA layer runs as the fused LoRA node (``modules.adapters.lora``), which keeps x
     once in its own dtype for the backward where PEFT's adapter keeps an fp32 copy of it (on a bf16
     base: twice the bytes of every adapted output and down projection's input). With FP8 on, FP8 GEMMs."""
-    if fp8.recipe_of(owner) is not None and (y := fp8.linear(x, [linear], owner)) is not None:
+    if owner is not None and owner.__dict__.get("_fp8") is not None and (y := fp8.linear(x, [linear], owner)) is not None:
         return y
     if type(linear) is not nn.Linear:  # plain projections (and traced code) take the call as it is
         if lora.is_lora(linear):
             y = lora.joint(x, [linear], owner)
             if y is not None:
                 return y
-    return linear(x)
+    return call_linear(linear, x)
 
 
 def project(x: Tensor, linears: list[nn.Module], owner: nn.Module | None = None) -> list[Tensor]:
     """``[m(x) for m in linears]``, as one GEMM where that gives the same result."""
     y = joint(x, linears, owner)
     if y is None:
-        return [m(x) for m in linears]
+        return [call_linear(m, x) for m in linears]
     return list(y.split([m.out_features for m in linears], dim=-1))
 
 
@@ -134,7 +154,8 @@ def residual_linear(residual: Tensor, x: Tensor, linear: nn.Module) -> Tensor | 
     without autocast, a residual that is not fp32 or would broadcast, a bias, a hook, not a plain
     ``nn.Linear``, or outside plain eager mode."""
     device = x.device.type
-    if (not autocast_enabled(device) or residual.dtype != torch.float32 or not _plain([linear])
+    if (not torch._C._is_any_autocast_enabled() or not autocast_enabled(device) or residual.dtype != torch.float32
+            or not _plain([linear])
             or linear.bias is not None or residual.shape != (*x.shape[:-1], linear.out_features)
             or not plain_eager((residual, x, linear.weight))):
         return None

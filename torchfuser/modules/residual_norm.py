@@ -54,12 +54,13 @@ from torch import nn
 from torchfuser.modules import fallbacks, fp8, offload
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.attention import FusedAttention
-from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.base import callee, follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
 
 _NOTHING = contextlib.nullcontext()  # reusable
+_NO_MAXIMA = (False, False)
 _MISSING = "a required argument is missing"
 
 
@@ -147,7 +148,7 @@ class ResidualNormForward:
 
     def __call__(self, *args, **kwargs):
         layer, s = self.layer, self.spec
-        own = offload.of(layer)
+        own = layer.__dict__.get(offload.KEY)  # (offload.of inline: host time, as below)
         if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
             if own is not None and own.applies(layer):  # checkpointed as asked: run eagerly, a graph break
                 return offload.eager(self, args, kwargs)  # type: ignore[misc]
@@ -155,7 +156,7 @@ class ResidualNormForward:
         if len(args) > 1 and len(args) - 1 <= len(s.positional) and not any(n in kwargs for n in s.positional[:len(args) - 1]):
             # as keywords, the names its forward gives them (GPT2Model passes cache, mask, encoder states so)
             kwargs, args = {**kwargs, **dict(zip(s.positional, args[1:]))}, args[:1]
-        checkpointing = _checkpoints(layer)
+        checkpointing = torch.is_grad_enabled() and _checkpoints(layer)  # (no_grad, decode: no call)
         own = own if own is not None and own.applies(layer) else None  # HF's checkpointing wins where it is on
         if checkpointing or own is not None:
             kwargs = _without_cache(layer, kwargs)
@@ -175,17 +176,20 @@ class ResidualNormForward:
     def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
-        norm_in, attention, mlp = getattr(layer, s.norm_in), getattr(layer, s.attention), _mlp(layer, s, self._drop)
+        norm_in, attention, mlp = _child(layer, s.norm_in), _child(layer, s.attention), _mlp(layer, s, self._drop)
         if s.post_norm:
             return self._post(call, x, norm_in, attention, mlp)
-        low = _projection_dtype(x, attention, mlp) if not s.parallel else None
-        maxima = _maxima(attention, "in", x, low)
+        # (no autocast: no projection dtype; FP8 producers off: no maxima; no_grad: nothing made again. Each
+        # asked without a call where it is off: host time of a decode step)
+        low = _projection_dtype(x, attention, mlp) if not s.parallel and torch._C._is_any_autocast_enabled() else None
+        maxima = fp8._SWITCHES.fp8_norm_producers and _maxima(attention, "in", x, low)
         y, x = norm_in.opening_residual(x, low, maxima)
-        with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
-            if "attention" in s.residual_passed:  # it returns x + its output (BLOOM)
-                a = attention(y, x, **call)
-            else:
-                a = attention(y, **call) if not s.attention_input else attention(**{s.attention_input: y}, **call)
+        args = (y, x) if "attention" in s.residual_passed else (y,)  # (BLOOM's attention returns x + its output)
+        if not torch.is_grad_enabled():  # nothing made again, and no nn.Module.__call__ where no hook would run
+            a = _attend(callee(attention), args, s.attention_input, call)
+        else:
+            with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
+                a = _attend(attention, args, s.attention_input, call)
         out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a[0])), low, attention, mlp)
         return (out, a[1]) if s.returns_rest else out
 
@@ -202,7 +206,7 @@ class ResidualNormForward:
         """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's
         output y and the attention's output a."""
         s = self.spec
-        norm_mid = getattr(self.layer, s.norm_mid)
+        norm_mid = _child(self.layer, s.norm_mid)
         # then dropout(mlp(…)) · scale is added, not mlp(…) inside its GEMM
         dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None or self._on(s.sum_dropout)
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
@@ -212,8 +216,11 @@ class ResidualNormForward:
             m = self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
             return x + self._drop(s.sum_dropout, a + m) if s.sum_dropout else x + a + m
         if "attention" in s.residual_passed:  # a is the sum already: h's two gradients summed in norm_mid's backward
-            maxima = (False, False)
+            maxima = _NO_MAXIMA
             y, h = norm_mid.opening_residual(a, low)
+        elif not fp8._SWITCHES.fp8_norm_producers:  # (no maxima asked for: host time of a decode step)
+            maxima = _NO_MAXIMA
+            h, y = norm_mid.add(x, a, low, maxima)
         else:
             # (not the attention output's gradient maxima under its dropout or scale: that gradient is not its output's)
             plain = not self._on(s.attention_dropout) and s.attention_scale is None
@@ -238,7 +245,7 @@ class ResidualNormForward:
         if call is None:
             return "keywords its forward does not pass on to the attention"
         layer, s = self.layer, self.spec
-        if why := _unfused_norms(getattr(layer, s.norm_in), getattr(layer, s.norm_mid)):
+        if why := _unfused_norms(_child(layer, s.norm_in), _child(layer, s.norm_mid)):
             return why
         return ("a dropout between the blocks is on, at a place the fused forward does not apply it"
                 if self._dropping() else None)
@@ -265,7 +272,9 @@ class ResidualNormForward:
     def _dropping(self) -> bool:
         """Whether a dropout between the blocks that the fused forward does not apply (no place found) is on now."""
         layer, s = self.layer, self.spec
-        return layer.training and any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
+        if not layer.training or not (s.dropouts or s.float_dropouts):  # (no generator where none: host time)
+            return False
+        return any(float(dropout_attr(layer, n)) > 0 for n in (*s.dropouts, *s.float_dropouts))
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
@@ -285,14 +294,28 @@ def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: boo
     return norm.made_again(y, src)
 
 
+def _child(layer: nn.Module, name: str):
+    """``getattr(layer, name)`` for a submodule, read from ``_modules`` without nn.Module's ``__getattr__`` frame."""
+    child = layer._modules.get(name)
+    return child if child is not None else getattr(layer, name)
+
+
+def _attend(attention, args: tuple, attention_input: str, call: dict):
+    """The attention called as the original calls it: its input positionally (with the residual after it where it
+    adds that itself, BLOOM), or under its keyword."""
+    if attention_input and len(args) == 1:
+        return attention(**{attention_input: args[0]}, **call)
+    return attention(*args, **call)
+
+
 def _mlp(layer: nn.Module, s: ResidualNormSpec, drop):
     """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·))), with
     ``drop(name, t)`` applying its inner dropout where it has one."""
     if s.mlp_tuple:
-        block = getattr(layer, s.mlp)
+        block = _child(layer, s.mlp)
         return lambda *args: block(*args)[0]
     if not s.mlp_inline:
-        return getattr(layer, s.mlp)
+        return _child(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
     return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))
 

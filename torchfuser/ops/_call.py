@@ -18,6 +18,7 @@ import functools
 import os
 
 import torch
+from torch.utils import _python_dispatch as _dispatch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from torchfuser import backends as _backends
@@ -26,6 +27,8 @@ from torchfuser.switches import SWITCHES as _SWITCHES
 
 _C = torch._C
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_SCALAR_TYPES = frozenset((float, int, bool, str, type(None), torch.dtype))  # never tensors: no isinstance
 _DK = _C.DispatchKey
 _ABOVE_PYTHON = _C._dispatch_keyset_full() - _C._dispatch_keyset_full_after(_DK.Python)
 _REENABLE = _ABOVE_PYTHON - _C.DispatchKeySet(_DK.Python)
@@ -157,7 +160,26 @@ def plain_eager(args) -> bool:
     if is_in_torch_dispatch_mode() or _C._functorch.peek_interpreter_stack() is not None:
         return False
     for a in args:  # a loop, not a generator: every fused call runs this (host time)
-        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+        # The argument's type looked up first: isinstance against torch.Tensor (its metaclass) costs more
+        t = type(a)
+        if t not in _PLAIN_TYPES and t not in _SCALAR_TYPES and isinstance(a, torch.Tensor):
+            return False
+    return True
+
+
+def _plain_rows(args) -> bool:
+    """``plain_eager(args)`` and no empty tensor among them (``for_empty`` would change nothing), in one pass:
+    what a no-grad call checks before ``nograd_forward`` (a decode step makes one such call per fused op)."""
+    if torch.compiler.is_compiling() or _C._is_torch_function_mode_enabled():
+        return False
+    if _dispatch._is_in_torch_dispatch_mode or _C._functorch.peek_interpreter_stack() is not None:
+        return False
+    for a in args:
+        t = type(a)
+        if t in _PLAIN_TYPES:
+            if a.numel() == 0:
+                return False
+        elif t not in _SCALAR_TYPES and isinstance(a, torch.Tensor):
             return False
     return True
 
@@ -235,8 +257,13 @@ def autograd(fwd_op, setup, backward, elementwise: bool = True):
     fwd_name = fwd_op._name.split("::")[-1]  # "rms_norm_fwd"
     definition = getattr(_reference, fwd_name) if elementwise else None
     op = fwd_name.removesuffix("_fwd")
+    nograd = impl is not None and elementwise
 
     def call(*args):
+        if nograd and not torch.is_grad_enabled() and _plain_rows(args):
+            # No graph to record (generate, TRL's rollouts and reference scoring): the kernel alone, checked in
+            # one pass (the general way below makes the same call after for_empty and plain_eager).
+            return nograd_forward(fwd_name, args)
         args = for_empty(args)
         if impl is not None and plain_eager(args):
             # No graph to record (generate, TRL's rollouts and reference scoring run under no_grad):

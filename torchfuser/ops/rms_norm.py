@@ -4,7 +4,7 @@ import torch
 from torch import Tensor
 
 from . import fp8_quant
-from ._call import autograd, empty, kernel, nograd_forward, plain_eager, run
+from ._call import _plain_rows, autograd, empty, kernel, nograd_forward, plain_eager, run
 
 
 @torch.library.custom_op("torchfuser::rms_norm_fwd", mutates_args=())
@@ -188,6 +188,8 @@ def rms_norm_opening_residual(
     The norm's output in ``out_dtype`` (default x's); with ``y_amax`` it hands its FP8 maxima on (plain
     eager only: the caller checks). Only plain eager calls take the joint backward: traced and compiled
     code sees two uses of x."""
+    if not y_amax and not torch.is_grad_enabled() and _plain_rows((x, weight)):  # decode: one pass of checks
+        return nograd_forward("rms_norm_fwd", (x, weight, eps, offset, out_dtype, backend))[0], x
     backend = "reference" if empty(x, weight) else backend
     if plain_eager((x, weight)):
         if not torch.is_grad_enabled() and not y_amax:  # no graph to record (decode): the kernel alone
