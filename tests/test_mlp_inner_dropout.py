@@ -11,33 +11,14 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 import torchfuser
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.patterns.base import Skip
 from torchfuser.patterns.mlp import MLPPattern
 
-from arch_sweep import tiny_config
 from numerics import assert_cuda_steps_like, assert_trains_like
-
-VOCAB = 128
-
-
-def _model(model_type: str, **dropouts):
-    cfg = tiny_config(model_type)
-    for k, v in dropouts.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).float().train()
-
-
-def step(model, device="cpu"):
-    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1)).to(device)
-    torch.manual_seed(0)  # the same random stream for both models' dropouts
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return loss.detach()
+from tiny_lm import lm_step as step, tiny_model
 
 
 @pytest.mark.parametrize("model_type, dropouts, cls, where", [
@@ -46,14 +27,14 @@ def step(model, device="cpu"):
      dict(inner_dropout="activation_dropout", dropout="dropout")),
 ])
 def test_training_step_with_dropout_matches_unfused(model_type, dropouts, cls, where):
-    ref = _model(model_type, **dropouts)
+    ref = tiny_model(model_type, **dropouts)
     fused = copy.deepcopy(ref)
     keys = list(ref.state_dict())
     torchfuser.optimize(fused, backend="reference")
     mlps = [m for m in fused.modules() if isinstance(m, cls)]
     assert len(mlps) == 2, str(torchfuser.report(fused))
     assert {k: getattr(mlps[0].spec, k) for k in where} == where
-    assert step(ref) != step(_model(model_type)), "the dropout is not on: the test would not see it"
+    assert step(ref) != step(tiny_model(model_type)), "the dropout is not on: the test would not see it"
     ref.zero_grad(set_to_none=True)
     assert_trains_like(ref, fused, step, keys, loss_rtol=1e-6)
 
@@ -111,11 +92,10 @@ def test_a_dropout_before_the_first_projection_is_left_alone_with_the_reason(whe
     assert isinstance(found, Skip) and reason in found.reason, found
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_with_the_defaults():
     """The gated kernel's output dropped before Wo on the GPU: from one seed the masks are the original's."""
-    ref = _model("modernbert-decoder", mlp_dropout=0.25).cuda()
+    ref = tiny_model("modernbert-decoder", mlp_dropout=0.25).cuda()
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused)
     assert sum(isinstance(m, FusedGatedMLP) for m in fused.modules()) == 2, str(torchfuser.report(fused))

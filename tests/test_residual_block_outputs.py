@@ -19,17 +19,8 @@ from torchfuser.patterns.residual_norm import ResidualNormPattern
 
 from arch_sweep import tiny_config
 from numerics import assert_trains_like
+from tiny_lm import lm_step as step
 from test_residual_norm import H, Layer
-
-VOCAB = 128
-
-
-def step(model, device="cpu"):
-    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1)).to(device)
-    torch.manual_seed(0)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return loss.detach()
 
 
 @pytest.mark.parametrize("model_type, mlp_tuple", [("gpt_oss", True), ("jetmoe", False)])

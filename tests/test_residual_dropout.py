@@ -12,17 +12,14 @@ import copy
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 import torchfuser
-from torchfuser.modules.residual_norm import ResidualNormForward
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 
-from arch_sweep import tiny_config
 from numerics import assert_cuda_steps_like, assert_trains_like
+from tiny_lm import fused_layers, lm_step as step, tiny_model
 from test_residual_norm import Layer
 
-VOCAB = 128
 # model type, its dropout fields at p > 0, the (attention's, MLP's) dropout the probe must place
 _FORMS = [
     ("phi3", dict(resid_pdrop=0.2), ("resid_attn_dropout", "resid_mlp_dropout")),  # sequential, two children
@@ -33,35 +30,15 @@ _FORMS = [
 ]
 
 
-def _model(model_type: str, **fields):
-    cfg = tiny_config(model_type)
-    for k, v in fields.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).float().train()
-
-
-def step(model, device="cpu"):
-    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1)).to(device)
-    torch.manual_seed(0)  # the same random stream for both models' dropouts
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return loss.detach()
-
-
-def layers(model):
-    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
-
-
 @pytest.mark.parametrize("model_type, fields, placed", _FORMS, ids=[f[0] for f in _FORMS])
 def test_training_step_with_dropout_matches_unfused(model_type, fields, placed):
-    ref = _model(model_type, **fields)
+    ref = tiny_model(model_type, **fields)
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
-    found = layers(fused)
+    found = fused_layers(fused)
     assert len(found) == 2, str(torchfuser.report(fused))
     assert {(m.forward.spec.attention_dropout, m.forward.spec.mlp_dropout) for m in found} == {placed}
-    assert step(ref) != step(_model(model_type)), "the dropout is not on: the test would not see it"
+    assert step(ref) != step(tiny_model(model_type)), "the dropout is not on: the test would not see it"
     ref.zero_grad(set_to_none=True)
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
 
@@ -70,10 +47,10 @@ def test_training_step_with_dropout_matches_unfused(model_type, fields, placed):
 def test_an_inline_mlps_activation_dropout_is_placed(model_type):
     """OPT-style layers holding fc1 → activation → dropout(activation_dropout) → fc2 themselves: the inner dropout
     is applied by the fused forward between the activation and fc2 (``mlp_inner_dropout``)."""
-    ref = _model(model_type, dropout=0.2, activation_dropout=0.3)
+    ref = tiny_model(model_type, dropout=0.2, activation_dropout=0.3)
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
-    found = layers(fused)
+    found = fused_layers(fused)
     assert len(found) == 2, str(torchfuser.report(fused))
     assert {(m.forward.spec.attention_dropout, m.forward.spec.mlp_dropout, m.forward.spec.mlp_inner_dropout)
             for m in found} == {("dropout", "dropout", "activation_dropout")}
@@ -81,12 +58,12 @@ def test_an_inline_mlps_activation_dropout_is_placed(model_type):
 
 
 def test_under_gradient_checkpointing_the_recompute_draws_the_same_masks():
-    ref = _model("phi3", resid_pdrop=0.2)
+    ref = tiny_model("phi3", resid_pdrop=0.2)
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
     for m in (ref, fused):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert len(layers(fused)) == 2
+    assert len(fused_layers(fused)) == 2
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
 
 
@@ -145,8 +122,8 @@ def test_a_parallel_layer_calling_its_mlp_first_is_left_alone():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("model_type, fields, placed", _FORMS[:3], ids=[f[0] for f in _FORMS[:3]])
 def test_on_cuda_with_the_defaults(model_type, fields, placed):
-    ref = _model(model_type, **fields).cuda()
+    ref = tiny_model(model_type, **fields).cuda()
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused)
-    assert len(layers(fused)) == 2, str(torchfuser.report(fused))
+    assert len(fused_layers(fused)) == 2, str(torchfuser.report(fused))
     assert_cuda_steps_like(ref, fused, step)

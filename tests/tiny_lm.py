@@ -1,0 +1,36 @@
+"""Shared pieces of the fused-against-unfused training tests on tiny causal LMs (``arch_sweep.tiny_config``):
+the model with some config fields set, one training step, the layers the residual-norm pattern fused."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from torchfuser.modules.residual_norm import ResidualNormForward
+
+from arch_sweep import tiny_config
+
+VOCAB = 128
+
+
+def tiny_model(model_type: str, **fields):
+    """The tiny fp32 model in training mode, ``fields`` set on its config (dropouts, residual scales), seed 0."""
+    cfg = tiny_config(model_type)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float().train()
+
+
+def lm_step(model, device="cpu"):
+    """One forward and backward on fixed token ids; the global generator seeded just before the forward, so
+    two models' dropouts draw the same random stream."""
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1)).to(device)
+    torch.manual_seed(0)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach()
+
+
+def fused_layers(model) -> list:
+    """The decoder layers whose forward the residual-norm pattern replaced."""
+    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
