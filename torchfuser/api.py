@@ -291,7 +291,7 @@ def _set_fp8(model: nn.Module, recipe: str | None, result: FusionReport, per_ste
     installed = head_check.fused_heads(model, st) if st is not None else {}  # wrapped since, too (a trainer's)
     for entry in result.fused:
         module = model.get_submodule(entry.name) if entry.name else model
-        # its norms are producers where they are on (modules.residual_norm._maxima)
+        # its norms are producers where they are on (modules._layer_blocks.maxima)
         layers += entry.pattern == "residual_norm" and _fp8._SWITCHES.fp8_norm_producers
         if entry.pattern == "lm_head_loss":
             fused = installed.get(entry.name)

@@ -52,12 +52,12 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
+from torchfuser.modules._layer_blocks import (as_class as _as_class, maxima as _maxima,
+                                              projection_dtype as _projection_dtype, unfused_norms as _unfused_norms)
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
-from torchfuser.modules.attention import FusedAttention
-from torchfuser.modules.base import callee, follow_replicas, hooked, unfollow_replicas
+from torchfuser.modules.base import callee, follow_replicas, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
-from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
-from torchfuser.ops._call import autocast_enabled
+from torchfuser.modules.norms import FusedRMSNorm
 
 _NOTHING = contextlib.nullcontext()  # reusable
 _NO_MAXIMA = (False, False)
@@ -325,69 +325,6 @@ def dropout_attr(layer: nn.Module, name: str):
     owner = layer.config if name.startswith("config.") else layer
     value = getattr(owner, name.removeprefix("config."))
     return value.p if isinstance(value, nn.Module) else value
-
-
-def _unfused_norms(*norms: nn.Module) -> str | None:
-    """Why the fused path cannot use these norms' kernels in place of calling them, or None."""
-    for n in norms:  # (a loop, not a generator: host time)
-        if not isinstance(n, (FusedRMSNorm, FusedLayerNorm)):
-            return "its norms are no longer fused RMSNorms or LayerNorms"
-    if not _as_class(*norms):
-        return "hooks (or a forward of their own) on its norms: the fused path would skip them"
-    return None
-
-
-def _as_class(*modules: nn.Module) -> bool:
-    """Whether calling these modules would run just their class's forward (no hooks, no forward
-    replaced on the instance), so that this forward may call their methods instead."""
-    if hooked(*modules):
-        return False
-    for m in modules:  # (a loop, not a generator: host time)
-        if "forward" in m.__dict__:
-            return False
-    return True
-
-
-def _projection_dtype(x, attention: nn.Module, mlp: nn.Module) -> torch.dtype | None:
-    """Under autocast, the dtype the norms may write their outputs in: the autocast dtype when both
-    blocks first project their input with plain ``nn.Linear``s, which would cast it to that dtype
-    anyway (the same values; the norm writes half the bytes, the cast kernel goes, and the backward
-    reads a bf16 dy, as autocast's own cast gives). Else None: the norms' own dtype."""
-    device = x.device.type
-    if not autocast_enabled(device) or x.dtype != torch.float32:
-        return None
-    if not (isinstance(attention, FusedAttention) and isinstance(mlp, FusedGatedMLP)):
-        return None
-    inputs = [(attention, n) for n in attention.spec.qkv]
-    inputs += [(mlp, n) for n in (mlp.spec.gate, mlp.spec.up, mlp.spec.gate_up) if n is not None]
-    linears = [getattr(block, name) for block, name in inputs]
-    if all(type(m) is nn.Linear for m in linears) and not hooked(*linears):
-        return torch.get_autocast_dtype(device)
-    return None
-
-
-def _projections(block: nn.Module, which: str) -> list[nn.Module]:
-    """A fused block's projections of its input (``which="in"``) or, attention's, of its output (``"out"``)."""
-    if isinstance(block, FusedAttention):
-        names = block.spec.qkv if which == "in" else (block.spec.out,)
-    elif isinstance(block, FusedGatedMLP) and which == "in":
-        names = (block.spec.gate, block.spec.up, block.spec.gate_up)
-    elif isinstance(block, FusedMLP) and which == "in":
-        names = (block.spec.fc_in,)
-    else:
-        names = ()
-    return [getattr(block, n) for n in names if n is not None]
-
-
-def _maxima(block: nn.Module, which: str, t: torch.Tensor, dtype: torch.dtype | None) -> bool:
-    """Whether a norm's output (``which="in"``: in ``dtype``, None for t's) or the gradient the middle
-    norm's backward hands the attention's output t (``"out"``) should carry its FP8 maxima to ``block``'s
-    projections that take it (``modules.fp8.producer_maxima``: the kernels are the layer's norms, the
-    recipe the block's)."""
-    if not fp8._SWITCHES.fp8_norm_producers or fp8.recipe_of(block) is None:
-        return False
-    linears = _projections(block, which)
-    return bool(linears) and fp8.producer_maxima(block, t, linears, dtype)
 
 
 def install(layer: nn.Module, spec: ResidualNormSpec) -> None:
