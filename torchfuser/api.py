@@ -9,6 +9,7 @@ from torch import nn
 
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, settings as _settings, transaction
 from torchfuser import experts as _experts, head_check, unwrap, walker
+from torchfuser.backends import policy as _policy
 from torchfuser.modules import fallbacks, fp8 as _fp8, offload as _offload, packed as _packed
 from torchfuser.modules.fp8 import step as _fp8_step
 from torchfuser.modules.base import loaded_fsdp
@@ -221,7 +222,9 @@ def _apply(model: nn.Module, before, s: _settings.Settings, chosen, strict: bool
     # Blocks autotune gave back to their originals stay so while it is on (its decision); off, they are fused.
     leave = frozenset(id(a.undo.original) for a in st.undo if type(a.undo).__name__ == "_KeptOriginal") \
         if st is not None and s.autotune else frozenset()
-    result = walker.fuse(model, chosen, s.backend, strict, s.filter_fn, leave)
+    # auto on a CPU without torch-mlir: only the blocks the reference backend runs no slower (backends/policy.py)
+    keep = _policy.held(s.backend, walker._device(model), fp8=s.fp8, checkpointing=s.checkpointing)
+    result = walker.fuse(model, chosen, s.backend, strict, s.filter_fn, leave, keep)
     st = walker.state(model)
     changed = afresh or rebackend or (len(st.undo) if st is not None else 0) != swaps
     if not st:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchfuser import backends
+from torchfuser.backends import policy
 from torchfuser.modules.adapters import quantized_base
 from torchfuser.modules.base import FusedModule
 from torchfuser.patterns import Applied, Pattern, Skip, _probe
@@ -104,7 +105,7 @@ def _old_order(filter_fn, asked) -> bool:
     return False
 
 
-def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozenset()):
+def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozenset(), keep=None):
     """[(qualname, module, pattern, spec or Skip)] for every candidate block, in module order.
     A candidate ``filter_fn(module, qualname)`` refuses is a Skip: listed, not swapped. Modules whose
     id is in ``leave`` are not offered (autotune's kept originals: their entries say so already).
@@ -112,6 +113,7 @@ def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozen
     refuses every candidate but would accept one the other way round: a TypeError says so. The latter is
     judged on a model with nothing fused yet (a new filter always fuses afresh): on a later call with the
     filter kept, the candidates left are those it refused, and ``not isinstance(module, ...)`` would pass.
+    ``keep`` (``backends.policy.held``): None, or the only patterns fused; other matches are left to PyTorch.
     """
     found, asked, refused, fresh = [], [], 0, state(model) is None
     with _probe.one_thread():
@@ -132,6 +134,8 @@ def find(model: nn.Module, patterns: list[Pattern], filter_fn=None, leave=frozen
                             found.append((name, module, pattern, Skip(EXCLUDED)))
                             break
                     why = _not_plain(pattern.parameters_used(module))
+                    if why is None and keep is not None and pattern.name not in keep and not isinstance(result, Skip):
+                        why = policy.REASON
                     result = Skip(why) if why else result
                     found.append((name, module, pattern, result))
                     break
@@ -156,18 +160,24 @@ def _children_excluded(found):
 
 
 def fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn=None,
-         leave=frozenset()) -> FusionReport:
+         leave=frozenset(), keep=None) -> FusionReport:
     # Probes seed, draw and run dropouts: whatever a pattern does, the user's generators come out as they went in.
     with _probe.saved_rng():
-        return _fuse(model, patterns, backend, strict, filter_fn, leave)
+        return _fuse(model, patterns, backend, strict, filter_fn, leave, keep)
 
 
-def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn, leave) -> FusionReport:
+def _chosen_skip(reason: str) -> bool:
+    """A skip that is a choice, not a failure (strict=True lets it pass): filter_fn's, or the default's."""
+    return reason.startswith(EXCLUDED) or reason.startswith(policy.LEFT_TO_PYTORCH)
+
+
+def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool, filter_fn, leave,
+          keep=None) -> FusionReport:
     st = state(model)
     if st is None:
         st = _State(FusionReport(type(model).__name__), backend=backend)
-    found = find(model, patterns, filter_fn, leave)
-    skipped = [(n, r.reason) for n, _, _, r in found if isinstance(r, Skip) and not r.reason.startswith(EXCLUDED)]
+    found = find(model, patterns, filter_fn, leave, keep)
+    skipped = [(n, r.reason) for n, _, _, r in found if isinstance(r, Skip) and not _chosen_skip(r.reason)]
     if strict and skipped:
         listing = "\n".join(f"  {n or '(model)'}: {why}" for n, why in skipped)
         raise ValueError(f"strict=True and {len(skipped)} candidate block(s) would be skipped:\n{listing}")
@@ -183,6 +193,8 @@ def _fuse(model: nn.Module, patterns: list[Pattern], backend: str, strict: bool,
         _set_backend(model, st, backend)
     for name, *_ in found:  # report in module order
         st.report.add(entries[name][0])
+    if any(r == Skip(policy.REASON) for *_, r in found) and (why := policy.note(device.type)) not in st.report.notes:
+        st.report.notes.append(why)
     st.undo += [applied for _, applied in entries.values() if applied is not None]
     if st.undo:
         model.__dict__[_STATE] = st
