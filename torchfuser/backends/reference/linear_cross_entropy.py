@@ -1,6 +1,7 @@
 """Linear + cross-entropy: loss of softcap(hidden @ W.T + b) against labels.
 
-The reference holds all logits; it is the oracle, not the memory-lean path. Gradients are
+The reference holds all logits; it is the oracle, not the memory-lean path. On the CPU, fp32/bf16/fp16 calls
+take ``lce_chunked`` instead (the same function a chunk of tokens at a time; fp64 keeps this oracle). Gradients are
 computed in the forward (for an upstream gradient of 1), as every backend does, so the
 backward is a scale.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import _fp8_gemm
+from . import lce_chunked
 from ._autodiff import compute_dtype, value_and_vjp
 from .fp8_quant import fp8_quantize, fp8_quantize_both
 
@@ -79,6 +81,9 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
     if fp8 is not None:
         return _fp8_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction, need_grad, fp8 == "tensorwise",
                         weight_grad)
+    if lce_chunked.applies(hidden, weight, bias, labels, fp8):  # the CPU's fp32 path: no N×V logits (lce_chunked.py)
+        return lce_chunked.linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap, reduction,
+                                                    need_grad, weight_grad)
     args = (labels, ignore_index, softcap, reduction)
     if not need_grad:  # three distinct empties: custom-op outputs must not alias each other
         loss = linear_cross_entropy(hidden, weight, bias, *args).float()
