@@ -168,10 +168,24 @@ def run(device: str | None = None, steps: int = 30, backend: str = "auto", seed:
     if GRAPHED in results:  # graph replays restore their saved tensors without the hooks: no count
         results[GRAPHED]["saved_bytes"] = None
     _print_summary(console, results, size)
+    if (held := _held_note(dev, backend)) is not None:
+        console.print(held)
     for note in report(models[GRAPHED]).notes if GRAPHED in models else ():
         if "layer calls replayed" in note:
             console.print(note)
     return results
+
+
+def _held_note(dev, backend) -> str | None:
+    """What the torchfuser column ran, where the default has no compiled backend on this device (CI's plain
+    wheel: no torch-mlir): the blocks slower on the reference backend stayed PyTorch's (backends/policy.py)."""
+    from torchfuser.backends import policy, unavailable_reason
+
+    if policy.held(backend, dev) is None:
+        return None
+    return (f"torchfuser here: no compiled CPU backend ({unavailable_reason('mlir', 'cpu')}), so only "
+            f"{', '.join(sorted(policy.KEPT_WITHOUT_COMPILER))} is fused, the blocks the reference kernels run no "
+            "slower than PyTorch; the others stay PyTorch's (see the report)")
 
 
 def _mib(n):
