@@ -86,7 +86,9 @@ def optimize(
     fused afresh with them. ``strict`` and ``verbose`` are about one call and not kept.
 
     backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
-        ``"reference"``, ``"triton"`` or ``"mlir"``.
+        ``"reference"``, ``"triton"`` or ``"mlir"``. On a CPU without torch-mlir, ``"auto"`` fuses only the
+        LM head + loss and leaves the blocks the reference kernels run slower than PyTorch as they are, with
+        the reason in the report (``backends/policy.py``); ``"reference"`` fuses them all.
     patterns / exclude: pattern names to use / to leave out (see ``torchfuser.PATTERNS``).
     filter_fn: ``filter_fn(module, fqn) -> bool``, in the order of torchao's ``quantize_``, is asked about
         every candidate block (``fqn`` its qualified name as in ``model.named_modules()``; ``""`` for the

@@ -8,7 +8,9 @@ replaced, on the inputs of a real training call), through ``torchfuser.autotune`
 ``--reps`` alternated runs). Blocks called by method (the residual-norm layer's norms) and the fused LM head
 are not modules autotune times: ``step`` measures them. ``step``: whole training steps (forward, backward,
 AdamW) of eager, every block fused on the reference backend, each kind left out in turn (``exclude``), and
-``optimize`` as the default resolves it here; alternated round-robin, median and min of ``--reps``.
+``optimize`` as the default resolves it here (``--no-mlir``: as in a plain wheel's environment); alternated
+round-robin, median and min of ``--reps``; ``--cpu-time``: the thread's CPU time (with one thread, the work of
+the step without the waits for a core that a shared machine adds), not wall time.
 A diagnostic for docs/performance/NOTES-mlir.md ("Without torch-mlir").
 """
 from __future__ import annotations
@@ -127,8 +129,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch's intra-op threads (1: on a shared machine, parallel regions wait for busy cores)")
     p.add_argument("--kinds", nargs="*", default=None, help="step: the kinds fused alone (default: every one)")
+    p.add_argument("--no-mlir", action="store_true", help="as if torch-mlir were not installed (CI's plain wheel)")
     p.add_argument("--cpu-time", action="store_true", help="step: the thread's CPU time, not wall time")
     a = p.parse_args()
+    if a.no_mlir:
+        from torchfuser import backends
+
+        backends._INSTALLED["torch_mlir"] = False
     if a.cpu_time:
         global CLOCK
         CLOCK = time.thread_time
