@@ -4,7 +4,8 @@ The same function as ``linear_cross_entropy.linear_cross_entropy`` (the oracle, 
 derives the gradients with torch.func), computed the way a compiled kernel does, for an upstream gradient of 1:
 for each chunk of C rows (C×V fp32 logits, ``CHUNK_BYTES``)
 
-    z  = h_c·Wᵀ + b                   s = softcap·tanh(z/softcap) (or z)
+    z  = h_c·Wᵀ + b   (bf16/fp16 operands: the product in their dtype, as nn.Linear; then fp32)
+                                      s = softcap·tanh(z/softcap) (or z)
     ℓ  = logsumexp(s) − s[label]      0 where the label is ignore_index
     g  = a ⊙ (softmax(s) − onehot(label)) ⊙ ∂s/∂z       ∂s/∂z = 1 − tanh²(z/softcap)
     dh_c = g·W        dW += gᵀ·h_c        db += Σ_rows g
@@ -46,8 +47,12 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int, so
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     n, vocab = h.shape[0], weight.shape[0]
-    w = weight.to(f32)
-    b = None if bias is None else bias.to(f32)
+    # The products in the operands' dtype where both are bf16/fp16 (autocast's), as nn.Linear and the
+    # fused head's contract have them: the logits rounded to it once, then fp32. An fp32 GEMM of bf16
+    # operands would be the slower product for no gain over that contract (6× on a CPU with bf16 dot products).
+    mm = hidden.dtype if hidden.dtype == weight.dtype else f32
+    w = weight.to(mm)
+    b = None if bias is None else bias.to(mm)
     valid = y != ignore_index
     scale = 1.0 / valid.sum().to(f32) if reduction == "mean" else torch.ones((), dtype=f32)  # inf if none counted
     a = torch.where(valid, scale, torch.zeros((), dtype=f32))
@@ -56,12 +61,12 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int, so
     empty = hidden.new_empty(0)
     grads = need_grad
     dh = torch.empty(h.shape, dtype=hidden.dtype) if grads else empty
-    dw = torch.zeros(w.shape, dtype=f32) if grads and weight_grad else None
+    dw = torch.zeros(weight.shape, dtype=f32) if grads and weight_grad else None
     db = torch.zeros(vocab, dtype=f32) if grads and weight_grad and b is not None else None
     c = chunk_rows(n, vocab)
     for i in range(0, n, c):
-        hc = h[i:i + c].to(f32)
-        z = hc @ w.T if b is None else torch.addmm(b, hc, w.T)
+        hc = h[i:i + c].to(mm)
+        z = (hc @ w.T if b is None else torch.addmm(b, hc, w.T)).to(f32)
         t = None if softcap is None else torch.tanh(z / softcap)
         s = z if t is None else t * softcap
         lse = torch.logsumexp(s, -1)
@@ -75,11 +80,15 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index: int, so
         if t is not None:
             g.mul_(t.mul_(t).neg_().add_(1.0))
         g.mul_(a[i:i + c].unsqueeze(1))
+        db_c = g.sum(0) if db is not None else None
+        g = g.to(mm)
         dh[i:i + c] = g @ w
-        if dw is not None:
+        if dw is not None and mm == f32:
             dw.addmm_(g.T, hc)
+        elif dw is not None:
+            dw += g.T @ hc  # each chunk's product rounded to bf16 once, summed in fp32
         if db is not None:
-            db += g.sum(0)
+            db += db_c
     loss = total / valid.sum() if reduction == "mean" else total  # 0/0 = NaN with none counted, as the oracle
     if not grads:
         return loss, empty, empty.clone(), empty.clone()
