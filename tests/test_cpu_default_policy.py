@@ -104,6 +104,7 @@ def test_demo_reports_honestly_without_mlir(no_mlir, monkeypatch):
     text = console.export_text()
     assert "1 blocks fused" in text and policy.LEFT_TO_PYTORCH in text
     assert "torchfuser here: no compiled CPU backend" in text and "only lm_head_loss is fused" in text
+    assert 'pip install ".[mlir]"' in text  # not eaten as rich markup
     assert "loss parity" in text and "speed-up" in text
     eager, fused = results["eager"]["losses"], results["torchfuser"]["losses"]
     assert max(abs(a - b) for a, b in zip(eager, fused)) < 1e-4

@@ -169,7 +169,7 @@ def run(device: str | None = None, steps: int = 30, backend: str = "auto", seed:
         results[GRAPHED]["saved_bytes"] = None
     _print_summary(console, results, size)
     if (held := _held_note(dev, backend)) is not None:
-        console.print(held)
+        console.print(held, markup=False)  # `pip install ".[mlir]"`: brackets rich would take for markup
     for note in report(models[GRAPHED]).notes if GRAPHED in models else ():
         if "layer calls replayed" in note:
             console.print(note)

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
-# fp32 logits of one chunk, as the MLIR backend's: smaller chunks (1-16 MiB) measured slower on the CPU, the
-# three products losing more to their shorter row counts (dW's inner dimension) than the cache gives back.
-CHUNK_BYTES = 32 << 20
+# fp32 logits of one chunk. Smaller chunks (1-16 MiB) measured slower on the CPU, the three products losing
+# more to their shorter row counts (dW's inner dimension) than the cache gives back; 32 and 64 MiB were even on
+# one thread, and fewer chunks mean fewer parallel regions where threads wait for a busy machine's cores
+# (a small model's step: 512 tokens × 32k vocabulary in one chunk).
+CHUNK_BYTES = 64 << 20
 MIN_CHUNK_ROWS = 64
 
 
