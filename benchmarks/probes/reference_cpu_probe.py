@@ -49,6 +49,10 @@ def build(name: str):
     if name == "gpt2":
         cfg = tr.GPT2Config(n_embd=256, n_layer=2, n_head=8, vocab_size=32000, n_positions=128)
         return tr.GPT2LMHeadModel(cfg), (4, 128, 32000)
+    if name == "mixtral":
+        cfg = tr.MixtralConfig(hidden_size=256, intermediate_size=352, num_hidden_layers=2, num_attention_heads=8,
+                               num_key_value_heads=2, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2)
+        return tr.MixtralForCausalLM(cfg), (4, 128, 32000)
     if name == "llama-tiny":
         cfg = tr.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=128)

@@ -113,6 +113,29 @@ def test_a_label_outside_the_vocabulary_raises():
         ref.linear_cross_entropy_fwd(hidden, weight, None, labels, IGNORE, None, "mean", True)
 
 
+def test_plain_tensors_and_parameters_take_it():
+    hidden, weight, b, labels = _case(4, 8, 10, torch.float32, True)
+    assert lce_chunked.applies(hidden, weight, b, labels, None)
+    assert lce_chunked.applies(hidden, torch.nn.Parameter(weight), torch.nn.Parameter(b), labels, None)  # untied heads
+
+
+def test_an_untied_head_runs_it(monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torchfuser
+
+    calls = []
+    real = lce_chunked.linear_cross_entropy_fwd
+    monkeypatch.setattr(lce_chunked, "linear_cross_entropy_fwd", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = torchfuser.optimize(LlamaForCausalLM(cfg), backend="reference", patterns=["lm_head_loss"])
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls and model.lm_head.weight.grad is not None
+
+
 def test_what_takes_the_oracle_instead():
     hidden, weight, b, labels = _case(4, 8, 10, torch.float32, True)
     assert not lce_chunked.applies(hidden.double(), weight.double(), None, labels, None)  # the fp64 oracle itself

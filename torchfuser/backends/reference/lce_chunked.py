@@ -28,6 +28,9 @@ CHUNK_BYTES = 64 << 20
 MIN_CHUNK_ROWS = 64
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # an untied head's weight comes as its Parameter; subclasses do not
+
+
 def chunk_rows(n: int, vocab: int) -> int:
     return max(1, min(n, max(MIN_CHUNK_ROWS, CHUNK_BYTES // (4 * vocab))))
 
@@ -37,7 +40,7 @@ def applies(hidden, weight, bias, labels, fp8) -> bool:
     if fp8 is not None or hidden.device.type != "cpu":
         return False
     tensors = (hidden, weight, labels) if bias is None else (hidden, weight, labels, bias)
-    return (all(type(t) is torch.Tensor for t in tensors)
+    return (all(type(t) in _PLAIN for t in tensors)
             and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in tensors if t is not labels))
 
 
