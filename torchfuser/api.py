@@ -87,7 +87,7 @@ def optimize(
 
     backend: ``"auto"`` (per device: triton on CUDA, mlir on CPU, reference elsewhere),
         ``"reference"``, ``"triton"`` or ``"mlir"``. On a CPU without torch-mlir, ``"auto"`` fuses only the
-        LM head + loss and leaves the blocks the reference kernels run slower than PyTorch as they are, with
+        LM head + loss and leaves the blocks the reference kernels run no faster than PyTorch as they are, with
         the reason in the report (``backends/policy.py``); ``"reference"`` fuses them all.
     patterns / exclude: pattern names to use / to leave out (see ``torchfuser.PATTERNS``).
     filter_fn: ``filter_fn(module, fqn) -> bool``, in the order of torchao's ``quantize_``, is asked about

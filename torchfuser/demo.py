@@ -178,14 +178,14 @@ def run(device: str | None = None, steps: int = 30, backend: str = "auto", seed:
 
 def _held_note(dev, backend) -> str | None:
     """What the torchfuser column ran, where the default has no compiled backend on this device (CI's plain
-    wheel: no torch-mlir): the blocks slower on the reference backend stayed PyTorch's (backends/policy.py)."""
+    wheel: no torch-mlir): the blocks no faster on the reference backend stayed PyTorch's (backends/policy.py)."""
     from torchfuser.backends import policy, unavailable_reason
 
     if policy.held(backend, dev) is None:
         return None
     return (f"torchfuser here: no compiled CPU backend ({unavailable_reason('mlir', 'cpu')}), so only "
-            f"{', '.join(sorted(policy.KEPT_WITHOUT_COMPILER))} is fused, the blocks the reference kernels run no "
-            "slower than PyTorch; the others stay PyTorch's (see the report)")
+            f"{', '.join(sorted(policy.KEPT_WITHOUT_COMPILER))} is fused (its reference kernel is faster than "
+            "PyTorch's); the other blocks stay PyTorch's (see the report)")
 
 
 def _mib(n):
