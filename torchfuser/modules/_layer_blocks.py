@@ -23,6 +23,12 @@ def unfused_norms(*norms: nn.Module) -> str | None:
     return None
 
 
+def is_identity(m: nn.Module) -> bool:
+    """Whether calling ``m`` returns its input: an ``nn.Identity`` (or a subclass keeping its forward) without
+    parameters (a pre-norm layer's first norm left out: ModernBERT-decoder's layer 0)."""
+    return isinstance(m, nn.Identity) and type(m).forward is nn.Identity.forward and not m._parameters
+
+
 def as_class(*modules: nn.Module) -> bool:
     """Whether calling these modules would run just their class's forward (no hooks, no forward
     replaced on the instance), so that this forward may call their methods instead."""

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
-from torchfuser.modules._layer_blocks import (as_class as _as_class, maxima as _maxima,
+from torchfuser.modules._layer_blocks import (as_class as _as_class, is_identity as _is_identity, maxima as _maxima,
                                               projection_dtype as _projection_dtype, unfused_norms as _unfused_norms)
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.base import callee, follow_replicas, unfollow_replicas
@@ -114,6 +114,10 @@ class ResidualNormSpec:
     attention_scale: str | None = None
     mlp_scale: str | None = None
     mlp_tuple: bool = False  # the MLP returns a tuple whose first item the layer adds (GPT-OSS's MoE block)
+    # norm_in is an ``nn.Identity`` (ModernBERT-decoder's layer 0): the attention gets x itself; not post-norm
+    norm_in_identity: bool = False
+    # the attention is passed its input positionally this many times (CTRL's ``attn(normed, normed, normed)``: v, k, q)
+    attention_repeats: int = 1
 
 
 class ResidualNormForward:
@@ -182,9 +186,12 @@ class ResidualNormForward:
         # (no autocast: no projection dtype; FP8 producers off: no maxima; no_grad: nothing made again. Each
         # asked without a call where it is off: host time of a decode step)
         low = _projection_dtype(x, attention, mlp) if not s.parallel and torch._C._is_any_autocast_enabled() else None
-        maxima = fp8._SWITCHES.fp8_norm_producers and _maxima(attention, "in", x, low)
-        y, x = norm_in.opening_residual(x, low, maxima)
-        args = (y, x) if "attention" in s.residual_passed else (y,)  # (BLOOM's attention returns x + its output)
+        if s.norm_in_identity:  # x's two gradients (attention, residual) summed by autograd, as unfused
+            y, maxima = x, False
+        else:
+            maxima = fp8._SWITCHES.fp8_norm_producers and _maxima(attention, "in", x, low)
+            y, x = norm_in.opening_residual(x, low, maxima)
+        args = (y, x) if "attention" in s.residual_passed else (y,) * s.attention_repeats  # (BLOOM's: x + its output)
         if not torch.is_grad_enabled():  # nothing made again, and no nn.Module.__call__ where no hook would run
             a = _attend(callee(attention), args, s.attention_input, call)
         else:
@@ -197,7 +204,7 @@ class ResidualNormForward:
         """Post-norm: each residual add inside the norm after it (``add_layer_norm``; its sum is not needed
         afterwards, so only the norm's gradient flows back through it)."""
         s = self.spec
-        a = attention(x, **call) if not s.attention_input else attention(**{s.attention_input: x}, **call)
+        a = _attend(attention, (x,) * s.attention_repeats, s.attention_input, call)
         h = norm_in.add(x, self._drop(s.attention_dropout, a[0]))[1]
         out = getattr(self.layer, s.norm_mid).add(h, self._drop(s.mlp_dropout, mlp(h)))[1]
         return (out, a[1]) if s.returns_rest else out
@@ -245,7 +252,14 @@ class ResidualNormForward:
         if call is None:
             return "keywords its forward does not pass on to the attention"
         layer, s = self.layer, self.spec
-        if why := _unfused_norms(_child(layer, s.norm_in), _child(layer, s.norm_mid)):
+        if s.norm_in_identity:
+            first = _child(layer, s.norm_in)
+            if not (_is_identity(first) and _as_class(first)):
+                return "its first norm is no longer a plain nn.Identity (replaced, or hooked)"
+            why = _unfused_norms(_child(layer, s.norm_mid))
+        else:
+            why = _unfused_norms(_child(layer, s.norm_in), _child(layer, s.norm_mid))
+        if why:
             return why
         return ("a dropout between the blocks is on, at a place the fused forward does not apply it"
                 if self._dropping() else None)

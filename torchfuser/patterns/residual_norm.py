@@ -31,7 +31,7 @@ import warnings
 import torch
 from torch import nn
 
-from torchfuser.modules import residual_norm
+from torchfuser.modules import _layer_blocks, residual_norm
 from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
@@ -123,8 +123,10 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     (pos, kw) = calls["attention"][0]
     pos = pos[:1] if passes["attention"] else pos
     inputs = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
-    if pos and (len(pos) != 1 or inputs or not isinstance(pos[0], torch.Tensor)):
-        return Skip("its forward passes the attention positional arguments besides its input")
+    repeats = len(pos) if pos and all(p is pos[0] for p in pos) else 1  # CTRL's attn(normed, normed, normed)
+    if pos and (len(pos) != repeats or inputs or not isinstance(pos[0], torch.Tensor)):
+        return Skip("its forward passes the attention positional arguments besides its input (other than the input "
+                    "itself again, as CTRL's attn(v, k, q) takes it)")
     if not pos and len(inputs) != 1:
         return Skip("its forward does not pass the attention its input")
     attention_input = inputs[0] if not pos else ""
@@ -164,7 +166,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None,
                             sum_dropout=placed[2] if placed else None, mlp_inner_dropout=placed[3] if placed else None,
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
-                            mlp_tuple=probe.mlp_tuple)
+                            mlp_tuple=probe.mlp_tuple,
+                            attention_repeats=repeats, norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]))
 
 
 
@@ -173,7 +176,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
-    """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip."""
+    """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip. With one
+    norm, an identity child may be the first norm (ModernBERT-decoder's layer 0: ``attn_norm = nn.Identity()``)."""
     skips = []
     if inline:  # attention, norms and the layer's own fc_in → act → fc_out (OPT)
         (linears, act), pairs = inline, itertools.permutations(norms)
@@ -187,13 +191,23 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
             "its norms come after its residual adds (post-norm, OPT-350m's do_layer_norm_before=False: "
             "norm(x + attention(x)), then norm(h + mlp(h))), a form no pattern fuses"))
     for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not _attention_like(module._modules[p[0]])):
-        for norm_in, norm_mid in (itertools.permutations(norms) if len(norms) == 2 else [(norms[0], norms[0])]):
+        pairs = [(norms[0], norms[0]), *((n, norms[0]) for n in _identities(module))] if len(norms) == 1 else \
+            itertools.permutations(norms)
+        for norm_in, norm_mid in pairs:
             roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
             found = _study_roles(module, roles, first, params, extra)
+            if isinstance(found, ResidualNormSpec) and found.norm_in_identity and found.post_norm:
+                found = Skip("its first norm is an identity and its norms come after the adds (post-norm): a form "
+                             "no pattern fuses")
             if found is not None and not isinstance(found, Skip):
                 return found
             skips.append(found)
     return next((s for s in skips if s is not None), None)
+
+
+def _identities(module: nn.Module) -> list[str]:
+    """Children that are identities (``nn.Identity``'s forward, no parameters): a first norm left out."""
+    return [n for n, m in module._modules.items() if m is not None and _layer_blocks.is_identity(m)]
 
 
 def _mlp_first(probe) -> bool:
