@@ -12,6 +12,7 @@ from torch import nn
 
 import torchfuser
 from torchfuser.modules import fallbacks
+from torchfuser.modules.attention import FusedAttention
 from torchfuser.patterns.base import Skip
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 
@@ -35,12 +36,29 @@ def test_training_step_matches_unfused(model_type, fields):
     specs = [m.forward.spec for m in found]
     if model_type == "ctrl":
         assert {(s.attention_repeats, s.norm_in_identity) for s in specs} == {(3, False)}
+        attention = [m for m in fused.modules() if isinstance(m, FusedAttention)]
+        assert [m.spec.same_input for m in attention] == [("k", "q")] * 2  # forward(v, k, q): k and q are v
     else:
         assert [(s.attention_repeats, s.norm_in_identity) for s in specs] == [(1, True), (1, False)]
     if fields:
         assert step(ref) != step(tiny_model(model_type)), "the dropout is not on: the test would not see it"
         ref.zero_grad(set_to_none=True)
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
+
+
+def test_ctrls_attention_given_other_q_runs_the_original():
+    ref = tiny_model("ctrl")
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    a, b = ref.transformer.h[0].multi_head_attention, fused.transformer.h[0].multi_head_attention
+    assert isinstance(b, FusedAttention)
+    x, q = torch.randn(2, 2, 5, 64).unbind(0)
+    mask = torch.zeros(2, 1, 5, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(b(x, x, x, attention_mask=mask)[0], a(x, x, x, attention_mask=mask)[0])
+        assert not fallbacks.counts(fused)
+        torch.testing.assert_close(b(x, x, q, attention_mask=mask)[0], a(x, x, q, attention_mask=mask)[0])
+    assert "not the hidden states themselves" in str(fallbacks.counts(fused))
 
 
 class _NoFirstNorm(Layer):

@@ -118,6 +118,8 @@ class ResidualNormSpec:
     norm_in_identity: bool = False
     # the attention is passed its input positionally this many times (CTRL's ``attn(normed, normed, normed)``: v, k, q)
     attention_repeats: int = 1
+    returns_none: bool = False  # it returns (hidden states, None) (Bamba's mamba layers)
+    attention_single: bool = False  # it returns one tensor, not (output, weights): a linear-attention / recurrent mixer
 
 
 class ResidualNormForward:
@@ -197,17 +199,18 @@ class ResidualNormForward:
         else:
             with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
                 a = _attend(attention, args, s.attention_input, call)
-        out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a[0])), low, attention, mlp)
-        return (out, a[1]) if s.returns_rest else out
+        a0 = a if s.attention_single else a[0]
+        out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a0)), low, attention, mlp)
+        return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
         """Post-norm: each residual add inside the norm after it (``add_layer_norm``; its sum is not needed
         afterwards, so only the norm's gradient flows back through it)."""
         s = self.spec
         a = _attend(attention, (x,) * s.attention_repeats, s.attention_input, call)
-        h = norm_in.add(x, self._drop(s.attention_dropout, a[0]))[1]
+        h = norm_in.add(x, self._drop(s.attention_dropout, a if s.attention_single else a[0]))[1]
         out = getattr(self.layer, s.norm_mid).add(h, self._drop(s.mlp_dropout, mlp(h)))[1]
-        return (out, a[1]) if s.returns_rest else out
+        return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
 
     def _body(self, x, y, a, low, attention, mlp):
         """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's

@@ -62,39 +62,46 @@ def _signature(module: nn.Module):
     return params[0].name, rest, extra
 
 
+def _first_runs(probe: _Probe, params, extra: bool):
+    """(output, calls, markers, arguments left at their default, dropouts between the blocks, whether the layer
+    returns the attention's second output) from the probe's first runs."""
+    try:
+        out, calls, markers, defaulted = _run_markers(probe, params, extra)
+    except ValueError as err:  # "not enough values to unpack (expected 3, got 2)": JetMoE's attention's three
+        if "expected 3" not in str(err) or not probe.attention_tuple:
+            raise
+        probe.attention_outputs = 3
+        out, calls, markers, defaulted = _run_markers(probe, params, extra)
+    dropouts = ()
+    body = probe.split(out)[0]
+    if isinstance(body, torch.Tensor) and probe.kind(body) is None:
+        # Maybe a dropout between the blocks (Phi-3's resid_*_dropout): the fused forward serves
+        # the calls where every dropout of the layer is off, and only if the forward is exact then.
+        children, floats = probe.dropouts()
+        dropouts = (tuple(children), tuple(floats))
+        out, calls = probe.run(0.0, **markers)
+    return (*probe.split(out)[:1], calls, markers, defaulted, dropouts, probe.split(out)[1])
+
+
 def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
     try:
-        try:
-            out, calls, markers, defaulted = _run_markers(probe, params, extra)
-        except ValueError as err:  # "not enough values to unpack (expected 3, got 2)": JetMoE's attention's three
-            if "expected 3" not in str(err):
-                raise
-            probe.attention_outputs = 3
-            out, calls, markers, defaulted = _run_markers(probe, params, extra)
-        dropouts = ()
-        body = probe.split(out)[0]
-        if isinstance(body, torch.Tensor) and probe.kind(body) is None:
-            # Maybe a dropout between the blocks (Phi-3's resid_*_dropout): the fused forward serves
-            # the calls where every dropout of the layer is off, and only if the forward is exact then.
-            children, floats = probe.dropouts()
-            dropouts = (tuple(children), tuple(floats))
-            out, calls = probe.run(0.0, **markers)
-        out, returns_rest = probe.split(out)
+        out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
     except Exception as err:
         if not _saw_input(probe, probe.last_calls):
             return None
         first_line = str(err).splitlines()[0] if str(err) else ""
-        probe.attention_tuple = False
+        # Its attention-like block's output used as one tensor (a linear-attention or recurrent mixer: Qwen3-Next's,
+        # Jamba's, Bamba's), not as transformers' (output, weights) pair: ``ResidualNormSpec.attention_single``.
+        probe.attention_tuple, probe.attention_outputs = False, 2
         try:
-            probe.run(0.0, **probe.markers)
-            return Skip("its attention-like block's output is used as one tensor, not as transformers' (output, "
-                        "weights) pair (a linear-attention or recurrent mixer), which the fused forward does not assume")
+            out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
         except Exception:
-            pass
-        return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
-                    f"stand-ins for them it raised {type(err).__name__}: {first_line})")
+            return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run "
+                        f"on stand-ins for them it raised {type(err).__name__}: {first_line})")
+    returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
+    out = out[0] if returns_none else out
     kind = probe.kind(out)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
@@ -167,7 +174,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             sum_dropout=placed[2] if placed else None, mlp_inner_dropout=placed[3] if placed else None,
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
                             mlp_tuple=probe.mlp_tuple,
-                            attention_repeats=repeats, norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]))
+                            attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none,
+                            norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]))
 
 
 
