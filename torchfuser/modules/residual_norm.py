@@ -118,6 +118,9 @@ class ResidualNormSpec:
     norm_in_identity: bool = False
     # the attention is passed its input positionally this many times (CTRL's ``attn(normed, normed, normed)``: v, k, q)
     attention_repeats: int = 1
+    # norms on the attention's / the MLP's output before its residual add (Gemma-2's sandwich; sequential only)
+    post_attention_norm: str | None = None
+    post_mlp_norm: str | None = None
     returns_none: bool = False  # it returns (hidden states, None) (Bamba's mamba layers)
     attention_single: bool = False  # it returns one tensor, not (output, weights): a linear-attention / recurrent mixer
 
@@ -200,6 +203,8 @@ class ResidualNormForward:
             with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
                 a = _attend(attention, args, s.attention_input, call)
         a0 = a if s.attention_single else a[0]
+        if s.post_attention_norm is not None:
+            a0 = _child(layer, s.post_attention_norm)(a0)
         out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a0)), low, attention, mlp)
         return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
 
@@ -218,7 +223,7 @@ class ResidualNormForward:
         s = self.spec
         norm_mid = _child(self.layer, s.norm_mid)
         # then dropout(mlp(…)) · scale is added, not mlp(…) inside its GEMM
-        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None or self._on(s.sum_dropout)
+        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None or self._on(s.sum_dropout) or s.post_mlp_norm
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if _adds(mlp) and not dropping:
@@ -233,7 +238,7 @@ class ResidualNormForward:
             h, y = norm_mid.add(x, a, low, maxima)
         else:
             # (not the attention output's gradient maxima under its dropout or scale: that gradient is not its output's)
-            plain = not self._on(s.attention_dropout) and s.attention_scale is None
+            plain = not self._on(s.attention_dropout) and s.attention_scale is None and s.post_attention_norm is None
             out_maxima = a.requires_grad and plain and _maxima(attention, "out", a, None)
             maxima = (not (s.mlp_inline or s.mlp_tuple) and _maxima(mlp, "in", x, low), out_maxima)
             h, y = norm_mid.add(x, a, low, maxima)
@@ -242,7 +247,8 @@ class ResidualNormForward:
                 return mlp(y, h)
             if _adds(mlp) and not dropping:
                 return mlp.add_to(h, y)
-            return h + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
+            m = mlp(y) if s.post_mlp_norm is None else _child(self.layer, s.post_mlp_norm)(mlp(y))
+            return h + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, m))
 
     def _unfused(self, args, x, call) -> str | None:
         """Why this call runs the original forward, or None."""

@@ -131,11 +131,14 @@ def extra_fields(module: nn.Module) -> list[dict]:
                   for fill in (False, True) for batched in (True, False) for mode in BIAS_MODES]
     # None too: a required argument may be something else, a complex rotary table (Llama 4's vision freqs_ci)
     fields = [dict(f, residual=r) for r in [None, *complex_table_args(module)] for f in fields]
-    # Last, the required arguments after the input given the input too (CTRL's forward(v, k, q), called (n, n, n)):
-    # of unknown names only (not rotary tables, a mask, a cache or a bias, which the probe passes).
+    # Last, a forward taking q, k and v's inputs apart (CTRL's forward(v, k, q), called (n, n, n)): two required
+    # arguments after the input, of names the probe does not pass otherwise, and three input projections besides
+    # the output's; each given the input too.
     known = {*BIAS_ARGS, *_NOT_TABLES, *dict_args(module)}
     same = tuple(p.name for p in itertools.takewhile(lambda p: p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD
                                                        and p.name not in known, forward_params(module)[1:]))
+    projections = [m for m in module._modules.values() if m is not None and _probe.projection_dims(lora.base_of(m))]
+    same = same if len(same) == 2 and len(projections) == 4 else ()
     return fields + [dict(f, same_input=same) for f in fields if f["residual"] is None] if same else fields
 
 

@@ -85,6 +85,8 @@ class _Probe:
         }
         f1, f2 = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
         self.fns.update({"fc_in": lambda x: x @ f1, "fc_out": lambda x: x @ f2})  # an inline MLP's (OPT)
+        # norms on a block's output before its residual add (Gemma-2's sandwich)
+        self.fns.update({"post_attention_norm": lambda x: 0.8 * x - 0.1, "post_mlp_norm": lambda x: 0.3 - 1.25 * x})
         if "act" in roles:  # inline: the layer's own activation child between its own fc_in and fc_out
             act = module._modules[roles["act"]]
             self.fns["mlp"] = lambda x: self.fns["fc_out"](act(self.fns["fc_in"](x)))
@@ -180,6 +182,12 @@ class _Probe:
     def expected(self, kind: str) -> torch.Tensor:
         f, x, (ca, cm) = self.fns, self.x, self.scales
         mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
+        sandwich = "post_attention_norm" in self.roles
+        if sandwich:  # sequential only
+            if kind != "sequential":
+                return None
+            s = x + f["post_attention_norm"](f["attention"](f["norm_in"](x))) * ca
+            return s + f["post_mlp_norm"](f["mlp"](mid(s))) * cm
         if kind == "parallel":
             return x + f["attention"](f["norm_in"](x)) * ca + f["mlp"](mid(x)) * cm
         if kind == "post":  # post-norm (OPT-350m): norm_in after the attention's add, norm_mid after the MLP's
@@ -196,6 +204,23 @@ class _Probe:
         if not isinstance(out, torch.Tensor):
             return None
         return next((k for k in kinds if (want := self.expected(k)) is not None and _probe.close(out, want)), None)
+
+
+def sandwich_roles(module: nn.Module, attention: str, mlp: str, norms: list[str], params, extra: bool):
+    """Roles of a layer with four norms, from the order its forward calls them (stand-ins in any roles): norm_in,
+    the attention, post_attention_norm, norm_mid, the MLP, post_mlp_norm (Gemma-2's sandwich); else None."""
+    roles = dict(attention=attention, mlp=mlp, norm_in=norms[0], norm_mid=norms[1], post_attention_norm=norms[2],
+                 post_mlp_norm=norms[3])
+    probe = _Probe(module, roles)
+    try:
+        _run_markers(probe, params, extra)
+    except Exception:
+        return None
+    names = [probe.roles[s.role] for s in probe.last_order]
+    if len(names) != 6 or names[1] != attention or names[4] != mlp:
+        return None
+    return dict(attention=attention, mlp=mlp, norm_in=names[0], post_attention_norm=names[2], norm_mid=names[3],
+                post_mlp_norm=names[5])
 
 
 def _run_markers(probe: _Probe, params, extra: bool):

@@ -36,7 +36,8 @@ from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.modules.residual_norm import ResidualNormSpec
 from torchfuser.patterns import _probe, _reasons, _residual_forms
-from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
+from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
+                                                 sandwich_roles)
 from torchfuser.patterns.base import Applied, Pattern, Skip
 from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 
@@ -162,6 +163,11 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     placed = _residual_forms.dropout_places(probe, kind, dropouts, passes, markers)
     if placed:  # applied where the original applies them, from the same draws: none left to keep off
         dropouts = ((), ())
+    if "post_attention_norm" in roles and (any(dropouts) or scaled or any(passes.values()) or probe.mlp_tuple
+                                           or returns_rest or not probe.attention_tuple):
+        return Skip("its norms sit before and after each block (Gemma-2's sandwich), with a dropout, a residual scale, "
+                    "a block adding the residual or a block's second output besides, which the fused forward does not "
+                    "combine with them")
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
     if inline:
         roles["mlp"] = ""
@@ -199,6 +205,13 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
             "its norms come after its residual adds (post-norm, OPT-350m's do_layer_norm_before=False: "
             "norm(x + attention(x)), then norm(h + mlp(h))), a form no pattern fuses"))
     for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not _attention_like(module._modules[p[0]])):
+        if len(norms) == 4:  # Gemma-2's sandwich: a norm before and after each block
+            roles = sandwich_roles(module, attention, mlp, norms, params, extra)
+            found = None if roles is None else _study_roles(module, roles, first, params, extra)
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
+            continue
         pairs = [(norms[0], norms[0]), *((n, norms[0]) for n in _identities(module))] if len(norms) == 1 else \
             itertools.permutations(norms)
         for norm_in, norm_mid in pairs:
@@ -292,14 +305,14 @@ class ResidualNormPattern(Pattern):
         inline = _inline_mlp(module, blocks) if len(blocks) == 5 else None
         if isinstance(inline, Skip):
             return inline
-        if not 3 <= len(blocks) <= 4 and not inline:
+        if not 3 <= len(blocks) <= 4 and len(blocks) != 6 and not inline:
             return None
         blocks = [n for n in blocks if not inline or n not in inline[0]]
         kinds = {n: _norm_kind(module._modules[n]) for n in blocks}
         norms = [n for n in blocks if kinds[n]]
         blocks = [n for n in blocks if not kinds[n]]
-        if len(blocks) != (1 if inline else 2) or not any(_attention_like(module._modules[n]) for n in blocks):
-            return None  # more blocks than one attention, one MLP and one or two norms (Gemma-2's four norms)
+        if len(blocks) != (1 if inline else 2) or len(norms) == 3 or not any(_attention_like(module._modules[n]) for n in blocks):
+            return None  # more blocks than one attention, one MLP and one, two or four norms
         fused = [isinstance(module._modules[n], (FusedRMSNorm, FusedLayerNorm)) for n in norms]
         if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
             return None if all(fused) else Skip(
