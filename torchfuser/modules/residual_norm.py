@@ -114,6 +114,7 @@ class ResidualNormSpec:
     attention_scale: str | None = None
     mlp_scale: str | None = None
     mlp_tuple: bool = False  # the MLP returns a tuple whose first item the layer adds (GPT-OSS's MoE block)
+    mlp_view: bool = False  # that item viewed to the MLP input's shape (Llama 4's MoE block returns (tokens, hidden))
     # norm_in is an ``nn.Identity`` (ModernBERT-decoder's layer 0): the attention gets x itself; not post-norm
     norm_in_identity: bool = False
     # the attention is passed its input positionally this many times (CTRL's ``attn(normed, normed, normed)``: v, k, q)
@@ -336,6 +337,8 @@ def _mlp(layer: nn.Module, s: ResidualNormSpec, drop):
     ``drop(name, t)`` applying its inner dropout where it has one."""
     if s.mlp_tuple:
         block = _child(layer, s.mlp)
+        if s.mlp_view:
+            return lambda *args: block(*args)[0].view(args[0].shape)
         return lambda *args: block(*args)[0]
     if not s.mlp_inline:
         return _child(layer, s.mlp)

@@ -35,12 +35,14 @@ class _StandIn(nn.Module):
         self.rest = _Marker("attention_rest")  # the attention's second output, to see if the layer returns it
         self.more: tuple = ()  # more outputs after it (JetMoE's attention returns three)
         self.order: list = []  # shared by a run's stand-ins: the order they are called in
+        self.flat = False  # returns its output as (rows, width): a MoE block's flattened tokens (Llama 4's)
 
     def forward(self, *args, **kwargs):
         self.calls.append((args, kwargs))
         self.order.append(self)
         x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         y = self.fn(x)
+        y = y.reshape(-1, y.shape[-1]) if self.flat else y
         if len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].shape == y.shape:
             y = y + args[1]  # a block passed the residual adds it itself (BLOOM's attention and MLP, MPT's MLP)
         return (y, self.rest, *self.more) if self.tuple_out else y
@@ -98,6 +100,7 @@ class _Probe:
         self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
         self.attention_outputs = 2  # how many the stand-in attention returns (as a tuple): 3 for JetMoE's
         self.mlp_tuple = False  # the stand-in MLP returns (output, marker): GPT-OSS's MoE block returns router scores too
+        self.mlp_flat = False  # the stand-in MLP's output flattened to (tokens, width) (Llama 4's MoE block)
         self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
         self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
 
@@ -158,6 +161,8 @@ class _Probe:
                  for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
+        if "mlp" in stand:
+            stand["mlp"].flat = self.mlp_flat
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
         self.last_order = order = []
         for role, s in stand.items():

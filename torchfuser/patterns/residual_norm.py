@@ -95,10 +95,15 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         first_line = str(err).splitlines()[0] if str(err) else ""
         # Its attention-like block's output used as one tensor (a linear-attention or recurrent mixer: Qwen3-Next's,
         # Jamba's, Bamba's), not as transformers' (output, weights) pair: ``ResidualNormSpec.attention_single``.
-        probe.attention_tuple, probe.attention_outputs = False, 2
-        try:
-            out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
-        except Exception:
+        # Or the first item of a tuple its MLP returns taken (Llama 4's MoE layers: ``hidden_states, _ = …``).
+        for single, mlp_tuple in ((True, False), (False, True)):
+            probe.attention_tuple, probe.attention_outputs, probe.mlp_tuple = not single, 2, mlp_tuple
+            try:
+                out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
+                break
+            except Exception:
+                continue
+        else:
             return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run "
                         f"on stand-ins for them it raised {type(err).__name__}: {first_line})")
     returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
@@ -160,6 +165,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             renames.append((alias, landed[0]))
     sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
     positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
+    mlp_view = probe.mlp_tuple and _residual_forms.mlp_flat_view(probe, markers, kind)
     placed = _residual_forms.dropout_places(probe, kind, dropouts, passes, markers)
     if placed:  # applied where the original applies them, from the same draws: none left to keep off
         dropouts = ((), ())
@@ -180,7 +186,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             sum_dropout=placed[2] if placed else None, mlp_inner_dropout=placed[3] if placed else None,
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
                             mlp_tuple=probe.mlp_tuple,
-                            attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none,
+                            attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none, mlp_view=mlp_view,
                             norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]))
 
 
