@@ -52,7 +52,8 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
-from torchfuser.modules._layer_blocks import (as_class as _as_class, is_identity as _is_identity, maxima as _maxima,
+from torchfuser.modules._layer_blocks import (as_class as _as_class, attend as _attend, child as _child,
+                                              is_identity as _is_identity, maxima as _maxima, mlp_call as _mlp,
                                               projection_dtype as _projection_dtype, unfused_norms as _unfused_norms)
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.base import callee, follow_replicas, unfollow_replicas
@@ -316,34 +317,6 @@ def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: boo
     if maxima or not torch.is_grad_enabled() or not isinstance(norm, FusedRMSNorm) or not y.numel():
         return _NOTHING  # (no_grad: nothing is saved for a backward, so nothing to make again)
     return norm.made_again(y, src)
-
-
-def _child(layer: nn.Module, name: str):
-    """``getattr(layer, name)`` for a submodule, read from ``_modules`` without nn.Module's ``__getattr__`` frame."""
-    child = layer._modules.get(name)
-    return child if child is not None else getattr(layer, name)
-
-
-def _attend(attention, args: tuple, attention_input: str, call: dict):
-    """The attention called as the original calls it: its input positionally (with the residual after it where it
-    adds that itself, BLOOM), or under its keyword."""
-    if attention_input and len(args) == 1:
-        return attention(**{attention_input: args[0]}, **call)
-    return attention(*args, **call)
-
-
-def _mlp(layer: nn.Module, s: ResidualNormSpec, drop):
-    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·))), with
-    ``drop(name, t)`` applying its inner dropout where it has one."""
-    if s.mlp_tuple:
-        block = _child(layer, s.mlp)
-        if s.mlp_view:
-            return lambda *args: block(*args)[0].view(args[0].shape)
-        return lambda *args: block(*args)[0]
-    if not s.mlp_inline:
-        return _child(layer, s.mlp)
-    fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
-    return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))
 
 
 def dropout_attr(layer: nn.Module, name: str):
