@@ -16,7 +16,7 @@ from torchfuser.modules import fallbacks
 from torchfuser.patterns.base import Skip
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 
-from numerics import assert_trains_like
+from numerics import assert_bf16_within_rule, assert_trains_like
 from tiny_lm import fused_layers, lm_step as step, tiny_model
 from test_residual_norm import H, Layer, RMSNorm
 
@@ -85,3 +85,16 @@ def test_four_norms_in_another_order_are_not_a_sandwich():
             return h + self.after_mlp(self.mlp(self.post_attention_layernorm(h)))
 
     assert not hasattr(ResidualNormPattern().match(_TwoBefore()), "post_attention_norm")
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "glm4", "modernbert-decoder", "ctrl", "bamba"])
+def test_bf16_within_the_rule(model_type):
+    """bf16 weights and activations, each new form (sandwich, identity first norm, v/k/q attention, one-tensor
+    mixer): the fused model's loss and every gradient no further from the float64 model's than twice the unfused
+    bf16 model's error (+ a small atol)."""
+    ref64 = tiny_model(model_type).double()
+    plain = copy.deepcopy(ref64).to(torch.bfloat16)
+    fused = copy.deepcopy(plain)
+    torchfuser.optimize(fused, backend="reference")
+    assert len(fused_layers(fused)) == 2, str(torchfuser.report(fused))
+    assert_bf16_within_rule(fused, plain, ref64, step)
