@@ -98,3 +98,15 @@ def test_bf16_within_the_rule(model_type):
     torchfuser.optimize(fused, backend="reference")
     assert len(fused_layers(fused)) == 2, str(torchfuser.report(fused))
     assert_bf16_within_rule(fused, plain, ref64, step)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "modernbert-decoder", "bamba", "llama4_text"])
+def test_under_gradient_checkpointing(model_type):
+    """transformers' gradient checkpointing on: the fused forward checkpoints each new form itself (a sandwich, an
+    identity first norm, a layer returning (hidden, None), a viewed tuple MLP), exactly as the unfused model."""
+    ref = tiny_model(model_type)
+    ref.gradient_checkpointing_enable()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    assert len(fused_layers(fused)) == 2, str(torchfuser.report(fused))
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
