@@ -1,7 +1,8 @@
 """Pre-norm layers of hybrid models whose attention-like block is a linear-attention or recurrent mixer returning
 one tensor, not transformers' (output, weights) pair (Qwen3-Next's and Qwen3.5's Gated DeltaNet, Jamba's and
 Bamba's Mamba, Kimi Linear's: ``ResidualNormSpec.attention_single``), and layers returning (hidden states, None)
-(Bamba's: ``returns_none``). One fp32 training step fused vs unfused (loss and every gradient)."""
+(Bamba's: ``returns_none``), and two MLP blocks on one norm's output summed (Granite 4's MoE and shared MLP:
+``mlp2``). One fp32 training step fused vs unfused (loss and every gradient)."""
 from __future__ import annotations
 
 import copy
@@ -23,6 +24,7 @@ _TYPES = [
     ("qwen3_next", {(True, False), (False, False)}),  # a Gated DeltaNet layer and a full-attention one
     ("jamba", {(True, False)}),  # Mamba layers (its attention layers come later)
     ("bamba", {(True, True)}),  # Mamba layers returning (hidden states, None)
+    ("granitemoehybrid", {(True, False)}),  # Mamba layers, their MoE and shared MLP summed (``mlp2``)
 ]
 
 
@@ -34,6 +36,8 @@ def test_training_step_matches_unfused(model_type, forms):
     found = fused_layers(fused)
     assert len(found) == 2, str(torchfuser.report(fused))
     assert {(m.forward.spec.attention_single, m.forward.spec.returns_none) for m in found} == forms
+    assert {(m.forward.spec.mlp, m.forward.spec.mlp2) for m in found} == (
+        {("block_sparse_moe", "shared_mlp")} if model_type == "granitemoehybrid" else {(found[0].forward.spec.mlp, None)})
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
 
 
@@ -91,3 +95,32 @@ def test_a_layer_indexing_a_one_tensor_mixer_is_not_taken_for_one():
 
     found = ResidualNormPattern().match(_Indexes())
     assert not getattr(found, "attention_single", False)
+
+
+class _TwoMLPs(Layer):
+    """Granite 4's form: the MoE block's and the shared MLP's outputs summed, times a residual multiplier."""
+
+    def __init__(self, product: bool = False):
+        super().__init__()
+        self.shared, self.product, self.residual_multiplier = nn.Linear(H, H), product, 0.5
+
+    def forward(self, hidden_states, attention_mask=None):
+        a, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask)
+        h = hidden_states + a * self.residual_multiplier
+        n = self.post_attention_layernorm(h)
+        m = self.mlp(n) * self.shared(n) if self.product else self.mlp(n) + self.shared(n)
+        return h + m * self.residual_multiplier
+
+
+def test_two_mlps_summed():
+    torch.manual_seed(0)
+    ref = _TwoMLPs().double()
+    spec = ResidualNormPattern().match(ref)
+    assert (spec.mlp, spec.mlp2, spec.attention_scale, spec.mlp_scale) == (
+        "mlp", "shared", "residual_multiplier", "residual_multiplier")
+    model = nn.ModuleDict(dict(layer=copy.deepcopy(ref)))
+    torchfuser.optimize(model, backend="reference")
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    torch.testing.assert_close(model.layer(x), ref(x))
+    assert not fallbacks.counts(model)
+    assert not hasattr(ResidualNormPattern().match(_TwoMLPs(product=True)), "mlp2")  # a product is not that form

@@ -105,6 +105,9 @@ def mlp_call(layer: nn.Module, s, drop):
         if s.mlp_view:
             return lambda *args: block(*args)[0].view(args[0].shape)
         return lambda *args: block(*args)[0]
+    if s.mlp2 is not None:  # (called in the original's order: the first, then the second)
+        first, second = child(layer, s.mlp), child(layer, s.mlp2)
+        return lambda y: first(y) + second(y)
     if not s.mlp_inline:
         return child(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)

@@ -115,6 +115,7 @@ class ResidualNormSpec:
     attention_scale: str | None = None
     mlp_scale: str | None = None
     mlp_tuple: bool = False  # the MLP returns a tuple whose first item the layer adds (GPT-OSS's MoE block)
+    mlp2: str | None = None  # a second MLP block on the same input, summed with the first (Granite 4's shared MLP)
     mlp_view: bool = False  # that item viewed to the MLP input's shape (Llama 4's MoE block returns (tokens, hidden))
     # norm_in is an ``nn.Identity`` (ModernBERT-decoder's layer 0): the attention gets x itself; not post-norm
     norm_in_identity: bool = False

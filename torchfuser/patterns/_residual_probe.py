@@ -93,6 +93,8 @@ class _Probe:
             act = module._modules[roles["act"]]
             self.fns["mlp"] = lambda x: self.fns["fc_out"](act(self.fns["fc_in"](x)))
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
+        m2 = _probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5  # (drawn after x: the other probes' values as they were)
+        self.fns["mlp2"] = lambda x: torch.cos(x) @ m2  # a second MLP block summed with the first (Granite 4's)
         self.module, self.roles = module, roles
         self.last_calls: dict = {}
         self.last_order: list = []  # the stand-ins of the last run, in the order they were called
@@ -186,6 +188,8 @@ class _Probe:
 
     def expected(self, kind: str) -> torch.Tensor:
         f, x, (ca, cm) = self.fns, self.x, self.scales
+        if "mlp2" in self.roles:
+            f = dict(f, mlp=lambda t: self.fns["mlp"](t) + self.fns["mlp2"](t))
         mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
         sandwich = "post_attention_norm" in self.roles
         if sandwich:  # sequential only
