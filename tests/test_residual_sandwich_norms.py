@@ -110,3 +110,18 @@ def test_under_gradient_checkpointing(model_type):
     torchfuser.optimize(fused, backend="reference")
     assert len(fused_layers(fused)) == 2, str(torchfuser.report(fused))
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "modernbert-decoder", "ctrl", "qwen3_next", "llama4_text"])
+def test_generate_equals_unfused(model_type):
+    """Greedy decoding with the cache (no_grad: the fused forward's decode path) gives the unfused model's tokens,
+    every call fused."""
+    ref = tiny_model(model_type).eval()
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = fused.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+    assert len(fused_layers(fused)) == 2 and not fallbacks.counts(fused), fallbacks.counts(fused)
