@@ -19,7 +19,7 @@ for stage in "$@"; do
     train-compile-llama) timeout 450 python3 $ts --models llama1b --variants compile torchfuser+compile torchfuser+compile-ew --out "$OUT/train-step.jsonl" ;;
     train-compile-qwen) timeout 450 python3 $ts --models qwen05b --variants compile torchfuser+compile torchfuser+compile-ew --out "$OUT/train-step.jsonl" ;;
     compile-tests) timeout 240 python3 -m pytest -p no:cacheprovider tests/test_causal_mask.py tests/test_grouped_kv.py tests/backends/test_triton_compile.py tests/backends/test_triton_policy.py ;;
-    residual-tests) timeout 330 python3 -m pytest -p no:cacheprovider tests/test_residual_norm.py tests/backends/test_residual_norm_kernels.py \
+    residual-tests) timeout 330 python3 -m pytest -p no:cacheprovider tests/test_residual_norm.py tests/test_residual_forms_cuda.py tests/backends/test_residual_norm_kernels.py \
               tests/test_projections.py tests/test_cuda_graphs.py tests/test_architectures.py -k "not test_architectures or triton_backend" ;;
     graphs-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_cuda_graphs.py ;;
     train-bf16) timeout 400 python3 $ts --models qwen05b llama1b --variants eager torchfuser torchfuser-graphs --precision bf16 --profile-dir "$OUT/prof" --out "$OUT/train-step-bf16.jsonl" ;;

@@ -52,6 +52,7 @@ _SIZES = [
     (("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"), 8),
     (("q_lora_rank",), 16),
     (("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"), 128),
+    (("mamba_chunk_size",), 16),  # (Bamba's 256 in transformers 5.17: a 17 GB intermediate on the CPU)
 ]
 _SIZE = {name: value for names, value in _SIZES for name in names}
 SEQ = 12

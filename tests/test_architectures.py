@@ -53,12 +53,12 @@ EXPECTED = {
     "qwen2": {"rms_norm": 5, "gated_mlp": 2, "residual_norm": 2},
     "qwen3": {"rms_norm": 9, "gated_mlp": 2, "residual_norm": 2},  # + q_norm and k_norm per layer
     "gemma": {"rms_norm": 5, "gated_mlp": 2, "residual_norm": 2},
-    "gemma2": {"rms_norm": 9, "gated_mlp": 2},  # four norms per layer + final
+    "gemma2": {"rms_norm": 9, "gated_mlp": 2, "residual_norm": 2},  # four norms per layer + final (a sandwich)
     "phi3": {"rms_norm": 5, "gated_mlp": 2, "residual_norm": 2},  # fused while its resid dropouts are off
     "smollm3": {"rms_norm": 5, "gated_mlp": 2, "residual_norm": 2},
-    "glm4": {"rms_norm": 9, "gated_mlp": 2},  # + post-attention and post-MLP norms per layer
+    "glm4": {"rms_norm": 9, "gated_mlp": 2, "residual_norm": 2},  # + post-attention and post-MLP norms (a sandwich)
     "olmo2": {"rms_norm": 9, "gated_mlp": 2},  # + q/k norms
-    "gemma3_text": {"rms_norm": 13, "gated_mlp": 2},  # four norms a layer, q/k norms, final
+    "gemma3_text": {"rms_norm": 13, "gated_mlp": 2, "residual_norm": 2},  # four norms a layer (a sandwich), q/k norms, final
     "exaone4": {"rms_norm": 9, "gated_mlp": 2},
     "seed_oss": {"rms_norm": 5, "gated_mlp": 2, "residual_norm": 2},
     "stablelm": {"layer_norm": 5, "gated_mlp": 2, "residual_norm": 2},

@@ -1,5 +1,6 @@
 """What a fused decoder layer may do with its blocks (``modules.residual_norm``): call their methods in place of
-the blocks (no hooks), let the norms write in the projections' dtype under autocast, hand FP8 maxima on."""
+the blocks (no hooks), let the norms write in the projections' dtype under autocast, hand FP8 maxima on; how it
+calls its attention and MLP as the original calls them."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +22,12 @@ def unfused_norms(*norms: nn.Module) -> str | None:
     if not as_class(*norms):
         return "hooks (or a forward of their own) on its norms: the fused path would skip them"
     return None
+
+
+def is_identity(m: nn.Module) -> bool:
+    """Whether calling ``m`` returns its input: an ``nn.Identity`` (or a subclass keeping its forward) without
+    parameters (a pre-norm layer's first norm left out: ModernBERT-decoder's layer 0)."""
+    return isinstance(m, nn.Identity) and type(m).forward is nn.Identity.forward and not m._parameters
 
 
 def as_class(*modules: nn.Module) -> bool:
@@ -74,3 +81,34 @@ def maxima(block: nn.Module, which: str, t: torch.Tensor, dtype: torch.dtype | N
         return False
     linears = _projections(block, which)
     return bool(linears) and fp8.producer_maxima(block, t, linears, dtype)
+
+
+def child(layer: nn.Module, name: str):
+    """``getattr(layer, name)`` for a submodule, read from ``_modules`` without nn.Module's ``__getattr__`` frame."""
+    m = layer._modules.get(name)
+    return m if m is not None else getattr(layer, name)
+
+
+def attend(attention, args: tuple, attention_input: str, call: dict):
+    """The attention called as the original calls it: its input positionally (with the residual after it where it
+    adds that itself, BLOOM), or under its keyword."""
+    if attention_input and len(args) == 1:
+        return attention(**{attention_input: args[0]}, **call)
+    return attention(*args, **call)
+
+
+def mlp_call(layer: nn.Module, s, drop):
+    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·))), with
+    ``drop(name, t)`` applying its inner dropout where it has one."""
+    if s.mlp_tuple:
+        block = child(layer, s.mlp)
+        if s.mlp_view:
+            return lambda *args: block(*args)[0].view(args[0].shape)
+        return lambda *args: block(*args)[0]
+    if s.mlp2 is not None:  # (called in the original's order: the first, then the second)
+        first, second = child(layer, s.mlp), child(layer, s.mlp2)
+        return lambda y: first(y) + second(y)
+    if not s.mlp_inline:
+        return child(layer, s.mlp)
+    fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
+    return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))

@@ -178,6 +178,7 @@ class AttentionSpec:
     # rotate-half with the sign of its halves flipped, [x2, -x1] (NanoChat): the rope of -sin.
     rotary_sin_negated: bool = False
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
+    same_input: tuple[str, ...] = ()  # required parameters given the hidden states again (CTRL's forward(v, k, q))
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
 
     @property
@@ -277,6 +278,8 @@ class FusedAttention(FusedModule):
                 return "called with encoder states (cross-attention)"
         if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
             return why
+        if self.spec.same_input and any(kwargs.get(n) is not hidden for n in self.spec.same_input):
+            return f"{_fmt(self.spec.same_input)} not the hidden states themselves, as when it was fused"
         if self.spec.idle_dropouts and self.training:
             children = self.__dict__["_original"]._modules
             if any(getattr(children[n], "p", 0) for n in self.spec.idle_dropouts):
@@ -340,6 +343,8 @@ class FusedAttention(FusedModule):
         if why is not None:
             fallbacks.count(self, why)
             return self._fallback(hidden_states, kwargs)
+        if s.same_input:  # (checked the hidden states themselves by _fallback_reason)
+            kwargs = {n: v for n, v in kwargs.items() if n not in s.same_input}
         lead = hidden_states.shape[:-1]
         q, k, v = self._project(hidden_states)
         if s.q_norm is not None and s.norm_per_head and not s.norm_after_rope:

@@ -52,7 +52,8 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
-from torchfuser.modules._layer_blocks import (as_class as _as_class, maxima as _maxima,
+from torchfuser.modules._layer_blocks import (as_class as _as_class, attend as _attend, child as _child,
+                                              is_identity as _is_identity, maxima as _maxima, mlp_call as _mlp,
                                               projection_dtype as _projection_dtype, unfused_norms as _unfused_norms)
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.base import callee, follow_replicas, unfollow_replicas
@@ -114,6 +115,17 @@ class ResidualNormSpec:
     attention_scale: str | None = None
     mlp_scale: str | None = None
     mlp_tuple: bool = False  # the MLP returns a tuple whose first item the layer adds (GPT-OSS's MoE block)
+    mlp2: str | None = None  # a second MLP block on the same input, summed with the first (Granite 4's shared MLP)
+    mlp_view: bool = False  # that item viewed to the MLP input's shape (Llama 4's MoE block returns (tokens, hidden))
+    # norm_in is an ``nn.Identity`` (ModernBERT-decoder's layer 0): the attention gets x itself; not post-norm
+    norm_in_identity: bool = False
+    # the attention is passed its input positionally this many times (CTRL's ``attn(normed, normed, normed)``: v, k, q)
+    attention_repeats: int = 1
+    # norms on the attention's / the MLP's output before its residual add (Gemma-2's sandwich; sequential only)
+    post_attention_norm: str | None = None
+    post_mlp_norm: str | None = None
+    returns_none: bool = False  # it returns (hidden states, None) (Bamba's mamba layers)
+    attention_single: bool = False  # it returns one tensor, not (output, weights): a linear-attention / recurrent mixer
 
 
 class ResidualNormForward:
@@ -182,25 +194,31 @@ class ResidualNormForward:
         # (no autocast: no projection dtype; FP8 producers off: no maxima; no_grad: nothing made again. Each
         # asked without a call where it is off: host time of a decode step)
         low = _projection_dtype(x, attention, mlp) if not s.parallel and torch._C._is_any_autocast_enabled() else None
-        maxima = fp8._SWITCHES.fp8_norm_producers and _maxima(attention, "in", x, low)
-        y, x = norm_in.opening_residual(x, low, maxima)
-        args = (y, x) if "attention" in s.residual_passed else (y,)  # (BLOOM's attention returns x + its output)
+        if s.norm_in_identity:  # x's two gradients (attention, residual) summed by autograd, as unfused
+            y, maxima = x, False
+        else:
+            maxima = fp8._SWITCHES.fp8_norm_producers and _maxima(attention, "in", x, low)
+            y, x = norm_in.opening_residual(x, low, maxima)
+        args = (y, x) if "attention" in s.residual_passed else (y,) * s.attention_repeats  # (BLOOM's: x + its output)
         if not torch.is_grad_enabled():  # nothing made again, and no nn.Module.__call__ where no hook would run
             a = _attend(callee(attention), args, s.attention_input, call)
         else:
             with _made_again(norm_in, y, x, maxima or s.parallel):  # (parallel: y feeds the MLP too)
                 a = _attend(attention, args, s.attention_input, call)
-        out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a[0])), low, attention, mlp)
-        return (out, a[1]) if s.returns_rest else out
+        a0 = a if s.attention_single else a[0]
+        if s.post_attention_norm is not None:
+            a0 = _child(layer, s.post_attention_norm)(a0)
+        out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a0)), low, attention, mlp)
+        return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
         """Post-norm: each residual add inside the norm after it (``add_layer_norm``; its sum is not needed
         afterwards, so only the norm's gradient flows back through it)."""
         s = self.spec
-        a = attention(x, **call) if not s.attention_input else attention(**{s.attention_input: x}, **call)
-        h = norm_in.add(x, self._drop(s.attention_dropout, a[0]))[1]
+        a = _attend(attention, (x,) * s.attention_repeats, s.attention_input, call)
+        h = norm_in.add(x, self._drop(s.attention_dropout, a if s.attention_single else a[0]))[1]
         out = getattr(self.layer, s.norm_mid).add(h, self._drop(s.mlp_dropout, mlp(h)))[1]
-        return (out, a[1]) if s.returns_rest else out
+        return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
 
     def _body(self, x, y, a, low, attention, mlp):
         """The layer's output from its input x (as norm_in's opening residual gave it back), norm_in's
@@ -208,7 +226,7 @@ class ResidualNormForward:
         s = self.spec
         norm_mid = _child(self.layer, s.norm_mid)
         # then dropout(mlp(…)) · scale is added, not mlp(…) inside its GEMM
-        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None or self._on(s.sum_dropout)
+        dropping = self._on(s.mlp_dropout) or s.mlp_scale is not None or self._on(s.sum_dropout) or s.post_mlp_norm
         if s.parallel:  # x + a + mlp(…): with a gated MLP the last add inside its down projection's GEMM
             y = y if s.norm_mid == s.norm_in else norm_mid(x)
             if _adds(mlp) and not dropping:
@@ -223,7 +241,7 @@ class ResidualNormForward:
             h, y = norm_mid.add(x, a, low, maxima)
         else:
             # (not the attention output's gradient maxima under its dropout or scale: that gradient is not its output's)
-            plain = not self._on(s.attention_dropout) and s.attention_scale is None
+            plain = not self._on(s.attention_dropout) and s.attention_scale is None and s.post_attention_norm is None
             out_maxima = a.requires_grad and plain and _maxima(attention, "out", a, None)
             maxima = (not (s.mlp_inline or s.mlp_tuple) and _maxima(mlp, "in", x, low), out_maxima)
             h, y = norm_mid.add(x, a, low, maxima)
@@ -232,7 +250,8 @@ class ResidualNormForward:
                 return mlp(y, h)
             if _adds(mlp) and not dropping:
                 return mlp.add_to(h, y)
-            return h + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, mlp(y)))
+            m = mlp(y) if s.post_mlp_norm is None else _child(self.layer, s.post_mlp_norm)(mlp(y))
+            return h + self._scaled(s.mlp_scale, self._drop(s.mlp_dropout, m))
 
     def _unfused(self, args, x, call) -> str | None:
         """Why this call runs the original forward, or None."""
@@ -245,7 +264,14 @@ class ResidualNormForward:
         if call is None:
             return "keywords its forward does not pass on to the attention"
         layer, s = self.layer, self.spec
-        if why := _unfused_norms(_child(layer, s.norm_in), _child(layer, s.norm_mid)):
+        if s.norm_in_identity:
+            first = _child(layer, s.norm_in)
+            if not (_is_identity(first) and _as_class(first)):
+                return "its first norm is no longer a plain nn.Identity (replaced, or hooked)"
+            why = _unfused_norms(_child(layer, s.norm_mid))
+        else:
+            why = _unfused_norms(_child(layer, s.norm_in), _child(layer, s.norm_mid))
+        if why:
             return why
         return ("a dropout between the blocks is on, at a place the fused forward does not apply it"
                 if self._dropping() else None)
@@ -292,32 +318,6 @@ def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: boo
     if maxima or not torch.is_grad_enabled() or not isinstance(norm, FusedRMSNorm) or not y.numel():
         return _NOTHING  # (no_grad: nothing is saved for a backward, so nothing to make again)
     return norm.made_again(y, src)
-
-
-def _child(layer: nn.Module, name: str):
-    """``getattr(layer, name)`` for a submodule, read from ``_modules`` without nn.Module's ``__getattr__`` frame."""
-    child = layer._modules.get(name)
-    return child if child is not None else getattr(layer, name)
-
-
-def _attend(attention, args: tuple, attention_input: str, call: dict):
-    """The attention called as the original calls it: its input positionally (with the residual after it where it
-    adds that itself, BLOOM), or under its keyword."""
-    if attention_input and len(args) == 1:
-        return attention(**{attention_input: args[0]}, **call)
-    return attention(*args, **call)
-
-
-def _mlp(layer: nn.Module, s: ResidualNormSpec, drop):
-    """The layer's MLP block, or for an inline one (OPT) a function computing fc_out(act(fc_in(·))), with
-    ``drop(name, t)`` applying its inner dropout where it has one."""
-    if s.mlp_tuple:
-        block = _child(layer, s.mlp)
-        return lambda *args: block(*args)[0]
-    if not s.mlp_inline:
-        return _child(layer, s.mlp)
-    fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
-    return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))
 
 
 def dropout_attr(layer: nn.Module, name: str):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import itertools
 import weakref
 
 import torch
@@ -129,7 +130,16 @@ def extra_fields(module: nn.Module) -> list[dict]:
         fields = [dict(bias=bias, bias_batched=batched, bias_mode=mode, mask_fill=fill, implementation=impl)
                   for fill in (False, True) for batched in (True, False) for mode in BIAS_MODES]
     # None too: a required argument may be something else, a complex rotary table (Llama 4's vision freqs_ci)
-    return [dict(f, residual=r) for r in [None, *complex_table_args(module)] for f in fields]
+    fields = [dict(f, residual=r) for r in [None, *complex_table_args(module)] for f in fields]
+    # Last, a forward taking q, k and v's inputs apart (CTRL's forward(v, k, q), called (n, n, n)): two required
+    # arguments after the input, of names the probe does not pass otherwise, and three input projections besides
+    # the output's; each given the input too.
+    known = {*BIAS_ARGS, *_NOT_TABLES, *dict_args(module)}
+    same = tuple(p.name for p in itertools.takewhile(lambda p: p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD
+                                                       and p.name not in known, forward_params(module)[1:]))
+    projections = [m for m in module._modules.values() if m is not None and _probe.projection_dims(lora.base_of(m))]
+    same = same if len(same) == 2 and len(projections) == 4 else ()
+    return fields + [dict(f, same_input=same) for f in fields if f["residual"] is None] if same else fields
 
 
 def ignores_mask(module: nn.Module, spec: AttentionSpec) -> bool | None:
@@ -207,6 +217,7 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     # A forward that takes no mask by name and is probed as one ignoring it gets none (BLIP-2's passes its own on).
     named = any(p.name == "attention_mask" for p in forward_params(module))
     kwargs = {"attention_mask": mask} if named or spec.uses_mask else {}
+    kwargs.update(dict.fromkeys(spec.same_input, x))  # (CTRL's k and q: the input itself)
     # A position-bias argument without a default gets None unless the spec adds it (the pattern probes
     # none where the config switches it off: Falcon's alibi in transformers 5.17, with alibi=False).
     kwargs.update({p.name: None for p in forward_params(module)[1:] if p.default is p.empty and p.name in BIAS_ARGS})

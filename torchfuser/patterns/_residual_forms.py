@@ -46,6 +46,20 @@ def mlp_tuple_kind(probe, markers: dict):
     return kind, probe.split(out)[0], calls
 
 
+def mlp_flat_view(probe, markers: dict, kind: str) -> bool:
+    """Whether the layer views a tuple-returning MLP's output back to its input's shape (Llama 4's
+    ``residual + hidden_states.view(residual.shape)`` after a MoE block returning (tokens, hidden) rows): the
+    formula still holds with the stand-in MLP's output flattened."""
+    probe.mlp_flat = True
+    try:
+        out, _ = probe.run(0.0, **markers)
+        return probe.kind(probe.split(out)[0]) == kind
+    except Exception:
+        return False
+    finally:
+        probe.mlp_flat = False
+
+
 def scaled_kind(probe, markers: dict, out, kind: str | None):
     """(the layer's form, (attention's, MLP's) residual scale attribute) where each block's output is added
     times a float attribute of the layer (Granite, MiniCPM3: ``_residual_scale``), else None. For a layer

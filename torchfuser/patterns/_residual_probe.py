@@ -35,12 +35,14 @@ class _StandIn(nn.Module):
         self.rest = _Marker("attention_rest")  # the attention's second output, to see if the layer returns it
         self.more: tuple = ()  # more outputs after it (JetMoE's attention returns three)
         self.order: list = []  # shared by a run's stand-ins: the order they are called in
+        self.flat = False  # returns its output as (rows, width): a MoE block's flattened tokens (Llama 4's)
 
     def forward(self, *args, **kwargs):
         self.calls.append((args, kwargs))
         self.order.append(self)
         x = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         y = self.fn(x)
+        y = y.reshape(-1, y.shape[-1]) if self.flat else y
         if len(args) == 2 and isinstance(args[1], torch.Tensor) and args[1].shape == y.shape:
             y = y + args[1]  # a block passed the residual adds it itself (BLOOM's attention and MLP, MPT's MLP)
         return (y, self.rest, *self.more) if self.tuple_out else y
@@ -85,10 +87,14 @@ class _Probe:
         }
         f1, f2 = (_probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5 for _ in range(2))
         self.fns.update({"fc_in": lambda x: x @ f1, "fc_out": lambda x: x @ f2})  # an inline MLP's (OPT)
+        # norms on a block's output before its residual add (Gemma-2's sandwich)
+        self.fns.update({"post_attention_norm": lambda x: 0.8 * x - 0.1, "post_mlp_norm": lambda x: 0.3 - 1.25 * x})
         if "act" in roles:  # inline: the layer's own activation child between its own fc_in and fc_out
             act = module._modules[roles["act"]]
             self.fns["mlp"] = lambda x: self.fns["fc_out"](act(self.fns["fc_in"](x)))
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
+        m2 = _probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5  # (drawn after x: the other probes' values as they were)
+        self.fns["mlp2"] = lambda x: torch.cos(x) @ m2  # a second MLP block summed with the first (Granite 4's)
         self.module, self.roles = module, roles
         self.last_calls: dict = {}
         self.last_order: list = []  # the stand-ins of the last run, in the order they were called
@@ -96,6 +102,7 @@ class _Probe:
         self.attention_tuple = True  # the stand-in attention returns (output, weights), as transformers' do
         self.attention_outputs = 2  # how many the stand-in attention returns (as a tuple): 3 for JetMoE's
         self.mlp_tuple = False  # the stand-in MLP returns (output, marker): GPT-OSS's MoE block returns router scores too
+        self.mlp_flat = False  # the stand-in MLP's output flattened to (tokens, width) (Llama 4's MoE block)
         self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
         self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
 
@@ -156,6 +163,8 @@ class _Probe:
                  for r in dict.fromkeys(self.roles)
                  if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
+        if "mlp" in stand:
+            stand["mlp"].flat = self.mlp_flat
         self.last_calls = {r: s.calls for r, s in stand.items()}  # read when the forward raises
         self.last_order = order = []
         for role, s in stand.items():
@@ -179,7 +188,15 @@ class _Probe:
 
     def expected(self, kind: str) -> torch.Tensor:
         f, x, (ca, cm) = self.fns, self.x, self.scales
+        if "mlp2" in self.roles:
+            f = dict(f, mlp=lambda t: self.fns["mlp"](t) + self.fns["mlp2"](t))
         mid = f["norm_in"] if self.roles["norm_mid"] == self.roles["norm_in"] else f["norm_mid"]
+        sandwich = "post_attention_norm" in self.roles
+        if sandwich:  # sequential only
+            if kind != "sequential":
+                return None
+            s = x + f["post_attention_norm"](f["attention"](f["norm_in"](x))) * ca
+            return s + f["post_mlp_norm"](f["mlp"](mid(s))) * cm
         if kind == "parallel":
             return x + f["attention"](f["norm_in"](x)) * ca + f["mlp"](mid(x)) * cm
         if kind == "post":  # post-norm (OPT-350m): norm_in after the attention's add, norm_mid after the MLP's
@@ -196,6 +213,23 @@ class _Probe:
         if not isinstance(out, torch.Tensor):
             return None
         return next((k for k in kinds if (want := self.expected(k)) is not None and _probe.close(out, want)), None)
+
+
+def sandwich_roles(module: nn.Module, attention: str, mlp: str, norms: list[str], params, extra: bool):
+    """Roles of a layer with four norms, from the order its forward calls them (stand-ins in any roles): norm_in,
+    the attention, post_attention_norm, norm_mid, the MLP, post_mlp_norm (Gemma-2's sandwich); else None."""
+    roles = dict(attention=attention, mlp=mlp, norm_in=norms[0], norm_mid=norms[1], post_attention_norm=norms[2],
+                 post_mlp_norm=norms[3])
+    probe = _Probe(module, roles)
+    try:
+        _run_markers(probe, params, extra)
+    except Exception:
+        return None
+    names = [probe.roles[s.role] for s in probe.last_order]
+    if len(names) != 6 or names[1] != attention or names[4] != mlp:
+        return None
+    return dict(attention=attention, mlp=mlp, norm_in=names[0], post_attention_norm=names[2], norm_mid=names[3],
+                post_mlp_norm=names[5])
 
 
 def _run_markers(probe: _Probe, params, extra: bool):

@@ -37,8 +37,8 @@ def scales(probe, markers: dict) -> tuple[str | None, str | None] | None:
 def _factor(probe, markers: dict, role: str, attrs: dict | None = None) -> float | None:
     """c in out − x = c · block(norm(x)) with the other block's stand-in giving zeros (rounded to the
     float32 factor it is, or None where out − x is not a multiple of it)."""
-    other = "mlp" if role == "attention" else "attention"
-    saved, probe.fns = probe.fns, {**probe.fns, other: lambda t: t * 0.0}
+    others = ("mlp", "mlp2") if role == "attention" else ("attention",)  # (mlp2: a second MLP summed, Granite 4's)
+    saved, probe.fns = probe.fns, {**probe.fns, **{o: lambda t: t * 0.0 for o in others}}
     probe.attrs = attrs or {}
     try:
         out = probe.split(probe.run(0.0, **markers)[0])[0]
@@ -51,6 +51,8 @@ def _factor(probe, markers: dict, role: str, attrs: dict | None = None) -> float
     f, x = probe.fns, probe.x
     norm = f["norm_in"] if role == "attention" or probe.roles["norm_mid"] == probe.roles["norm_in"] else f["norm_mid"]
     ref = f[role](norm(x)).double()
+    if role == "mlp" and "mlp2" in probe.roles:
+        ref = ref + f["mlp2"](norm(x)).double()
     d = (out - x).double()
     c = float((d * ref).sum() / (ref * ref).sum())
     if not _probe.close(d, ref * c):

@@ -31,70 +31,67 @@ import warnings
 import torch
 from torch import nn
 
-from torchfuser.modules import residual_norm
-from torchfuser.modules.attention import FusedAttention
-from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
+from torchfuser.modules import _layer_blocks, residual_norm
+from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _probe, _reasons, _residual_forms
-from torchfuser.patterns._residual_probe import _EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input
+from torchfuser.patterns import _residual_forms
+from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
+                                                 sandwich_roles)
+from torchfuser.patterns._residual_roles import (attention_like, identities, inline_mlp, mlp_first, norm_kind,
+                                                 signature)
 from torchfuser.patterns.base import Applied, Pattern, Skip
-from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
 
 _ROLES = ("attention", "mlp", "norm_in", "norm_mid")
 # Keywords transformers' decorators have accepted in place of a layer's cache argument.
 _CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
-def _signature(module: nn.Module):
-    """(first parameter, [(name, default)] of the rest, takes **kwargs) or a Skip."""
-    params = list(inspect.signature(type(module).forward).parameters.values())[1:]
-    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
-        return Skip("its forward does not take the hidden states first")
-    rest, extra = [], False
-    for p in params[1:]:
-        if p.kind is p.VAR_KEYWORD:
-            extra = True
-        elif p.kind is p.VAR_POSITIONAL:
-            return Skip(f"its forward takes *{p.name}; only layers whose arguments after the hidden states have names "
-                        "are fused")
-        else:  # one without a default (Falcon's attention_mask, BLOOM's alibi): ``p.empty``, required by the fused path too
-            rest.append((p.name, p.default))
-    return params[0].name, rest, extra
+def _first_runs(probe: _Probe, params, extra: bool):
+    """(output, calls, markers, arguments left at their default, dropouts between the blocks, whether the layer
+    returns the attention's second output) from the probe's first runs."""
+    try:
+        out, calls, markers, defaulted = _run_markers(probe, params, extra)
+    except ValueError as err:  # "not enough values to unpack (expected 3, got 2)": JetMoE's attention's three
+        if "expected 3" not in str(err) or not probe.attention_tuple:
+            raise
+        probe.attention_outputs = 3
+        out, calls, markers, defaulted = _run_markers(probe, params, extra)
+    dropouts = ()
+    body = probe.split(out)[0]
+    if isinstance(body, torch.Tensor) and probe.kind(body) is None:
+        # Maybe a dropout between the blocks (Phi-3's resid_*_dropout): the fused forward serves
+        # the calls where every dropout of the layer is off, and only if the forward is exact then.
+        children, floats = probe.dropouts()
+        dropouts = (tuple(children), tuple(floats))
+        out, calls = probe.run(0.0, **markers)
+    return (*probe.split(out)[:1], calls, markers, defaulted, dropouts, probe.split(out)[1])
 
 
 def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
     try:
-        try:
-            out, calls, markers, defaulted = _run_markers(probe, params, extra)
-        except ValueError as err:  # "not enough values to unpack (expected 3, got 2)": JetMoE's attention's three
-            if "expected 3" not in str(err):
-                raise
-            probe.attention_outputs = 3
-            out, calls, markers, defaulted = _run_markers(probe, params, extra)
-        dropouts = ()
-        body = probe.split(out)[0]
-        if isinstance(body, torch.Tensor) and probe.kind(body) is None:
-            # Maybe a dropout between the blocks (Phi-3's resid_*_dropout): the fused forward serves
-            # the calls where every dropout of the layer is off, and only if the forward is exact then.
-            children, floats = probe.dropouts()
-            dropouts = (tuple(children), tuple(floats))
-            out, calls = probe.run(0.0, **markers)
-        out, returns_rest = probe.split(out)
+        out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
     except Exception as err:
         if not _saw_input(probe, probe.last_calls):
             return None
         first_line = str(err).splitlines()[0] if str(err) else ""
-        probe.attention_tuple = False
-        try:
-            probe.run(0.0, **probe.markers)
-            return Skip("its attention-like block's output is used as one tensor, not as transformers' (output, "
-                        "weights) pair (a linear-attention or recurrent mixer), which the fused forward does not assume")
-        except Exception:
-            pass
-        return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run on "
-                    f"stand-ins for them it raised {type(err).__name__}: {first_line})")
+        # Its attention-like block's output used as one tensor (a linear-attention or recurrent mixer: Qwen3-Next's,
+        # Jamba's, Bamba's), not as transformers' (output, weights) pair: ``ResidualNormSpec.attention_single``.
+        # Or the first item of a tuple its MLP returns taken (Llama 4's MoE layers: ``hidden_states, _ = …``).
+        for single, mlp_tuple in ((True, False), (False, True)):
+            probe.attention_tuple, probe.attention_outputs, probe.mlp_tuple = not single, 2, mlp_tuple
+            try:
+                out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
+                break
+            except Exception:
+                continue
+        else:
+            return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run "
+                        f"on stand-ins for them it raised {type(err).__name__}: {first_line})")
+    order = [stand.role for stand in probe.last_order]  # the blocks' calls, in order
+    returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
+    out = out[0] if returns_none else out
     kind = probe.kind(out)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
@@ -115,7 +112,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                     "layer, a post-norm, a gate)")
     if any(len(c) != 1 for c in calls.values()):
         return Skip("its forward calls a child more than once")
-    if kind == "parallel" and _mlp_first(probe):
+    if kind == "parallel" and mlp_first(probe):
         return Skip("its forward calls the MLP before the attention, and the fused forward calls the attention "
                     "first: their random draws in training (dropout) would come in another order")
     if any(len(calls[r][0][0]) != 1 + passes.get(r, False) or calls[r][0][1] for r in calls if r != "attention"):
@@ -123,8 +120,10 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     (pos, kw) = calls["attention"][0]
     pos = pos[:1] if passes["attention"] else pos
     inputs = [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
-    if pos and (len(pos) != 1 or inputs or not isinstance(pos[0], torch.Tensor)):
-        return Skip("its forward passes the attention positional arguments besides its input")
+    repeats = len(pos) if pos and all(p is pos[0] for p in pos) else 1  # CTRL's attn(normed, normed, normed)
+    if pos and (len(pos) != repeats or inputs or not isinstance(pos[0], torch.Tensor)):
+        return Skip("its forward passes the attention positional arguments besides its input (other than the input "
+                    "itself again, as CTRL's attn(v, k, q) takes it)")
     if not pos and len(inputs) != 1:
         return Skip("its forward does not pass the attention its input")
     attention_input = inputs[0] if not pos else ""
@@ -150,9 +149,19 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
             renames.append((alias, landed[0]))
     sig = list(inspect.signature(type(module).forward).parameters.values())[2:]
     positional = tuple(p.name for p in itertools.takewhile(lambda p: p.kind is p.POSITIONAL_OR_KEYWORD, sig))
+    mlp_view = probe.mlp_tuple and _residual_forms.mlp_flat_view(probe, markers, kind)
     placed = _residual_forms.dropout_places(probe, kind, dropouts, passes, markers)
     if placed:  # applied where the original applies them, from the same draws: none left to keep off
         dropouts = ((), ())
+    if "mlp2" in roles and (kind != "sequential" or any(dropouts) or any(passes.values())
+                            or probe.mlp_tuple or not {"mlp", "mlp2"} <= set(order) or order.index("mlp") > order.index("mlp2")):
+        return Skip("its forward adds the sum of two MLP blocks on one norm's output (Granite 4's MoE and shared MLP) "
+                    "in a form the fused forward does not: sequential, in this order, no dropout or passed residual")
+    if "post_attention_norm" in roles and (any(dropouts) or scaled or any(passes.values()) or probe.mlp_tuple
+                                           or returns_rest or not probe.attention_tuple):
+        return Skip("its norms sit before and after each block (Gemma-2's sandwich), with a dropout, a residual scale, "
+                    "a block adding the residual or a block's second output besides, which the fused forward does not "
+                    "combine with them")
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
     if inline:
         roles["mlp"] = ""
@@ -164,7 +173,9 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             attention_dropout=placed[0] if placed else None, mlp_dropout=placed[1] if placed else None,
                             sum_dropout=placed[2] if placed else None, mlp_inner_dropout=placed[3] if placed else None,
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
-                            mlp_tuple=probe.mlp_tuple)
+                            mlp_tuple=probe.mlp_tuple,
+                            attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none, mlp_view=mlp_view,
+                            norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]))
 
 
 
@@ -173,7 +184,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
-    """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip."""
+    """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip. With one
+    norm, an identity child may be the first norm (ModernBERT-decoder's layer 0: ``attn_norm = nn.Identity()``)."""
     skips = []
     if inline:  # attention, norms and the layer's own fc_in → act → fc_out (OPT)
         (linears, act), pairs = inline, itertools.permutations(norms)
@@ -186,67 +198,38 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
         return next((s for s in skips if s is not None), Skip(
             "its norms come after its residual adds (post-norm, OPT-350m's do_layer_norm_before=False: "
             "norm(x + attention(x)), then norm(h + mlp(h))), a form no pattern fuses"))
-    for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not _attention_like(module._modules[p[0]])):
-        for norm_in, norm_mid in (itertools.permutations(norms) if len(norms) == 2 else [(norms[0], norms[0])]):
-            roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
+    if len(blocks) == 3:  # two MLP blocks on norm_mid's output, summed (Granite 4's MoE + shared MLP)
+        attention = [n for n in blocks if attention_like(module._modules[n])]
+        if len(attention) != 1 or len(norms) != 2:
+            return None
+        mlps = itertools.permutations([n for n in blocks if n != attention[0]])
+        for (mlp, mlp2), (norm_in, norm_mid) in itertools.product(mlps, list(itertools.permutations(norms))):
+            roles = dict(attention=attention[0], mlp=mlp, mlp2=mlp2, norm_in=norm_in, norm_mid=norm_mid)
             found = _study_roles(module, roles, first, params, extra)
             if found is not None and not isinstance(found, Skip):
                 return found
             skips.append(found)
+        return next((s for s in skips if s is not None), None)
+    for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not attention_like(module._modules[p[0]])):
+        if len(norms) == 4:  # Gemma-2's sandwich: a norm before and after each block
+            roles = sandwich_roles(module, attention, mlp, norms, params, extra)
+            found = None if roles is None else _study_roles(module, roles, first, params, extra)
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
+            continue
+        pairs = [(norms[0], norms[0]), *((n, norms[0]) for n in identities(module))] if len(norms) == 1 else \
+            itertools.permutations(norms)
+        for norm_in, norm_mid in pairs:
+            roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
+            found = _study_roles(module, roles, first, params, extra)
+            if isinstance(found, ResidualNormSpec) and found.norm_in_identity and found.post_norm:
+                found = Skip("its first norm is an identity and its norms come after the adds (post-norm): a form "
+                             "no pattern fuses")
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
     return next((s for s in skips if s is not None), None)
-
-
-def _mlp_first(probe) -> bool:
-    """Whether the last probe run called the MLP's stand-in before the attention's."""
-    names = [s.role for s in probe.last_order]
-    return "mlp" in names and "attention" in names and names.index("mlp") < names.index("attention")
-
-
-def _attention_like(m: nn.Module) -> bool:
-    """A block that may be the layer's attention: a fused one, one whose class says attention, or one with
-    two or more projections whose forward takes an attention mask."""
-    if isinstance(m, FusedAttention) or any(w in type(m).__name__.lower() for w in ("attention", "attn")):
-        return True
-    from torchfuser.modules.adapters import lora
-
-    projs = [n for n, c in m._modules.items() if c is not None and _probe.projection_dims(lora.base_of(c))]
-    if len(projs) < 2:
-        return False
-    try:
-        names = inspect.signature(type(m).forward).parameters
-    except (TypeError, ValueError):
-        names = {}
-    return "attention_mask" in names
-
-
-def _inline_mlp(module: nn.Module, blocks: list[str]):
-    """For a decoder layer holding its MLP's two projections itself (OPT: attention, two norms, fc1 and fc2 as
-    its own children): (the two projections, its activation child), or a Skip; else None."""
-    kids = {n: module._modules[n] for n in blocks}
-    linears = tuple(n for n, m in kids.items() if _probe.projection_dims(m))
-    norms = [n for n in blocks if n not in linears and _norm_kind(kids[n])]
-    attention = [n for n in blocks if n not in linears and n not in norms and _attention_like(kids[n])]
-    if len(linears) != 2 or len(norms) != 2 or len(attention) != 1:
-        return None
-    acts = [n for n, m in module._modules.items() if m is not None and n not in blocks and not isinstance(m, nn.Dropout)
-            and not any(True for _ in m.parameters())]
-    if len(acts) != 1:
-        return Skip(f"its MLP is inline ({_reasons.quoted(linears)} are the layer's own projections) and its activation "
-                    f"is not one parameter-free child module ({len(acts)} such children)")
-    return linears, acts[0]
-
-
-def _norm_kind(m: nn.Module) -> str | None:
-    """"rms" or "layer" for a fused or fusable norm child, else None."""
-    if isinstance(m, FusedRMSNorm):
-        return "rms"
-    if isinstance(m, FusedLayerNorm):
-        return "layer"
-    if m._modules or not m._parameters:
-        return None
-    if isinstance(RMSNormPattern().match(m), RMSNormSpec):
-        return "rms"
-    return "layer" if isinstance(LayerNormPattern().match(m), LayerNormSpec) else None
 
 
 def _p(module: nn.Module, name: str) -> float:
@@ -267,17 +250,18 @@ class ResidualNormPattern(Pattern):
         if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
             return None  # already fused: optimize is idempotent
         blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
-        inline = _inline_mlp(module, blocks) if len(blocks) == 5 else None
+        inline = inline_mlp(module, blocks) if len(blocks) == 5 else None
         if isinstance(inline, Skip):
             return inline
-        if not 3 <= len(blocks) <= 4 and not inline:
+        if not 3 <= len(blocks) <= 6 and not inline:
             return None
         blocks = [n for n in blocks if not inline or n not in inline[0]]
-        kinds = {n: _norm_kind(module._modules[n]) for n in blocks}
+        kinds = {n: norm_kind(module._modules[n]) for n in blocks}
         norms = [n for n in blocks if kinds[n]]
         blocks = [n for n in blocks if not kinds[n]]
-        if len(blocks) != (1 if inline else 2) or not any(_attention_like(module._modules[n]) for n in blocks):
-            return None  # more blocks than one attention, one MLP and one or two norms (Gemma-2's four norms)
+        if len(blocks) not in ((1,) if inline else (2, 3)) or len(norms) == 3 or len(blocks) == 3 and len(norms) != 2 \
+                or not any(attention_like(module._modules[n]) for n in blocks):
+            return None  # more blocks than one attention, one MLP (or two summed) and one, two or four norms
         fused = [isinstance(module._modules[n], (FusedRMSNorm, FusedLayerNorm)) for n in norms]
         if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
             return None if all(fused) else Skip(
@@ -289,7 +273,7 @@ class ResidualNormPattern(Pattern):
             words, pattern = ("RMSNorms", "rms_norm") if "rms" in missing else ("LayerNorms", "layer_norm")
             return Skip(f"its {words} are left unfused (the {pattern} pattern is not selected), and the residual adds "
                         f"are fused into the norms' kernels: select {pattern} to fuse this layer")
-        sig = _signature(module)
+        sig = signature(module)
         if isinstance(sig, Skip):
             return sig
         spec = _study(module, blocks, norms, *sig, inline=inline)
