@@ -69,7 +69,7 @@ MODELS = {"gemma4_sliding": lambda impl="sdpa": _gemma4(0, impl), "gemma4_full":
 
 def _run(module, x, g, kwargs):
     x = x.detach().clone().requires_grad_(True)
-    mask = torch.full((S, S), float("-inf")).triu(1).expand(B, 1, S, S).clone()
+    mask = torch.full((S, S), float("-inf"), device=x.device, dtype=x.dtype).triu(1).expand(B, 1, S, S).clone()
     mask[1, :, :, 2] = float("-inf")  # a padded key in the second row
     kwargs = {k: {} if isinstance(v, dict) else v for k, v in kwargs.items()}
     out = module(x, attention_mask=mask, **kwargs)[0]

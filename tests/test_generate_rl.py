@@ -63,6 +63,8 @@ def test_greedy_rollouts_equal_unfused(lora, mode):
     assert rep.counts()["attention"]["fused"] == 2 and not rep.fallbacks, rep
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and tuple(int(x) for x in trl.__version__.split(".")[:2]) < (1, 16),
+                    reason="TRL < 1.16 runs its chunked log-prob Triton kernel on CPU tensors where CUDA is present")
 def test_rollout_scores_match_after_generation():
     """TRL scores the rollout it generated with ``fused_lm_head=True``: the per-token log-probs of the fused
     model equal the unfused model's (the generation's KV cache left nothing behind in the fused modules)."""

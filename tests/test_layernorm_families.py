@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import torchfuser
 from torchfuser.modules import fallbacks
-from torchfuser.modules.residual_norm import ResidualNormForward
+from tiny_lm import fused_layers as layers
 
 from numerics import assert_bf16_within_rule, assert_trains_like
 
@@ -70,10 +70,6 @@ def step(model, dtype=None):
     loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
     loss.backward()
     return loss.detach()
-
-
-def layers(model):
-    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import torchfuser
-from torchfuser.modules.residual_norm import ResidualNormForward
+from tiny_lm import fused_layers as layers
 
 from numerics import assert_bf16_within_rule, assert_cuda_steps_like, assert_trains_like
 
@@ -37,10 +37,6 @@ def step(model, device="cpu"):
     loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
     loss.backward()
     return loss.detach()
-
-
-def layers(model):
-    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

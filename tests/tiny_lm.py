@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from torchfuser.cuda_graphs.replay import Stack
 from torchfuser.modules.residual_norm import ResidualNormForward
 
 from arch_sweep import tiny_config
@@ -32,5 +33,14 @@ def lm_step(model, device="cpu"):
 
 
 def fused_layers(model) -> list:
-    """The decoder layers whose forward the residual-norm pattern replaced."""
-    return [m for m in model.modules() if isinstance(m.__dict__.get("forward"), ResidualNormForward)]
+    """The decoder layers whose forward the residual-norm pattern replaced, also where CUDA graphs (the default
+    ``cuda_graphs="auto"`` on a GPU) route the layer through its stack, which calls that forward."""
+    return [m for m in model.modules() if isinstance(_layer_forward(m), ResidualNormForward)]
+
+
+def _layer_forward(module):
+    forward = module.__dict__.get("forward")
+    stack = getattr(getattr(forward, "func", None), "__self__", None)
+    if isinstance(stack, Stack):
+        return stack.forwards[forward.args[0]]
+    return forward
