@@ -49,6 +49,7 @@ from torchfuser.cuda_graphs import auto as _auto
 from torchfuser.cuda_graphs.buckets import GraphOptions
 from torchfuser.cuda_graphs.replay import CHURN, Stack
 from torchfuser.cuda_graphs.signature import join_call, split_call
+from torchfuser.modules.adapters import quantized_base
 from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_replicas
 from torchfuser.modules.residual_norm import ResidualNormForward  # ours on the instance: graphed, put back
 
@@ -76,12 +77,23 @@ def _unsupported(model: nn.Module, layers) -> str | None:
         if "forward" in layer.__dict__ and not isinstance(layer.__dict__["forward"], ResidualNormForward):
             return "a layer's forward is already replaced on the instance (accelerate hooks?)"
         for q in layer.parameters():
-            if type(q) is not nn.Parameter or type(q.data) is not torch.Tensor or q.device != p.device:
-                return "parameters are sharded, wrapped or spread over devices"
+            if why := param_problem(q, p.device):
+                return why
             if q._backward_hooks or getattr(q, "_post_accumulate_grad_hooks", None):
                 return "parameters have gradient hooks (they would run only at capture)"
         if any(b.requires_grad for b in layer.buffers()):
             return "a buffer requires grad"
+    return None
+
+
+def param_problem(q: nn.Parameter, device: torch.device) -> str | None:
+    """Why a replay could not read the parameter ``q`` where the capture read it, or None. A frozen quantised
+    base (bitsandbytes' Params4bit / Int8Params, torchao's NF4) is a tensor subclass, but its bytes stay where
+    they are between steps and get no gradient: the fused LoRA node dequantises them inside the graph."""
+    if q.device != device:
+        return "parameters are spread over devices"
+    if (type(q) is not nn.Parameter or type(q.data) is not torch.Tensor) and not quantized_base.frozen_bytes(q):
+        return "parameters are sharded or wrapped (tensor subclasses)"
     return None
 
 

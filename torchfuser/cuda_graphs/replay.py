@@ -18,6 +18,7 @@ from torchfuser.cuda_graphs.capture import LayerGraphs, capture, recover_from_fa
 from torchfuser.cuda_graphs.function import _Replay
 from torchfuser.cuda_graphs.signature import autocast_key, join_call, param_key, split_call
 from torchfuser.modules import packed
+from torchfuser.modules.adapters import quantized_base
 from torchfuser.modules.base import hooked, loaded_fsdp
 from torchfuser.modules.residual_norm import ResidualNormForward
 
@@ -218,7 +219,7 @@ class Stack(_auto.StackPolicy):
             if mod is not layer:
                 inside.append(mod)
             for p in mod._parameters.values():
-                if p is not None:
+                if p is not None and not quantized_base.frozen_bytes(p):  # read in place; no stand-in, no gradient
                     params[id(p)] = p
         if hooked(*inside):
             return "hooks are registered on modules inside the layer (they would run only at capture)", ()

@@ -9,7 +9,10 @@ table C (fp32) and one fp32 scale per block of ``blocksize`` elements:
 The product in fp32, rounded once to ``dtype`` (round to nearest even): bitsandbytes' own kernels
 compute the same, so the result is theirs bit for bit. Nothing is saved (a frozen weight, no backward).
 One program per BLOCK bytes (2·BLOCK elements): the code table is 64 bytes, read from L1; each output
-element is written once, the pair of a byte as one contiguous [BLOCK, 2] tile.
+element is written once, the pair of a byte as one contiguous [BLOCK, 2] tile. The block size is a
+compile-time constant (bitsandbytes uses 64 for 4-bit weights: a shift) and the offsets 32-bit below 2^31
+elements: the H200's profile of the 8B QLoRA step (2026-12-05) had this kernel at ≈ 4× its memory time
+with a runtime 64-bit division per element.
 """
 from __future__ import annotations
 
@@ -24,16 +27,19 @@ _WARPS = 4  # on NVIDIA's 32-wide warps: 16 elements a thread
 
 
 @triton.jit
-def _dequantize_4bit_fwd_kernel(P, ABSMAX, CODE, OUT, n, n_bytes, blocksize, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+def _dequantize_4bit_fwd_kernel(P, ABSMAX, CODE, OUT, n, n_bytes, BLOCKSIZE: tl.constexpr, BLOCK: tl.constexpr,
+                                WIDE: tl.constexpr):
+    pid = tl.program_id(0)
+    if WIDE:  # 2^31 elements or more: 64-bit offsets
+        pid = pid.to(tl.int64)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
     byte = tl.load(P + i, mask=i < n_bytes, other=0).to(tl.int32)
     hi = tl.load(CODE + (byte >> 4))
     lo = tl.load(CODE + (byte & 15))
     e = tl.join(2 * i, 2 * i + 1)  # [BLOCK, 2]: each byte's two elements side by side, as in memory
     v = tl.join(hi, lo)
     m = e < n
-    scale = tl.load(ABSMAX + e // blocksize, mask=m, other=0.0)
+    scale = tl.load(ABSMAX + e // BLOCKSIZE, mask=m, other=0.0)  # a constant block size: a shift, not a division
     tl.store(OUT + e, (v * scale).to(OUT.dtype.element_ty), mask=m)
 
 
@@ -50,5 +56,6 @@ def dequantize_4bit_fwd(packed: torch.Tensor, absmax: torch.Tensor, code: torch.
         return out
     n_bytes = (n + 1) // 2
     _launch((cdiv(n_bytes, _BLOCK),), p, absmax.float().contiguous(), code.float().contiguous(), out, n, n_bytes,
-            blocksize, BLOCK=_BLOCK, num_warps=warps_as_threads(_WARPS, target_of(p)))
+            BLOCKSIZE=blocksize, BLOCK=_BLOCK, WIDE=n + 2 * _BLOCK >= 2 ** 31,
+            num_warps=warps_as_threads(_WARPS, target_of(p)))
     return out
