@@ -7,11 +7,10 @@ The projections, norms and dropouts stay the original submodules (adopted under 
 names), so ``state_dict`` keys and values do not change. Anything this forward cannot reproduce
 at call time (an attention implementation other than eager/sdpa, a request for attention
 weights, rotary tables of an unexpected width) runs the original module instead, and is counted
-(``modules.fallbacks``) so that the report says so.
+(``modules.fallbacks``) so that the report says so; the checks are ``_attention_fallback.reason``.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,16 +22,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F, ops
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, call_original, decided, dropout_p, host_reads_allowed,
                                      keep_dropout)
-from torchfuser.modules import attention_bias, fallbacks, packed, rotary_complex
+from torchfuser.modules import _attention_fallback, attention_bias, fallbacks, packed, rotary_complex
+# (re-exported: the patterns and the other attention modules read them from here)
+from torchfuser.modules._attention_fallback import _IMPLEMENTATIONS, _collector, _recorded_from  # noqa: F401
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
 # families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
 _CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
-_IMPLEMENTATIONS = ("eager", "sdpa")
-# Given (not None) at call time, these turn a self-attention into cross-attention: run the original.
-_CROSS_KWARGS = ("encoder_hidden_states", "key_value_states")
 
 # mask tensor → (its version, whether some query row has every key masked). The model passes one
 # mask object to every layer, so the check runs once per forward, not once per layer. Inference
@@ -55,62 +53,6 @@ def _has_empty_rows(mask: Tensor) -> bool:
 
 def _empty_rows(mask: Tensor) -> bool:
     return bool((mask.amax(dim=-1) <= torch.finfo(mask.dtype).min).any())
-
-
-try:  # transformers ≥ 5: outputs asked for at call time are collected by forward hooks, not passed down
-    from transformers.utils import output_capturing as _capturing
-except ImportError:  # pragma: no cover - other transformers versions: the flags reach the attention
-    _capturing = None
-
-
-def _collector() -> dict | None:
-    """What transformers' output-capturing hooks collect in this call ({"attentions": [...], ...}), or None.
-
-    A model decorated with ``capture_outputs`` (GPT-2, Llama, … in transformers 5) takes
-    ``output_attentions`` itself and may not pass it on to its attention modules (GPT-2 pops it):
-    the request is this collector. Under torch.compile a ContextVar cannot be traced; transformers
-    then keeps the collector in a plain attribute (``compiling``), read here alike."""
-    if _capturing is None:
-        return None
-    var = _capturing._active_collector
-    if torch.compiler.is_compiling():
-        return var.global_var if var.compiling else None
-    return var.get()
-
-
-def _recorded_from(original: nn.Module, collected: dict) -> str | None:
-    """The output the collector asks of modules of ``original``'s class ("attentions", or another key
-    of some model's ``_can_record_outputs`` whose recorder targets that class), or None."""
-    keys = _requested_by_class(type(original), frozenset(collected), len(_capturing._CAN_RECORD_REGISTRY))
-    return "attentions" if "attentions" in keys else next(iter(keys), None)
-
-
-@functools.lru_cache(maxsize=256)
-def _requested_by_class(cls: type, keys: frozenset, _registered: int) -> tuple[str, ...]:
-    """The collected keys some model records from modules of class ``cls`` ("attentions" whenever collected
-    too; ``_registered``: the registry's size, so that a model class registered later is seen)."""
-    found = {"attentions"} & keys
-    for table in list(_capturing._CAN_RECORD_REGISTRY.values()):
-        for key, specs in (table or {}).items():
-            if key in keys and key != "hidden_states":
-                specs = specs if isinstance(specs, list) else [specs]
-                targets = [getattr(spec, "target_class", spec) for spec in specs]
-                found.update(key for t in targets if isinstance(t, type) and issubclass(cls, t))
-    return tuple(sorted(found))
-
-
-def _record_attention_weights(original: nn.Module, out) -> None:
-    """transformers collects ``output_attentions`` through forward hooks it installs, on first use,
-    on modules of the attention *class*; a FusedAttention is not one, so when the hooks were
-    installed after fusion nothing would be recorded and ``outputs.attentions`` would silently come
-    back empty. Record the original's weights in the active collector then (transformers 5.x)."""
-    collected = _collector()
-    if not collected or "attentions" not in collected or not isinstance(out, tuple) or len(out) < 2:
-        return
-    if any(getattr(h, "__name__", "") == "output_capturing_hook" for h in original._forward_hooks.values()):
-        return  # hooked before fusion: the hook recorded it
-    if out[1] is not None:
-        collected["attentions"].append(out[1])
 
 
 @dataclass(frozen=True)
@@ -215,10 +157,6 @@ def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tens
     return q, k, v
 
 
-def _fmt(names) -> str:
-    return ", ".join(repr(n) for n in names)
-
-
 def _submodule_names(spec: AttentionSpec) -> list[str]:
     names = (*spec.qkv, spec.out, spec.q_norm, spec.k_norm, spec.v_norm, *spec.keep)
     return [n for n in names if n is not None]
@@ -254,45 +192,12 @@ class FusedAttention(FusedModule):
     def _fallback(self, hidden_states, kwargs):
         """Run the original module on whatever this module now holds (after .to(), re-tying...)."""
         out = call_original(self, hidden_states, **kwargs)
-        _record_attention_weights(self.__dict__["_original"], out)
+        _attention_fallback.record_attention_weights(self.__dict__["_original"], out)
         return out
 
     def _fallback_reason(self, kwargs, hidden: Tensor, impl=None) -> str | None:
-        """Why this call must run the original module, or None (checked on every call: cheap reads only).
-        ``impl``: the config's attention implementation where the caller has read it (read here otherwise)."""
-        impl = getattr(self.config, "_attn_implementation", None) if impl is None else impl
-        # A module that adds a position bias and holds no config computes its attention itself (BLOOM, MPT).
-        if impl not in _IMPLEMENTATIONS and not (impl is None and self.config is None and self.spec.bias is not None):
-            return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
-        # (the config's flag not read under sdpa, ≈ 1.5 µs a read: transformers refuses output_attentions=True there, and
-        # the original module's sdpa path forms no weights either; a request through the collector is seen below)
-        if kwargs.get("output_attentions") or (impl != "sdpa" and getattr(self.config, "output_attentions", False)):
-            return "output_attentions=True (SDPA never forms the attention weights)"
-        collected = _collector()
-        if collected and (key := _recorded_from(self.__dict__["_original"], collected)) is not None:
-            return ("output_attentions=True (SDPA never forms the attention weights)" if key == "attentions" else
-                    f"output_{key}=True (transformers records it from the original module)")
-        for n in _CROSS_KWARGS:  # (a loop, not a generator: every call reads these)
-            if kwargs.get(n) is not None:
-                return "called with encoder states (cross-attention)"
-        if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
-            return why
-        if self.spec.idle_dropouts and self.training:
-            children = self.__dict__["_original"]._modules
-            if any(getattr(children[n], "p", 0) for n in self.spec.idle_dropouts):
-                return f"dropout p > 0 in {_fmt(self.spec.idle_dropouts)}, 0 when it was fused (and left out)"
-        if self.spec.kv_out is not None and not isinstance(kwargs.get(self.spec.kv_out[0]), dict):
-            return f"no dict given as {self.spec.kv_out[0]!r} (where it hands its k and v on to later layers)"
-        if self.spec.rotary_complex:
-            return rotary_complex.unusable(kwargs.get(self.spec.rotary_complex), self.spec)
-        if self.spec.rotary_dim:
-            pe = kwargs.get("position_embeddings")
-            if pe is None:
-                return "no position_embeddings given (the fused attention applies the rotary tables it is passed)"
-            if pe[0].shape[-1] != self.spec.rotary_table_dim:
-                return (f"rotary tables {pe[0].shape[-1]} wide, not the {self.spec.rotary_table_dim} "
-                        "found when it was fused")
-        return None
+        """Why this call must run the original module, or None (``_attention_fallback.reason``)."""
+        return _attention_fallback.reason(self, kwargs, hidden, impl)
 
     # -- forward --------------------------------------------------------------------------
     def _project(self, x: Tensor):
@@ -336,7 +241,7 @@ class FusedAttention(FusedModule):
         if args:  # positional arguments, named as the original forward names them
             kwargs.update(zip(s.positional, args))
         impl = getattr(self.config, "_attn_implementation", None)  # read once a call (a config read costs µs)
-        why = self._fallback_reason(kwargs, hidden_states, impl)
+        why = _attention_fallback.reason(self, kwargs, hidden_states, impl)
         if why is not None:
             fallbacks.count(self, why)
             return self._fallback(hidden_states, kwargs)
