@@ -116,4 +116,9 @@ def reason(fused: nn.Module, kwargs, hidden: Tensor, impl) -> str | None:
             return "no position_embeddings given (the fused attention applies the rotary tables it is passed)"
         if pe[0].shape[-1] != spec.rotary_table_dim:
             return f"rotary tables {pe[0].shape[-1]} wide, not the {spec.rotary_table_dim} found when it was fused"
+        if spec.rotary_axes > 1:  # the forward splits the head by the last width of the position_ids it is given
+            ids = kwargs.get("position_ids")
+            if ids is None or ids.shape[-1] != spec.rotary_axes:
+                return (f"position_ids of shape {None if ids is None else tuple(ids.shape)}, not B × S × "
+                        f"{spec.rotary_axes} (the rotary's axes found when it was fused)")
     return None

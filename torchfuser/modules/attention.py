@@ -119,6 +119,9 @@ class AttentionSpec:
     idle_dropouts: tuple[str, ...] = ()
     # rotate-half with the sign of its halves flipped, [x2, -x1] (NanoChat): the rope of -sin.
     rotary_sin_negated: bool = False
+    # The head split in this many equal parts, each rotate-half with its part of the tables, one part per axis of
+    # the B × S × axes ``position_ids`` the forward is given (Gemma 4's 2-D vision rotary; the whole head rotates).
+    rotary_axes: int = 1
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
 
@@ -145,6 +148,17 @@ def _pairs_in_half_order(t: Tensor, pairs: str, rd: int) -> Tensor:
         return _deinterleave(t)
     half = t[..., : rd // 2]
     return torch.cat([half, half], dim=-1)
+
+
+def _axes_to_half(x: Tensor, axes: int) -> Tensor:
+    """Channels [a₀ | b₀ | a₁ | b₁ | …] (rotate-half within each of ``axes`` parts) → [a₀ a₁ … | b₀ b₁ …], where
+    rotate-half over the whole head pairs the same channels with the same table entries."""
+    return x.unflatten(-1, (axes, 2, -1)).transpose(-3, -2).flatten(-3)
+
+
+def _half_to_axes(x: Tensor, axes: int) -> Tensor:
+    """The inverse of ``_axes_to_half``."""
+    return x.unflatten(-1, (2, axes, -1)).transpose(-3, -2).flatten(-3)
 
 
 def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -258,6 +272,10 @@ class FusedAttention(FusedModule):
             # (1.5 hidden-sized tensors a token a layer at Llama-3-8B's shapes, for v's 0.25): keep a copy.
             v = v.contiguous()
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cache = None
+        for n in _CACHE_KWARGS:  # (a loop, not a generator: host time)
+            if (cache := kwargs.get(n)) is not None:
+                break
         if s.rotary_dim:
             cos, sin = (rotary_complex.tables(kwargs[s.rotary_complex], q.shape[2]) if s.rotary_complex
                         else kwargs["position_embeddings"])
@@ -267,13 +285,14 @@ class FusedAttention(FusedModule):
                 cos, sin = sin, cos
             if s.rotary_sin_negated:
                 sin = -sin
+            if s.rotary_axes > 1:  # one rotate-half part per axis: rotate-half over the whole head, channels reordered
+                q, k, cos, sin = (_axes_to_half(t, s.rotary_axes) for t in (q, k, cos, sin))
             q, k = self._rope(q, k, cos, sin)
+            # q·kᵀ is the same over channels reordered alike in q and k: back only where k (or a norm's weight) sees them
+            if s.rotary_axes > 1 and (cache is not None or s.kv_out is not None or s.norm_after_rope):
+                q, k = _half_to_axes(q, s.rotary_axes), _half_to_axes(k, s.rotary_axes)
         if s.norm_after_rope:  # over each head's channels: the B×H×S×D layout does not matter
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
-        cache = None
-        for n in _CACHE_KWARGS:  # (a loop, not a generator: host time)
-            if (cache := kwargs.get(n)) is not None:
-                break
         if cache is not None:
             # GPT-2 under an encoder-decoder cache keeps its self-attention states in a sub-cache.
             cache = getattr(cache, "self_attention_cache", cache)

@@ -26,7 +26,8 @@ from torch import nn
 
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
-from torchfuser.patterns import _probe, _reasons
+from torchfuser.patterns import _reasons
+from torchfuser.patterns._attention_projections import projection_dims
 from torchfuser.patterns._attention_probe import (
     check, complex_table_args, dict_writes, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
     takes_rope, value_rows,
@@ -97,6 +98,8 @@ def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex
     yield from (dict(rotary_dim=rd) for rd in dims)
     yield from (dict(rotary_dim=rd, rotary_interleave=pairs) for rd in dims for pairs in ("pairs", "half"))
     yield from (dict(rotary_dim=rd, rotary_sin_negated=True) for rd in dims)  # [x2, -x1] (NanoChat)
+    if any(p.name == "position_ids" for p in forward_params(module)):  # a rotate-half part per position axis (Gemma 4)
+        yield from (dict(rotary_dim=head_dim, rotary_axes=n) for n in (2, 3) if head_dim % (2 * n) == 0)
     yield dict(rotary_dim=0)
 
 
@@ -177,13 +180,15 @@ class AttentionPattern(Pattern):
     fused = FusedAttention
 
     def match(self, module):
-        # A projection under a PEFT adapter counts as the projection it wraps (FusedAttention runs LoRA).
-        projs = {n: d for n, m in module._modules.items()
-                 if m is not None and (d := _probe.projection_dims(lora.base_of(m)))}
         params = forward_params(module)
         names = [p.name for p in params]
         hinted = "attention" in type(module).__name__.lower()
-        if len(projs) < 2 or not (hinted or "attention_mask" in names):
+        if not (hinted or "attention_mask" in names):
+            return None
+        # A projection under a PEFT adapter counts as the projection it wraps (FusedAttention runs LoRA); a module
+        # wrapping one Linear (Gemma 4's clippable one) as a projection called as it is (_attention_projections).
+        projs = {n: d for n, m in module._modules.items() if m is not None and (d := projection_dims(m))}
+        if len(projs) < 2:
             return None
         if not hinted and next(_shapes(module, projs), None) is None:
             return None  # takes a mask but has no q/k/v/o projections (e.g. a decoder layer with an inline MLP)
