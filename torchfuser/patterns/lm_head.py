@@ -74,9 +74,17 @@ def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
     divides by logits_scaling, HyperCLOVAX multiplies by it), or a Skip for any other transform."""
     probe = torch.tensor(PROBE_LOGITS, dtype=torch.float64)
     if spec.softcap is not None:
-        # A scale as well as the softcap would not be told apart at these values: softcap alone.
-        return spec if torch.allclose(logits, spec.transform(probe), rtol=1e-6) else Skip(
-            "the forward's logits are not the softcap of the head's output")
+        if torch.allclose(logits, spec.transform(probe), rtol=1e-6):
+            return spec
+        # A scale before the softcap, c·tanh(s·z/c) (MuSE Spark's output_multiplier): s measured through atanh where
+        # tanh is far from flat, then the whole transform checked on every probe value.
+        u = logits / spec.softcap
+        if (u.abs() < 0.95).all():
+            ratio = spec.softcap * torch.atanh(u) / probe
+            scaled = dataclasses.replace(spec, logit_scale=float(ratio[0]))
+            if ratio[0] > 0 and torch.allclose(logits, scaled.transform(probe), rtol=1e-6):
+                return scaled
+        return Skip("the forward's logits are not the softcap of the head's output, scaled by a positive factor or not")
     ratio = logits / probe
     if not (torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-6) and ratio[0] > 0):
         return Skip(f"the forward transforms the logits (head output {PROBE_LOGITS} → "
@@ -178,8 +186,10 @@ class LMHeadLossPattern(Pattern):
             return Skip("output embeddings are not a direct child of the model")
         cfg = getattr(module, "config", None)
         vocab = _text_field(cfg, "vocab_size")
-        if head.out_features != vocab:
-            return Skip(f"head has {head.out_features} outputs but the (text) config's vocab_size is {vocab}")
+        # A head of another width than the config's vocabulary (Inkling 2's unpadded_vocab_size): its loss must be
+        # the probe's over the head's whole width (no logits cut or padded), and only a probe can show that.
+        narrow = (f"head has {head.out_features} outputs but the (text) config's vocab_size is {vocab}"
+                  if head.out_features != vocab else None)
         if ForCausalLMLoss is None or getattr(module, "_loss_function", ForCausalLMLoss) is not ForCausalLMLoss:
             return Skip("a custom loss_function is set; only transformers' ForCausalLMLoss is reproduced")
         loss_type = getattr(module, "loss_type", None) or getattr(cfg, "loss_type", None)
@@ -195,7 +205,8 @@ class LMHeadLossPattern(Pattern):
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
         logits = probe.probe_logits(module, name)
         if logits is None:  # the forward would not run on a stub decoder: judge by the config and the code
-            return _unprobed(module, spec)
+            return Skip(narrow + ", and its forward does not run on a stand-in decoder to show its loss uses them "
+                        "all") if narrow else _unprobed(module, spec)
         spec = _with_measured_scale(spec, logits)
         if isinstance(spec, Skip):
             return spec
@@ -209,9 +220,9 @@ class LMHeadLossPattern(Pattern):
         form = probe.probe_loss(module, name, spec)
         if form is None:
             return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
-                        "its loss could not be learned")
+                        "its loss could not be learned" + (f" ({narrow})" if narrow else ""))
         if isinstance(form, str):
-            return Skip(form)
+            return Skip(form + (f" ({narrow})" if narrow else ""))
         return dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1])
 
     def parameters_used(self, module):
