@@ -81,9 +81,9 @@ def _changed(t: torch.Tensor) -> torch.Tensor:
     return t.detach() * 2 + 1
 
 
-def _perturbed(module: nn.Module, children=None) -> nn.Module:
+def _perturbed(module: nn.Module, children=None, keep=None) -> nn.Module:
     """A shallow copy whose floating parameters and buffers, and those of ``children`` (default:
-    all), are changed."""
+    all), are changed; ``keep`` (the head, replaced anyway) is not copied."""
     copy = _probe.shallow_copy(module)
     for table in (copy._parameters, copy._buffers):
         for name, t in table.items():
@@ -91,9 +91,22 @@ def _perturbed(module: nn.Module, children=None) -> nn.Module:
                 table[name] = nn.Parameter(_changed(t), requires_grad=False) if isinstance(t, nn.Parameter) else _changed(t)
     children = module._modules if children is None else children
     for name, child in children.items():
-        if child is not None:
-            copy._modules[name] = _perturbed(child)
+        if child is not None and child is not keep:
+            copy._modules[name] = _perturbed(child, keep=keep)
     return copy
+
+
+def head_of(model: nn.Module, head: str) -> nn.Module:
+    """The head at its path in ``model`` (a child's name, or a dotted path into a wrapper)."""
+    return model.get_submodule(head)
+
+
+def _put(probe: nn.Module, path: str, new: nn.Module) -> None:
+    """``new`` at ``path`` in ``probe``, each module on the way a shallow copy (the model's own stay as they are)."""
+    *parents, leaf = path.split(".")
+    for name in parents:
+        probe._modules[name] = probe = _probe.shallow_copy(probe._modules[name])
+    probe._modules[leaf] = new
 
 
 def _run(model: nn.Module, head: str, make_head, perturb: bool = False, **kwargs):
@@ -104,12 +117,15 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, **kwargs
     if not isinstance(decoder, nn.Module) or BaseModelOutputWithPast is None:
         return None
     probe = _probe.shallow_copy(model)
+    real = head_of(model, head)
     if perturb:  # the decoder and the head are replaced below: copying them would cost their memory
         others = {n: m for n, m in model._modules.items() if n not in (prefix, head) and m is not None}
-        probe = _perturbed(probe, others)
-    width = model._modules[head].in_features
-    probe._modules[prefix] = _StubDecoder(_probe.randn(_B, _S, width, gen=_probe.generator(7)), decoder, perturb)
-    probe._modules[head] = make_head(model._modules[head])
+        probe = _perturbed(probe, others, keep=real)
+    hidden = _probe.randn(_B, _S, real.in_features, gen=_probe.generator(7))
+    if "." in head:  # the wrapper's own layers before the head (BERT's transform) run on the decoder's output
+        hidden = hidden.to(real.weight.device, real.weight.dtype)
+    probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb)
+    _put(probe, head, make_head(real))
     try:
         with torch.no_grad():
             return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
@@ -148,7 +164,7 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
     ``(shift, honoured keywords)``; a reason (str) where it is no form the fused loss reproduces;
     None where the forward does not run on the stub."""
     gen = _probe.generator(11)
-    vocab = model._modules[head].out_features
+    vocab = head_of(model, head).out_features
     # fp32-exact values: a forward that casts the logits to fp32 loses nothing.
     z = _probe.randn(_B, _S, vocab, gen=gen).mul(2).float().double()
     labels = torch.randint(0, vocab, (_B, _S), generator=gen)

@@ -28,10 +28,10 @@ from torchfuser.patterns import _lm_head_probe as probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError:  # pragma: no cover - transformers is a dependency
-    ForCausalLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, LOSS_MAPPING = None, {}, {}
+    ForCausalLMLoss, ForMaskedLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, LOSS_MAPPING = None, None, {}, {}
 try:  # image-text-to-text models (LLaVA, Qwen-VL, Gemma 3...): the head sits on the outer model
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 except ImportError:  # pragma: no cover - older transformers
@@ -124,6 +124,27 @@ def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
     return spec
 
 
+def _nested_head(model: nn.Module, head: nn.Linear):
+    """The path of a head that is not a child of the model but sits in a wrapper of its own (T5Gemma 2's
+    ``lm_head.out_proj``, BERT's ``cls.predictions.decoder`` after its transform: what runs before the head is
+    captured with its input, what runs after it the probes see), else a Skip: a head inside the decoder the probes
+    stand in for, or inside a causal LM of its own (whose head and loss are fused there, if at all)."""
+    path = next((n for n, m in model.named_modules() if m is head), None)
+    if path is None:
+        return Skip("output embeddings are not a module of the model")
+    parts = path.split(".")
+    if parts[0] == getattr(model, "base_model_prefix", None):
+        return Skip(f"output embeddings at {path!r}, inside the decoder (base_model_prefix) whose output the loss is "
+                    "computed from: not a head on the decoder's output")
+    for i in range(1, len(parts)):
+        inner = model.get_submodule(".".join(parts[:i]))
+        cls = type(inner).__name__
+        if cls.endswith("ForCausalLM") or cls in _CAUSAL_LM or isinstance(inner, nn.ModuleList):
+            return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
+                        "its head and loss are fused on that model, where it is given the labels")
+    return path
+
+
 @dataclasses.dataclass
 class _Uninstall:
     """Undo of the per-instance forward (an object, not a closure: a model saved whole keeps it)."""
@@ -182,8 +203,9 @@ class LMHeadLossPattern(Pattern):
         if why:
             return Skip(f"output embeddings {type(head).__name__} {why}; only a plain nn.Linear head is fused")
         name = next((n for n, m in module._modules.items() if m is head), None)
-        if name is None:
-            return Skip("output embeddings are not a direct child of the model")
+        nested = name is None
+        if nested and isinstance(name := _nested_head(module, head), Skip):
+            return name
         cfg = getattr(module, "config", None)
         vocab = _text_field(cfg, "vocab_size")
         # A head of another width than the config's vocabulary (Inkling 2's unpadded_vocab_size): its loss must be
@@ -193,17 +215,26 @@ class LMHeadLossPattern(Pattern):
         if ForCausalLMLoss is None or getattr(module, "_loss_function", ForCausalLMLoss) is not ForCausalLMLoss:
             return Skip("a custom loss_function is set; only transformers' ForCausalLMLoss is reproduced")
         loss_type = getattr(module, "loss_type", None) or getattr(cfg, "loss_type", None)
-        # "ForConditionalGeneration" (image-text-to-text models) maps to ForCausalLMLoss too.
-        if loss_type not in (None, "ForCausalLM") and LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss:
-            return Skip(f"loss_type {loss_type!r}; only ForCausalLM is reproduced")
+        # "ForConditionalGeneration" (image-text-to-text models) maps to ForCausalLMLoss too; ForMaskedLMLoss
+        # (T5Gemma 2's) is the same cross-entropy of labels unshifted, fused only where the probes show that.
+        masked = loss_type is not None and LOSS_MAPPING.get(loss_type) is ForMaskedLMLoss
+        if loss_type not in (None, "ForCausalLM") and LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss and not masked:
+            return Skip(f"loss_type {loss_type!r}; only ForCausalLM (and ForMaskedLM where probed) is reproduced")
         z_loss = getattr(module, "z_loss_coefficient", None) or getattr(cfg, "z_loss_coefficient", None)
         if isinstance(z_loss, (int, float)) and z_loss > 0:  # Bamba adds coef·mean(logsumexp²) with labels
             return Skip(f"a z-loss on the logits (z_loss_coefficient={z_loss}) that the fused loss does not add")
+        if (nested or masked) and "decoder_input_ids" in params:  # (T5Gemma 2's)
+            return Skip("an encoder-decoder's forward: it makes its decoder's inputs from the labels where none are "
+                        "given, and the fused loss calls it without labels")
         softcap = _text_field(cfg, "final_logit_softcapping")
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
         logits = probe.probe_logits(module, name)
+        if logits is None and (nested or masked):
+            return Skip((f"output embeddings at {name!r} (not a child of the model)" if nested else
+                         f"loss_type {loss_type!r}") + ", and its forward does not run on a stand-in decoder to show "
+                        "what it does with the head's output")
         if logits is None:  # the forward would not run on a stub decoder: judge by the config and the code
             return Skip(narrow + ", and its forward does not run on a stand-in decoder to show its loss uses them "
                         "all") if narrow else _unprobed(module, spec)
