@@ -1,14 +1,17 @@
 """LM head + loss forms the image-text sweep found unfused: a scale before the final softcap, c·tanh(s·z/c) (MuSE
 Spark's and Glimmer's ``output_multiplier``), measured on the probe; a head of another width than the config's
 vocabulary (Inkling 2's ``unpadded_vocab_size``), fused where the probe shows the loss runs over the head's whole
-width. Loss and every gradient against the unfused model (fp32); the forms the fused loss does not reproduce (the
-scale after the softcap, logits cut to the config's vocabulary) stay unfused with their reason."""
+width; a Linear subclass whose own forward is h·Wᵀ + b on a probe (IDEFICS' decoupled Linear without additional
+features). Loss and every gradient against the unfused model (fp32); the forms the fused loss does not reproduce
+(the scale after the softcap, logits cut to the config's vocabulary, a subclass computing something else) stay
+unfused with their reason."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -59,7 +62,7 @@ def _model(cls, head_width=VOCAB, softcap=CAP):
         torch.manual_seed(0)
         model = cls(_config(final_logit_softcapping=softcap, output_multiplier=MULT)).float().train()
         if head_width != VOCAB:
-            model.lm_head = torch.nn.Linear(32, head_width, bias=False)
+            model.lm_head = nn.Linear(32, head_width, bias=False)
     return model
 
 
@@ -117,5 +120,33 @@ def test_image_text_models_lm_head_fused_and_exact(model_type):
     if model_type not in vlm_sweep.model_types():
         pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
     r = vlm_sweep.run_one(model_type)
+    assert r.kind == "fused", (r.kind, r.detail)
+    assert r.towers.get("text", {}).get("lm_head_loss") == 1, r.skipped.get("lm_head_loss")
+
+
+class _PlainSubclass(nn.Linear):  # IDEFICS' decoupled Linear without additional features
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class _Doubling(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_a_linear_subclass_is_a_plain_head_only_where_its_forward_computes_h_wt_plus_b():
+    from torchfuser.patterns.lm_head import _not_plain_linear
+
+    assert _not_plain_linear(_PlainSubclass(4, 3)) == "" and _not_plain_linear(_PlainSubclass(4, 3, bias=False)) == ""
+    assert "forward of its own" in _not_plain_linear(_Doubling(4, 3))
+    head = nn.Linear(4, 3)
+    head.forward = lambda x: 2 * x  # set on the instance (accelerate's hooks): never run by the fused loss
+    assert "forward of its own" in _not_plain_linear(head)
+
+
+def test_idefics_lm_head_fused_and_exact():
+    if "idefics" not in vlm_sweep.model_types():
+        pytest.skip("idefics is not an image-text-to-text type of this transformers")
+    r = vlm_sweep.run_one("idefics")
     assert r.kind == "fused", (r.kind, r.detail)
     assert r.towers.get("text", {}).get("lm_head_loss") == 1, r.skipped.get("lm_head_loss")

@@ -24,7 +24,7 @@ from torch import nn
 
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.lm_head import PROBE_LOGITS, FusedLMHeadLoss, LMHeadLossSpec
-from torchfuser.patterns import _lm_head_probe as probe
+from torchfuser.patterns import _lm_head_probe as probe, _probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
@@ -98,11 +98,30 @@ def _not_plain_linear(head: nn.Linear) -> str:
     extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
     if extra:
         return f"has parameters besides weight and bias ({', '.join(extra)}), which the fused loss would leave out"
-    if type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
-        return "has a forward of its own (a subclass's, or one set on the instance as accelerate's hooks do), which the fused loss would not run"
+    if "forward" in head.__dict__ or (type(head).forward is not nn.Linear.forward and not _computes_linear(head)):
+        return ("has a forward of its own (a subclass's that is not h·Wᵀ + b on a probe, or one set on the instance as "
+                "accelerate's hooks do), which the fused loss would not run")
     if hooked(head):
         return "has forward or backward hooks, which the fused loss would not run"
     return ""
+
+
+def _computes_linear(head: nn.Linear) -> bool:
+    """Whether a Linear subclass's own forward computes h·Wᵀ + b from its weight and bias, and nothing else (IDEFICS'
+    decoupled Linear without additional features): run on a shallow copy with small random float64 ones."""
+    gen = _probe.generator(13)
+    w = _probe.randn(5, 6, gen=gen)
+    b = None if head.bias is None else _probe.randn(5, gen=gen)
+    copy = _probe.shallow_copy(head)
+    copy._parameters = {"weight": nn.Parameter(w, requires_grad=False),
+                        "bias": None if b is None else nn.Parameter(b, requires_grad=False)}
+    x = _probe.randn(2, 3, 6, gen=gen)
+    try:
+        with torch.no_grad(), _probe.saved_rng():
+            y = type(head).forward(copy, x)
+    except Exception:
+        return False
+    return isinstance(y, torch.Tensor) and _probe.close(y, nn.functional.linear(x, w, b))
 
 
 def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
