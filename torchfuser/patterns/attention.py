@@ -32,38 +32,13 @@ from torchfuser.patterns._attention_probe import (
     check, complex_table_args, dict_writes, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
     takes_rope, value_rows,
 )
-from torchfuser.patterns._attention_roles import _dropout_roles, _hint_rank, _is_norm, _norm_roles  # noqa: F401
+from torchfuser.patterns._attention_reasons import _no_layout, _probe_failed
+from torchfuser.patterns._attention_roles import _dropout_roles, _heads, _hint_rank, _int_attr, _is_norm, _norm_roles  # noqa: F401
 from torchfuser.patterns.base import Pattern, Skip
 
 # Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
 _MAX_PROBES = 24
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
-
-
-def _int_attr(obj, *names):
-    for n in names:
-        try:
-            v = getattr(obj, n, None)
-        except Exception:  # e.g. transformers' per-layer configs refuse global reads of per-layer fields
-            v = None
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def _heads(module: nn.Module, q_in: int):
-    """(num_heads, num_kv_heads, head_dim) from the module's attributes, falling back on its config."""
-    cfg = getattr(module, "config", None)
-    heads = _int_attr(module, "num_heads", "num_attention_heads", "n_heads") or _int_attr(cfg, "num_attention_heads", "n_head")
-    d = _int_attr(module, "head_dim", "head_size") or _int_attr(cfg, "head_dim")
-    if d is None and heads:
-        d = q_in // heads
-    groups = _int_attr(module, "num_key_value_groups")
-    kv = _int_attr(module, "num_key_value_heads", "num_kv_heads")
-    if kv is None and groups and heads:
-        kv = heads // groups
-    kv = kv or _int_attr(cfg, "num_key_value_heads") or heads
-    return heads, kv, d
 
 
 def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
@@ -141,37 +116,6 @@ def _shapes(module: nn.Module, projs, blocks: bool = False):
             continue
         for layout, qkv, fields in _layouts(inputs, projs, heads, kv, d, blocks):
             yield out, layout, qkv, fields, (heads, kv, d)
-
-
-def _no_layout(module: nn.Module, projs) -> str:
-    """Why no spec could even be written down for these projections, in words."""
-    ins = {a for a, _ in projs.values()}
-    if len(projs) == 3 and len(ins) == 1 and len({b for _, b in projs.values()}) == 1:
-        return (f"q, k and v projections ({', '.join(projs)}) and no output projection: that sits in another module "
-                "(BERT's SelfOutput), and only attention modules holding all four are fused")
-    heads, kv, d = _heads(module, max(b for _, b in projs.values()))
-    counts = f"{heads} heads, {kv} k/v heads of {d}" if heads else "no head count found"
-    why = ("q, k and v read from the hidden states (three projections or one fused) and an output projection "
-           "back")
-    if len(projs) > 4:
-        why += "; more projections than those mean an output gate, or a low-rank / latent attention (DeepSeek's MLA)"
-    return f"its projections ({_reasons.projections(projs)}; {counts}) fit no layout the fused attention has: {why}"
-
-
-def _probe_failed(module: nn.Module, first: str, tried: int, cut: bool) -> str:
-    """Why no spec reproduced the module's forward, from the likeliest spec's failure."""
-    cls = type(module).__name__
-    missing = _reasons.missing_arguments(first) if first.startswith("TypeError") else []
-    if missing:
-        return (f"{cls}'s forward requires {_reasons.quoted(missing)}, which the fused attention is not given "
-                "(it takes the hidden states, the mask, rotary tables and a cache)")
-    if first.startswith("forward does not return"):
-        return f"{cls}'s forward does not return (output, attention weights) as transformers' attention modules do"
-    tries = f"any of the {tried} layouts tried" + (" (the search stopped there)" if cut else "")
-    if first.startswith("output differs"):
-        return (f"its output is not softmax(q·kᵀ·scale + mask)·v from its projections for {tries}: it scales, "
-                "rotates, normalises or masks in a way the fused attention does not")
-    return f"its forward could not run as the fused attention would, for {tries} (likeliest: {first})"
 
 
 class AttentionPattern(Pattern):
