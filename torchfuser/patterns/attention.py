@@ -58,8 +58,9 @@ def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
 
 def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex_args=()):
     """AttentionSpec rotary fields to try. With (cos, sin) tables rotary_dim wide, as most models
-    pass them: rotate-half at each width, then adjacent pairs (Cohere, GLM), and last no rotary at
-    all (NoPE layers take position embeddings and ignore them). With tables of one entry per pair:
+    pass them: rotate-half at each width, then adjacent pairs (Cohere, GLM), then no rotary at all
+    (NoPE layers take position embeddings and ignore them), and last one rotate-half part per axis of
+    the position_ids (Gemma 4's vision attention). With tables of one entry per pair:
     adjacent pairs, (cos, sin) or (sin, cos) (GPT-J)."""
     dims = _rotary_dims(module, head_dim)
     if complex_args:  # complex tables c + i·s multiply adjacent channel pairs: "half" with per-pair tables
@@ -73,9 +74,11 @@ def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex
     yield from (dict(rotary_dim=rd) for rd in dims)
     yield from (dict(rotary_dim=rd, rotary_interleave=pairs) for rd in dims for pairs in ("pairs", "half"))
     yield from (dict(rotary_dim=rd, rotary_sin_negated=True) for rd in dims)  # [x2, -x1] (NanoChat)
-    if any(p.name == "position_ids" for p in forward_params(module)):  # a rotate-half part per position axis (Gemma 4)
-        yield from (dict(rotary_dim=head_dim, rotary_axes=n) for n in (2, 3) if head_dim % (2 * n) == 0)
     yield dict(rotary_dim=0)
+    # Last (a block that matched before matches as before, within the same probes): a rotate-half part per axis of
+    # B × S × n position_ids (Gemma 4's 2-D vision rotary).
+    if any(p.name == "position_ids" for p in forward_params(module)):
+        yield from (dict(rotary_dim=head_dim, rotary_axes=n) for n in (2, 3) if head_dim % (2 * n) == 0)
 
 
 def _scaling(module: nn.Module, d: int) -> float:
