@@ -2,9 +2,10 @@
 ``cls.predictions.decoder`` after its transform (dense, activation, LayerNorm), RoBERTa's ``lm_head.decoder``. The
 head's input is captured where the head is called, so the wrapper's own layers before it run (and get their
 gradients) as the model's code; what runs after it the probes see. Loss and every gradient against the unfused
-model (fp32, through the causal-LM sweep's checks), restore; a head inside a causal LM of its own, inside the
-decoder, a scale the wrapper reads from a parameter after the head, or an encoder-decoder forward that makes its
-decoder's inputs from the labels stay unfused with their reasons."""
+model (fp32, through the causal-LM sweep's checks), restore. An encoder-decoder forward that makes its decoder's
+inputs from the labels (T5Gemma 2's) is given them as its prepare_decoder_input_ids_from_labels makes them, checked
+on the probe. A head inside a causal LM of its own, inside the decoder, a scale the wrapper reads from a parameter
+after the head, or decoder inputs made from the labels some other way stay unfused with their reasons."""
 from __future__ import annotations
 
 import copy
@@ -76,7 +77,7 @@ def test_a_scale_read_from_the_wrapper_s_parameter_is_not_fused():
 
 
 @pytest.mark.parametrize("model_type, why", [("blip-2", "a model of its own"), ("llama4", "a model of its own"),
-                                              ("t5gemma2", "decoder's inputs from the labels")])
+                                              ("florence2", "decoder's inputs from the labels")])
 def test_heads_left_alone_say_why(model_type, why):
     if model_type not in vlm_sweep.model_types():
         pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
@@ -85,3 +86,21 @@ def test_heads_left_alone_say_why(model_type, why):
         model = vlm_sweep._model_class(model_type)._from_config(cfg)
     spec = LMHeadLossPattern().match(model)
     assert isinstance(spec, Skip) and why in spec.reason, spec
+
+
+@pytest.mark.parametrize("model_type, from_labels", [("t5gemma2", True), ("pp_formulanet", False)])
+def test_encoder_decoder_inputs_made_from_labels_are_made_alike(model_type, from_labels):
+    """T5Gemma 2 makes its decoder's inputs from the labels where none are given (prepare_decoder_input_ids_from_labels;
+    the fused loss calls its forward without labels, so it passes them itself); PP-FormulaNet makes them from its
+    input_ids. The sweep's step gives labels alone: loss and every gradient exact."""
+    if model_type not in vlm_sweep.model_types():
+        pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
+    cfg = vlm_sweep.tiny_config(model_type)
+    with torch.random.fork_rng(devices=[]):
+        model = vlm_sweep._model_class(model_type)._from_config(cfg)
+    spec = LMHeadLossPattern().match(model)
+    assert not isinstance(spec, Skip), spec.reason
+    assert spec.decoder_inputs_from_labels is from_labels
+    r = vlm_sweep.run_one(model_type)
+    assert r.kind == "fused", (r.kind, r.detail)
+    assert r.towers.get("text", {}).get("lm_head_loss") == 1, r.skipped.get("lm_head_loss")

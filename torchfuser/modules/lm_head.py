@@ -38,6 +38,9 @@ class LMHeadLossSpec:
     logit_scale: float = 1.0  # logits · s before the loss (Cohere's logit_scale, Granite's 1/logits_scaling)
     shift: bool = True  # tokens < n predict n (ForCausalLMLoss); False: labels[i] is logits[i]'s target (BART's decoder)
     loss_kwargs: tuple[str, ...] = LOSS_KWARGS  # those of LOSS_KWARGS the forward's loss honours
+    # The forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's, T5Gemma 2's),
+    # as the model's prepare_decoder_input_ids_from_labels does: called without labels, it is given those.
+    decoder_inputs_from_labels: bool = False
 
     def transform(self, logits: Tensor) -> Tensor:
         """What the model's forward does to the head's output before the loss."""
@@ -226,6 +229,9 @@ class FusedLMHeadLoss:
         labels = kwargs.pop("labels")
         keep_logits = self.keep_logits
         capture = CaptureHead(self.probes, head, run=keep_logits)
+        if (self.spec.decoder_inputs_from_labels and kwargs.get("decoder_input_ids") is None
+                and kwargs.get("decoder_inputs_embeds") is None):
+            kwargs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=labels)
         embedding = self._tied_embedding(head, kwargs)
         holder, leaf = head_holder(self.model, self.spec.head)
         holder._modules[leaf] = capture

@@ -29,13 +29,16 @@ class _StubDecoder(nn.Module):
     which are stubs too (BART-style ``self.model.decoder(...)``), and, when ``perturb`` is set,
     parameters and buffers, which come back changed (to tell a scale read off them)."""
 
-    def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False):
+    def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False, seen: list | None = None):
         super().__init__()
         self.hidden = hidden
         self.__dict__["_real"] = real  # not a submodule
         self.__dict__["_perturb"] = perturb
+        self.__dict__["_seen"] = seen  # where the keyword arguments of each call go, if anywhere
 
     def forward(self, *args, **kwargs):
+        if self.__dict__["_seen"] is not None:
+            self.__dict__["_seen"].append(kwargs)
         # Fields other decoders add (a mixture of experts' router_logits): absent, as None.
         return _OrNone(BaseModelOutputWithPast(last_hidden_state=self.hidden))
 
@@ -45,7 +48,7 @@ class _StubDecoder(nn.Module):
         except AttributeError:
             value = getattr(self.__dict__["_real"], name)
         if isinstance(value, nn.Module):
-            return _StubDecoder(self.hidden, value, self.__dict__["_perturb"])
+            return _StubDecoder(self.hidden, value, self.__dict__["_perturb"], self.__dict__["_seen"])
         if self.__dict__["_perturb"] and isinstance(value, torch.Tensor) and value.is_floating_point():
             return _changed(value)
         return value
@@ -109,9 +112,10 @@ def _put(probe: nn.Module, path: str, new: nn.Module) -> None:
     probe._modules[leaf] = new
 
 
-def _run(model: nn.Module, head: str, make_head, perturb: bool = False, **kwargs):
+def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, **kwargs):
     """The model's forward on a stub copy (decoder stubbed, ``make_head(real_head)`` as head, and
-    with ``perturb`` every other parameter and buffer changed); None where it raises."""
+    with ``perturb`` every other parameter and buffer changed; the stub's calls' keyword arguments into
+    ``seen``); None where it raises."""
     prefix = getattr(model, "base_model_prefix", None)
     decoder = model._modules.get(prefix) if isinstance(prefix, str) else None
     if not isinstance(decoder, nn.Module) or BaseModelOutputWithPast is None:
@@ -124,7 +128,7 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, **kwargs
     hidden = _probe.randn(_B, _S, real.in_features, gen=_probe.generator(7))
     if "." in head:  # the wrapper's own layers before the head (BERT's transform) run on the decoder's output
         hidden = hidden.to(real.weight.device, real.weight.dtype)
-    probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb)
+    probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb, seen)
     _put(probe, head, make_head(real))
     try:
         with torch.no_grad():
@@ -219,3 +223,33 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
         elif got is None or not _probe.close(got, no):
             return f"its loss with {name}= given is neither the fused loss's with nor without it"
     return shift, tuple(honoured)
+
+
+def decoder_inputs_from_labels(model: nn.Module, head: str) -> bool | str | None:
+    """Whether the forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's,
+    T5Gemma 2's): the decoder_input_ids the stub decoder is called with, with labels and without. True where it does
+    and ``model.prepare_decoder_input_ids_from_labels`` makes the same ones (the fused loss calls the forward without
+    labels, so it passes them itself), False where it does not, a reason where it does otherwise; None where the
+    forward does not run on the stub."""
+    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(17))
+    labels[0, 3] = -100
+    calls = {}
+    for given in (True, False):  # (with labels the loss on the capture head's probe logits may fail: the decoder ran)
+        seen = []
+        _run(model, head, lambda real: CaptureHead(real=real), seen=seen, **({"labels": labels} if given else {}))
+        calls[given] = seen
+    if not calls[True]:
+        return None
+    made, other = (c[0].get("decoder_input_ids") if c else None for c in (calls[True], calls[False]))
+    if not isinstance(made, torch.Tensor) or (isinstance(other, torch.Tensor) and torch.equal(other, made)):
+        return False
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    try:
+        mine = prepare(labels=labels.clone()) if callable(prepare) else None
+    except Exception:
+        mine = None
+    if isinstance(mine, torch.Tensor) and mine.shape == made.shape and torch.equal(mine.cpu(), made.cpu()):
+        return True
+    how = "not as its prepare_decoder_input_ids_from_labels does" if callable(prepare) else (
+        "it has no prepare_decoder_input_ids_from_labels to make them alike")
+    return f"its forward makes its decoder's inputs from the labels, {how} (the fused loss calls it without labels)"

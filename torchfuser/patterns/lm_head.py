@@ -242,9 +242,6 @@ class LMHeadLossPattern(Pattern):
         z_loss = getattr(module, "z_loss_coefficient", None) or getattr(cfg, "z_loss_coefficient", None)
         if isinstance(z_loss, (int, float)) and z_loss > 0:  # Bamba adds coef·mean(logsumexp²) with labels
             return Skip(f"a z-loss on the logits (z_loss_coefficient={z_loss}) that the fused loss does not add")
-        if (nested or masked) and "decoder_input_ids" in params:  # (T5Gemma 2's)
-            return Skip("an encoder-decoder's forward: it makes its decoder's inputs from the labels where none are "
-                        "given, and the fused loss calls it without labels")
         softcap = _text_field(cfg, "final_logit_softcapping")
         if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
@@ -267,6 +264,12 @@ class LMHeadLossPattern(Pattern):
         if not torch.allclose(changed, logits, rtol=1e-6):
             return Skip("the forward changes the logits by a value read from a parameter or buffer of the model "
                         "(a learnable logit scale, say); the fused loss would hold that value fixed and give it no gradient")
+        if "decoder_input_ids" in params:  # an encoder-decoder's forward may make its decoder's inputs from the labels
+            made = probe.decoder_inputs_from_labels(module, name)
+            if made is None or isinstance(made, str):
+                return Skip(made or "an encoder-decoder's forward that did not run on a stand-in decoder with labels, so "
+                            "whether it makes its decoder's inputs from them could not be told")
+            spec = dataclasses.replace(spec, decoder_inputs_from_labels=made)
         form = probe.probe_loss(module, name, spec)
         if form is None:
             return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
