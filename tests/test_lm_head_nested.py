@@ -1,5 +1,5 @@
 """LM head + loss with the head inside a wrapper of the model's own, not a child of the model: BERT's family's
-``cls.predictions.decoder`` after its transform (dense, activation, LayerNorm), RoBERTa's ``lm_head.decoder``. The
+``cls.predictions.decoder`` after its transform (dense, activation, LayerNorm; RemBERT's to a width of its own), RoBERTa's ``lm_head.decoder``. The
 head's input is captured where the head is called, so the wrapper's own layers before it run (and get their
 gradients) as the model's code; what runs after it the probes see. Loss and every gradient against the unfused
 model (fp32, through the causal-LM sweep's checks), restore. An encoder-decoder forward that makes its decoder's
@@ -23,7 +23,7 @@ import arch_sweep
 import vlm_sweep
 
 
-@pytest.mark.parametrize("model_type", ["bert", "roberta"])
+@pytest.mark.parametrize("model_type", ["bert", "roberta", "rembert"])
 def test_a_head_inside_a_wrapper_is_fused_exactly(model_type):
     r = arch_sweep.run_one(model_type)
     assert r.kind == "fused", (r.kind, r.detail)

@@ -125,16 +125,24 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
     if perturb:  # the decoder and the head are replaced below: copying them would cost their memory
         others = {n: m for n, m in model._modules.items() if n not in (prefix, head) and m is not None}
         probe = _perturbed(probe, others, keep=real)
-    hidden = _probe.randn(_B, _S, real.in_features, gen=_probe.generator(7))
-    if "." in head:  # the wrapper's own layers before the head (BERT's transform) run on the decoder's output
-        hidden = hidden.to(real.weight.device, real.weight.dtype)
-    probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb, seen)
     _put(probe, head, make_head(real))
-    try:
-        with torch.no_grad():
-            return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
-    except Exception:
-        return None
+    widths = [real.in_features]
+    if "." in head:  # the wrapper's own layers before the head (BERT's transform) run on the decoder's output, which
+        # may be of the text config's hidden size where the head's input is not (RemBERT's output_embedding_size)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        width = getattr(text, "hidden_size", None)
+        widths += [width] if isinstance(width, int) and width != real.in_features else []
+    for width in widths:
+        hidden = _probe.randn(_B, _S, width, gen=_probe.generator(7))
+        if "." in head:
+            hidden = hidden.to(real.weight.device, real.weight.dtype)
+        probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb, seen)
+        try:
+            with torch.no_grad():
+                return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
+        except Exception:  # (what the stub decoder saw stays: a loss on the probe logits may fail after it ran)
+            continue
+    return None
 
 
 def _logits_of(out, width: int) -> torch.Tensor | None:
