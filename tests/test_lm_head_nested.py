@@ -1,11 +1,12 @@
 """LM head + loss with the head inside a wrapper of the model's own, not a child of the model: BERT's family's
-``cls.predictions.decoder`` after its transform (dense, activation, LayerNorm; RemBERT's to a width of its own), RoBERTa's ``lm_head.decoder``. The
-head's input is captured where the head is called, so the wrapper's own layers before it run (and get their
-gradients) as the model's code; what runs after it the probes see. Loss and every gradient against the unfused
-model (fp32, through the causal-LM sweep's checks), restore. An encoder-decoder forward that makes its decoder's
-inputs from the labels (T5Gemma 2's) is given them as its prepare_decoder_input_ids_from_labels makes them, checked
-on the probe. A head inside a causal LM of its own, inside the decoder, a scale the wrapper reads from a parameter
-after the head, or decoder inputs made from the labels some other way stay unfused with their reasons."""
+``cls.predictions.decoder`` after its transform (dense, activation, LayerNorm; RemBERT's to a width of its own),
+RoBERTa's ``lm_head.decoder``. The head's input is captured where the head is called, so the wrapper's own layers
+before it run (and get their gradients) as the model's code; what runs after it the probes see. Loss and every
+gradient against the unfused model (fp32, through the causal-LM sweep's checks), restore. An encoder-decoder forward
+that makes its decoder's inputs from the labels (T5Gemma 2's) is given them as its
+prepare_decoder_input_ids_from_labels makes them, checked on the probe. A head inside a causal LM of its own, inside
+the decoder, a scale the wrapper reads from a parameter after the head, or decoder inputs made from the labels some
+other way stay unfused with their reasons."""
 from __future__ import annotations
 
 import copy
