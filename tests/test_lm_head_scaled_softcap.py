@@ -150,3 +150,24 @@ def test_idefics_lm_head_fused_and_exact():
     r = vlm_sweep.run_one("idefics")
     assert r.kind == "fused", (r.kind, r.detail)
     assert r.towers.get("text", {}).get("lm_head_loss") == 1, r.skipped.get("lm_head_loss")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton linear_cross_entropy kernel)")
+def test_cuda_bf16_scaled_softcap_within_the_numerics_rule():
+    """On a GPU (backend auto): the scale before the softcap in the fused kernel, loss and every gradient in bf16
+    within twice PyTorch's own bf16 error against float64."""
+    from numerics import assert_within_rule
+
+    model = _model(ScaledSoftcapForCausalLM)
+    ref = copy.deepcopy(model).double()
+    want = copy.deepcopy(model).cuda().bfloat16()
+    fused = torchfuser.optimize(copy.deepcopy(model).cuda().bfloat16())
+    assert "lm_head_loss" in {e.pattern for e in torchfuser.report(fused).fused}
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    losses = [m(input_ids=ids.to(next(m.parameters()).device), labels=ids.to(next(m.parameters()).device)).loss
+              for m in (ref, want, fused)]
+    for loss in losses:
+        loss.backward()
+    assert_within_rule(losses[2].float().cpu(), losses[1].float().cpu(), losses[0].cpu(), 1e-3, "loss")
+    for (n, r), (_, a), (_, b) in zip(ref.named_parameters(), want.named_parameters(), fused.named_parameters()):
+        assert_within_rule(b.grad.float().cpu(), a.grad.float().cpu(), r.grad, 1e-2 * r.grad.abs().max().item(), n)
