@@ -52,6 +52,16 @@ class SoftcapThenScaleForCausalLM(_Head):  # s·c·tanh(z/c): no form of the fus
         return torch.tanh(z / c) * c * self.config.output_multiplier
 
 
+class OwnSoftcapNameForCausalLM(_Head):  # RecurrentGemma's logits_soft_cap: c·tanh(z/c), c under a name of its own
+    def transform(self, z):
+        return torch.tanh(z / self.config.logits_soft_cap) * self.config.logits_soft_cap
+
+
+class ConstantSoftcapForCausalLM(_Head):  # a softcap by a constant of the code, in no config field
+    def transform(self, z):
+        return torch.tanh(z / 31.0) * 31.0
+
+
 class CutVocabForCausalLM(_Head):  # a padded head whose logits are cut to the config's vocabulary
     def transform(self, z):
         return z[..., : self.config.vocab_size]
@@ -98,6 +108,20 @@ def test_a_scale_before_the_softcap_is_measured_and_fused_exactly():
 def test_a_scale_after_the_softcap_is_not_fused():
     spec = LMHeadLossPattern().match(_model(SoftcapThenScaleForCausalLM))
     assert isinstance(spec, Skip) and "softcap" in spec.reason
+
+
+def test_a_softcap_by_a_config_value_of_another_name_is_measured_and_fused_exactly():
+    model = _model(OwnSoftcapNameForCausalLM, softcap=None)
+    model.config.logits_soft_cap = 30.0
+    spec = LMHeadLossPattern().match(model)
+    assert not isinstance(spec, Skip), spec.reason
+    assert spec.softcap == 30.0 and spec.logit_scale == 1.0  # the config's value itself, not the bisection's
+    _fused_and_exact(model)
+
+
+def test_a_softcap_by_no_config_value_is_not_fused():
+    spec = LMHeadLossPattern().match(_model(ConstantSoftcapForCausalLM, softcap=None))
+    assert isinstance(spec, Skip) and "softcap by a value of its config" in spec.reason, spec
 
 
 def test_a_head_narrower_than_the_config_vocabulary_is_fused_when_its_loss_uses_all_of_it():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -69,7 +70,7 @@ def _text_field(cfg, name: str):
 _CAUSAL_LM = _causal_lm_names()
 
 
-def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
+def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor, cfg=None):
     """``spec`` with the logit scale the forward applies (Cohere multiplies by logit_scale, Granite
     divides by logits_scaling, HyperCLOVAX multiplies by it), or a Skip for any other transform."""
     probe = torch.tensor(PROBE_LOGITS, dtype=torch.float64)
@@ -87,9 +88,35 @@ def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
         return Skip("the forward's logits are not the softcap of the head's output, scaled by a positive factor or not")
     ratio = logits / probe
     if not (torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-6) and ratio[0] > 0):
-        return Skip(f"the forward transforms the logits (head output {PROBE_LOGITS} → "
-                    f"{tuple(round(v, 4) for v in logits.tolist())}), not as a positive scale the fused loss reproduces")
+        capped = _config_softcap(spec, logits, probe, cfg)
+        return capped if capped is not None else Skip(
+            f"the forward transforms the logits (head output {PROBE_LOGITS} → "
+            f"{tuple(round(v, 4) for v in logits.tolist())}), not as a positive scale or a softcap by a value of its "
+            "config that the fused loss reproduces")
     return dataclasses.replace(spec, logit_scale=float(ratio[0]))
+
+
+def _config_softcap(spec: LMHeadLossSpec, logits: torch.Tensor, probe: torch.Tensor, cfg):
+    """``spec`` with the softcap c·tanh(z/c) the forward applies where its config holds c under a name of its own
+    (RecurrentGemma's logits_soft_cap, xLSTM's output_logit_soft_cap): c solved from the largest probe value (c·tanh(z/c)
+    grows with c), taken only where a float field of the (text) config equals it, then checked on every value."""
+    if cfg is None:
+        return None
+    i = int(probe.abs().argmax())
+    z, y = float(probe[i]), float(logits[i])
+    if not (0 < y < z):
+        return None
+    lo, hi = y, 1e7
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * math.tanh(z / mid) < y else (lo, mid)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    fields = {**vars(cfg), **(vars(text) if text is not None else {})}
+    found = [v for v in fields.values() if isinstance(v, float) and abs(v - lo) <= 1e-6 * lo]
+    if not found:
+        return None
+    capped = dataclasses.replace(spec, softcap=found[0])
+    return capped if torch.allclose(logits, capped.transform(probe), rtol=1e-6) else None
 
 
 def _not_plain_linear(head: nn.Linear) -> str:
@@ -254,7 +281,7 @@ class LMHeadLossPattern(Pattern):
         if logits is None:  # the forward would not run on a stub decoder: judge by the config and the code
             return Skip(narrow + ", and its forward does not run on a stand-in decoder to show its loss uses them "
                         "all") if narrow else _unprobed(module, spec)
-        spec = _with_measured_scale(spec, logits)
+        spec = _with_measured_scale(spec, logits, cfg)
         if isinstance(spec, Skip):
             return spec
         changed = probe.probe_logits(module, name, perturb=True)  # the model's other parameters changed
