@@ -74,20 +74,24 @@ def test_readme_table_is_generated(results):
     assert vlm_sweep.table(results) in text, "the README's VLM table is stale: run `python tests/vlm_sweep.py --readme`"
 
 
-# type → (tower, attention blocks fused): BLIP's family's vision attention (its head width read from its input's
+# type → {tower: attention blocks fused}: BLIP's family's vision attention (its head width read from its input's
 # width; a mask of its own; a Dropout of p = 0 on the probabilities), Gemma 4's text attention (a weightless v norm,
-# k and v handed on through shared_kv_states).
-ATTENTION = {"blip": ("vision", 2), "blip-2": ("vision", 2), "gemma4": ("text", 2), "gemma4_unified": ("text", 2)}
+# k and v handed on through shared_kv_states) and its vision attention (projections wrapped in clippable modules,
+# here with use_clipped_linears=True as Gemma 4's checkpoints set it, the slow sweep's default False; a 2-D rotary:
+# one rotate-half part per axis of position_ids; bounds that clip: tests/test_attention_gemma4_vision.py).
+ATTENTION = {"blip": {"vision": 2}, "blip-2": {"vision": 2}, "gemma4": {"text": 2, "vision": 2},
+             "gemma4_unified": {"text": 2}}
+VISION_FIELDS = {"gemma4": {"use_clipped_linears": True}}
 
 
 @pytest.mark.parametrize("model_type", ATTENTION)
 def test_attention_fused_and_exact(model_type):
     if model_type not in vlm_sweep.model_types():
         pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
-    r = vlm_sweep.run_one(model_type)
+    r = vlm_sweep.run_one(model_type, VISION_FIELDS.get(model_type))
     assert r.kind == "fused", (r.kind, r.detail)
-    tower, count = ATTENTION[model_type]
-    assert r.towers.get(tower, {}).get("attention") == count, (r.towers, r.skipped.get("attention"))
+    for tower, count in ATTENTION[model_type].items():
+        assert r.towers.get(tower, {}).get("attention") == count, (tower, r.towers, r.skipped.get("attention"))
 
 
 def test_vision_attention_with_q_and_k_norms_fused():

@@ -7,11 +7,10 @@ The projections, norms and dropouts stay the original submodules (adopted under 
 names), so ``state_dict`` keys and values do not change. Anything this forward cannot reproduce
 at call time (an attention implementation other than eager/sdpa, a request for attention
 weights, rotary tables of an unexpected width) runs the original module instead, and is counted
-(``modules.fallbacks``) so that the report says so.
+(``modules.fallbacks``) so that the report says so; the checks are ``_attention_fallback.reason``.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,16 +22,15 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F, ops
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, call_original, decided, dropout_p, host_reads_allowed,
                                      keep_dropout)
-from torchfuser.modules import attention_bias, fallbacks, packed, rotary_complex
+from torchfuser.modules import _attention_fallback, attention_bias, fallbacks, packed, rotary_complex
+# (re-exported: the patterns and the other attention modules read them from here)
+from torchfuser.modules._attention_fallback import _IMPLEMENTATIONS, _collector, _recorded_from  # noqa: F401
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
 # families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
 _CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
-_IMPLEMENTATIONS = ("eager", "sdpa")
-# Given (not None) at call time, these turn a self-attention into cross-attention: run the original.
-_CROSS_KWARGS = ("encoder_hidden_states", "key_value_states")
 
 # mask tensor → (its version, whether some query row has every key masked). The model passes one
 # mask object to every layer, so the check runs once per forward, not once per layer. Inference
@@ -55,62 +53,6 @@ def _has_empty_rows(mask: Tensor) -> bool:
 
 def _empty_rows(mask: Tensor) -> bool:
     return bool((mask.amax(dim=-1) <= torch.finfo(mask.dtype).min).any())
-
-
-try:  # transformers ≥ 5: outputs asked for at call time are collected by forward hooks, not passed down
-    from transformers.utils import output_capturing as _capturing
-except ImportError:  # pragma: no cover - other transformers versions: the flags reach the attention
-    _capturing = None
-
-
-def _collector() -> dict | None:
-    """What transformers' output-capturing hooks collect in this call ({"attentions": [...], ...}), or None.
-
-    A model decorated with ``capture_outputs`` (GPT-2, Llama, … in transformers 5) takes
-    ``output_attentions`` itself and may not pass it on to its attention modules (GPT-2 pops it):
-    the request is this collector. Under torch.compile a ContextVar cannot be traced; transformers
-    then keeps the collector in a plain attribute (``compiling``), read here alike."""
-    if _capturing is None:
-        return None
-    var = _capturing._active_collector
-    if torch.compiler.is_compiling():
-        return var.global_var if var.compiling else None
-    return var.get()
-
-
-def _recorded_from(original: nn.Module, collected: dict) -> str | None:
-    """The output the collector asks of modules of ``original``'s class ("attentions", or another key
-    of some model's ``_can_record_outputs`` whose recorder targets that class), or None."""
-    keys = _requested_by_class(type(original), frozenset(collected), len(_capturing._CAN_RECORD_REGISTRY))
-    return "attentions" if "attentions" in keys else next(iter(keys), None)
-
-
-@functools.lru_cache(maxsize=256)
-def _requested_by_class(cls: type, keys: frozenset, _registered: int) -> tuple[str, ...]:
-    """The collected keys some model records from modules of class ``cls`` ("attentions" whenever collected
-    too; ``_registered``: the registry's size, so that a model class registered later is seen)."""
-    found = {"attentions"} & keys
-    for table in list(_capturing._CAN_RECORD_REGISTRY.values()):
-        for key, specs in (table or {}).items():
-            if key in keys and key != "hidden_states":
-                specs = specs if isinstance(specs, list) else [specs]
-                targets = [getattr(spec, "target_class", spec) for spec in specs]
-                found.update(key for t in targets if isinstance(t, type) and issubclass(cls, t))
-    return tuple(sorted(found))
-
-
-def _record_attention_weights(original: nn.Module, out) -> None:
-    """transformers collects ``output_attentions`` through forward hooks it installs, on first use,
-    on modules of the attention *class*; a FusedAttention is not one, so when the hooks were
-    installed after fusion nothing would be recorded and ``outputs.attentions`` would silently come
-    back empty. Record the original's weights in the active collector then (transformers 5.x)."""
-    collected = _collector()
-    if not collected or "attentions" not in collected or not isinstance(out, tuple) or len(out) < 2:
-        return
-    if any(getattr(h, "__name__", "") == "output_capturing_hook" for h in original._forward_hooks.values()):
-        return  # hooked before fusion: the hook recorded it
-    if out[1] is not None:
-        collected["attentions"].append(out[1])
 
 
 @dataclass(frozen=True)
@@ -177,6 +119,9 @@ class AttentionSpec:
     idle_dropouts: tuple[str, ...] = ()
     # rotate-half with the sign of its halves flipped, [x2, -x1] (NanoChat): the rope of -sin.
     rotary_sin_negated: bool = False
+    # The head split in this many equal parts, each rotate-half with its part of the tables, one part per axis of
+    # the B × S × axes ``position_ids`` the forward is given (Gemma 4's 2-D vision rotary; the whole head rotates).
+    rotary_axes: int = 1
     positional: tuple[str, ...] = ()  # the original forward's parameters after hidden_states
     same_input: tuple[str, ...] = ()  # required parameters given the hidden states again (CTRL's forward(v, k, q))
     keep: tuple[str, ...] = ()  # buffers kept for state_dict
@@ -206,6 +151,17 @@ def _pairs_in_half_order(t: Tensor, pairs: str, rd: int) -> Tensor:
     return torch.cat([half, half], dim=-1)
 
 
+def _axes_to_half(x: Tensor, axes: int) -> Tensor:
+    """Channels [a₀ | b₀ | a₁ | b₁ | …] (rotate-half within each of ``axes`` parts) → [a₀ a₁ … | b₀ b₁ …], where
+    rotate-half over the whole head pairs the same channels with the same table entries."""
+    return x.unflatten(-1, (axes, 2, -1)).transpose(-3, -2).flatten(-3)
+
+
+def _half_to_axes(x: Tensor, axes: int) -> Tensor:
+    """The inverse of ``_axes_to_half``."""
+    return x.unflatten(-1, (2, axes, -1)).transpose(-3, -2).flatten(-3)
+
+
 def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (…, heads·head_dim) from a "concat" projection's output (…, (heads + 2·kv heads)·head_dim)."""
     q_width, kv_width = (n * spec.head_dim // spec.qkv_blocks for n in (spec.num_heads, spec.num_kv_heads))
@@ -214,10 +170,6 @@ def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tens
     # A view with one block (GPT-2, Phi-3); with several, each of q, k, v is gathered from its blocks.
     q, k, v = (parts[spec.qkv_order.index(p)].flatten(-2) for p in "qkv")
     return q, k, v
-
-
-def _fmt(names) -> str:
-    return ", ".join(repr(n) for n in names)
 
 
 def _submodule_names(spec: AttentionSpec) -> list[str]:
@@ -255,47 +207,12 @@ class FusedAttention(FusedModule):
     def _fallback(self, hidden_states, kwargs):
         """Run the original module on whatever this module now holds (after .to(), re-tying...)."""
         out = call_original(self, hidden_states, **kwargs)
-        _record_attention_weights(self.__dict__["_original"], out)
+        _attention_fallback.record_attention_weights(self.__dict__["_original"], out)
         return out
 
     def _fallback_reason(self, kwargs, hidden: Tensor, impl=None) -> str | None:
-        """Why this call must run the original module, or None (checked on every call: cheap reads only).
-        ``impl``: the config's attention implementation where the caller has read it (read here otherwise)."""
-        impl = getattr(self.config, "_attn_implementation", None) if impl is None else impl
-        # A module that adds a position bias and holds no config computes its attention itself (BLOOM, MPT).
-        if impl not in _IMPLEMENTATIONS and not (impl is None and self.config is None and self.spec.bias is not None):
-            return f"attention implementation {impl!r} (the fused attention reproduces eager and sdpa)"
-        # (the config's flag not read under sdpa, ≈ 1.5 µs a read: transformers refuses output_attentions=True there, and
-        # the original module's sdpa path forms no weights either; a request through the collector is seen below)
-        if kwargs.get("output_attentions") or (impl != "sdpa" and getattr(self.config, "output_attentions", False)):
-            return "output_attentions=True (SDPA never forms the attention weights)"
-        collected = _collector()
-        if collected and (key := _recorded_from(self.__dict__["_original"], collected)) is not None:
-            return ("output_attentions=True (SDPA never forms the attention weights)" if key == "attentions" else
-                    f"output_{key}=True (transformers records it from the original module)")
-        for n in _CROSS_KWARGS:  # (a loop, not a generator: every call reads these)
-            if kwargs.get(n) is not None:
-                return "called with encoder states (cross-attention)"
-        if (why := attention_bias.call_reason(self.spec, kwargs, hidden, impl)) is not None:
-            return why
-        if self.spec.same_input and any(kwargs.get(n) is not hidden for n in self.spec.same_input):
-            return f"{_fmt(self.spec.same_input)} not the hidden states themselves, as when it was fused"
-        if self.spec.idle_dropouts and self.training:
-            children = self.__dict__["_original"]._modules
-            if any(getattr(children[n], "p", 0) for n in self.spec.idle_dropouts):
-                return f"dropout p > 0 in {_fmt(self.spec.idle_dropouts)}, 0 when it was fused (and left out)"
-        if self.spec.kv_out is not None and not isinstance(kwargs.get(self.spec.kv_out[0]), dict):
-            return f"no dict given as {self.spec.kv_out[0]!r} (where it hands its k and v on to later layers)"
-        if self.spec.rotary_complex:
-            return rotary_complex.unusable(kwargs.get(self.spec.rotary_complex), self.spec)
-        if self.spec.rotary_dim:
-            pe = kwargs.get("position_embeddings")
-            if pe is None:
-                return "no position_embeddings given (the fused attention applies the rotary tables it is passed)"
-            if pe[0].shape[-1] != self.spec.rotary_table_dim:
-                return (f"rotary tables {pe[0].shape[-1]} wide, not the {self.spec.rotary_table_dim} "
-                        "found when it was fused")
-        return None
+        """Why this call must run the original module, or None (``_attention_fallback.reason``)."""
+        return _attention_fallback.reason(self, kwargs, hidden, impl)
 
     # -- forward --------------------------------------------------------------------------
     def _project(self, x: Tensor):
@@ -339,7 +256,7 @@ class FusedAttention(FusedModule):
         if args:  # positional arguments, named as the original forward names them
             kwargs.update(zip(s.positional, args))
         impl = getattr(self.config, "_attn_implementation", None)  # read once a call (a config read costs µs)
-        why = self._fallback_reason(kwargs, hidden_states, impl)
+        why = _attention_fallback.reason(self, kwargs, hidden_states, impl)
         if why is not None:
             fallbacks.count(self, why)
             return self._fallback(hidden_states, kwargs)
@@ -358,6 +275,10 @@ class FusedAttention(FusedModule):
             # (1.5 hidden-sized tensors a token a layer at Llama-3-8B's shapes, for v's 0.25): keep a copy.
             v = v.contiguous()
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cache = None
+        for n in _CACHE_KWARGS:  # (a loop, not a generator: host time)
+            if (cache := kwargs.get(n)) is not None:
+                break
         if s.rotary_dim:
             cos, sin = (rotary_complex.tables(kwargs[s.rotary_complex], q.shape[2]) if s.rotary_complex
                         else kwargs["position_embeddings"])
@@ -367,13 +288,14 @@ class FusedAttention(FusedModule):
                 cos, sin = sin, cos
             if s.rotary_sin_negated:
                 sin = -sin
+            if s.rotary_axes > 1:  # one rotate-half part per axis: rotate-half over the whole head, channels reordered
+                q, k, cos, sin = (_axes_to_half(t, s.rotary_axes) for t in (q, k, cos, sin))
             q, k = self._rope(q, k, cos, sin)
+            # q·kᵀ is the same over channels reordered alike in q and k: back only where k (or a norm's weight) sees them
+            if s.rotary_axes > 1 and (cache is not None or s.kv_out is not None or s.norm_after_rope):
+                q, k = _half_to_axes(q, s.rotary_axes), _half_to_axes(k, s.rotary_axes)
         if s.norm_after_rope:  # over each head's channels: the B×H×S×D layout does not matter
             q, k = getattr(self, s.q_norm)(q), getattr(self, s.k_norm)(k)
-        cache = None
-        for n in _CACHE_KWARGS:  # (a loop, not a generator: host time)
-            if (cache := kwargs.get(n)) is not None:
-                break
         if cache is not None:
             # GPT-2 under an encoder-decoder cache keeps its self-attention states in a sub-cache.
             cache = getattr(cache, "self_attention_cache", cache)

@@ -33,16 +33,32 @@ class LMHeadLossSpec:
     """loss = cross_entropy(softcap(s·(h @ W.T + b)), labels), labels shifted or not; the defaults
     are HF's ``ForCausalLMLoss``. The pattern learns the fields from the model's forward."""
 
-    head: str = "lm_head"  # the nn.Linear child of the model that produces the logits
+    head: str = "lm_head"  # the nn.Linear (a child of the model, or a path to one in a wrapper) making the logits
     softcap: float | None = None  # Gemma-2's final_logit_softcapping: tanh(z/c)·c
     logit_scale: float = 1.0  # logits · s before the loss (Cohere's logit_scale, Granite's 1/logits_scaling)
     shift: bool = True  # tokens < n predict n (ForCausalLMLoss); False: labels[i] is logits[i]'s target (BART's decoder)
     loss_kwargs: tuple[str, ...] = LOSS_KWARGS  # those of LOSS_KWARGS the forward's loss honours
+    # The forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's, T5Gemma 2's),
+    # as the model's prepare_decoder_input_ids_from_labels does: called without labels, it is given those.
+    decoder_inputs_from_labels: bool = False
 
     def transform(self, logits: Tensor) -> Tensor:
         """What the model's forward does to the head's output before the loss."""
         z = logits * self.logit_scale
         return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+
+
+def head_holder(model: nn.Module, path: str) -> tuple[nn.Module | None, str]:
+    """(the module holding the head, the head's name in it) for the head's path in the model: the model itself
+    for a child of it (``lm_head``), else the wrapper around it (``lm_head.out_proj``, BERT's ``cls.predictions.decoder``;
+    None where the path no longer leads anywhere)."""
+    if "." not in path:
+        return model, path
+    parent, _, leaf = path.rpartition(".")
+    try:
+        return model.get_submodule(parent), leaf
+    except AttributeError:
+        return None, leaf
 
 
 class CaptureHead(nn.Module):
@@ -200,7 +216,8 @@ class FusedLMHeadLoss:
                 elif p.kind is p.VAR_POSITIONAL and kwargs.pop(p.name, ()):
                     return original(*args)  # cannot name these; leave the call as it was
         labels = kwargs.get("labels")
-        head = self.model._modules.get(self.spec.head)
+        holder, leaf = head_holder(self.model, self.spec.head)
+        head = None if holder is None else holder._modules.get(leaf)
         keep = kwargs.get("logits_to_keep", 0)
         if labels is None or not self.model.training or not isinstance(head, nn.Linear) or not (isinstance(keep, int) and keep == 0):
             return original(**kwargs)
@@ -212,13 +229,17 @@ class FusedLMHeadLoss:
         labels = kwargs.pop("labels")
         keep_logits = self.keep_logits
         capture = CaptureHead(self.probes, head, run=keep_logits)
+        if (self.spec.decoder_inputs_from_labels and kwargs.get("decoder_input_ids") is None
+                and kwargs.get("decoder_inputs_embeds") is None):
+            kwargs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=labels)
         embedding = self._tied_embedding(head, kwargs)
-        self.model._modules[self.spec.head] = capture
+        holder, leaf = head_holder(self.model, self.spec.head)
+        holder._modules[leaf] = capture
         slot = None if embedding is None else tied_embedding.install(embedding)
         try:
             out = original(**kwargs, labels=None)
         finally:
-            self.model._modules[self.spec.head] = head
+            holder._modules[leaf] = head
             if embedding is not None:
                 tied_embedding.uninstall(embedding)
         self._check(out, capture, head)

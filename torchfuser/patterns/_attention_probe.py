@@ -14,10 +14,10 @@ import weakref
 import torch
 from torch import nn
 
-from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import AttentionSpec, FusedAttention, split_concat
 from torchfuser.modules.attention_bias import BIAS_ARGS, BIAS_MODES
 from torchfuser.patterns import _probe
+from torchfuser.patterns._attention_projections import linear_of, projection_dims
 
 _MODEL_WIDTH = 8  # probe width on the model side of the projections
 _BATCH, _SEQ = 2, 5
@@ -137,7 +137,7 @@ def extra_fields(module: nn.Module) -> list[dict]:
     known = {*BIAS_ARGS, *_NOT_TABLES, *dict_args(module)}
     same = tuple(p.name for p in itertools.takewhile(lambda p: p.default is p.empty and p.kind is p.POSITIONAL_OR_KEYWORD
                                                        and p.name not in known, forward_params(module)[1:]))
-    projections = [m for m in module._modules.values() if m is not None and _probe.projection_dims(lora.base_of(m))]
+    projections = [m for m in module._modules.values() if projection_dims(m)]
     same = same if len(same) == 2 and len(projections) == 4 else ()
     return fields + [dict(f, same_input=same) for f in fields if f["residual"] is None] if same else fields
 
@@ -189,7 +189,7 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
     width = width or _WIDE.get(module) or _MODEL_WIDTH
     gen = _probe.generator(5)
     probe = _probe.shallow_copy(module)
-    proj = {n: lora.base_of(module._modules[n]) for n in (*spec.qkv, spec.out)}  # a LoRA layer: its base
+    proj = {n: linear_of(module._modules[n]) for n in (*spec.qkv, spec.out)}  # a LoRA layer: its base
     for n in spec.qkv:
         probe._modules[n] = _probe.small_projection(proj[n], width, _probe.projection_dims(proj[n])[1], gen)
     n_out = _probe.projection_dims(proj[spec.out])[0]
@@ -240,6 +240,8 @@ def probe_copy(module: nn.Module, spec: AttentionSpec, flat_tables: bool = False
         # flat_tables: one (S × D) table for every row (Pixtral's 2-D patch positions), not B × S × D.
         shape = (_SEQ, spec.rotary_table_dim or spec.head_dim) if flat_tables else (_BATCH, _SEQ, spec.rotary_table_dim or spec.head_dim)
         kwargs["position_embeddings"] = (_probe.randn(*shape, gen=gen), _probe.randn(*shape, gen=gen))
+    if spec.rotary_axes > 1:  # B × S × axes positions (Gemma 4's patch coordinates; its forward reads their width)
+        kwargs["position_ids"] = torch.randint(0, _SEQ, (_BATCH, _SEQ, spec.rotary_axes), generator=gen)
     return probe, x, kwargs
 
 
@@ -248,7 +250,7 @@ def value_rows(module: nn.Module, spec: AttentionSpec) -> tuple[int, ...] | None
     order per query head; None where it does not run or v is no plain selection of rows. A single
     token attends only to itself, so the output is its own v whatever q, k, norms and rotary do:
     with identities for the projections and the row numbers as the input, the output *is* those rows."""
-    n = _probe.projection_dims(lora.base_of(module._modules[spec.qkv[0]]))[1]
+    n = projection_dims(module._modules[spec.qkv[0]])[1]
     try:
         probe, _, kwargs = probe_copy(module, spec)
         for name, m in probe._modules.items():

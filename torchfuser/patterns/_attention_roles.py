@@ -1,6 +1,7 @@
 """Which child plays which part in an attention block, guessed from names and shapes (the probe decides): the
-q, k and v projections' name hints, q / k / v norms (weighted, or weightless RMS norms) and their placement per
-head or over all heads, and which dropout is the probabilities' and which the output's."""
+head counts and width from the module's attributes or config, the q, k and v projections' name hints, q / k / v
+norms (weighted, or weightless RMS norms) and their placement per head or over all heads, and which dropout is the
+probabilities' and which the output's."""
 from __future__ import annotations
 
 import itertools
@@ -8,6 +9,32 @@ import itertools
 from torch import nn
 
 from torchfuser.patterns import _probe
+
+
+def _int_attr(obj, *names):
+    for n in names:
+        try:
+            v = getattr(obj, n, None)
+        except Exception:  # e.g. transformers' per-layer configs refuse global reads of per-layer fields
+            v = None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _heads(module: nn.Module, q_in: int):
+    """(num_heads, num_kv_heads, head_dim) from the module's attributes, falling back on its config."""
+    cfg = getattr(module, "config", None)
+    heads = _int_attr(module, "num_heads", "num_attention_heads", "n_heads") or _int_attr(cfg, "num_attention_heads", "n_head")
+    d = _int_attr(module, "head_dim", "head_size") or _int_attr(cfg, "head_dim")
+    if d is None and heads:
+        d = q_in // heads
+    groups = _int_attr(module, "num_key_value_groups")
+    kv = _int_attr(module, "num_key_value_heads", "num_kv_heads")
+    if kv is None and groups and heads:
+        kv = heads // groups
+    kv = kv or _int_attr(cfg, "num_key_value_heads") or heads
+    return heads, kv, d
 
 
 def _hint_rank(names, roles) -> int:

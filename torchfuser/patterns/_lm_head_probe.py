@@ -12,7 +12,7 @@ import inspect
 import torch
 from torch import nn
 
-from torchfuser.modules.lm_head import LOSS_KWARGS, PROBE_LOGITS, CaptureHead, LMHeadLossSpec
+from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, LMHeadLossSpec
 from torchfuser.patterns import _probe
 
 try:
@@ -29,13 +29,16 @@ class _StubDecoder(nn.Module):
     which are stubs too (BART-style ``self.model.decoder(...)``), and, when ``perturb`` is set,
     parameters and buffers, which come back changed (to tell a scale read off them)."""
 
-    def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False):
+    def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False, seen: list | None = None):
         super().__init__()
         self.hidden = hidden
         self.__dict__["_real"] = real  # not a submodule
         self.__dict__["_perturb"] = perturb
+        self.__dict__["_seen"] = seen  # where the keyword arguments of each call go, if anywhere
 
     def forward(self, *args, **kwargs):
+        if self.__dict__["_seen"] is not None:
+            self.__dict__["_seen"].append(kwargs)
         # Fields other decoders add (a mixture of experts' router_logits): absent, as None.
         return _OrNone(BaseModelOutputWithPast(last_hidden_state=self.hidden))
 
@@ -45,7 +48,7 @@ class _StubDecoder(nn.Module):
         except AttributeError:
             value = getattr(self.__dict__["_real"], name)
         if isinstance(value, nn.Module):
-            return _StubDecoder(self.hidden, value, self.__dict__["_perturb"])
+            return _StubDecoder(self.hidden, value, self.__dict__["_perturb"], self.__dict__["_seen"])
         if self.__dict__["_perturb"] and isinstance(value, torch.Tensor) and value.is_floating_point():
             return _changed(value)
         return value
@@ -81,9 +84,9 @@ def _changed(t: torch.Tensor) -> torch.Tensor:
     return t.detach() * 2 + 1
 
 
-def _perturbed(module: nn.Module, children=None) -> nn.Module:
+def _perturbed(module: nn.Module, children=None, keep=None) -> nn.Module:
     """A shallow copy whose floating parameters and buffers, and those of ``children`` (default:
-    all), are changed."""
+    all), are changed; ``keep`` (the head, replaced anyway) is not copied."""
     copy = _probe.shallow_copy(module)
     for table in (copy._parameters, copy._buffers):
         for name, t in table.items():
@@ -91,30 +94,55 @@ def _perturbed(module: nn.Module, children=None) -> nn.Module:
                 table[name] = nn.Parameter(_changed(t), requires_grad=False) if isinstance(t, nn.Parameter) else _changed(t)
     children = module._modules if children is None else children
     for name, child in children.items():
-        if child is not None:
-            copy._modules[name] = _perturbed(child)
+        if child is not None and child is not keep:
+            copy._modules[name] = _perturbed(child, keep=keep)
     return copy
 
 
-def _run(model: nn.Module, head: str, make_head, perturb: bool = False, **kwargs):
+def head_of(model: nn.Module, head: str) -> nn.Module:
+    """The head at its path in ``model`` (a child's name, or a dotted path into a wrapper)."""
+    return model.get_submodule(head)
+
+
+def _put(probe: nn.Module, path: str, new: nn.Module) -> None:
+    """``new`` at ``path`` in ``probe``, each module on the way a shallow copy (the model's own stay as they are)."""
+    *parents, leaf = path.split(".")
+    for name in parents:
+        probe._modules[name] = probe = _probe.shallow_copy(probe._modules[name])
+    probe._modules[leaf] = new
+
+
+def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, **kwargs):
     """The model's forward on a stub copy (decoder stubbed, ``make_head(real_head)`` as head, and
-    with ``perturb`` every other parameter and buffer changed); None where it raises."""
+    with ``perturb`` every other parameter and buffer changed; the stub's calls' keyword arguments into
+    ``seen``); None where it raises."""
     prefix = getattr(model, "base_model_prefix", None)
     decoder = model._modules.get(prefix) if isinstance(prefix, str) else None
     if not isinstance(decoder, nn.Module) or BaseModelOutputWithPast is None:
         return None
     probe = _probe.shallow_copy(model)
+    real = head_of(model, head)
     if perturb:  # the decoder and the head are replaced below: copying them would cost their memory
         others = {n: m for n, m in model._modules.items() if n not in (prefix, head) and m is not None}
-        probe = _perturbed(probe, others)
-    width = model._modules[head].in_features
-    probe._modules[prefix] = _StubDecoder(_probe.randn(_B, _S, width, gen=_probe.generator(7)), decoder, perturb)
-    probe._modules[head] = make_head(model._modules[head])
-    try:
-        with torch.no_grad():
-            return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
-    except Exception:
-        return None
+        probe = _perturbed(probe, others, keep=real)
+    _put(probe, head, make_head(real))
+    widths = [real.in_features]
+    if "." in head:  # the wrapper's own layers before the head (BERT's transform) run on the decoder's output, which
+        # may be of the text config's hidden size where the head's input is not (RemBERT's output_embedding_size)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        width = getattr(text, "hidden_size", None)
+        widths += [width] if isinstance(width, int) and width != real.in_features else []
+    for width in widths:
+        hidden = _probe.randn(_B, _S, width, gen=_probe.generator(7))
+        if "." in head:
+            hidden = hidden.to(real.weight.device, real.weight.dtype)
+        probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb, seen)
+        try:
+            with torch.no_grad():
+                return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
+        except Exception:  # (what the stub decoder saw stays: a loss on the probe logits may fail after it ran)
+            continue
+    return None
 
 
 def _logits_of(out, width: int) -> torch.Tensor | None:
@@ -148,7 +176,7 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
     ``(shift, honoured keywords)``; a reason (str) where it is no form the fused loss reproduces;
     None where the forward does not run on the stub."""
     gen = _probe.generator(11)
-    vocab = model._modules[head].out_features
+    vocab = head_of(model, head).out_features
     # fp32-exact values: a forward that casts the logits to fp32 loses nothing.
     z = _probe.randn(_B, _S, vocab, gen=gen).mul(2).float().double()
     labels = torch.randint(0, vocab, (_B, _S), generator=gen)
@@ -203,3 +231,33 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
         elif got is None or not _probe.close(got, no):
             return f"its loss with {name}= given is neither the fused loss's with nor without it"
     return shift, tuple(honoured)
+
+
+def decoder_inputs_from_labels(model: nn.Module, head: str) -> bool | str | None:
+    """Whether the forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's,
+    T5Gemma 2's): the decoder_input_ids the stub decoder is called with, with labels and without. True where it does
+    and ``model.prepare_decoder_input_ids_from_labels`` makes the same ones (the fused loss calls the forward without
+    labels, so it passes them itself), False where it does not, a reason where it does otherwise; None where the
+    forward does not run on the stub."""
+    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(17))
+    labels[0, 3] = -100
+    calls = {}
+    for given in (True, False):  # (with labels the loss on the capture head's probe logits may fail: the decoder ran)
+        seen = []
+        _run(model, head, lambda real: CaptureHead(real=real), seen=seen, **({"labels": labels} if given else {}))
+        calls[given] = seen
+    if not calls[True]:
+        return None
+    made, other = (c[0].get("decoder_input_ids") if c else None for c in (calls[True], calls[False]))
+    if not isinstance(made, torch.Tensor) or (isinstance(other, torch.Tensor) and torch.equal(other, made)):
+        return False
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    try:
+        mine = prepare(labels=labels.clone()) if callable(prepare) else None
+    except Exception:
+        mine = None
+    if isinstance(mine, torch.Tensor) and mine.shape == made.shape and torch.equal(mine.cpu(), made.cpu()):
+        return True
+    how = "not as its prepare_decoder_input_ids_from_labels does" if callable(prepare) else (
+        "it has no prepare_decoder_input_ids_from_labels to make them alike")
+    return f"its forward makes its decoder's inputs from the labels, {how} (the fused loss calls it without labels)"

@@ -26,43 +26,19 @@ from torch import nn
 
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.attention import _IMPLEMENTATIONS, AttentionSpec, FusedAttention
-from torchfuser.patterns import _probe, _reasons
+from torchfuser.patterns import _reasons
+from torchfuser.patterns._attention_projections import projection_dims
 from torchfuser.patterns._attention_probe import (
     check, complex_table_args, dict_writes, extra_fields, forward_params, is_weightless_norm, mask_variants, row_runs, rows_read,
     takes_rope, value_rows,
 )
-from torchfuser.patterns._attention_roles import _dropout_roles, _hint_rank, _is_norm, _norm_roles  # noqa: F401
+from torchfuser.patterns._attention_reasons import _no_layout, _probe_failed
+from torchfuser.patterns._attention_roles import _dropout_roles, _heads, _hint_rank, _int_attr, _is_norm, _norm_roles  # noqa: F401
 from torchfuser.patterns.base import Pattern, Skip
 
 # Eval probes per module and rotary-table stage before giving up (each is a few ms; hints put the right one first).
 _MAX_PROBES = 24
 _SOFTCAP_ATTRS = ("attn_logit_softcapping", "attn_logit_softcap", "logit_softcapping")
-
-
-def _int_attr(obj, *names):
-    for n in names:
-        try:
-            v = getattr(obj, n, None)
-        except Exception:  # e.g. transformers' per-layer configs refuse global reads of per-layer fields
-            v = None
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def _heads(module: nn.Module, q_in: int):
-    """(num_heads, num_kv_heads, head_dim) from the module's attributes, falling back on its config."""
-    cfg = getattr(module, "config", None)
-    heads = _int_attr(module, "num_heads", "num_attention_heads", "n_heads") or _int_attr(cfg, "num_attention_heads", "n_head")
-    d = _int_attr(module, "head_dim", "head_size") or _int_attr(cfg, "head_dim")
-    if d is None and heads:
-        d = q_in // heads
-    groups = _int_attr(module, "num_key_value_groups")
-    kv = _int_attr(module, "num_key_value_heads", "num_kv_heads")
-    if kv is None and groups and heads:
-        kv = heads // groups
-    kv = kv or _int_attr(cfg, "num_key_value_heads") or heads
-    return heads, kv, d
 
 
 def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
@@ -82,8 +58,9 @@ def _rotary_dims(module: nn.Module, head_dim: int) -> list[int]:
 
 def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex_args=()):
     """AttentionSpec rotary fields to try. With (cos, sin) tables rotary_dim wide, as most models
-    pass them: rotate-half at each width, then adjacent pairs (Cohere, GLM), and last no rotary at
-    all (NoPE layers take position embeddings and ignore them). With tables of one entry per pair:
+    pass them: rotate-half at each width, then adjacent pairs (Cohere, GLM), then no rotary at all
+    (NoPE layers take position embeddings and ignore them), and last one rotate-half part per axis of
+    the position_ids (Gemma 4's vision attention). With tables of one entry per pair:
     adjacent pairs, (cos, sin) or (sin, cos) (GPT-J)."""
     dims = _rotary_dims(module, head_dim)
     if complex_args:  # complex tables c + i·s multiply adjacent channel pairs: "half" with per-pair tables
@@ -98,6 +75,10 @@ def _rotary_guesses(module: nn.Module, head_dim: int, pair_tables: bool, complex
     yield from (dict(rotary_dim=rd, rotary_interleave=pairs) for rd in dims for pairs in ("pairs", "half"))
     yield from (dict(rotary_dim=rd, rotary_sin_negated=True) for rd in dims)  # [x2, -x1] (NanoChat)
     yield dict(rotary_dim=0)
+    # Last (a block that matched before matches as before, within the same probes): a rotate-half part per axis of
+    # B × S × n position_ids (Gemma 4's 2-D vision rotary).
+    if any(p.name == "position_ids" for p in forward_params(module)):
+        yield from (dict(rotary_dim=head_dim, rotary_axes=n) for n in (2, 3) if head_dim % (2 * n) == 0)
 
 
 def _scaling(module: nn.Module, d: int) -> float:
@@ -140,50 +121,21 @@ def _shapes(module: nn.Module, projs, blocks: bool = False):
             yield out, layout, qkv, fields, (heads, kv, d)
 
 
-def _no_layout(module: nn.Module, projs) -> str:
-    """Why no spec could even be written down for these projections, in words."""
-    ins = {a for a, _ in projs.values()}
-    if len(projs) == 3 and len(ins) == 1 and len({b for _, b in projs.values()}) == 1:
-        return (f"q, k and v projections ({', '.join(projs)}) and no output projection: that sits in another module "
-                "(BERT's SelfOutput), and only attention modules holding all four are fused")
-    heads, kv, d = _heads(module, max(b for _, b in projs.values()))
-    counts = f"{heads} heads, {kv} k/v heads of {d}" if heads else "no head count found"
-    why = ("q, k and v read from the hidden states (three projections or one fused) and an output projection "
-           "back")
-    if len(projs) > 4:
-        why += "; more projections than those mean an output gate, or a low-rank / latent attention (DeepSeek's MLA)"
-    return f"its projections ({_reasons.projections(projs)}; {counts}) fit no layout the fused attention has: {why}"
-
-
-def _probe_failed(module: nn.Module, first: str, tried: int, cut: bool) -> str:
-    """Why no spec reproduced the module's forward, from the likeliest spec's failure."""
-    cls = type(module).__name__
-    missing = _reasons.missing_arguments(first) if first.startswith("TypeError") else []
-    if missing:
-        return (f"{cls}'s forward requires {_reasons.quoted(missing)}, which the fused attention is not given "
-                "(it takes the hidden states, the mask, rotary tables and a cache)")
-    if first.startswith("forward does not return"):
-        return f"{cls}'s forward does not return (output, attention weights) as transformers' attention modules do"
-    tries = f"any of the {tried} layouts tried" + (" (the search stopped there)" if cut else "")
-    if first.startswith("output differs"):
-        return (f"its output is not softmax(q·kᵀ·scale + mask)·v from its projections for {tries}: it scales, "
-                "rotates, normalises or masks in a way the fused attention does not")
-    return f"its forward could not run as the fused attention would, for {tries} (likeliest: {first})"
-
-
 class AttentionPattern(Pattern):
     name = "attention"
     description = "projections → q/k norm → rope (functional.rope) → SDPA → output projection"
     fused = FusedAttention
 
     def match(self, module):
-        # A projection under a PEFT adapter counts as the projection it wraps (FusedAttention runs LoRA).
-        projs = {n: d for n, m in module._modules.items()
-                 if m is not None and (d := _probe.projection_dims(lora.base_of(m)))}
         params = forward_params(module)
         names = [p.name for p in params]
         hinted = "attention" in type(module).__name__.lower()
-        if len(projs) < 2 or not (hinted or "attention_mask" in names):
+        if not (hinted or "attention_mask" in names):
+            return None
+        # A projection under a PEFT adapter counts as the projection it wraps (FusedAttention runs LoRA); a module
+        # wrapping one Linear (Gemma 4's clippable one) as a projection called as it is (_attention_projections).
+        projs = {n: d for n, m in module._modules.items() if m is not None and (d := projection_dims(m))}
+        if len(projs) < 2:
             return None
         if not hinted and next(_shapes(module, projs), None) is None:
             return None  # takes a mask but has no q/k/v/o projections (e.g. a decoder layer with an inline MLP)

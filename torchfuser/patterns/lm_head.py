@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 
 import torch
 from torch import nn
 
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.lm_head import PROBE_LOGITS, FusedLMHeadLoss, LMHeadLossSpec
-from torchfuser.patterns import _lm_head_probe as probe
+from torchfuser.patterns import _lm_head_probe as probe, _probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss, ForMaskedLMLoss
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 except ImportError:  # pragma: no cover - transformers is a dependency
-    ForCausalLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, LOSS_MAPPING = None, {}, {}
+    ForCausalLMLoss, ForMaskedLMLoss, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, LOSS_MAPPING = None, None, {}, {}
 try:  # image-text-to-text models (LLaVA, Qwen-VL, Gemma 3...): the head sits on the outer model
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 except ImportError:  # pragma: no cover - older transformers
@@ -69,19 +70,53 @@ def _text_field(cfg, name: str):
 _CAUSAL_LM = _causal_lm_names()
 
 
-def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor):
+def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor, cfg=None):
     """``spec`` with the logit scale the forward applies (Cohere multiplies by logit_scale, Granite
     divides by logits_scaling, HyperCLOVAX multiplies by it), or a Skip for any other transform."""
     probe = torch.tensor(PROBE_LOGITS, dtype=torch.float64)
     if spec.softcap is not None:
-        # A scale as well as the softcap would not be told apart at these values: softcap alone.
-        return spec if torch.allclose(logits, spec.transform(probe), rtol=1e-6) else Skip(
-            "the forward's logits are not the softcap of the head's output")
+        if torch.allclose(logits, spec.transform(probe), rtol=1e-6):
+            return spec
+        # A scale before the softcap, c·tanh(s·z/c) (MuSE Spark's output_multiplier): s measured through atanh where
+        # tanh is far from flat, then the whole transform checked on every probe value.
+        u = logits / spec.softcap
+        if (u.abs() < 0.95).all():
+            ratio = spec.softcap * torch.atanh(u) / probe
+            scaled = dataclasses.replace(spec, logit_scale=float(ratio[0]))
+            if ratio[0] > 0 and torch.allclose(logits, scaled.transform(probe), rtol=1e-6):
+                return scaled
+        return Skip("the forward's logits are not the softcap of the head's output, scaled by a positive factor or not")
     ratio = logits / probe
     if not (torch.allclose(ratio, ratio[0].expand_as(ratio), rtol=1e-6) and ratio[0] > 0):
-        return Skip(f"the forward transforms the logits (head output {PROBE_LOGITS} → "
-                    f"{tuple(round(v, 4) for v in logits.tolist())}), not as a positive scale the fused loss reproduces")
+        capped = _config_softcap(spec, logits, probe, cfg)
+        return capped if capped is not None else Skip(
+            f"the forward transforms the logits (head output {PROBE_LOGITS} → "
+            f"{tuple(round(v, 4) for v in logits.tolist())}), not as a positive scale or a softcap by a value of its "
+            "config that the fused loss reproduces")
     return dataclasses.replace(spec, logit_scale=float(ratio[0]))
+
+
+def _config_softcap(spec: LMHeadLossSpec, logits: torch.Tensor, probe: torch.Tensor, cfg):
+    """``spec`` with the softcap c·tanh(z/c) the forward applies where its config holds c under a name of its own
+    (RecurrentGemma's logits_soft_cap, xLSTM's output_logit_soft_cap): c solved from the largest probe value (c·tanh(z/c)
+    grows with c), taken only where a float field of the (text) config equals it, then checked on every value."""
+    if cfg is None:
+        return None
+    i = int(probe.abs().argmax())
+    z, y = float(probe[i]), float(logits[i])
+    if not (0 < y < z):
+        return None
+    lo, hi = y, 1e7
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * math.tanh(z / mid) < y else (lo, mid)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    fields = {**vars(cfg), **(vars(text) if text is not None else {})}
+    found = [v for v in fields.values() if isinstance(v, float) and abs(v - lo) <= 1e-6 * lo]
+    if not found:
+        return None
+    capped = dataclasses.replace(spec, softcap=found[0])
+    return capped if torch.allclose(logits, capped.transform(probe), rtol=1e-6) else None
 
 
 def _not_plain_linear(head: nn.Linear) -> str:
@@ -90,11 +125,30 @@ def _not_plain_linear(head: nn.Linear) -> str:
     extra = sorted(n for n, _ in head.named_parameters() if n not in ("weight", "bias"))
     if extra:
         return f"has parameters besides weight and bias ({', '.join(extra)}), which the fused loss would leave out"
-    if type(head).forward is not nn.Linear.forward or "forward" in head.__dict__:
-        return "has a forward of its own (a subclass's, or one set on the instance as accelerate's hooks do), which the fused loss would not run"
+    if "forward" in head.__dict__ or (type(head).forward is not nn.Linear.forward and not _computes_linear(head)):
+        return ("has a forward of its own (a subclass's that is not h·Wᵀ + b on a probe, or one set on the instance as "
+                "accelerate's hooks do), which the fused loss would not run")
     if hooked(head):
         return "has forward or backward hooks, which the fused loss would not run"
     return ""
+
+
+def _computes_linear(head: nn.Linear) -> bool:
+    """Whether a Linear subclass's own forward computes h·Wᵀ + b from its weight and bias, and nothing else (IDEFICS'
+    decoupled Linear without additional features): run on a shallow copy with small random float64 ones."""
+    gen = _probe.generator(13)
+    w = _probe.randn(5, 6, gen=gen)
+    b = None if head.bias is None else _probe.randn(5, gen=gen)
+    copy = _probe.shallow_copy(head)
+    copy._parameters = {"weight": nn.Parameter(w, requires_grad=False),
+                        "bias": None if b is None else nn.Parameter(b, requires_grad=False)}
+    x = _probe.randn(2, 3, 6, gen=gen)
+    try:
+        with torch.no_grad(), _probe.saved_rng():
+            y = type(head).forward(copy, x)
+    except Exception:
+        return False
+    return isinstance(y, torch.Tensor) and _probe.close(y, nn.functional.linear(x, w, b))
 
 
 def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
@@ -114,6 +168,27 @@ def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
         return Skip("its forward could not be run with a stand-in decoder to learn how it forms its loss, and it "
                     "does not compute it with transformers' loss_function (ForCausalLMLoss)")
     return spec
+
+
+def _nested_head(model: nn.Module, head: nn.Linear):
+    """The path of a head that is not a child of the model but sits in a wrapper of its own (T5Gemma 2's
+    ``lm_head.out_proj``, BERT's ``cls.predictions.decoder`` after its transform: what runs before the head is
+    captured with its input, what runs after it the probes see), else a Skip: a head inside the decoder the probes
+    stand in for, or inside a causal LM of its own (whose head and loss are fused there, if at all)."""
+    path = next((n for n, m in model.named_modules() if m is head), None)
+    if path is None:
+        return Skip("output embeddings are not a module of the model")
+    parts = path.split(".")
+    if parts[0] == getattr(model, "base_model_prefix", None):
+        return Skip(f"output embeddings at {path!r}, inside the decoder (base_model_prefix) whose output the loss is "
+                    "computed from: not a head on the decoder's output")
+    for i in range(1, len(parts)):
+        inner = model.get_submodule(".".join(parts[:i]))
+        cls = type(inner).__name__
+        if cls.endswith("ForCausalLM") or cls in _CAUSAL_LM or isinstance(inner, nn.ModuleList):
+            return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
+                        "its head and loss are fused on that model, where it is given the labels")
+    return path
 
 
 @dataclasses.dataclass
@@ -174,18 +249,23 @@ class LMHeadLossPattern(Pattern):
         if why:
             return Skip(f"output embeddings {type(head).__name__} {why}; only a plain nn.Linear head is fused")
         name = next((n for n, m in module._modules.items() if m is head), None)
-        if name is None:
-            return Skip("output embeddings are not a direct child of the model")
+        nested = name is None
+        if nested and isinstance(name := _nested_head(module, head), Skip):
+            return name
         cfg = getattr(module, "config", None)
         vocab = _text_field(cfg, "vocab_size")
-        if head.out_features != vocab:
-            return Skip(f"head has {head.out_features} outputs but the (text) config's vocab_size is {vocab}")
+        # A head of another width than the config's vocabulary (Inkling 2's unpadded_vocab_size): its loss must be
+        # the probe's over the head's whole width (no logits cut or padded), and only a probe can show that.
+        narrow = (f"head has {head.out_features} outputs but the (text) config's vocab_size is {vocab}"
+                  if head.out_features != vocab else None)
         if ForCausalLMLoss is None or getattr(module, "_loss_function", ForCausalLMLoss) is not ForCausalLMLoss:
             return Skip("a custom loss_function is set; only transformers' ForCausalLMLoss is reproduced")
         loss_type = getattr(module, "loss_type", None) or getattr(cfg, "loss_type", None)
-        # "ForConditionalGeneration" (image-text-to-text models) maps to ForCausalLMLoss too.
-        if loss_type not in (None, "ForCausalLM") and LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss:
-            return Skip(f"loss_type {loss_type!r}; only ForCausalLM is reproduced")
+        # "ForConditionalGeneration" (image-text-to-text models) maps to ForCausalLMLoss too; ForMaskedLMLoss
+        # (T5Gemma 2's) is the same cross-entropy of labels unshifted, fused only where the probes show that.
+        masked = loss_type is not None and LOSS_MAPPING.get(loss_type) is ForMaskedLMLoss
+        if loss_type not in (None, "ForCausalLM") and LOSS_MAPPING.get(loss_type) is not ForCausalLMLoss and not masked:
+            return Skip(f"loss_type {loss_type!r}; only ForCausalLM (and ForMaskedLM where probed) is reproduced")
         z_loss = getattr(module, "z_loss_coefficient", None) or getattr(cfg, "z_loss_coefficient", None)
         if isinstance(z_loss, (int, float)) and z_loss > 0:  # Bamba adds coef·mean(logsumexp²) with labels
             return Skip(f"a z-loss on the logits (z_loss_coefficient={z_loss}) that the fused loss does not add")
@@ -194,9 +274,14 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
         logits = probe.probe_logits(module, name)
+        if logits is None and (nested or masked):
+            return Skip((f"output embeddings at {name!r} (not a child of the model)" if nested else
+                         f"loss_type {loss_type!r}") + ", and its forward does not run on a stand-in decoder to show "
+                        "what it does with the head's output")
         if logits is None:  # the forward would not run on a stub decoder: judge by the config and the code
-            return _unprobed(module, spec)
-        spec = _with_measured_scale(spec, logits)
+            return Skip(narrow + ", and its forward does not run on a stand-in decoder to show its loss uses them "
+                        "all") if narrow else _unprobed(module, spec)
+        spec = _with_measured_scale(spec, logits, cfg)
         if isinstance(spec, Skip):
             return spec
         changed = probe.probe_logits(module, name, perturb=True)  # the model's other parameters changed
@@ -206,12 +291,18 @@ class LMHeadLossPattern(Pattern):
         if not torch.allclose(changed, logits, rtol=1e-6):
             return Skip("the forward changes the logits by a value read from a parameter or buffer of the model "
                         "(a learnable logit scale, say); the fused loss would hold that value fixed and give it no gradient")
+        if "decoder_input_ids" in params:  # an encoder-decoder's forward may make its decoder's inputs from the labels
+            made = probe.decoder_inputs_from_labels(module, name)
+            if made is None or isinstance(made, str):
+                return Skip(made or "an encoder-decoder's forward that did not run on a stand-in decoder with labels, so "
+                            "whether it makes its decoder's inputs from them could not be told")
+            spec = dataclasses.replace(spec, decoder_inputs_from_labels=made)
         form = probe.probe_loss(module, name, spec)
         if form is None:
             return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
-                        "its loss could not be learned")
+                        "its loss could not be learned" + (f" ({narrow})" if narrow else ""))
         if isinstance(form, str):
-            return Skip(form)
+            return Skip(form + (f" ({narrow})" if narrow else ""))
         return dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1])
 
     def parameters_used(self, module):
