@@ -77,15 +77,20 @@ def test_a_scale_read_from_the_wrapper_s_parameter_is_not_fused():
     assert isinstance(spec, Skip) and "parameter or buffer" in spec.reason, spec
 
 
-@pytest.mark.parametrize("model_type, why", [("blip-2", "a model of its own"), ("llama4", "a model of its own"),
-                                              ("florence2", "decoder's inputs from the labels")])
-def test_heads_left_alone_say_why(model_type, why):
+def _head_spec(model_type: str):
+    """What the LM head pattern finds on a tiny model of an image-text-to-text type (skipped where it is not one)."""
     if model_type not in vlm_sweep.model_types():
         pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
     cfg = vlm_sweep.tiny_config(model_type)
     with torch.random.fork_rng(devices=[]):
         model = vlm_sweep._model_class(model_type)._from_config(cfg)
-    spec = LMHeadLossPattern().match(model)
+    return LMHeadLossPattern().match(model)
+
+
+@pytest.mark.parametrize("model_type, why", [("blip-2", "a model of its own"), ("llama4", "a model of its own"),
+                                              ("florence2", "decoder's inputs from the labels")])
+def test_heads_left_alone_say_why(model_type, why):
+    spec = _head_spec(model_type)
     assert isinstance(spec, Skip) and why in spec.reason, spec
 
 
@@ -94,12 +99,7 @@ def test_encoder_decoder_inputs_made_from_labels_are_made_alike(model_type, from
     """T5Gemma 2 makes its decoder's inputs from the labels where none are given (prepare_decoder_input_ids_from_labels;
     the fused loss calls its forward without labels, so it passes them itself); PP-FormulaNet makes them from its
     input_ids. The sweep's step gives labels alone: loss and every gradient exact."""
-    if model_type not in vlm_sweep.model_types():
-        pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
-    cfg = vlm_sweep.tiny_config(model_type)
-    with torch.random.fork_rng(devices=[]):
-        model = vlm_sweep._model_class(model_type)._from_config(cfg)
-    spec = LMHeadLossPattern().match(model)
+    spec = _head_spec(model_type)
     assert not isinstance(spec, Skip), spec.reason
     assert spec.decoder_inputs_from_labels is from_labels
     r = vlm_sweep.run_one(model_type)
