@@ -117,7 +117,9 @@ for stage in "$@"; do
               tests/test_rel_pos_attention.py tests/test_attention_norm_after_rope.py tests/test_vision_rotary_complex.py \
               tests/test_attention_v_norm.py tests/test_attention_blip.py tests/test_varlen_rotary_pairs.py \
               tests/test_residual_passed_layers.py tests/test_residual_dropout.py tests/test_mlp_inner_dropout.py \
-              tests/test_decode_host_calls.py tests/test_generate_rl.py tests/test_auto_graphs.py ;;
+              tests/test_decode_host_calls.py tests/test_generate_rl.py tests/test_auto_graphs.py \
+              tests/test_residual_forms_cuda.py tests/test_attention_gemma4_vision.py tests/test_lm_head_scaled_softcap.py \
+              tests/test_qlora_graphs.py tests/backends/test_dequant_4bit.py ;;
     offload-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
               tests/test_offload_checkpointing.py tests/test_checkpointing.py tests/test_bench.py ;;
     # Unsloth as a peer (issue 36; carry .whl from benchmarks/fetch_unsloth_wheels.sh): the smoke run fails fast

@@ -105,3 +105,21 @@ def test_torchao_nf4_bit_exact(interpreter, dtype):  # noqa: F811
     got = interpreter.dequantize_4bit_fwd(packed.to(DEVICE), absmax.to(DEVICE), code.to(DEVICE), bs, 96, 512, dtype)
     want = w.get_original_weight()
     assert (d := _diff(f"triton ({DEVICE})", got, want, "torchao")) is None, d
+
+
+@pytest.mark.parametrize("n", [1, 255, 256, 1000, 4097])
+def test_double_quantised_scales_bit_exact(interpreter, n):  # noqa: F811
+    """The fp32 block scales of a double-quantised weight (ops/dequant_4bit.dequantize_scales): the reference and the
+    Triton kernel against bitsandbytes' ``dequantize_blockwise(absmax, state2) + offset``, bit for bit, whole and partial
+    blocks of 256 (the product and the offset's add rounded apart: the kernel launches without FMA contraction)."""
+    scales = torch.rand(n, generator=torch.Generator().manual_seed(n)) * 3 + 0.01
+    offset = scales.mean()
+    q, state2 = BF.quantize_blockwise(scales - offset, blocksize=256)
+    want = BF.dequantize_blockwise(q, state2) + offset
+    got_ref = R.dequantize_scales_fwd(q, state2.absmax, state2.code, state2.blocksize, offset)
+    got_tt = interpreter.dequantize_scales_fwd(q.to(DEVICE), state2.absmax.to(DEVICE), state2.code.to(DEVICE),
+                                               state2.blocksize, offset.to(DEVICE))
+    for name, got in (("reference", got_ref), (f"triton ({DEVICE})", got_tt)):
+        assert (d := _diff(name, got, want, "bitsandbytes")) is None, d
+    bad = R.dequantize_scales_fwd(q, state2.absmax, state2.code, state2.blocksize, offset * 1.001)
+    assert _diff("a wrong offset", bad, want, "bitsandbytes") is not None

@@ -24,3 +24,24 @@ def dequantize_4bit(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int
                     dtype: torch.dtype, backend: str) -> Tensor:
     backend = "reference" if backend == "mlir" else backend
     return run(dequantize_4bit_fwd, packed, absmax, code, blocksize, rows, cols, dtype, backend)
+
+
+@torch.library.custom_op("torchfuser::dequantize_scales", mutates_args=())
+def dequantize_scales_fwd(q: Tensor, absmax2: Tensor, code2: Tensor, blocksize2: int, offset: Tensor,
+                          backend: str) -> Tensor:
+    return kernel(backend, "dequantize_scales_fwd")(q, absmax2, code2, blocksize2, offset)
+
+
+@dequantize_scales_fwd.register_fake
+def _(q, absmax2, code2, blocksize2, offset, backend):
+    return q.new_empty((q.numel(),), dtype=torch.float32)
+
+
+def dequantize_scales(q: Tensor, absmax2: Tensor, code2: Tensor, blocksize2: int, offset, backend: str) -> Tensor:
+    """The fp32 block scales of a double-quantised 4-bit weight (bitsandbytes' ``nested`` quant state): one launch
+    on the Triton backend, where the offset is a tensor on q's device (else the reference kernel)."""
+    if backend == "mlir" or not (isinstance(offset, Tensor) and offset.device == q.device):
+        backend = "reference"
+    if not isinstance(offset, Tensor):
+        offset = torch.tensor(float(offset), dtype=torch.float32)
+    return run(dequantize_scales_fwd, q, absmax2, code2, blocksize2, offset, backend)

@@ -33,3 +33,8 @@ def dequantize_blockwise_8bit_fwd(q: Tensor, absmax: Tensor, code: Tensor, block
     flat = q.reshape(-1)
     blocks = torch.arange(flat.numel(), device=flat.device) // blocksize
     return code.float()[flat.long()] * absmax.float()[blocks]
+
+
+def dequantize_scales_fwd(q: Tensor, absmax2: Tensor, code2: Tensor, blocksize2: int, offset: Tensor) -> Tensor:
+    """Double quantisation's fp32 block scales: the 8-bit blockwise codes dequantised, plus the offset."""
+    return dequantize_blockwise_8bit_fwd(q, absmax2, code2, blocksize2) + offset

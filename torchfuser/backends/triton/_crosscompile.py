@@ -265,6 +265,11 @@ def _scenarios(hiddens, dtypes, tokens):
             for kind in ("relu", "relu2"):
                 yield f"activation_fwd-{kind}", lambda x=x, k=kind: activation.activation_fwd(x, k)
                 yield f"activation_bwd-{kind}", lambda x=x, k=kind: activation.activation_bwd(x, x, k)
+    # Double quantisation's block scales of a QLoRA base (llama8b's gate/up: 28672 × 4096 / 64), after all the others.
+    n = 28672 * 4096 // 64
+    q, a2 = torch.empty(n, dtype=torch.uint8, device=meta), torch.empty(n // 256, device=meta)
+    code2, off = torch.empty(256, device=meta), torch.empty((), device=meta)
+    yield "dequantize_scales_fwd", lambda: dequant_4bit.dequantize_scales_fwd(q, a2, code2, 256, off)
 
 
 def _rowwise_both(path, fn, *args):

@@ -43,7 +43,18 @@ def _dequantize_4bit_fwd_kernel(P, ABSMAX, CODE, OUT, n, n_bytes, BLOCKSIZE: tl.
     tl.store(OUT + e, (v * scale).to(OUT.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _dequantize_scales_kernel(Q, ABSMAX2, CODE2, OFFSET, OUT, n, BLOCKSIZE2: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    q = tl.load(Q + i, mask=m, other=0).to(tl.int32)
+    v = tl.load(CODE2 + q) * tl.load(ABSMAX2 + i // BLOCKSIZE2, mask=m, other=0.0)
+    tl.store(OUT + i, v + tl.load(OFFSET), mask=m)  # (launched without fp fusion: two roundings, as bitsandbytes)
+
+
 _launch = Launcher(_dequantize_4bit_fwd_kernel)
+_launch_scales = Launcher(_dequantize_scales_kernel)
+_SCALES_BLOCK = 1024
 
 
 def dequantize_4bit_fwd(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, rows: int,
@@ -58,4 +69,17 @@ def dequantize_4bit_fwd(packed: torch.Tensor, absmax: torch.Tensor, code: torch.
     _launch((cdiv(n_bytes, _BLOCK),), p, absmax.float().contiguous(), code.float().contiguous(), out, n, n_bytes,
             BLOCKSIZE=blocksize, BLOCK=_BLOCK, WIDE=n + 2 * _BLOCK >= 2 ** 31,
             num_warps=warps_as_threads(_WARPS, target_of(p)))
+    return out
+
+
+def dequantize_scales_fwd(q: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor, blocksize2: int,
+                          offset: torch.Tensor) -> torch.Tensor:
+    """Double quantisation's fp32 block scales, code2[q]·absmax2[i // blocksize2] + offset: the product rounded,
+    then the sum (launched with ``enable_fp_fusion=False``, so no FMA joins them), as bitsandbytes computes them."""
+    flat = q.reshape(-1).view(torch.uint8)
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
+    if out.numel():
+        _launch_scales((cdiv(out.numel(), _SCALES_BLOCK),), flat, absmax2.float().contiguous(), code2.float().contiguous(),
+                       offset.float().reshape(1), out, out.numel(), BLOCKSIZE2=blocksize2, BLOCK=_SCALES_BLOCK,
+                       num_warps=warps_as_threads(_WARPS, target_of(flat)), enable_fp_fusion=False)
     return out

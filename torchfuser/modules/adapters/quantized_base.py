@@ -37,11 +37,10 @@ import sys
 import torch
 from torch import Tensor, nn
 
-from torchfuser.backends.reference.dequant_4bit import dequantize_blockwise_8bit_fwd
 from torchfuser.functional import backend_for
 from torchfuser.modules import gemm as _gemm
 from torchfuser.modules.adapters import torchao_nf4
-from torchfuser.ops.dequant_4bit import dequantize_4bit
+from torchfuser.ops.dequant_4bit import dequantize_4bit, dequantize_scales
 from torchfuser.ops.dequant_matmul_4bit import dequant_matmul_4bit
 from torchfuser.switches import SWITCHES
 
@@ -157,12 +156,13 @@ def _int8_scales(layer: nn.Module) -> Tensor | None:
     return scb if scb is not None else getattr(layer.weight, "SCB", None)
 
 
-def _absmax(qs) -> Tensor:
-    """The fp32 block scales; double quantisation's are 8-bit blockwise codes plus an offset."""
+def _absmax(qs, backend: str | None = None) -> Tensor:
+    """The fp32 block scales; double quantisation's are 8-bit blockwise codes plus an offset (one launch)."""
     if not qs.nested:
         return qs.absmax.float()
     s2 = qs.state2
-    return dequantize_blockwise_8bit_fwd(qs.absmax, s2.absmax, s2.code, s2.blocksize) + qs.offset
+    return dequantize_scales(qs.absmax, s2.absmax, s2.code, s2.blocksize, qs.offset,
+                             backend_for(backend, qs.absmax.device))
 
 
 def dequantize(layer: nn.Module, dtype: torch.dtype, backend: str | None = None) -> Tensor:
@@ -176,7 +176,8 @@ def dequantize(layer: nn.Module, dtype: torch.dtype, backend: str | None = None)
         return w.data.to(dtype).mul_(_int8_scales(layer).unsqueeze(1).mul(1.0 / 127.0))
     qs = w.quant_state
     rows, cols = qs.shape
-    return dequantize_4bit(w.data, _absmax(qs), qs.code, qs.blocksize, rows, cols, dtype, backend_for(backend, w.device))
+    return dequantize_4bit(w.data, _absmax(qs, backend), qs.code, qs.blocksize, rows, cols, dtype,
+                           backend_for(backend, w.device))
 
 
 def _one_launch(layers) -> bool:
@@ -199,7 +200,7 @@ def joint_weight(layers, dtype: torch.dtype, backend: str | None = None) -> Tens
     if _one_launch(layers):
         qs = layers[0].weight.quant_state
         packed = torch.cat([m.weight.data.reshape(-1).view(torch.uint8) for m in layers])
-        absmax = torch.cat([_absmax(m.weight.quant_state) for m in layers])
+        absmax = torch.cat([_absmax(m.weight.quant_state, backend) for m in layers])
         rows = sum(m.weight.quant_state.shape[0] for m in layers)
         return dequantize_4bit(packed, absmax, qs.code, qs.blocksize, rows, qs.shape[1], dtype,
                                backend_for(backend, packed.device))
@@ -245,7 +246,8 @@ def _fused_gemm(layers, cd: torch.dtype, gemm: torch.dtype, backend: str | None,
         qs, wd = w.quant_state, cd
         code, bs, cols = qs.code, qs.blocksize, qs.shape[1]
         packed = torch.cat([m.weight.data.reshape(-1).view(torch.uint8) for m in layers]) if len(layers) > 1 else w.data
-        absmax = torch.cat([_absmax(m.weight.quant_state) for m in layers]) if len(layers) > 1 else _absmax(qs)
+        absmax = (torch.cat([_absmax(m.weight.quant_state, backend) for m in layers]) if len(layers) > 1
+                  else _absmax(qs, backend))
         rows = sum(m.weight.quant_state.shape[0] for m in layers)
     else:
         return None
