@@ -219,7 +219,8 @@ class Stack(_auto.StackPolicy):
             if mod is not layer:
                 inside.append(mod)
             for p in mod._parameters.values():
-                if p is not None and not quantized_base.frozen_bytes(p):  # read in place; no stand-in, no gradient
+                # (a frozen quantised base is read in place: no stand-in, no gradient; plain ones skip the check)
+                if p is not None and (type(p) is nn.Parameter or not quantized_base.frozen_bytes(p)):
                     params[id(p)] = p
         if hooked(*inside):
             return "hooks are registered on modules inside the layer (they would run only at capture)", ()
