@@ -12,6 +12,7 @@ function of its own input row, as a projection is, so that the attention's probe
 """
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -63,6 +64,9 @@ def _wrapped(m: nn.Module) -> nn.Module | None:
         return None
     gen = _probe.generator(11)
     probe = _probe.shallow_copy(m)
+    for k, v in m.__dict__.items():  # its plain containers its own: a forward that records its calls keeps no probe's
+        if isinstance(v, (list, dict, set)) and k not in ("_modules", "_parameters", "_buffers"):
+            probe.__dict__[k] = copy.copy(v)
     probe._modules[name] = _probe.small_projection(lora.base_of(inner), _IN, _OUT, gen)
     for n, b in m._buffers.items():  # its own values (clamp bounds), on a float64 CPU copy
         if b is not None:
