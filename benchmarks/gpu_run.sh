@@ -144,7 +144,7 @@ for stage in "$@"; do
     # 16384 tokens until OOM) with QLoRA and with a bf16 base (CTX_S: seconds; each length is a process of its own).
     qlora) timeout ${QLORA_S:-480} python3 $ts --models ${MODELS:-llama8b} --precision bf16 --lora 16 --quant ${QUANT:-nf4} --batch 2 --seq 2048 \
               --steps 8 --variants ${VARIANTS:-eager torchfuser unsloth} --out "$OUT/train-step-qlora.jsonl" ;;
-    qlora-tests) timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short tests/test_qlora_fused.py tests/test_qlora_torchao.py \
+    qlora-tests) timeout 240 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short tests/test_qlora_fused.py tests/test_qlora_torchao.py tests/test_qlora_graphs.py \
               tests/backends/test_dequant_4bit.py tests/backends/test_dequant_matmul_4bit.py ;;
     qlora-convergence) timeout 300 python3 benchmarks/qlora_convergence.py --device cuda --config ${MODELS:-llama1b} --steps 200 \
               --out "$OUT/qlora-convergence-${MODELS:-llama1b}" ;;
