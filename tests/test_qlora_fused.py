@@ -233,3 +233,24 @@ def test_unquantised_bnb_base_leaves_the_block_with_the_reason():
     assert quantized_base.kind(layer) is None
     assert "not quantised" in quantized_base.unsupported(layer)
     assert quantized_base.unsupported(torch.nn.Linear(4, 4)) is None
+
+
+def test_joint_bases_are_compared_on_the_host_once(checkpoints, monkeypatch):
+    """Whether q/k/v (or gate/up) dequantise in one launch is decided without comparing code tables on the device
+    a call: on CUDA that comparison waits for the GPU every call (and breaks graph capture)."""
+    model = _load(checkpoints["llama"], "nf4")
+    attn = next(m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "v_proj"))
+    bases = [lora.base_of(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    assert len({id(b.weight.quant_state.code) for b in bases}) == 3  # bitsandbytes makes one table per weight
+    assert quantized_base._one_launch(bases)
+
+    def fail(*_):
+        raise AssertionError("a code table compared again")
+    monkeypatch.setattr(torch, "equal", fail)
+    monkeypatch.setattr(torch.Tensor, "tolist", fail)
+    assert quantized_base._one_launch(bases)
+    other = copy.deepcopy(bases[2].weight.quant_state.code)
+    other[3] += 1
+    monkeypatch.undo()
+    bases[2].weight.quant_state.code = other
+    assert not quantized_base._one_launch(bases)

@@ -36,6 +36,7 @@ import sys
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchfuser.functional import backend_for
 from torchfuser.modules import gemm as _gemm
@@ -180,15 +181,28 @@ def dequantize(layer: nn.Module, dtype: torch.dtype, backend: str | None = None)
                            backend_for(backend, w.device))
 
 
+_CODES = WeakIdKeyDictionary()
+
+
+def _code_values(code: Tensor) -> tuple:
+    """A 4-bit code table's 16 values, read once per table: comparing tables on the device a call would make the
+    host wait for the GPU (and fail under CUDA graph capture); the tables are constants."""
+    found = _CODES.get(code)
+    if found is None:
+        found = _CODES[code] = tuple(code.float().tolist())
+    return found
+
+
 def _one_launch(layers) -> bool:
     """Whether the 4-bit bases' bytes and scales, concatenated, are the joint weight's: one format and block
-    size, whole blocks per base (so no block straddles two), one input width."""
+    size, whole blocks per base (so no block straddles two), one input width, one code table."""
     states = [getattr(m.weight, "quant_state", None) for m in layers]
     if any(qs is None for qs in states):
         return False
     first = states[0]
     return all(qs.quant_type == first.quant_type and qs.blocksize == first.blocksize and qs.shape[1] == first.shape[1]
-               and (qs.shape[0] * qs.shape[1]) % qs.blocksize == 0 and torch.equal(qs.code, first.code) for qs in states)
+               and (qs.shape[0] * qs.shape[1]) % qs.blocksize == 0
+               and (qs.code is first.code or _code_values(qs.code) == _code_values(first.code)) for qs in states)
 
 
 def joint_weight(layers, dtype: torch.dtype, backend: str | None = None) -> Tensor:
