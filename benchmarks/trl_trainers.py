@@ -7,8 +7,9 @@ with ``TorchFuserCallback`` (issue 39's targets; docs/performance/NOTES-trl.md).
     python benchmarks/trl_trainers.py --workload dpo --model tiny --teacher tiny --seq 64 --steps 2 --device cpu  # smoke
 
 Random weights from recipes/<config>.json, bf16 on the GPU, text of random characters through a character
-tokenizer (every sequence exactly as long as asked; nothing downloaded). Each variant builds its own
-trainer from the same seed, runs ``--warmup`` steps, then times ``--steps`` optimizer steps (synchronised
+tokenizer (every sequence exactly as long as asked; nothing downloaded). Each variant runs in a process of its
+own (``use_liger_kernel=True`` patches transformers' classes for the whole process, and the peak memory is the
+process's), builds its trainer from the same seed, runs ``--warmup`` steps, then times ``--steps`` optimizer steps (synchronised
 at each step's ends) and reads the peak memory of the timed steps. One JSON line per variant.
 
 GRPO and distillation time the **training half**: the rollouts are replaced by fixed random completions of
@@ -23,6 +24,7 @@ import importlib.util
 import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,13 +45,17 @@ WORKLOADS = {  # model, teacher, LoRA rank, rows per optimizer step, prompt and 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,;:!?0123456789"
 
 
-def build(config: str, dtype, device):
+def build(config: str, dtype, device, vocab_size: int | None = None):
+    """A model of recipes/<config>.json with random weights; ``vocab_size`` overrides the recipe's (a distillation
+    teacher must share the student's vocabulary: Qwen2.5-7B's is 152064, 1.5B's 151936)."""
     from transformers import AutoModelForCausalLM
 
     from common import load_config
 
     path = config if config.endswith(".json") else str(ROOT / "recipes" / f"{config}.json")
     cfg = load_config(path)
+    if vocab_size is not None:
+        cfg.vocab_size = vocab_size
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
@@ -150,7 +156,7 @@ def run(variant: str, args) -> dict:
                       args=config, train_dataset=data, processing_class=tokenizer, peft_config=peft_config,
                       callbacks=callbacks)
     else:
-        teacher = build(args.teacher or spec["teacher"], dtype, args.device)
+        teacher = build(args.teacher or spec["teacher"], dtype, args.device, model.config.vocab_size)
         cls = fixed_rollouts(trl.DistillationTrainer, completion, vocab)
         trainer = cls(model=model, teacher_model=teacher, args=trl.DistillationConfig(max_completion_length=completion,
                                                                                      **common),
@@ -193,6 +199,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.seq:
         args.prompt, args.completion = args.seq // 4, args.seq - args.seq // 4
+    if len(args.variants) > 1:  # one process per variant: Liger's patches and the peak memory are process-wide
+        for variant in args.variants:
+            at = sys.argv.index("--variants") if "--variants" in sys.argv else len(sys.argv)
+            rest = [a for i, a in enumerate(sys.argv[1:], 1) if i < at or (i > at and not _variant_arg(sys.argv, at, i))]
+            subprocess.run([sys.executable, sys.argv[0], *rest, "--variants", variant], check=False)
+        return
     for variant in args.variants:
         if variant == "trl+liger" and importlib.util.find_spec("liger_kernel") is None:
             row = dict(bench="trl_trainers", workload=args.workload, variant=variant, skipped="liger-kernel not installed")
@@ -207,6 +219,11 @@ def main() -> None:
                 f.write(json.dumps(row) + "\n")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _variant_arg(argv: list[str], at: int, i: int) -> bool:
+    """Whether argv[i] is one of the names following ``--variants`` (at ``at``)."""
+    return all(not argv[j].startswith("--") for j in range(at + 1, i + 1))
 
 
 if __name__ == "__main__":
