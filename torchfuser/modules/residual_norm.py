@@ -126,6 +126,8 @@ class ResidualNormSpec:
     post_mlp_norm: str | None = None
     returns_none: bool = False  # it returns (hidden states, None) (Bamba's mamba layers)
     attention_single: bool = False  # it returns one tensor, not (output, weights): a linear-attention / recurrent mixer
+    # a one-element buffer of the layer its output is multiplied by (Gemma 4's ``layer_scalar``), read at each call
+    output_scale: str | None = None
 
 
 class ResidualNormForward:
@@ -209,7 +211,7 @@ class ResidualNormForward:
         if s.post_attention_norm is not None:
             a0 = _child(layer, s.post_attention_norm)(a0)
         out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a0)), low, attention, mlp)
-        return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
+        return self._output(out, a)
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
         """Post-norm: each residual add inside the norm after it (``add_layer_norm``; its sum is not needed
@@ -218,6 +220,14 @@ class ResidualNormForward:
         a = _attend(attention, (x,) * s.attention_repeats, s.attention_input, call)
         h = norm_in.add(x, self._drop(s.attention_dropout, a if s.attention_single else a[0]))[1]
         out = getattr(self.layer, s.norm_mid).add(h, self._drop(s.mlp_dropout, mlp(h)))[1]
+        return self._output(out, a)
+
+    def _output(self, out, a):
+        """What the layer returns: its hidden states (times its output scale), with the attention's second output
+        or None after them where the original returns those."""
+        s = self.spec
+        if s.output_scale is not None:  # as the original's ``out *= scale``: the product in the promoted dtype, then out's
+            out = torch.mul(out, getattr(self.layer, s.output_scale)).to(out.dtype)
         return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
 
     def _body(self, x, y, a, low, attention, mlp):

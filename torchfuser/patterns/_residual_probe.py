@@ -9,7 +9,7 @@ import copy
 import torch
 from torch import nn
 
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _probe, _residual_output_scale
 
 _EXTRA = "_torchfuser_probe_extra"
 _WIDTH = 8
@@ -105,6 +105,7 @@ class _Probe:
         self.mlp_flat = False  # the stand-in MLP's output flattened to (tokens, width) (Llama 4's MoE block)
         self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
         self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
+        self.fixed = _residual_output_scale.neutral(module)  # the layer's own buffers' values on the probe copy
 
     def dropouts(self) -> tuple[list[str], list[str]]:
         """(nn.Dropout children, float dropout attributes) of the layer itself, and ``config.<name>`` for
@@ -155,7 +156,7 @@ class _Probe:
                 probe._modules[name] = visible
         for name in floats:
             setattr(probe, name, p if ps is None else ps.get(name, 0.0))
-        for name, value in self.attrs.items():
+        for name, value in {**self.fixed, **self.attrs}.items():
             setattr(probe, name, value)
         fns = self.fns if ps is None else self.drawing()
         stand = {r: _stand_in(self.module._modules.get(self.roles[r]), fns[r],

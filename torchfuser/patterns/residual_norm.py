@@ -34,7 +34,7 @@ from torch import nn
 from torchfuser.modules import _layer_blocks, residual_norm
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _residual_forms
+from torchfuser.patterns import _residual_forms, _residual_output_scale
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
                                                  sandwich_roles)
 from torchfuser.patterns._residual_roles import (attention_like, identities, inline_mlp, mlp_first, norm_kind,
@@ -162,6 +162,13 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         return Skip("its norms sit before and after each block (Gemma-2's sandwich), with a dropout, a residual scale, "
                     "a block adding the residual or a block's second output besides, which the fused forward does not "
                     "combine with them")
+    def hidden(o):  # the hidden states from a probe run's output
+        h = probe.split(o)[0]
+        return h[0] if returns_none and isinstance(h, tuple) else h
+
+    output_scale = _residual_output_scale.find(probe, markers, hidden)
+    if isinstance(output_scale, Skip):
+        return output_scale
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
     if inline:
         roles["mlp"] = ""
@@ -175,12 +182,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
                             mlp_tuple=probe.mlp_tuple,
                             attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none, mlp_view=mlp_view,
-                            norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]))
-
-
-
-
-
+                            norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]),
+                            output_scale=output_scale)
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
