@@ -13,7 +13,7 @@ from torchfuser.patterns import _probe, _residual_output_scale
 
 _EXTRA = "_torchfuser_probe_extra"
 _WIDTH = 8
-_KINDS = ("sequential", "parallel", "post")
+_KINDS = ("sequential", "parallel", "post", "post_block")
 
 
 class _Marker:
@@ -205,6 +205,11 @@ class _Probe:
                 return None
             h = f["norm_in"](x + f["attention"](x))
             return mid(h + f["mlp"](h))
+        if kind == "post_block":  # each block's output normalised, then added (OLMo-2): recognised to say why not fused
+            if (ca, cm) != (1.0, 1.0):
+                return None
+            s = x + f["norm_in"](f["attention"](x))
+            return s + mid(f["mlp"](s))
         s = x + f["attention"](f["norm_in"](x)) * ca
         return s + f["mlp"](mid(s)) * cm
 

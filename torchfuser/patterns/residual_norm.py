@@ -42,6 +42,10 @@ from torchfuser.patterns._residual_roles import (attention_like, identities, inl
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 _ROLES = ("attention", "mlp", "norm_in", "norm_mid")
+_POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
+               "norm(attention(x)), then s + norm(mlp(s))), so no norm reads a residual sum; fusing the add after the "
+               "norm needs a norm-then-add kernel (out = r + rms_norm(a)), which no backend has, and composed of the "
+               "kernels there are the layer would run what it runs now")
 # Keywords transformers' decorators have accepted in place of a layer's cache argument.
 _CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
 
@@ -93,6 +97,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
     out = out[0] if returns_none else out
     kind = probe.kind(out)
+    if kind == "post_block":
+        return Skip(_POST_BLOCK)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     scaled = _residual_forms.scaled_kind(probe, markers, out, kind)
