@@ -112,3 +112,10 @@ def mlp_call(layer: nn.Module, s, drop):
         return child(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
     return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))
+
+
+def tail(layer: nn.Module, names: tuple[str, ...], out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A third block after the layer's attention and MLP, as the original computes it: ``out + norm(fc_out(act(
+    fc_in(out)) * g))`` (Gemma 4's per-layer inputs; its add follows its norm, so no kernel of ours takes it)."""
+    fc_in, act, fc_out, norm = (child(layer, n) for n in names)
+    return out + norm(fc_out(act(fc_in(out)) * g))

@@ -54,7 +54,8 @@ from torch import nn
 from torchfuser.modules import fallbacks, fp8, offload
 from torchfuser.modules._layer_blocks import (as_class as _as_class, attend as _attend, child as _child,
                                               is_identity as _is_identity, maxima as _maxima, mlp_call as _mlp,
-                                              projection_dtype as _projection_dtype, unfused_norms as _unfused_norms)
+                                              projection_dtype as _projection_dtype, tail as _tail,
+                                              unfused_norms as _unfused_norms)
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.base import callee, follow_replicas, unfollow_replicas
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
@@ -63,6 +64,7 @@ from torchfuser.modules.norms import FusedRMSNorm
 _NOTHING = contextlib.nullcontext()  # reusable
 _NO_MAXIMA = (False, False)
 _MISSING = "a required argument is missing"
+_NO_TAIL_INPUT = "no tensor given for its third block's argument (the original forward raises without one)"
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,10 @@ class ResidualNormSpec:
     attention_single: bool = False  # it returns one tensor, not (output, weights): a linear-attention / recurrent mixer
     # a one-element buffer of the layer its output is multiplied by (Gemma 4's ``layer_scalar``), read at each call
     output_scale: str | None = None
+    # (fc_in, act, fc_out, norm): a third block on the output so far, times the forward's argument ``tail_input``
+    # (Gemma 4's per-layer inputs: ``out + norm(fc_out(act(fc_in(out)) * per_layer_input))``), run as the original runs it
+    tail: tuple[str, ...] = ()
+    tail_input: str = ""
 
 
 class ResidualNormForward:
@@ -176,18 +182,19 @@ class ResidualNormForward:
             kwargs = _without_cache(layer, kwargs)
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
+        g = rest.pop(s.tail_input, None) if s.tail_input else None
         call = None if x is None else self._attention_kwargs(rest)
-        why = self._unfused(args, x, call)
+        why = self._unfused(args, x, call) or (_NO_TAIL_INPUT if s.tail and g is None else None)
         if why is not None:
             fallbacks.count(layer, why)
             return type(layer).forward(layer, *args, **kwargs)  # checkpointed there, when it checkpoints
-        if checkpointing:  # x positional: reentrant checkpointing passes gradients only to those
-            return layer._gradient_checkpointing_func(partial(self._fused, call), x)
+        if checkpointing:  # x (and g) positional: reentrant checkpointing passes gradients only to those
+            return layer._gradient_checkpointing_func(partial(self._fused, call), x, *(() if g is None else (g,)))
         if own is not None:  # optimize(checkpointing=...): the input kept (on the host), the rest made again
-            return own.run(partial(self._fused, call), x)
-        return self._fused(call, x)
+            return own.run(partial(self._fused, call, g=g), x)
+        return self._fused(call, x, g)
 
-    def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
+    def _fused(self, call: dict, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
         norm_in, attention, mlp = _child(layer, s.norm_in), _child(layer, s.attention), _mlp(layer, s, self._drop)
@@ -211,7 +218,7 @@ class ResidualNormForward:
         if s.post_attention_norm is not None:
             a0 = _child(layer, s.post_attention_norm)(a0)
         out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a0)), low, attention, mlp)
-        return self._output(out, a)
+        return self._output(_tail(layer, s.tail, out, g) if s.tail else out, a)
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
         """Post-norm: each residual add inside the norm after it (``add_layer_norm``; its sum is not needed

@@ -34,7 +34,7 @@ from torch import nn
 from torchfuser.modules import _layer_blocks, residual_norm
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _residual_forms, _residual_output_scale
+from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
                                                  sandwich_roles)
 from torchfuser.patterns._residual_roles import (attention_like, identities, inline_mlp, mlp_first, norm_kind,
@@ -74,6 +74,11 @@ def _first_runs(probe: _Probe, params, extra: bool):
 def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
+    if "tail_in" in roles:  # the third block's argument gets a tensor, not a marker
+        probe.tail_arg = _residual_tail.argument(probe, params)
+        if probe.tail_arg is None:
+            return None
+        params = [p for p in params if p[0] != probe.tail_arg]
     try:
         out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
     except Exception as err:
@@ -163,6 +168,11 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             or probe.mlp_tuple or not {"mlp", "mlp2"} <= set(order) or order.index("mlp") > order.index("mlp2")):
         return Skip("its forward adds the sum of two MLP blocks on one norm's output (Granite 4's MoE and shared MLP) "
                     "in a form the fused forward does not: sequential, in this order, no dropout or passed residual")
+    if "tail_in" in roles and (kind != "sequential" or any(dropouts) or scaled or any(passes.values()) or probe.mlp_tuple
+                               or returns_rest or returns_none or "mlp2" in roles):
+        return Skip("a third block follows its attention and MLP (Gemma 4's per-layer inputs), in a layer that is not "
+                    "sequential, or with a dropout, a residual scale, a block adding the residual, a second MLP or a "
+                    "block's second output besides, which the fused forward does not combine with it")
     if "post_attention_norm" in roles and (any(dropouts) or scaled or any(passes.values()) or probe.mlp_tuple
                                            or returns_rest or not probe.attention_tuple):
         return Skip("its norms sit before and after each block (Gemma-2's sandwich), with a dropout, a residual scale, "
@@ -176,6 +186,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     if isinstance(output_scale, Skip):
         return output_scale
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
+    tail = tuple(roles.pop(r) for r in _residual_tail.ROLES) if "tail_in" in roles else ()
     if inline:
         roles["mlp"] = ""
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
@@ -189,13 +200,24 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             mlp_tuple=probe.mlp_tuple,
                             attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none, mlp_view=mlp_view,
                             norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]),
-                            output_scale=output_scale)
+                            output_scale=output_scale, tail=tail, tail_input=probe.tail_arg)
 
 
-def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
+def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None,
+           tail=None, tail_roles: dict | None = None):
     """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip. With one
-    norm, an identity child may be the first norm (ModernBERT-decoder's layer 0: ``attn_norm = nn.Identity()``)."""
+    norm, an identity child may be the first norm (ModernBERT-decoder's layer 0: ``attn_norm = nn.Identity()``).
+    ``tail``: (fc_in, act, fc_out) of a third block after the others (``_residual_tail``), its norm one of ``norms``."""
     skips = []
+    if tail:  # each norm tried as the third block's, the last declared first (Gemma 4's post_per_layer_input_norm)
+        for t in reversed(norms):
+            more = dict(zip(_residual_tail.ROLES, (*tail, t)))
+            found = _study(module, blocks, [n for n in norms if n != t], first, params, extra, tail_roles=more)
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
+        return next((s for s in skips if s is not None), None)
+    tail_roles = tail_roles or {}
     if inline:  # attention, norms and the layer's own fc_in → act → fc_out (OPT)
         (linears, act), pairs = inline, itertools.permutations(norms)
         for (fc_in, fc_out), (norm_in, norm_mid) in itertools.product(itertools.permutations(linears), pairs):
@@ -221,7 +243,11 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
         return next((s for s in skips if s is not None), None)
     for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not attention_like(module._modules[p[0]])):
         if len(norms) == 4:  # Gemma-2's sandwich: a norm before and after each block
-            roles = sandwich_roles(module, attention, mlp, norms, params, extra)
+            tail_arg = _tail_argument(module, dict(attention=attention, mlp=mlp, norm_in=norms[0], norm_mid=norms[1],
+                                                   post_attention_norm=norms[2], post_mlp_norm=norms[3], **tail_roles),
+                                      params) if tail_roles else ""
+            roles = None if tail_arg is None else sandwich_roles(module, attention, mlp, norms, params, extra,
+                                                                 tail_roles, tail_arg)
             found = None if roles is None else _study_roles(module, roles, first, params, extra)
             if found is not None and not isinstance(found, Skip):
                 return found
@@ -230,7 +256,7 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
         pairs = [(norms[0], norms[0]), *((n, norms[0]) for n in identities(module))] if len(norms) == 1 else \
             itertools.permutations(norms)
         for norm_in, norm_mid in pairs:
-            roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
+            roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid, **tail_roles)
             found = _study_roles(module, roles, first, params, extra)
             if isinstance(found, ResidualNormSpec) and found.norm_in_identity and found.post_norm:
                 found = Skip("its first norm is an identity and its norms come after the adds (post-norm): a form "
@@ -262,14 +288,17 @@ class ResidualNormPattern(Pattern):
         inline = inline_mlp(module, blocks) if len(blocks) == 5 else None
         if isinstance(inline, Skip):
             return inline
-        if not 3 <= len(blocks) <= 6 and not inline:
+        kinds = {n: norm_kind(module._modules[n]) for n in blocks}
+        sizes = [p.shape[-1] for n in blocks if kinds[n] for p in module._modules[n].parameters()][:1]
+        tail = _residual_tail.find(module, blocks, sizes[0]) if len(blocks) in (7, 9) and sizes else None
+        blocks = [n for n in blocks if not tail or n not in tail]
+        if not 3 <= len(blocks) <= 6 + bool(tail) and not inline:
             return None
         blocks = [n for n in blocks if not inline or n not in inline[0]]
-        kinds = {n: norm_kind(module._modules[n]) for n in blocks}
         norms = [n for n in blocks if kinds[n]]
         blocks = [n for n in blocks if not kinds[n]]
-        if len(blocks) not in ((1,) if inline else (2, 3)) or len(norms) == 3 or len(blocks) == 3 and len(norms) != 2 \
-                or not any(attention_like(module._modules[n]) for n in blocks):
+        if len(blocks) not in ((1,) if inline else (2,) if tail else (2, 3)) or len(norms) - bool(tail) not in (1, 2, 4) \
+                or len(blocks) == 3 and len(norms) != 2 or not any(attention_like(module._modules[n]) for n in blocks):
             return None  # more blocks than one attention, one MLP (or two summed) and one, two or four norms
         fused = [isinstance(module._modules[n], (FusedRMSNorm, FusedLayerNorm)) for n in norms]
         if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
@@ -285,7 +314,7 @@ class ResidualNormPattern(Pattern):
         sig = signature(module)
         if isinstance(sig, Skip):
             return sig
-        spec = _study(module, blocks, norms, *sig, inline=inline)
+        spec = _study(module, blocks, norms, *sig, inline=inline, tail=tail)
         if spec is None:
             return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
@@ -300,3 +329,9 @@ class ResidualNormPattern(Pattern):
             raise ValueError(f"{qualname}: the layer's forward is already replaced on the instance")
         residual_norm.install(module, spec)
         return Applied(residual_norm.ResidualNormForward.__name__, residual_norm.Uninstall(module))
+
+
+def _tail_argument(module: nn.Module, roles: dict, params) -> str | None:
+    """The argument a third block takes (``_residual_tail.argument``), read with the roles given (the sandwich's are
+    read after it: the run needs it)."""
+    return _residual_tail.argument(_Probe(module, roles), params)
