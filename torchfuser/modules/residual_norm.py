@@ -134,6 +134,7 @@ class ResidualNormSpec:
     # (Gemma 4's per-layer inputs: ``out + norm(fc_out(act(fc_in(out)) * per_layer_input))``), run as the original runs it
     tail: tuple[str, ...] = ()
     tail_input: str = ""
+    unpassed: tuple[str, ...] = ()  # its parameters the original hands no child (BART's use_cache): not passed on
 
 
 class ResidualNormForward:
@@ -151,6 +152,8 @@ class ResidualNormForward:
         for name in s.at_default:
             if kwargs.pop(name, None) is not None:
                 return None
+        for name in s.unpassed:
+            kwargs.pop(name, None)
         call = {}
         for name, key, default in s.arguments:
             value = call[key] = kwargs.pop(name, default)

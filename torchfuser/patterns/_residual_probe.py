@@ -73,6 +73,10 @@ def _stand_in(child: nn.Module | None, fn, tuple_out: bool) -> _StandIn:
     return _StandIn(fn, tuple_out)
 
 
+def _never(x):
+    raise RuntimeError("the probe's stand-in for a block the layer leaves alone was called")
+
+
 class _Probe:
     """The layer's forward run on stand-in children, in training mode. ``roles``: role → child name."""
 
@@ -96,6 +100,7 @@ class _Probe:
         m2 = _probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5  # (drawn after x: the other probes' values as they were)
         self.fns["mlp2"] = lambda x: torch.cos(x) @ m2  # a second MLP block summed with the first (Granite 4's)
         self.fns.update(_residual_tail.fns(gen, _WIDTH))  # a third block's (Gemma 4's per-layer inputs)
+        self.fns.update(unused_attention=_never, unused_norm=_never)  # a block run only with encoder states (BART's)
         self.g = _probe.randn(2, 3, _WIDTH, gen=gen)  # the tensor its argument gets
         self.tail_arg = ""  # that argument's name (``_residual_tail.argument``)
         self.module, self.roles = module, roles

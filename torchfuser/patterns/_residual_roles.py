@@ -87,3 +87,21 @@ def norm_kind(m: nn.Module) -> str | None:
     if isinstance(RMSNormPattern().match(m), RMSNormSpec):
         return "rms"
     return "layer" if isinstance(LayerNormPattern().match(m), LayerNormSpec) else None
+
+
+def cross_pairs(module: nn.Module, blocks: list[str], kinds: dict) -> list[tuple[str, str, tuple]]:
+    """For a decoder layer of seven blocks (BART's, Whisper's: self-attention, cross-attention, fc1, fc2, three
+    norms): each (cross-attention, its norm, ``inline_mlp`` of the rest) to try, the later attention and the norm
+    declared right after it first; the probe tells which pair its forward leaves alone without encoder states."""
+    attentions = [n for n in blocks if not kinds[n] and attention_like(module._modules[n])]
+    norms = [n for n in blocks if kinds[n]]
+    if len(attentions) != 2 or len(norms) != 3:
+        return []
+    found = []
+    for cross in reversed(attentions):
+        at = blocks.index(cross)
+        for norm in sorted(norms, key=lambda n: (blocks.index(n) < at, abs(blocks.index(n) - at))):
+            inline = inline_mlp(module, [n for n in blocks if n not in (cross, norm)])
+            if isinstance(inline, tuple):
+                found.append((cross, norm, inline))
+    return found

@@ -37,11 +37,12 @@ from torchfuser.modules.residual_norm import ResidualNormSpec
 from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
                                                  sandwich_roles)
-from torchfuser.patterns._residual_roles import (attention_like, identities, inline_mlp, mlp_first, norm_kind,
+from torchfuser.patterns._residual_roles import (attention_like, cross_pairs, identities, inline_mlp, mlp_first, norm_kind,
                                                  signature)
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 _ROLES = ("attention", "mlp", "norm_in", "norm_mid")
+_UNUSED = ("unused_attention", "unused_norm")  # (_residual_probe's stand-ins for them raise)
 _POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
                "norm(attention(x)), then s + norm(mlp(s))), so no norm reads a residual sum; fusing the add after the "
                "norm needs a norm-then-add kernel (out = r + rms_norm(a)), which no backend has, and composed of the "
@@ -98,6 +99,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         else:
             return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run "
                         f"on stand-ins for them it raised {type(err).__name__}: {first_line})")
+    calls = {r: c for r, c in calls.items() if r not in _UNUSED}  # (none: their stand-ins raise)
     order = [stand.role for stand in probe.last_order]  # the blocks' calls, in order
     returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
     out = out[0] if returns_none else out
@@ -146,6 +148,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         return Skip("its forward passes the attention arguments of its own making")
     drops_extra = extra and _EXTRA not in kw  # takes **kwargs and ignores them (StableLM)
     arguments = tuple((n, by_marker[id(markers[n])], d) for n, d in params if n in markers and id(markers[n]) in by_marker)
+    # its parameters it hands no child, the output the formula with their markers: not passed on (BART's use_cache)
+    unpassed = tuple(n for n, _ in params if n in markers and id(markers[n]) not in by_marker)
     renames = []
     for alias in (a for a in _CACHE_ALIASES if a not in markers and a not in defaulted):
         try:
@@ -186,6 +190,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     if isinstance(output_scale, Skip):
         return output_scale
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
+    for r in _UNUSED:
+        roles.pop(r, None)
     tail = tuple(roles.pop(r) for r in _residual_tail.ROLES) if "tail_in" in roles else ()
     if inline:
         roles["mlp"] = ""
@@ -200,11 +206,27 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             mlp_tuple=probe.mlp_tuple,
                             attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none, mlp_view=mlp_view,
                             norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]),
-                            output_scale=output_scale, tail=tail, tail_input=probe.tail_arg)
+                            output_scale=output_scale, tail=tail, tail_input=probe.tail_arg, unpassed=unpassed)
+
+
+def _study_crosses(module: nn.Module, crosses: list, kinds: dict, sig):
+    """``_study`` of a layer with a cross-attention block and its norm beside an attention, an inline MLP and two
+    norms, for each choice of the pair (``cross_pairs``): the pair in roles whose stand-ins raise when called, so
+    that the arguments that make the forward call them (its encoder states) must stay at their default."""
+    skips = []
+    every = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+    for cross, cross_norm, inline in crosses:
+        rest = [n for n in every if n not in (cross, cross_norm, *inline[0])]
+        found = _study(module, [n for n in rest if not kinds[n]], [n for n in rest if kinds[n]], *sig, inline=inline,
+                       unused=(cross, cross_norm))
+        if found is not None and not isinstance(found, Skip):
+            return found
+        skips.append(found)
+    return next((s for s in skips if s is not None), None)
 
 
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None,
-           tail=None, tail_roles: dict | None = None):
+           tail=None, tail_roles: dict | None = None, unused: tuple = ()):
     """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip. With one
     norm, an identity child may be the first norm (ModernBERT-decoder's layer 0: ``attn_norm = nn.Identity()``).
     ``tail``: (fc_in, act, fc_out) of a third block after the others (``_residual_tail``), its norm one of ``norms``."""
@@ -221,7 +243,8 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
     if inline:  # attention, norms and the layer's own fc_in → act → fc_out (OPT)
         (linears, act), pairs = inline, itertools.permutations(norms)
         for (fc_in, fc_out), (norm_in, norm_mid) in itertools.product(itertools.permutations(linears), pairs):
-            roles = dict(attention=blocks[0], fc_in=fc_in, act=act, fc_out=fc_out, norm_in=norm_in, norm_mid=norm_mid)
+            roles = dict(attention=blocks[0], fc_in=fc_in, act=act, fc_out=fc_out, norm_in=norm_in, norm_mid=norm_mid,
+                         **dict(zip(_UNUSED, unused)))
             found = _study_roles(module, roles, first, params, extra)
             if found is not None and not isinstance(found, Skip):
                 return found
@@ -290,7 +313,11 @@ class ResidualNormPattern(Pattern):
             return inline
         kinds = {n: norm_kind(module._modules[n]) for n in blocks}
         sizes = [p.shape[-1] for n in blocks if kinds[n] for p in module._modules[n].parameters()][:1]
-        tail = _residual_tail.find(module, blocks, sizes[0]) if len(blocks) in (7, 9) and sizes else None
+        crosses = cross_pairs(module, blocks, kinds) if len(blocks) == 7 else []
+        tail = _residual_tail.find(module, blocks, sizes[0]) if len(blocks) in (7, 9) and sizes and not crosses else None
+        if crosses:  # a decoder layer's cross-attention and its norm, run only with encoder states (BART's)
+            inline = crosses[0][2]
+            blocks = [n for n in blocks if n not in crosses[0][:2]]
         blocks = [n for n in blocks if not tail or n not in tail]
         if not 3 <= len(blocks) <= 6 + bool(tail) and not inline:
             return None
@@ -314,7 +341,10 @@ class ResidualNormPattern(Pattern):
         sig = signature(module)
         if isinstance(sig, Skip):
             return sig
-        spec = _study(module, blocks, norms, *sig, inline=inline, tail=tail)
+        if crosses:
+            spec = _study_crosses(module, crosses, kinds, sig)
+        else:
+            spec = _study(module, blocks, norms, *sig, inline=inline, tail=tail)
         if spec is None:
             return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
