@@ -43,7 +43,6 @@ goes through the class's wrapper, which checkpoints it. transformers 5.17 checkp
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass
 from functools import partial
@@ -52,16 +51,13 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
-from torchfuser.modules._layer_blocks import (as_class as _as_class, attend as _attend, child as _child,
-                                              is_identity as _is_identity, maxima as _maxima, mlp_call as _mlp,
-                                              projection_dtype as _projection_dtype, tail as _tail,
+from torchfuser.modules._layer_blocks import (adds as _adds, as_class as _as_class, attend as _attend, child as _child,
+                                              is_identity as _is_identity, made_again as _made_again, maxima as _maxima,
+                                              mlp_call as _mlp, projection_dtype as _projection_dtype, tail as _tail,
                                               unfused_norms as _unfused_norms)
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.base import callee, follow_replicas, unfollow_replicas
-from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
-from torchfuser.modules.norms import FusedRMSNorm
 
-_NOTHING = contextlib.nullcontext()  # reusable
 _NO_MAXIMA = (False, False)
 _MISSING = "a required argument is missing"
 _NO_TAIL_INPUT = "no tensor given for its third block's argument (the original forward raises without one)"
@@ -325,19 +321,6 @@ class ResidualNormForward:
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
-
-
-def _adds(mlp) -> bool:
-    """Whether the MLP block's ``add_to`` may stand for ``residual + mlp(y)`` (the sum inside its last GEMM)."""
-    return (isinstance(mlp, FusedGatedMLP) or isinstance(mlp, FusedMLP) and mlp.spec.residual is None) and _as_class(mlp)
-
-
-def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: bool):
-    """The block after an RMSNorm does not keep the norm's output y: the backward makes it again from src
-    (``FusedRMSNorm.made_again``); not with FP8 maxima (another kernel), nor for LayerNorms."""
-    if maxima or not torch.is_grad_enabled() or not isinstance(norm, FusedRMSNorm) or not y.numel():
-        return _NOTHING  # (no_grad: nothing is saved for a backward, so nothing to make again)
-    return norm.made_again(y, src)
 
 
 def dropout_attr(layer: nn.Module, name: str):

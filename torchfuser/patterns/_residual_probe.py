@@ -303,3 +303,9 @@ def _reshapes_attention_input(probe: _Probe, markers: dict) -> bool:
     pos, kw = calls["attention"][0]
     got = pos[0] if pos else next(v for v in kw.values() if isinstance(v, torch.Tensor))
     return got.shape != x[:1].shape
+
+
+def tail_argument(module: nn.Module, roles: dict, params) -> str | None:
+    """The argument a third block takes (``_residual_tail.argument``), read with the roles given (a sandwich's are
+    read after it: the run needs it)."""
+    return _residual_tail.argument(_Probe(module, roles), params)

@@ -105,3 +105,20 @@ def cross_pairs(module: nn.Module, blocks: list[str], kinds: dict) -> list[tuple
             if isinstance(inline, tuple):
                 found.append((cross, norm, inline))
     return found
+
+
+def study_crosses(module: nn.Module, crosses: list, kinds: dict, sig, study):
+    """``study`` (``residual_norm._study``) of a layer with a cross-attention block and its norm beside an attention,
+    an inline MLP and two norms, for each choice of the pair (``cross_pairs``): the pair in roles whose stand-ins
+    raise when called, so that the arguments that make the forward call them (its encoder states) must stay at their
+    default. The first spec found, else the likeliest Skip, else None."""
+    skips = []
+    every = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+    for cross, cross_norm, inline in crosses:
+        rest = [n for n in every if n not in (cross, cross_norm, *inline[0])]
+        found = study(module, [n for n in rest if not kinds[n]], [n for n in rest if kinds[n]], *sig, inline=inline,
+                      unused=(cross, cross_norm))
+        if found is not None and not isinstance(found, Skip):
+            return found
+        skips.append(found)
+    return next((s for s in skips if s is not None), None)

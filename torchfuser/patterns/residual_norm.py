@@ -36,19 +36,16 @@ from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
 from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
-                                                 sandwich_roles)
+                                                 sandwich_roles, tail_argument)
 from torchfuser.patterns._residual_roles import (attention_like, cross_pairs, identities, inline_mlp, mlp_first, norm_kind,
-                                                 signature)
+                                                 signature, study_crosses)
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 _ROLES = ("attention", "mlp", "norm_in", "norm_mid")
 _UNUSED = ("unused_attention", "unused_norm")  # (_residual_probe's stand-ins for them raise)
-_POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
-               "norm(attention(x)), then s + norm(mlp(s))), so no norm reads a residual sum; fusing the add after the "
-               "norm needs a norm-then-add kernel (out = r + rms_norm(a)), which no backend has, and composed of the "
-               "kernels there are the layer would run what it runs now")
 # Keywords transformers' decorators have accepted in place of a layer's cache argument.
 _CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
+
 
 
 def _first_runs(probe: _Probe, params, extra: bool):
@@ -105,7 +102,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     out = out[0] if returns_none else out
     kind = probe.kind(out)
     if kind == "post_block":
-        return Skip(_POST_BLOCK)
+        return Skip(_residual_forms.POST_BLOCK)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     scaled = _residual_forms.scaled_kind(probe, markers, out, kind)
@@ -209,22 +206,6 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             output_scale=output_scale, tail=tail, tail_input=probe.tail_arg, unpassed=unpassed)
 
 
-def _study_crosses(module: nn.Module, crosses: list, kinds: dict, sig):
-    """``_study`` of a layer with a cross-attention block and its norm beside an attention, an inline MLP and two
-    norms, for each choice of the pair (``cross_pairs``): the pair in roles whose stand-ins raise when called, so
-    that the arguments that make the forward call them (its encoder states) must stay at their default."""
-    skips = []
-    every = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
-    for cross, cross_norm, inline in crosses:
-        rest = [n for n in every if n not in (cross, cross_norm, *inline[0])]
-        found = _study(module, [n for n in rest if not kinds[n]], [n for n in rest if kinds[n]], *sig, inline=inline,
-                       unused=(cross, cross_norm))
-        if found is not None and not isinstance(found, Skip):
-            return found
-        skips.append(found)
-    return next((s for s in skips if s is not None), None)
-
-
 def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None,
            tail=None, tail_roles: dict | None = None, unused: tuple = ()):
     """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip. With one
@@ -266,7 +247,7 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
         return next((s for s in skips if s is not None), None)
     for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not attention_like(module._modules[p[0]])):
         if len(norms) == 4:  # Gemma-2's sandwich: a norm before and after each block
-            tail_arg = _tail_argument(module, dict(attention=attention, mlp=mlp, norm_in=norms[0], norm_mid=norms[1],
+            tail_arg = tail_argument(module, dict(attention=attention, mlp=mlp, norm_in=norms[0], norm_mid=norms[1],
                                                    post_attention_norm=norms[2], post_mlp_norm=norms[3], **tail_roles),
                                       params) if tail_roles else ""
             roles = None if tail_arg is None else sandwich_roles(module, attention, mlp, norms, params, extra,
@@ -342,7 +323,7 @@ class ResidualNormPattern(Pattern):
         if isinstance(sig, Skip):
             return sig
         if crosses:
-            spec = _study_crosses(module, crosses, kinds, sig)
+            spec = study_crosses(module, crosses, kinds, sig, _study)
         else:
             spec = _study(module, blocks, norms, *sig, inline=inline, tail=tail)
         if spec is None:
@@ -360,8 +341,3 @@ class ResidualNormPattern(Pattern):
         residual_norm.install(module, spec)
         return Applied(residual_norm.ResidualNormForward.__name__, residual_norm.Uninstall(module))
 
-
-def _tail_argument(module: nn.Module, roles: dict, params) -> str | None:
-    """The argument a third block takes (``_residual_tail.argument``), read with the roles given (the sandwich's are
-    read after it: the run needs it)."""
-    return _residual_tail.argument(_Probe(module, roles), params)
