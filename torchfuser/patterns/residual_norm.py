@@ -31,10 +31,11 @@ import warnings
 import torch
 from torch import nn
 
-from torchfuser.modules import _layer_blocks, residual_norm
+from torchfuser.modules import _layer_blocks, residual_norm, residual_output
+from torchfuser.modules.residual_output import ResidualOutputSpec
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail
+from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail, residual_norm_output
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
                                                  sandwich_roles, tail_argument)
 from torchfuser.patterns._residual_roles import (attention_like, cross_pairs, identities, inline_mlp, mlp_first, norm_kind,
@@ -278,7 +279,8 @@ def _p(module: nn.Module, name: str) -> float:
 
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
-    description = ("pre-norm decoder layer (sequential or parallel) or post-norm one (OPT-350m): residual adds inside its "
+    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m) or post-norm output sublayer "
+                   "(BERT's): residual adds inside its "
                    "norms (forward and backward)")
 
     def __init__(self, norms_fused: bool = True, layer_norms_fused: bool = True):
@@ -286,9 +288,11 @@ class ResidualNormPattern(Pattern):
         self.fused_kinds = {k for k, on in (("rms", norms_fused), ("layer", layer_norms_fused)) if on}
 
     def match(self, module: nn.Module):
-        if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
+        if isinstance(module.__dict__.get("forward"), (residual_norm.ResidualNormForward, residual_output.ResidualOutputForward)):
             return None  # already fused: optimize is idempotent
         blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+        if len(blocks) == 2:  # a post-norm output sublayer: norm(dropout(dense(h)) + r) (BERT's)
+            return residual_norm_output.match(module, blocks, self.fused_kinds)
         inline = inline_mlp(module, blocks) if len(blocks) == 5 else None
         if isinstance(inline, Skip):
             return inline
@@ -338,6 +342,9 @@ class ResidualNormPattern(Pattern):
     def apply(self, root, qualname, module, spec, backend) -> Applied:
         if "forward" in module.__dict__:
             raise ValueError(f"{qualname}: the layer's forward is already replaced on the instance")
+        if isinstance(spec, ResidualOutputSpec):
+            residual_output.install(module, spec)
+            return Applied(residual_output.ResidualOutputForward.__name__, residual_output.Uninstall(module))
         residual_norm.install(module, spec)
         return Applied(residual_norm.ResidualNormForward.__name__, residual_norm.Uninstall(module))
 
