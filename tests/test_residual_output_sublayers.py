@@ -110,3 +110,14 @@ def test_a_sublayer_is_fused_exactly_and_calls_with_other_arguments_run_the_orig
 def test_a_dropout_on_the_sum_is_not_the_form():
     assert ResidualNormPattern().match(_Output(after_add=True)) is None
     assert ResidualNormPattern().match(_Output()) is not None
+
+
+def test_autotune_leaves_the_sublayers_norms_to_them():
+    """Autotune does not time a norm a fused sublayer calls by method (a hook on it would turn that forward off)."""
+    from torchfuser import autotune
+
+    fused = tiny_model("bert")
+    torchfuser.optimize(fused, backend="reference")
+    found = _sublayers(fused)
+    assert len(found) == 4
+    assert {id(m.LayerNorm) for m in found} <= autotune._residual_norms(fused)
