@@ -121,3 +121,12 @@ def test_autotune_leaves_the_sublayers_norms_to_them():
     found = _sublayers(fused)
     assert len(found) == 4
     assert {id(m.LayerNorm) for m in found} <= autotune._residual_norms(fused)
+
+
+def test_a_broadcasting_residual_is_added_as_the_original_adds_it():
+    torch.manual_seed(0)
+    ref = _Output().double().eval()
+    model = nn.ModuleDict(dict(out=copy.deepcopy(ref)))
+    torchfuser.optimize(model, backend="reference")
+    h, r = torch.randn(2, 5, 2 * H, dtype=torch.float64), torch.randn(1, 1, H, dtype=torch.float64)
+    torch.testing.assert_close(model.out(h, r), ref(h, r))

@@ -77,7 +77,10 @@ class ResidualOutputForward:
         y = child(m, s.dense)(h)
         if s.dropout is not None:
             y = child(m, s.dropout)(y)
-        return child(m, s.norm_in).add(y, r)[1]
+        norm = child(m, s.norm_in)
+        if y.shape != r.shape:  # a broadcasting sum: the kernel adds equal shapes; the original's add, then the norm
+            return norm(y + r)
+        return norm.add(y, r)[1]
 
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
