@@ -38,7 +38,8 @@ def test_training_step_matches_unfused(model_type, fields):
     if fields:
         assert step(ref) != step(tiny_model(model_type)), "the dropout is not on: the test would not see it"
         ref.zero_grad(set_to_none=True)
-    assert_trains_like(ref, fused, step, list(ref.state_dict()))
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))  # (restores it)
+    assert not _sublayers(fused) and not any("forward" in m.__dict__ for m in fused.modules())
 
 
 @pytest.mark.parametrize("checkpointing", ["hf", True])
