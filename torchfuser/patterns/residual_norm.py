@@ -20,7 +20,11 @@ tuple (GPT-OSS), an attention returning three items (JetMoE). The layer qualifie
 norm_in's output (by keyword, or as its one positional argument) and each of the forward's other
 arguments unchanged, which the probe tells apart with a marker object per argument. An argument
 whose marker makes the forward raise (GPT-2's encoder_hidden_states) must stay at its default for
-the fused path (``at_default``). What the probe learns is the ``ResidualNormSpec``.
+the fused path (``at_default``). What the probe learns is the ``ResidualNormSpec``. Also: an output
+times a one-element buffer (Gemma 4's ``layer_scalar``: ``_residual_output_scale``), a third block after the
+others (Gemma 4's per-layer inputs: ``_residual_tail``), a cross-attention pair left to the original (BART's
+decoder layers: ``_residual_roles.cross_pairs``), BERT's post-norm output sublayers (``residual_norm_output``);
+norms after the blocks before their adds (OLMo-2) are recognised to say why they are not fused.
 """
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ import torch
 from torch import nn
 
 from torchfuser.modules import _layer_blocks, residual_norm, residual_output
-from torchfuser.modules.residual_output import ResidualOutputSpec
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
+from torchfuser.modules.residual_output import ResidualOutputSpec
 from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail, residual_norm_output
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
                                                  sandwich_roles, tail_argument)
@@ -46,7 +50,6 @@ _ROLES = ("attention", "mlp", "norm_in", "norm_mid")
 _UNUSED = ("unused_attention", "unused_norm")  # (_residual_probe's stand-ins for them raise)
 # Keywords transformers' decorators have accepted in place of a layer's cache argument.
 _CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
-
 
 
 def _first_runs(probe: _Probe, params, extra: bool):
@@ -180,6 +183,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         return Skip("its norms sit before and after each block (Gemma-2's sandwich), with a dropout, a residual scale, "
                     "a block adding the residual or a block's second output besides, which the fused forward does not "
                     "combine with them")
+
     def hidden(o):  # the hidden states from a probe run's output
         h = probe.split(o)[0]
         return h[0] if returns_none and isinstance(h, tuple) else h
@@ -279,9 +283,8 @@ def _p(module: nn.Module, name: str) -> float:
 
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
-    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m) or post-norm output sublayer "
-                   "(BERT's): residual adds inside its "
-                   "norms (forward and backward)")
+    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m) or post-norm output "
+                   "sublayer (BERT's): residual adds inside its norms (forward and backward)")
 
     def __init__(self, norms_fused: bool = True, layer_norms_fused: bool = True):
         # whether the rms_norm / layer_norm patterns run in the same optimize call
@@ -347,4 +350,3 @@ class ResidualNormPattern(Pattern):
             return Applied(residual_output.ResidualOutputForward.__name__, residual_output.Uninstall(module))
         residual_norm.install(module, spec)
         return Applied(residual_norm.ResidualNormForward.__name__, residual_norm.Uninstall(module))
-
