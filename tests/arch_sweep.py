@@ -53,6 +53,9 @@ _SIZES = [
     (("q_lora_rank",), 16),
     (("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"), 128),
     (("mamba_chunk_size",), 16),  # (Bamba's 256 in transformers 5.17: a 17 GB intermediate on the CPU)
+    # Gemma 3n's and 4's per-layer inputs: a (262144, layers · 256) embedding by default, 0.5 GB in fp32
+    (("vocab_size_per_layer_input",), VOCAB),
+    (("hidden_size_per_layer_input",), 16),
 ]
 _SIZE = {name: value for names, value in _SIZES for name in names}
 SEQ = 12

@@ -21,6 +21,7 @@ from torch import nn
 from torchfuser import unwrap, walker
 from torchfuser.modules.base import FusedModule, hand_back, host_reads_allowed
 from torchfuser.modules.residual_norm import ResidualNormForward
+from torchfuser.modules.residual_output import ResidualOutputForward
 from torchfuser.patterns import _probe
 from torchfuser.patterns.base import _PutBack
 
@@ -202,7 +203,7 @@ def _residual_norms(target: nn.Module) -> set[int]:
     ids = set()
     for layer in target.modules():
         fwd = layer.__dict__.get("forward")
-        if isinstance(fwd, ResidualNormForward):
+        if isinstance(fwd, (ResidualNormForward, ResidualOutputForward)):
             ids |= {id(getattr(layer, fwd.spec.norm_in)), id(getattr(layer, fwd.spec.norm_mid))}
     return ids
 

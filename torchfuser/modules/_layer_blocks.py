@@ -3,6 +3,8 @@ the blocks (no hooks), let the norms write in the projections' dtype under autoc
 calls its attention and MLP as the original calls them."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -12,6 +14,8 @@ from torchfuser.modules.base import hooked
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.ops._call import autocast_enabled
+
+_NOTHING = contextlib.nullcontext()  # reusable
 
 
 def unfused_norms(*norms: nn.Module) -> str | None:
@@ -112,3 +116,23 @@ def mlp_call(layer: nn.Module, s, drop):
         return child(layer, s.mlp)
     fc_in, act, fc_out = (getattr(layer, n) for n in s.mlp_inline)
     return lambda y: fc_out(drop(s.mlp_inner_dropout, act(fc_in(y))))
+
+
+def tail(layer: nn.Module, names: tuple[str, ...], out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A third block after the layer's attention and MLP, as the original computes it: ``out + norm(fc_out(act(
+    fc_in(out)) * g))`` (Gemma 4's per-layer inputs; its add follows its norm, so no kernel of ours takes it)."""
+    fc_in, act, fc_out, norm = (child(layer, n) for n in names)
+    return out + norm(fc_out(act(fc_in(out)) * g))
+
+
+def adds(mlp) -> bool:
+    """Whether the MLP block's ``add_to`` may stand for ``residual + mlp(y)`` (the sum inside its last GEMM)."""
+    return (isinstance(mlp, FusedGatedMLP) or isinstance(mlp, FusedMLP) and mlp.spec.residual is None) and as_class(mlp)
+
+
+def made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: bool):
+    """The block after an RMSNorm does not keep the norm's output y: the backward makes it again from src
+    (``FusedRMSNorm.made_again``); not with FP8 maxima (another kernel), nor for LayerNorms."""
+    if maxima or not torch.is_grad_enabled() or not isinstance(norm, FusedRMSNorm) or not y.numel():
+        return _NOTHING  # (no_grad: nothing is saved for a backward, so nothing to make again)
+    return norm.made_again(y, src)

@@ -43,7 +43,6 @@ goes through the class's wrapper, which checkpoints it. transformers 5.17 checkp
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass
 from functools import partial
@@ -52,17 +51,16 @@ import torch
 from torch import nn
 
 from torchfuser.modules import fallbacks, fp8, offload
-from torchfuser.modules._layer_blocks import (as_class as _as_class, attend as _attend, child as _child,
-                                              is_identity as _is_identity, maxima as _maxima, mlp_call as _mlp,
-                                              projection_dtype as _projection_dtype, unfused_norms as _unfused_norms)
+from torchfuser.modules._layer_blocks import (adds as _adds, as_class as _as_class, attend as _attend, child as _child,
+                                              is_identity as _is_identity, made_again as _made_again, maxima as _maxima,
+                                              mlp_call as _mlp, projection_dtype as _projection_dtype, tail as _tail,
+                                              unfused_norms as _unfused_norms)
 from torchfuser.modules._layer_checkpointing import checkpoints as _checkpoints, without_cache as _without_cache
 from torchfuser.modules.base import callee, follow_replicas, unfollow_replicas
-from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP
-from torchfuser.modules.norms import FusedRMSNorm
 
-_NOTHING = contextlib.nullcontext()  # reusable
 _NO_MAXIMA = (False, False)
 _MISSING = "a required argument is missing"
+_NO_TAIL_INPUT = "no tensor given for its third block's argument (the original forward raises without one)"
 
 
 @dataclass(frozen=True)
@@ -126,6 +124,13 @@ class ResidualNormSpec:
     post_mlp_norm: str | None = None
     returns_none: bool = False  # it returns (hidden states, None) (Bamba's mamba layers)
     attention_single: bool = False  # it returns one tensor, not (output, weights): a linear-attention / recurrent mixer
+    # a one-element buffer of the layer its output is multiplied by (Gemma 4's ``layer_scalar``), read at each call
+    output_scale: str | None = None
+    # (fc_in, act, fc_out, norm): a third block on the output so far, times the forward's argument ``tail_input``
+    # (Gemma 4's per-layer inputs: ``out + norm(fc_out(act(fc_in(out)) * per_layer_input))``), run as the original runs it
+    tail: tuple[str, ...] = ()
+    tail_input: str = ""
+    unpassed: tuple[str, ...] = ()  # its parameters the original hands no child (BART's use_cache): not passed on
 
 
 class ResidualNormForward:
@@ -143,6 +148,8 @@ class ResidualNormForward:
         for name in s.at_default:
             if kwargs.pop(name, None) is not None:
                 return None
+        for name in s.unpassed:
+            kwargs.pop(name, None)
         call = {}
         for name, key, default in s.arguments:
             value = call[key] = kwargs.pop(name, default)
@@ -174,18 +181,19 @@ class ResidualNormForward:
             kwargs = _without_cache(layer, kwargs)
         rest = dict(kwargs)
         x = args[0] if len(args) == 1 else None if args else rest.pop(s.first, None)
+        g = rest.pop(s.tail_input, None) if s.tail_input else None
         call = None if x is None else self._attention_kwargs(rest)
-        why = self._unfused(args, x, call)
+        why = self._unfused(args, x, call) or (_NO_TAIL_INPUT if s.tail and g is None else None)
         if why is not None:
             fallbacks.count(layer, why)
             return type(layer).forward(layer, *args, **kwargs)  # checkpointed there, when it checkpoints
-        if checkpointing:  # x positional: reentrant checkpointing passes gradients only to those
-            return layer._gradient_checkpointing_func(partial(self._fused, call), x)
+        if checkpointing:  # x (and g) positional: reentrant checkpointing passes gradients only to those
+            return layer._gradient_checkpointing_func(partial(self._fused, call), x, *(() if g is None else (g,)))
         if own is not None:  # optimize(checkpointing=...): the input kept (on the host), the rest made again
-            return own.run(partial(self._fused, call), x)
-        return self._fused(call, x)
+            return own.run(partial(self._fused, call, g=g), x)
+        return self._fused(call, x, g)
 
-    def _fused(self, call: dict, x: torch.Tensor) -> torch.Tensor:
+    def _fused(self, call: dict, x: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         """The fused computation (run twice under checkpointing: ``call`` is not changed)."""
         layer, s = self.layer, self.spec
         norm_in, attention, mlp = _child(layer, s.norm_in), _child(layer, s.attention), _mlp(layer, s, self._drop)
@@ -209,7 +217,7 @@ class ResidualNormForward:
         if s.post_attention_norm is not None:
             a0 = _child(layer, s.post_attention_norm)(a0)
         out = self._body(x, y, self._scaled(s.attention_scale, self._drop(s.attention_dropout, a0)), low, attention, mlp)
-        return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
+        return self._output(_tail(layer, s.tail, out, g) if s.tail else out, a)
 
     def _post(self, call: dict, x, norm_in, attention, mlp):
         """Post-norm: each residual add inside the norm after it (``add_layer_norm``; its sum is not needed
@@ -218,6 +226,14 @@ class ResidualNormForward:
         a = _attend(attention, (x,) * s.attention_repeats, s.attention_input, call)
         h = norm_in.add(x, self._drop(s.attention_dropout, a if s.attention_single else a[0]))[1]
         out = getattr(self.layer, s.norm_mid).add(h, self._drop(s.mlp_dropout, mlp(h)))[1]
+        return self._output(out, a)
+
+    def _output(self, out, a):
+        """What the layer returns: its hidden states (times its output scale), with the attention's second output
+        or None after them where the original returns those."""
+        s = self.spec
+        if s.output_scale is not None:  # as the original's ``out *= scale``: the product in the promoted dtype, then out's
+            out = torch.mul(out, getattr(self.layer, s.output_scale)).to(out.dtype)
         return (out, a[1]) if s.returns_rest else (out, None) if s.returns_none else out
 
     def _body(self, x, y, a, low, attention, mlp):
@@ -305,19 +321,6 @@ class ResidualNormForward:
     def rebind(self, replica: nn.Module) -> None:
         """An nn.DataParallel replica gets a forward of its own (it holds the replica's parameters)."""
         replica.__dict__["forward"] = ResidualNormForward(replica, self.spec)
-
-
-def _adds(mlp) -> bool:
-    """Whether the MLP block's ``add_to`` may stand for ``residual + mlp(y)`` (the sum inside its last GEMM)."""
-    return (isinstance(mlp, FusedGatedMLP) or isinstance(mlp, FusedMLP) and mlp.spec.residual is None) and _as_class(mlp)
-
-
-def _made_again(norm: nn.Module, y: torch.Tensor, src: torch.Tensor, maxima: bool):
-    """The block after an RMSNorm does not keep the norm's output y: the backward makes it again from src
-    (``FusedRMSNorm.made_again``); not with FP8 maxima (another kernel), nor for LayerNorms."""
-    if maxima or not torch.is_grad_enabled() or not isinstance(norm, FusedRMSNorm) or not y.numel():
-        return _NOTHING  # (no_grad: nothing is saved for a backward, so nothing to make again)
-    return norm.made_again(y, src)
 
 
 def dropout_attr(layer: nn.Module, name: str):

@@ -7,6 +7,11 @@ import torch
 
 from torchfuser.patterns import _probe, _residual_dropout, _residual_scale
 
+POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
+              "norm(attention(x)), then s + norm(mlp(s))), so no norm reads a residual sum; fusing the add after the "
+              "norm needs a norm-then-add kernel (out = r + rms_norm(a)), which no backend has, and composed of the "
+              "kernels there are the layer would run what it runs now")
+
 
 def passes_residual(probe, calls: dict, role: str) -> bool:
     """Whether the block in ``role`` gets a second positional tensor of the layer's shape (its residual: the

@@ -9,11 +9,11 @@ import copy
 import torch
 from torch import nn
 
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _probe, _residual_output_scale, _residual_tail
 
 _EXTRA = "_torchfuser_probe_extra"
 _WIDTH = 8
-_KINDS = ("sequential", "parallel", "post")
+_KINDS = ("sequential", "parallel", "post", "post_block")
 
 
 class _Marker:
@@ -73,6 +73,10 @@ def _stand_in(child: nn.Module | None, fn, tuple_out: bool) -> _StandIn:
     return _StandIn(fn, tuple_out)
 
 
+def _never(x):
+    raise RuntimeError("the probe's stand-in for a block the layer leaves alone was called")
+
+
 class _Probe:
     """The layer's forward run on stand-in children, in training mode. ``roles``: role → child name."""
 
@@ -95,6 +99,10 @@ class _Probe:
         self.x = _probe.randn(2, 3, _WIDTH, gen=gen)
         m2 = _probe.randn(_WIDTH, _WIDTH, gen=gen) / _WIDTH**0.5  # (drawn after x: the other probes' values as they were)
         self.fns["mlp2"] = lambda x: torch.cos(x) @ m2  # a second MLP block summed with the first (Granite 4's)
+        self.fns.update(_residual_tail.fns(gen, _WIDTH))  # a third block's (Gemma 4's per-layer inputs)
+        self.fns.update(unused_attention=_never, unused_norm=_never)  # a block run only with encoder states (BART's)
+        self.g = _probe.randn(2, 3, _WIDTH, gen=gen)  # the tensor its argument gets
+        self.tail_arg = ""  # that argument's name (``_residual_tail.argument``)
         self.module, self.roles = module, roles
         self.last_calls: dict = {}
         self.last_order: list = []  # the stand-ins of the last run, in the order they were called
@@ -105,6 +113,7 @@ class _Probe:
         self.mlp_flat = False  # the stand-in MLP's output flattened to (tokens, width) (Llama 4's MoE block)
         self.scales = (1.0, 1.0)  # the blocks' outputs' factors before their adds (``_residual_scale``)
         self.attrs: dict = {}  # attributes set on the probe copy (``_residual_scale`` changes one to see it read)
+        self.fixed = _residual_output_scale.neutral(module)  # the layer's own buffers' values on the probe copy
 
     def dropouts(self) -> tuple[list[str], list[str]]:
         """(nn.Dropout children, float dropout attributes) of the layer itself, and ``config.<name>`` for
@@ -136,6 +145,8 @@ class _Probe:
         too, or as ``config_p`` says); with ``ps``, each at ps[name] (0 if absent; ``config.<field>`` for the
         config's), and the blocks' stand-ins draw from the CPU generator (``drawing``), in the caller's seed."""
         self.markers = kwargs
+        if self.tail_arg:
+            kwargs = {**kwargs, self.tail_arg: self.g}
         if ps is not None:
             config_p = {n.removeprefix("config."): v for n, v in ps.items() if n.startswith("config.")}
         probe = _probe.shallow_copy(self.module)
@@ -155,13 +166,13 @@ class _Probe:
                 probe._modules[name] = visible
         for name in floats:
             setattr(probe, name, p if ps is None else ps.get(name, 0.0))
-        for name, value in self.attrs.items():
+        for name, value in {**self.fixed, **self.attrs}.items():
             setattr(probe, name, value)
         fns = self.fns if ps is None else self.drawing()
         stand = {r: _stand_in(self.module._modules.get(self.roles[r]), fns[r],
                               r == "attention" and self.attention_tuple or r == "mlp" and self.mlp_tuple)
                  for r in dict.fromkeys(self.roles)
-                 if r != "act" and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
+                 if r not in ("act", "tail_act") and (r != "norm_mid" or self.roles["norm_mid"] != self.roles["norm_in"])}
         probe._modules.update({self.roles[r]: s for r, s in stand.items()})
         if "mlp" in stand:
             stand["mlp"].flat = self.mlp_flat
@@ -186,7 +197,12 @@ class _Probe:
             fns["mlp"] = lambda x: fns["fc_out"](act(fns["fc_in"](x)))
         return fns
 
-    def expected(self, kind: str) -> torch.Tensor:
+    def expected(self, kind: str) -> torch.Tensor | None:
+        """The formula of ``kind`` on the probe's input, with a third block after it where the layer has one."""
+        out = self._expected(kind)
+        return out if out is None or "tail_in" not in self.roles else _residual_tail.apply(self, out)
+
+    def _expected(self, kind: str) -> torch.Tensor | None:
         f, x, (ca, cm) = self.fns, self.x, self.scales
         if "mlp2" in self.roles:
             f = dict(f, mlp=lambda t: self.fns["mlp"](t) + self.fns["mlp2"](t))
@@ -204,6 +220,11 @@ class _Probe:
                 return None
             h = f["norm_in"](x + f["attention"](x))
             return mid(h + f["mlp"](h))
+        if kind == "post_block":  # each block's output normalised, then added (OLMo-2): recognised to say why not fused
+            if (ca, cm) != (1.0, 1.0):
+                return None
+            s = x + f["norm_in"](f["attention"](x))
+            return s + mid(f["mlp"](s))
         s = x + f["attention"](f["norm_in"](x)) * ca
         return s + f["mlp"](mid(s)) * cm
 
@@ -215,21 +236,24 @@ class _Probe:
         return next((k for k in kinds if (want := self.expected(k)) is not None and _probe.close(out, want)), None)
 
 
-def sandwich_roles(module: nn.Module, attention: str, mlp: str, norms: list[str], params, extra: bool):
+def sandwich_roles(module: nn.Module, attention: str, mlp: str, norms: list[str], params, extra: bool,
+                   tail: dict | None = None, tail_arg: str = ""):
     """Roles of a layer with four norms, from the order its forward calls them (stand-ins in any roles): norm_in,
-    the attention, post_attention_norm, norm_mid, the MLP, post_mlp_norm (Gemma-2's sandwich); else None."""
+    the attention, post_attention_norm, norm_mid, the MLP, post_mlp_norm (Gemma-2's sandwich); else None. ``tail``:
+    the roles of a third block after them, ``tail_arg`` the argument it takes (``_residual_tail``)."""
     roles = dict(attention=attention, mlp=mlp, norm_in=norms[0], norm_mid=norms[1], post_attention_norm=norms[2],
-                 post_mlp_norm=norms[3])
+                 post_mlp_norm=norms[3], **(tail or {}))
     probe = _Probe(module, roles)
+    probe.tail_arg = tail_arg
     try:
         _run_markers(probe, params, extra)
     except Exception:
         return None
-    names = [probe.roles[s.role] for s in probe.last_order]
+    names = [probe.roles[s.role] for s in probe.last_order if s.role not in _residual_tail.ROLES]
     if len(names) != 6 or names[1] != attention or names[4] != mlp:
         return None
     return dict(attention=attention, mlp=mlp, norm_in=names[0], post_attention_norm=names[2], norm_mid=names[3],
-                post_mlp_norm=names[5])
+                post_mlp_norm=names[5], **(tail or {}))
 
 
 def _run_markers(probe: _Probe, params, extra: bool):
@@ -279,3 +303,9 @@ def _reshapes_attention_input(probe: _Probe, markers: dict) -> bool:
     pos, kw = calls["attention"][0]
     got = pos[0] if pos else next(v for v in kw.values() if isinstance(v, torch.Tensor))
     return got.shape != x[:1].shape
+
+
+def tail_argument(module: nn.Module, roles: dict, params) -> str | None:
+    """The argument a third block takes (``_residual_tail.argument``), read with the roles given (a sandwich's are
+    read after it: the run needs it)."""
+    return _residual_tail.argument(_Probe(module, roles), params)

@@ -87,3 +87,38 @@ def norm_kind(m: nn.Module) -> str | None:
     if isinstance(RMSNormPattern().match(m), RMSNormSpec):
         return "rms"
     return "layer" if isinstance(LayerNormPattern().match(m), LayerNormSpec) else None
+
+
+def cross_pairs(module: nn.Module, blocks: list[str], kinds: dict) -> list[tuple[str, str, tuple]]:
+    """For a decoder layer of seven blocks (BART's, Whisper's: self-attention, cross-attention, fc1, fc2, three
+    norms): each (cross-attention, its norm, ``inline_mlp`` of the rest) to try, the later attention and the norm
+    declared right after it first; the probe tells which pair its forward leaves alone without encoder states."""
+    attentions = [n for n in blocks if not kinds[n] and attention_like(module._modules[n])]
+    norms = [n for n in blocks if kinds[n]]
+    if len(attentions) != 2 or len(norms) != 3:
+        return []
+    found = []
+    for cross in reversed(attentions):
+        at = blocks.index(cross)
+        for norm in sorted(norms, key=lambda n: (blocks.index(n) < at, abs(blocks.index(n) - at))):
+            inline = inline_mlp(module, [n for n in blocks if n not in (cross, norm)])
+            if isinstance(inline, tuple):
+                found.append((cross, norm, inline))
+    return found
+
+
+def study_crosses(module: nn.Module, crosses: list, kinds: dict, sig, study):
+    """``study`` (``residual_norm._study``) of a layer with a cross-attention block and its norm beside an attention,
+    an inline MLP and two norms, for each choice of the pair (``cross_pairs``): the pair in roles whose stand-ins
+    raise when called, so that the arguments that make the forward call them (its encoder states) must stay at their
+    default. The first spec found, else the likeliest Skip, else None."""
+    skips = []
+    every = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+    for cross, cross_norm, inline in crosses:
+        rest = [n for n in every if n not in (cross, cross_norm, *inline[0])]
+        found = study(module, [n for n in rest if not kinds[n]], [n for n in rest if kinds[n]], *sig, inline=inline,
+                      unused=(cross, cross_norm))
+        if found is not None and not isinstance(found, Skip):
+            return found
+        skips.append(found)
+    return next((s for s in skips if s is not None), None)

@@ -20,7 +20,11 @@ tuple (GPT-OSS), an attention returning three items (JetMoE). The layer qualifie
 norm_in's output (by keyword, or as its one positional argument) and each of the forward's other
 arguments unchanged, which the probe tells apart with a marker object per argument. An argument
 whose marker makes the forward raise (GPT-2's encoder_hidden_states) must stay at its default for
-the fused path (``at_default``). What the probe learns is the ``ResidualNormSpec``.
+the fused path (``at_default``). What the probe learns is the ``ResidualNormSpec``. Also: an output
+times a one-element buffer (Gemma 4's ``layer_scalar``: ``_residual_output_scale``), a third block after the
+others (Gemma 4's per-layer inputs: ``_residual_tail``), a cross-attention pair left to the original (BART's
+decoder layers: ``_residual_roles.cross_pairs``), BERT's post-norm output sublayers (``residual_norm_output``);
+norms after the blocks before their adds (OLMo-2) are recognised to say why they are not fused.
 """
 from __future__ import annotations
 
@@ -31,17 +35,19 @@ import warnings
 import torch
 from torch import nn
 
-from torchfuser.modules import _layer_blocks, residual_norm
+from torchfuser.modules import _layer_blocks, residual_norm, residual_output
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm
 from torchfuser.modules.residual_norm import ResidualNormSpec
-from torchfuser.patterns import _residual_forms
+from torchfuser.modules.residual_output import ResidualOutputSpec
+from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail, residual_norm_output
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
-                                                 sandwich_roles)
-from torchfuser.patterns._residual_roles import (attention_like, identities, inline_mlp, mlp_first, norm_kind,
-                                                 signature)
+                                                 sandwich_roles, tail_argument)
+from torchfuser.patterns._residual_roles import (attention_like, cross_pairs, identities, inline_mlp, mlp_first, norm_kind,
+                                                 signature, study_crosses)
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 _ROLES = ("attention", "mlp", "norm_in", "norm_mid")
+_UNUSED = ("unused_attention", "unused_norm")  # (_residual_probe's stand-ins for them raise)
 # Keywords transformers' decorators have accepted in place of a layer's cache argument.
 _CACHE_ALIASES = ("past_key_values", "past_key_value", "cache", "layer_past")
 
@@ -70,6 +76,11 @@ def _first_runs(probe: _Probe, params, extra: bool):
 def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, extra: bool):
     """The ResidualNormSpec the probe finds with these children in these roles, or a Skip."""
     probe = _Probe(module, roles)
+    if "tail_in" in roles:  # the third block's argument gets a tensor, not a marker
+        probe.tail_arg = _residual_tail.argument(probe, params)
+        if probe.tail_arg is None:
+            return None
+        params = [p for p in params if p[0] != probe.tail_arg]
     try:
         out, calls, markers, defaulted, dropouts, returns_rest = _first_runs(probe, params, extra)
     except Exception as err:
@@ -89,10 +100,13 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         else:
             return Skip(f"its forward does not use its children as a pre-norm layer's attention, MLP and norms (run "
                         f"on stand-ins for them it raised {type(err).__name__}: {first_line})")
+    calls = {r: c for r, c in calls.items() if r not in _UNUSED}  # (none: their stand-ins raise)
     order = [stand.role for stand in probe.last_order]  # the blocks' calls, in order
     returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
     out = out[0] if returns_none else out
     kind = probe.kind(out)
+    if kind == "post_block":
+        return Skip(_residual_forms.POST_BLOCK)
     if not _saw_input(probe, calls) and kind != "post":
         return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
     scaled = _residual_forms.scaled_kind(probe, markers, out, kind)
@@ -135,6 +149,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         return Skip("its forward passes the attention arguments of its own making")
     drops_extra = extra and _EXTRA not in kw  # takes **kwargs and ignores them (StableLM)
     arguments = tuple((n, by_marker[id(markers[n])], d) for n, d in params if n in markers and id(markers[n]) in by_marker)
+    # its parameters it hands no child, the output the formula with their markers: not passed on (BART's use_cache)
+    unpassed = tuple(n for n, _ in params if n in markers and id(markers[n]) not in by_marker)
     renames = []
     for alias in (a for a in _CACHE_ALIASES if a not in markers and a not in defaulted):
         try:
@@ -157,12 +173,28 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             or probe.mlp_tuple or not {"mlp", "mlp2"} <= set(order) or order.index("mlp") > order.index("mlp2")):
         return Skip("its forward adds the sum of two MLP blocks on one norm's output (Granite 4's MoE and shared MLP) "
                     "in a form the fused forward does not: sequential, in this order, no dropout or passed residual")
+    if "tail_in" in roles and (kind != "sequential" or any(dropouts) or scaled or any(passes.values()) or probe.mlp_tuple
+                               or returns_rest or returns_none or "mlp2" in roles):
+        return Skip("a third block follows its attention and MLP (Gemma 4's per-layer inputs), in a layer that is not "
+                    "sequential, or with a dropout, a residual scale, a block adding the residual, a second MLP or a "
+                    "block's second output besides, which the fused forward does not combine with it")
     if "post_attention_norm" in roles and (any(dropouts) or scaled or any(passes.values()) or probe.mlp_tuple
                                            or returns_rest or not probe.attention_tuple):
         return Skip("its norms sit before and after each block (Gemma-2's sandwich), with a dropout, a residual scale, "
                     "a block adding the residual or a block's second output besides, which the fused forward does not "
                     "combine with them")
+
+    def hidden(o):  # the hidden states from a probe run's output
+        h = probe.split(o)[0]
+        return h[0] if returns_none and isinstance(h, tuple) else h
+
+    output_scale = _residual_output_scale.find(probe, markers, hidden)
+    if isinstance(output_scale, Skip):
+        return output_scale
     inline = (roles.pop("fc_in"), roles.pop("act"), roles.pop("fc_out")) if "act" in roles else ()
+    for r in _UNUSED:
+        roles.pop(r, None)
+    tail = tuple(roles.pop(r) for r in _residual_tail.ROLES) if "tail_in" in roles else ()
     if inline:
         roles["mlp"] = ""
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
@@ -175,22 +207,30 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
                             attention_scale=scaled[0] if scaled else None, mlp_scale=scaled[1] if scaled else None,
                             mlp_tuple=probe.mlp_tuple,
                             attention_repeats=repeats, attention_single=not probe.attention_tuple, returns_none=returns_none, mlp_view=mlp_view,
-                            norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]))
+                            norm_in_identity=_layer_blocks.is_identity(module._modules[roles["norm_in"]]),
+                            output_scale=output_scale, tail=tail, tail_input=probe.tail_arg, unpassed=unpassed)
 
 
-
-
-
-
-
-def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None):
+def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, params, extra: bool, inline=None,
+           tail=None, tail_roles: dict | None = None, unused: tuple = ()):
     """The ResidualNormSpec of the first role assignment the probe confirms, or the likeliest one's Skip. With one
-    norm, an identity child may be the first norm (ModernBERT-decoder's layer 0: ``attn_norm = nn.Identity()``)."""
+    norm, an identity child may be the first norm (ModernBERT-decoder's layer 0: ``attn_norm = nn.Identity()``).
+    ``tail``: (fc_in, act, fc_out) of a third block after the others (``_residual_tail``), its norm one of ``norms``."""
     skips = []
+    if tail:  # each norm tried as the third block's, the last declared first (Gemma 4's post_per_layer_input_norm)
+        for t in reversed(norms):
+            more = dict(zip(_residual_tail.ROLES, (*tail, t)))
+            found = _study(module, blocks, [n for n in norms if n != t], first, params, extra, tail_roles=more)
+            if found is not None and not isinstance(found, Skip):
+                return found
+            skips.append(found)
+        return next((s for s in skips if s is not None), None)
+    tail_roles = tail_roles or {}
     if inline:  # attention, norms and the layer's own fc_in → act → fc_out (OPT)
         (linears, act), pairs = inline, itertools.permutations(norms)
         for (fc_in, fc_out), (norm_in, norm_mid) in itertools.product(itertools.permutations(linears), pairs):
-            roles = dict(attention=blocks[0], fc_in=fc_in, act=act, fc_out=fc_out, norm_in=norm_in, norm_mid=norm_mid)
+            roles = dict(attention=blocks[0], fc_in=fc_in, act=act, fc_out=fc_out, norm_in=norm_in, norm_mid=norm_mid,
+                         **dict(zip(_UNUSED, unused)))
             found = _study_roles(module, roles, first, params, extra)
             if found is not None and not isinstance(found, Skip):
                 return found
@@ -212,7 +252,11 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
         return next((s for s in skips if s is not None), None)
     for attention, mlp in sorted(itertools.permutations(blocks), key=lambda p: not attention_like(module._modules[p[0]])):
         if len(norms) == 4:  # Gemma-2's sandwich: a norm before and after each block
-            roles = sandwich_roles(module, attention, mlp, norms, params, extra)
+            tail_arg = tail_argument(module, dict(attention=attention, mlp=mlp, norm_in=norms[0], norm_mid=norms[1],
+                                                   post_attention_norm=norms[2], post_mlp_norm=norms[3], **tail_roles),
+                                      params) if tail_roles else ""
+            roles = None if tail_arg is None else sandwich_roles(module, attention, mlp, norms, params, extra,
+                                                                 tail_roles, tail_arg)
             found = None if roles is None else _study_roles(module, roles, first, params, extra)
             if found is not None and not isinstance(found, Skip):
                 return found
@@ -221,7 +265,7 @@ def _study(module: nn.Module, blocks: list[str], norms: list[str], first: str, p
         pairs = [(norms[0], norms[0]), *((n, norms[0]) for n in identities(module))] if len(norms) == 1 else \
             itertools.permutations(norms)
         for norm_in, norm_mid in pairs:
-            roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid)
+            roles = dict(attention=attention, mlp=mlp, norm_in=norm_in, norm_mid=norm_mid, **tail_roles)
             found = _study_roles(module, roles, first, params, extra)
             if isinstance(found, ResidualNormSpec) and found.norm_in_identity and found.post_norm:
                 found = Skip("its first norm is an identity and its norms come after the adds (post-norm): a form "
@@ -239,28 +283,37 @@ def _p(module: nn.Module, name: str) -> float:
 
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
-    description = ("pre-norm decoder layer (sequential or parallel) or post-norm one (OPT-350m): residual adds inside its "
-                   "norms (forward and backward)")
+    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m) or post-norm output "
+                   "sublayer (BERT's): residual adds inside its norms (forward and backward)")
 
     def __init__(self, norms_fused: bool = True, layer_norms_fused: bool = True):
         # whether the rms_norm / layer_norm patterns run in the same optimize call
         self.fused_kinds = {k for k, on in (("rms", norms_fused), ("layer", layer_norms_fused)) if on}
 
     def match(self, module: nn.Module):
-        if isinstance(module.__dict__.get("forward"), residual_norm.ResidualNormForward):
+        if isinstance(module.__dict__.get("forward"), (residual_norm.ResidualNormForward, residual_output.ResidualOutputForward)):
             return None  # already fused: optimize is idempotent
         blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+        if len(blocks) == 2:  # a post-norm output sublayer: norm(dropout(dense(h)) + r) (BERT's)
+            return residual_norm_output.match(module, blocks, self.fused_kinds)
         inline = inline_mlp(module, blocks) if len(blocks) == 5 else None
         if isinstance(inline, Skip):
             return inline
-        if not 3 <= len(blocks) <= 6 and not inline:
+        kinds = {n: norm_kind(module._modules[n]) for n in blocks}
+        sizes = [p.shape[-1] for n in blocks if kinds[n] for p in module._modules[n].parameters()][:1]
+        crosses = cross_pairs(module, blocks, kinds) if len(blocks) == 7 else []
+        tail = _residual_tail.find(module, blocks, sizes[0]) if len(blocks) in (7, 9) and sizes and not crosses else None
+        if crosses:  # a decoder layer's cross-attention and its norm, run only with encoder states (BART's)
+            inline = crosses[0][2]
+            blocks = [n for n in blocks if n not in crosses[0][:2]]
+        blocks = [n for n in blocks if not tail or n not in tail]
+        if not 3 <= len(blocks) <= 6 + bool(tail) and not inline:
             return None
         blocks = [n for n in blocks if not inline or n not in inline[0]]
-        kinds = {n: norm_kind(module._modules[n]) for n in blocks}
         norms = [n for n in blocks if kinds[n]]
         blocks = [n for n in blocks if not kinds[n]]
-        if len(blocks) not in ((1,) if inline else (2, 3)) or len(norms) == 3 or len(blocks) == 3 and len(norms) != 2 \
-                or not any(attention_like(module._modules[n]) for n in blocks):
+        if len(blocks) not in ((1,) if inline else (2,) if tail else (2, 3)) or len(norms) - bool(tail) not in (1, 2, 4) \
+                or len(blocks) == 3 and len(norms) != 2 or not any(attention_like(module._modules[n]) for n in blocks):
             return None  # more blocks than one attention, one MLP (or two summed) and one, two or four norms
         fused = [isinstance(module._modules[n], (FusedRMSNorm, FusedLayerNorm)) for n in norms]
         if "forward" in module.__dict__:  # fused by an earlier call (and maybe graphed since), or hooked by others
@@ -276,7 +329,10 @@ class ResidualNormPattern(Pattern):
         sig = signature(module)
         if isinstance(sig, Skip):
             return sig
-        spec = _study(module, blocks, norms, *sig, inline=inline)
+        if crosses:
+            spec = study_crosses(module, crosses, kinds, sig, _study)
+        else:
+            spec = _study(module, blocks, norms, *sig, inline=inline, tail=tail)
         if spec is None:
             return None
         on = [] if isinstance(spec, Skip) else [n for n in (*spec.dropouts, *spec.float_dropouts) if _p(module, n) > 0]
@@ -289,5 +345,8 @@ class ResidualNormPattern(Pattern):
     def apply(self, root, qualname, module, spec, backend) -> Applied:
         if "forward" in module.__dict__:
             raise ValueError(f"{qualname}: the layer's forward is already replaced on the instance")
+        if isinstance(spec, ResidualOutputSpec):
+            residual_output.install(module, spec)
+            return Applied(residual_output.ResidualOutputForward.__name__, residual_output.Uninstall(module))
         residual_norm.install(module, spec)
         return Applied(residual_norm.ResidualNormForward.__name__, residual_norm.Uninstall(module))
