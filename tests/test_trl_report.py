@@ -6,6 +6,7 @@ a training step). The plain path still reports it fused, with its calls counted.
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -75,6 +76,30 @@ def test_optimize_after_trls_head_is_on_leaves_the_head_to_it():
     assert not head.is_fused and "TRL's fused LM head" in head.reason
     ids = torch.randint(4, 60, (2, 12))
     model(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()
+
+
+def test_trls_head_is_found_under_accelerates_mixed_precision_wrapper():
+    """A trainer with bf16 prepares a fully fine-tuned model with accelerate, whose mixed-precision wrapper sits over
+    TRL's head (GRPO on the H200 was reported "the model's own head runs"): both the report of a fused head and
+    optimize's check look through wrappers that keep ``__wrapped__``."""
+    from accelerate.utils import convert_outputs_to_fp32
+    from trl.trainer.utils import add_fused_lm_head
+
+    def prepared(model):  # what accelerate's prepare_model does with mixed_precision="bf16" (its state is process-wide)
+        add_fused_lm_head(model)
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward.__func__)
+        model.forward = types.MethodType(convert_outputs_to_fp32(autocast), model)
+        return model
+
+    model = prepared(torchfuser.optimize(_model(), backend="reference"))  # optimize, then the trainer's set-up
+    fused = _fused_head(model)
+    fused.idle_steps = 1  # as TorchFuserCallback records a training step without a fused call
+    head = _head(torchfuser.report(model))
+    assert not head.is_fused and head.reason.startswith("bypassed — TRL's fused_lm_head wrapper"), head.reason
+
+    model = torchfuser.optimize(prepared(_model()), backend="reference")  # the trainer's set-up, then optimize
+    head = _head(torchfuser.report(model))
+    assert not head.is_fused and "TRL's fused LM head" in head.reason, head.reason
 
 
 def test_the_plain_path_reports_fused_with_its_calls_counted():

@@ -211,10 +211,23 @@ def trl_head(forward) -> bool:
     """Whether ``forward`` (a model's instance forward) is TRL's fused LM head (``trl.trainer.utils.
     add_fused_lm_head``, put on the model by TRL's trainers): the calls that pass ``fused_lm_head=True``
     run the decoder and compute per-token log-probabilities and the loss in TRL's own kernels, never
-    the model's forward. Told by its code, not its name, which ``functools.wraps`` sets to the model's."""
-    fn = getattr(forward, "__func__", forward)
-    module = getattr(fn, "__globals__", {}).get("__name__", "")
-    return module.split(".")[0] == "trl" and getattr(getattr(fn, "__code__", None), "co_name", "") == "_fused_forward"
+    the model's forward. Told by its code, not its name, which ``functools.wraps`` sets to the model's; found under
+    wrappers that keep ``__wrapped__`` (accelerate's mixed-precision wrapper puts two over it when a trainer prepares
+    the model)."""
+    for _ in range(_WRAPPERS):
+        fn = getattr(forward, "__func__", forward)
+        if isinstance(fn, FusedLMHeadLoss):
+            return False
+        module = getattr(fn, "__globals__", {}).get("__name__", "")
+        if module.split(".")[0] == "trl" and getattr(getattr(fn, "__code__", None), "co_name", "") == "_fused_forward":
+            return True
+        forward = getattr(fn, "__wrapped__", None)
+        if forward is None:
+            return False
+    return False
+
+
+_WRAPPERS = 8  # how deep trl_head looks through wrappers
 
 
 class LMHeadLossPattern(Pattern):
