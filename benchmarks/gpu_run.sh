@@ -211,6 +211,14 @@ for stage in "$@"; do
     families4-train) for m in ${MODELS:-bloom560m mpt1b}; do
               timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-eager compile torchfuser} \
                 ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-families4.jsonl"; done ;;
+    # issue 38, session 6: Pythia's fused loss drifted from eager's (0.048 at the end of the run, others ≤ 0.004):
+    # per-step losses of eager, auto (the default), graphs off, and the reference backend; then the residual CUDA tests.
+    pythia-check) timeout 300 python3 $ts --models pythia1b4 --variants eager torchfuser torchfuser-nographs \
+                    --steps 12 --out "$OUT/train-step-pythia-check.jsonl"
+                  timeout 150 python3 $ts --models pythia1b4 --variants torchfuser-nographs --backend reference --steps 12 \
+                    --out "$OUT/train-step-pythia-check.jsonl"
+                  timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
+                    tests/test_residual_forms6_cuda.py tests/test_residual_forms_cuda.py ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee -a "$OUT/log-$stage.txt" | grep -v "^ *File \|^    " | tail -40
 done

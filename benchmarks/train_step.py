@@ -4,7 +4,7 @@
     python benchmarks/train_step.py --models tiny --device cpu --batch 2 --seq 64 --steps 3   # smoke run
 
 Variants: eager, compile (torch.compile), torchfuser, torchfuser-graphs (optimize(model,
-cuda_graphs=True)), torchfuser-offload and torchfuser-recompute (optimize(model, checkpointing="offload" / True):
+cuda_graphs=True)), torchfuser-nographs (cuda_graphs=False), torchfuser-offload and torchfuser-recompute (optimize(model, checkpointing="offload" / True):
 each fused decoder layer keeps only its input, on the host / on the device, and runs again in the backward), torchfuser-fp8[-tensorwise|-blockwise][-pair|-rt][-head][-per-step][-graphs|+compile] (optimize(model,
 fp8="rowwise", "tensorwise" or "blockwise"; pair / rt: rowwise both-ways quantisation by the two separate
 kernels / by the rows kernel writing column partials and the tiles kernel; head:
@@ -71,7 +71,7 @@ FP8_VARIANTS = tuple("-".join(("torchfuser-fp8", *opts)) + end
                      for opts in ((), *((o,) for o in FP8_OPTIONS), ("head", "per-step"), ("tensorwise", "head"),
                                   ("blockwise", "per-step"))
                      for end in ("", "-graphs", "+compile"))
-VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-auto", "torchfuser-graphs", "torchfuser-offload", "torchfuser-recompute",
+VARIANTS = ("eager", "compile", "torchfuser", "torchfuser-auto", "torchfuser-graphs", "torchfuser-nographs", "torchfuser-offload", "torchfuser-recompute",
             "torchfuser+compile", "torchfuser+compile-ew",
             "compile-torchfuser", "torchfuser+compile-torchfuser", "compile-cudagraphs", "torchfuser+compile-cudagraphs",
             *FP8_VARIANTS, "torchao-fp8+compile", "torchao-fp8-rowwise+compile", "torchfuser+torchao-fp8+compile",
@@ -141,8 +141,9 @@ def prepare(variant: str, model, backend: str = "auto", compiled_elementwise: st
         return torch.compile(model)
     if variant == "torchfuser":
         return optimize(model, backend=backend)
-    if variant in ("torchfuser-graphs", "torchfuser-auto"):
-        return optimize(model, backend=backend, cuda_graphs=True if variant == "torchfuser-graphs" else "auto")
+    if variant in ("torchfuser-graphs", "torchfuser-auto", "torchfuser-nographs"):
+        graphs = {"torchfuser-graphs": True, "torchfuser-auto": "auto", "torchfuser-nographs": False}[variant]
+        return optimize(model, backend=backend, cuda_graphs=graphs)
     if variant in ("torchfuser-offload", "torchfuser-recompute"):  # each fused layer keeps its input (on the host)
         return optimize(model, backend=backend, checkpointing="offload" if variant.endswith("offload") else True)
     if variant.startswith(("torchao-fp8", "torchfuser+torchao-fp8")):
@@ -251,7 +252,7 @@ def run_variant(recipe, variant, args, device):
         "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
         "peak_gib_timed": None if timed_peak is None else round(timed_peak, 2),
-        "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4),
+        "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4), "losses": [round(v, 5) for v in losses],
         "step_ms": [round(t * 1e3, 2) for t in times], "step_tokens": tokens,
         "fused_blocks": len(torchfuser.report(model).fused),
         "report_notes": torchfuser.report(model).notes,  # graph captures and replays, call-time fallbacks, adapters
