@@ -6,6 +6,7 @@ set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/tf-out}; mkdir -p "$OUT/prof"
 if ls .whl/*.whl >/dev/null 2>&1; then  # packages for comparisons (liger-kernel; Unsloth: benchmarks/unsloth_wheels.md)
+  rm -rf /tmp/site  # a warm machine keeps the last call's: pip --target left TRL 1.15 there under a 1.16 wheel
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PWD:/tmp/site || echo "gpu_run.sh: installing .whl failed: the peers' variants will be skipped"
 fi
