@@ -123,3 +123,21 @@ def test_double_quantised_scales_bit_exact(interpreter, n):  # noqa: F811
         assert (d := _diff(name, got, want, "bitsandbytes")) is None, d
     bad = R.dequantize_scales_fwd(q, state2.absmax, state2.code, state2.blocksize, offset * 1.001)
     assert _diff("a wrong offset", bad, want, "bitsandbytes") is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_into_rows_of_a_joint_operand(interpreter, dtype):  # noqa: F811
+    """Each base dequantised straight into its rows of a joint operand (quantized_base.joint_weight): the rows are
+    the base's own dequantisation bit for bit, the rows around them untouched."""
+    bases = [_quantised(shape, "nf4", nested, dtype) for shape, nested in (((96, 64), False), ((40, 64), True))]
+    for into, fwd, dev in ((R.dequantize_4bit_into, R.dequantize_4bit_fwd, "cpu"),
+                           (interpreter.dequantize_4bit_into, interpreter.dequantize_4bit_fwd, DEVICE)):
+        out = torch.full((1 + 96 + 40 + 1, 64), 7.0, dtype=dtype, device=dev)
+        rows = out[1:-1].split([96, 40])
+        for r, (packed, qs, absmax) in zip(rows, bases):
+            into(packed.to(dev), absmax.to(dev), qs.code.to(dev), 64, r)
+            assert _diff("into", r, fwd(packed, absmax, qs.code, 64, r.shape[0], 64, dtype).cpu(), "fwd") is None
+        assert (out[0] == 7).all() and (out[-1] == 7).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        interpreter.dequantize_4bit_into(*bases[0][:1], bases[0][2], bases[0][1].code, 64,
+                                         torch.empty(64, 96, dtype=dtype, device=DEVICE).t())

@@ -26,6 +26,20 @@ def dequantize_4bit(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int
     return run(dequantize_4bit_fwd, packed, absmax, code, blocksize, rows, cols, dtype, backend)
 
 
+@torch.library.custom_op("torchfuser::dequantize_4bit_into", mutates_args=("out",))
+def dequantize_4bit_into_fwd(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, out: Tensor,
+                             backend: str) -> None:
+    kernel(backend, "dequantize_4bit_into")(packed, absmax, code, blocksize, out)
+
+
+def dequantize_4bit_into(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, out: Tensor,
+                         backend: str) -> None:
+    """``dequantize_4bit`` written into ``out`` (contiguous [rows × cols]: e.g. one base's rows of a joint operand,
+    so the bases of q/k/v or gate/up need no concatenation of their bytes first)."""
+    backend = "reference" if backend == "mlir" else backend
+    run(dequantize_4bit_into_fwd, packed, absmax, code, blocksize, out, backend)
+
+
 @torch.library.custom_op("torchfuser::dequantize_scales", mutates_args=())
 def dequantize_scales_fwd(q: Tensor, absmax2: Tensor, code2: Tensor, blocksize2: int, offset: Tensor,
                           backend: str) -> Tensor:

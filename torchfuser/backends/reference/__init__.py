@@ -1,6 +1,6 @@
 """The reference backend: plain PyTorch. The numerical oracle and the fallback on any device."""
 from .activation import activation_bwd, activation_fwd
-from .dequant_4bit import dequantize_4bit_fwd, dequantize_scales_fwd
+from .dequant_4bit import dequantize_4bit_fwd, dequantize_4bit_into, dequantize_scales_fwd
 from .dequant_matmul_4bit import dequant_matmul_4bit_bwd, dequant_matmul_4bit_fwd
 from .gated import (
     gelu_bwd, gelu_fwd, geglu_bwd, geglu_erf_bwd, geglu_erf_fwd, geglu_erf_packed_bwd, geglu_erf_packed_fwd, geglu_fwd, geglu_packed_bwd, geglu_packed_fwd, swiglu_bwd, swiglu_fwd,
@@ -21,5 +21,5 @@ __all__ = [
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
     "rope_fwd", "rope_bwd", "rms_norm_infer", "add_rms_norm_infer", "rope_infer", "swiglu_infer", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
-    "moe_experts_bwd", "dequantize_4bit_fwd", "dequantize_scales_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
+    "moe_experts_bwd", "dequantize_4bit_fwd", "dequantize_4bit_into", "dequantize_scales_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
 ]

@@ -27,6 +27,11 @@ def dequantize_4bit_fwd(packed: Tensor, absmax: Tensor, code: Tensor, blocksize:
     return (vals * absmax.float()[blocks]).to(dtype).view(rows, cols)
 
 
+def dequantize_4bit_into(packed: Tensor, absmax: Tensor, code: Tensor, blocksize: int, out: Tensor) -> None:
+    """``dequantize_4bit_fwd`` written into ``out`` ([rows × cols], its dtype)."""
+    out.copy_(dequantize_4bit_fwd(packed, absmax, code, blocksize, out.shape[0], out.shape[1], out.dtype))
+
+
 def dequantize_blockwise_8bit_fwd(q: Tensor, absmax: Tensor, code: Tensor, blocksize: int) -> Tensor:
     """fp32 ``code[q[i]] · absmax[i // blocksize]``: bitsandbytes' 8-bit blockwise dequantisation, the
     nested ("double") quantisation of the 4-bit scales."""

@@ -9,7 +9,7 @@ from . import _interpret
 
 _interpret.apply()
 
-from .dequant_4bit import dequantize_4bit_fwd, dequantize_scales_fwd
+from .dequant_4bit import dequantize_4bit_fwd, dequantize_4bit_into, dequantize_scales_fwd
 from .dequant_matmul_4bit import dequant_matmul_4bit_bwd, dequant_matmul_4bit_fwd
 from .fp8_blocks import fp8_quantize_blocks, fp8_quantize_weight_blocks
 from .fp8_quant import fp8_quantize, fp8_quantize_both, fp8_quantize_both_amax
@@ -38,5 +38,5 @@ __all__ = [
     "swiglu_packed_fp8_fwd", "swiglu_packed_fp8_bwd", "geglu_packed_fp8_fwd", "geglu_packed_fp8_bwd",
     "rms_norm_fp8_fwd", "rms_norm_fp8_bwd", "add_rms_norm_fp8_fwd", "add_rms_norm_fp8_bwd",
     "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd", "moe_experts_bwd",
-    "dequantize_4bit_fwd", "dequantize_scales_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
+    "dequantize_4bit_fwd", "dequantize_4bit_into", "dequantize_scales_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
 ]

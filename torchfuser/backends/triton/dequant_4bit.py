@@ -60,16 +60,24 @@ _SCALES_BLOCK = 1024
 def dequantize_4bit_fwd(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int, rows: int,
                         cols: int, dtype: torch.dtype) -> torch.Tensor:
     """[rows × cols] in ``dtype`` (the reference backend's twin: backends/reference/dequant_4bit.py)."""
-    n = rows * cols
-    p = packed.reshape(-1).view(torch.uint8)
-    out = torch.empty((rows, cols), dtype=dtype, device=p.device)
+    out = torch.empty((rows, cols), dtype=dtype, device=packed.device)
+    dequantize_4bit_into(packed, absmax, code, blocksize, out)
+    return out
+
+
+def dequantize_4bit_into(packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int,
+                         out: torch.Tensor) -> None:
+    """``dequantize_4bit_fwd`` written into ``out`` (contiguous: one base's rows of a joint operand)."""
+    if not out.is_contiguous():
+        raise ValueError("dequantize_4bit_into: out must be contiguous (a block of whole rows)")
+    n = out.numel()
     if n == 0:
-        return out
+        return
+    p = packed.reshape(-1).view(torch.uint8)
     n_bytes = (n + 1) // 2
     _launch((cdiv(n_bytes, _BLOCK),), p, absmax.float().contiguous(), code.float().contiguous(), out, n, n_bytes,
             BLOCKSIZE=blocksize, BLOCK=_BLOCK, WIDE=n + 2 * _BLOCK >= 2 ** 31,
             num_warps=warps_as_threads(_WARPS, target_of(p)))
-    return out
 
 
 def dequantize_scales_fwd(q: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor, blocksize2: int,

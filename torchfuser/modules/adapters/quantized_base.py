@@ -24,9 +24,8 @@ is refused with the reason.
 
 Under autocast the base GEMM runs in autocast's dtype on those casts (as autocast runs bitsandbytes'
 dequantise-then-``linear``), its output cast back to x's dtype, and the adapters' autocast products added
-to it in x's dtype, as PEFT's bnb LoRA layers add them. 4-bit bases of whole blocks are dequantised into
-the joint operand in one launch (their bytes concatenated first: a quarter of its size); others one by one
-into its rows.
+to it in x's dtype, as PEFT's bnb LoRA layers add them. bitsandbytes' 4-bit bases are dequantised into
+the joint operand base by base, each straight into its rows; others are dequantised and copied into theirs.
 With the switch ``qlora_dequant_gemm`` (off by default, not measured faster yet) the Triton backend runs the base
 GEMMs as one kernel that dequantises Ŵ tile by tile (ops/dequant_matmul_4bit.py): no transient Ŵ at all.
 """
@@ -41,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from torchfuser.functional import backend_for
 from torchfuser.modules import gemm as _gemm
 from torchfuser.modules.adapters import torchao_nf4
-from torchfuser.ops.dequant_4bit import dequantize_4bit, dequantize_scales
+from torchfuser.ops.dequant_4bit import dequantize_4bit, dequantize_4bit_into, dequantize_scales
 from torchfuser.ops.dequant_matmul_4bit import dequant_matmul_4bit
 from torchfuser.switches import SWITCHES
 
@@ -206,22 +205,20 @@ def _one_launch(layers) -> bool:
 
 
 def joint_weight(layers, dtype: torch.dtype, backend: str | None = None) -> Tensor:
-    """The bases dequantised and concatenated (rows in the layers' order): one transient operand. 4-bit bases
-    of whole blocks: their bytes (a quarter of the bf16 result's size) and scales concatenated, then one
-    dequantisation writes the joint operand (no per-base copy); else each base dequantised into its rows."""
+    """The bases dequantised and concatenated (rows in the layers' order): one transient operand, each bitsandbytes
+    4-bit base dequantised straight into its rows (no copy of its bytes or of a dequantised weight), others
+    dequantised and copied in."""
     if len(layers) == 1:
         return dequantize(layers[0], dtype, backend)
-    if _one_launch(layers):
-        qs = layers[0].weight.quant_state
-        packed = torch.cat([m.weight.data.reshape(-1).view(torch.uint8) for m in layers])
-        absmax = torch.cat([_absmax(m.weight.quant_state, backend) for m in layers])
-        rows = sum(m.weight.quant_state.shape[0] for m in layers)
-        return dequantize_4bit(packed, absmax, qs.code, qs.blocksize, rows, qs.shape[1], dtype,
-                               backend_for(backend, packed.device))
     out = torch.empty((sum(m.out_features for m in layers), layers[0].in_features), dtype=dtype,
                       device=layers[0].weight.device)
     for rows, m in zip(out.split([m.out_features for m in layers]), layers):
-        rows.copy_(dequantize(m, dtype, backend))
+        qs = getattr(m.weight, "quant_state", None)
+        if kind(m) in ("NF4", "FP4") and qs is not None:
+            dequantize_4bit_into(m.weight.data, _absmax(qs, backend), qs.code, qs.blocksize, rows,
+                                 backend_for(backend, out.device))
+        else:
+            rows.copy_(dequantize(m, dtype, backend))
     return out
 
 
