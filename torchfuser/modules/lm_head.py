@@ -41,11 +41,24 @@ class LMHeadLossSpec:
     # The forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's, T5Gemma 2's),
     # as the model's prepare_decoder_input_ids_from_labels does: called without labels, it is given those.
     decoder_inputs_from_labels: bool = False
+    # ... or as the labels shifted right, (start token, pad token for -100) (Florence-2's and UDOP's forwards, which
+    # have no prepare_decoder_input_ids_from_labels that does it); cache_off: the forward turns the cache off with labels
+    decoder_shift: tuple[int, int] | None = None
+    cache_off: bool = False
+    refused_kwargs: tuple[str, ...] = ()  # of LOSS_KWARGS, those the forward raises on with labels (so does the fused)
 
     def transform(self, logits: Tensor) -> Tensor:
         """What the model's forward does to the head's output before the loss."""
         z = logits * self.logit_scale
         return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+
+
+def shift_right(labels: Tensor, start: int, pad: int) -> Tensor:
+    """The decoder's inputs an encoder-decoder makes from its labels: shifted right by one, ``start`` first, -100 (an
+    ignored label) made ``pad``."""
+    out = labels.new_full(labels.shape, start)
+    out[..., 1:] = labels[..., :-1]
+    return out.masked_fill(out == -100, pad)
 
 
 def head_holder(model: nn.Module, path: str) -> tuple[nn.Module | None, str]:
@@ -229,9 +242,17 @@ class FusedLMHeadLoss:
         labels = kwargs.pop("labels")
         keep_logits = self.keep_logits
         capture = CaptureHead(self.probes, head, run=keep_logits)
-        if (self.spec.decoder_inputs_from_labels and kwargs.get("decoder_input_ids") is None
-                and kwargs.get("decoder_inputs_embeds") is None):
-            kwargs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=labels)
+        for name in self.spec.refused_kwargs:
+            if kwargs.get(name) is not None:
+                raise TypeError(f"{type(self.model).__name__}.forward with labels does not take {name}= (its own forward "
+                                "raises on it too)")
+        if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+            if self.spec.decoder_shift is not None:
+                kwargs["decoder_input_ids"] = shift_right(labels, *self.spec.decoder_shift)
+            elif self.spec.decoder_inputs_from_labels:
+                kwargs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=labels)
+        if self.spec.cache_off:  # as the forward does with labels
+            kwargs["use_cache"] = False
         embedding = self._tied_embedding(head, kwargs)
         holder, leaf = head_holder(self.model, self.spec.head)
         holder._modules[leaf] = capture

@@ -112,18 +112,38 @@ def _put(probe: nn.Module, path: str, new: nn.Module) -> None:
     probe._modules[leaf] = new
 
 
+def _stubbed(model: nn.Module) -> dict[str, nn.Module] | None:
+    """The children the probes stand in for: the decoder at ``base_model_prefix``, or where the model holds none there
+    (an encoder-decoder of its own, UDOP's) its encoder and decoder (``get_encoder`` / ``get_decoder``) where both are
+    children of it; None where neither."""
+    prefix = getattr(model, "base_model_prefix", None)
+    decoder = model._modules.get(prefix) if isinstance(prefix, str) and prefix else None
+    if isinstance(decoder, nn.Module):
+        return {prefix: decoder}
+    found = {}
+    for getter in ("get_encoder", "get_decoder"):
+        try:
+            part = getattr(model, getter)()
+        except Exception:
+            return None
+        name = next((n for n, m in model._modules.items() if m is part and m is not None), None)
+        if name is None:
+            return None
+        found[name] = part
+    return found if len(found) == 2 else None
+
+
 def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, **kwargs):
     """The model's forward on a stub copy (decoder stubbed, ``make_head(real_head)`` as head, and
     with ``perturb`` every other parameter and buffer changed; the stub's calls' keyword arguments into
     ``seen``); None where it raises."""
-    prefix = getattr(model, "base_model_prefix", None)
-    decoder = model._modules.get(prefix) if isinstance(prefix, str) else None
-    if not isinstance(decoder, nn.Module) or BaseModelOutputWithPast is None:
+    stubs = _stubbed(model)
+    if stubs is None or BaseModelOutputWithPast is None:
         return None
     probe = _probe.shallow_copy(model)
     real = head_of(model, head)
     if perturb:  # the decoder and the head are replaced below: copying them would cost their memory
-        others = {n: m for n, m in model._modules.items() if n not in (prefix, head) and m is not None}
+        others = {n: m for n, m in model._modules.items() if n not in (*stubs, head) and m is not None}
         probe = _perturbed(probe, others, keep=real)
     _put(probe, head, make_head(real))
     widths = [real.in_features]
@@ -136,7 +156,8 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
         hidden = _probe.randn(_B, _S, width, gen=_probe.generator(7))
         if "." in head:
             hidden = hidden.to(real.weight.device, real.weight.dtype)
-        probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb, seen)
+        for name, part in stubs.items():
+            probe._modules[name] = _StubDecoder(hidden, part, perturb, seen)
         try:
             with torch.no_grad():
                 return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
@@ -171,9 +192,9 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool, tuple[str, ...]] | str | None:
+def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool, tuple, tuple] | str | None:
     """How the forward forms its loss, learned from its loss on known logits and labels:
-    ``(shift, honoured keywords)``; a reason (str) where it is no form the fused loss reproduces;
+    ``(shift, honoured keywords, keywords it raises on)``; a reason (str) where it is no form the fused loss reproduces;
     None where the forward does not run on the stub."""
     gen = _probe.generator(11)
     vocab = head_of(model, head).out_features
@@ -221,43 +242,15 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
                          ce(shifted(ignore3) if shift else ignore3)),
         "shift_labels": (other, labels, ce(other), ce(plain)),
     }
-    honoured = []
+    honoured, refused = [], []
     for name, (value, y, yes, no) in tries.items():
         if not _accepts(model, name):
             continue
         got = loss(labels=y.clone(), **{name: value})
-        if got is not None and _probe.close(got, yes):
+        if got is None:  # the forward raises with it given (Florence-2 passes shift_labels= itself): so does the fused
+            refused.append(name)
+        elif _probe.close(got, yes):
             honoured.append(name)
-        elif got is None or not _probe.close(got, no):
+        elif not _probe.close(got, no):
             return f"its loss with {name}= given is neither the fused loss's with nor without it"
-    return shift, tuple(honoured)
-
-
-def decoder_inputs_from_labels(model: nn.Module, head: str) -> bool | str | None:
-    """Whether the forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's,
-    T5Gemma 2's): the decoder_input_ids the stub decoder is called with, with labels and without. True where it does
-    and ``model.prepare_decoder_input_ids_from_labels`` makes the same ones (the fused loss calls the forward without
-    labels, so it passes them itself), False where it does not, a reason where it does otherwise; None where the
-    forward does not run on the stub."""
-    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(17))
-    labels[0, 3] = -100
-    calls = {}
-    for given in (True, False):  # (with labels the loss on the capture head's probe logits may fail: the decoder ran)
-        seen = []
-        _run(model, head, lambda real: CaptureHead(real=real), seen=seen, **({"labels": labels} if given else {}))
-        calls[given] = seen
-    if not calls[True]:
-        return None
-    made, other = (c[0].get("decoder_input_ids") if c else None for c in (calls[True], calls[False]))
-    if not isinstance(made, torch.Tensor) or (isinstance(other, torch.Tensor) and torch.equal(other, made)):
-        return False
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    try:
-        mine = prepare(labels=labels.clone()) if callable(prepare) else None
-    except Exception:
-        mine = None
-    if isinstance(mine, torch.Tensor) and mine.shape == made.shape and torch.equal(mine.cpu(), made.cpu()):
-        return True
-    how = "not as its prepare_decoder_input_ids_from_labels does" if callable(prepare) else (
-        "it has no prepare_decoder_input_ids_from_labels to make them alike")
-    return f"its forward makes its decoder's inputs from the labels, {how} (the fused loss calls it without labels)"
+    return shift, tuple(honoured), tuple(refused)

@@ -25,7 +25,7 @@ from torch import nn
 
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.lm_head import PROBE_LOGITS, FusedLMHeadLoss, LMHeadLossSpec
-from torchfuser.patterns import _lm_head_probe as probe, _probe
+from torchfuser.patterns import _lm_head_probe as probe, _lm_head_probe_decoder as decoder_probe, _probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
@@ -179,9 +179,12 @@ def _nested_head(model: nn.Module, head: nn.Linear):
     if path is None:
         return Skip("output embeddings are not a module of the model")
     parts = path.split(".")
-    if parts[0] == getattr(model, "base_model_prefix", None):
-        return Skip(f"output embeddings at {path!r}, inside the decoder (base_model_prefix) whose output the loss is "
-                    "computed from: not a head on the decoder's output")
+    stubbed = probe._stubbed(model) or {}
+    if parts[0] == getattr(model, "base_model_prefix", None) or parts[0] in stubbed:
+        return Skip(f"output embeddings at {path!r}, inside the decoder ({parts[0]!r}, {type(stubbed.get(parts[0], model.get_submodule(parts[0]))).__name__}) "
+                    "whose output the loss is computed from: not a head on the decoder's output" +
+                    ("; the forward hands that decoder the labels, and it computes its loss itself"
+                     if "labels" in _params(stubbed.get(parts[0], model.get_submodule(parts[0]))) else ""))
     for i in range(1, len(parts)):
         inner = model.get_submodule(".".join(parts[:i]))
         cls = type(inner).__name__
@@ -189,6 +192,13 @@ def _nested_head(model: nn.Module, head: nn.Linear):
             return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
                         "its head and loss are fused on that model, where it is given the labels")
     return path
+
+
+def _params(module: nn.Module):
+    try:
+        return inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
 
 
 @dataclasses.dataclass
@@ -292,18 +302,18 @@ class LMHeadLossPattern(Pattern):
             return Skip("the forward changes the logits by a value read from a parameter or buffer of the model "
                         "(a learnable logit scale, say); the fused loss would hold that value fixed and give it no gradient")
         if "decoder_input_ids" in params:  # an encoder-decoder's forward may make its decoder's inputs from the labels
-            made = probe.decoder_inputs_from_labels(module, name)
+            made = decoder_probe.decoder_inputs_from_labels(module, name)
             if made is None or isinstance(made, str):
                 return Skip(made or "an encoder-decoder's forward that did not run on a stand-in decoder with labels, so "
                             "whether it makes its decoder's inputs from them could not be told")
-            spec = dataclasses.replace(spec, decoder_inputs_from_labels=made)
+            spec = dataclasses.replace(spec, **(made or {}))
         form = probe.probe_loss(module, name, spec)
         if form is None:
             return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
                         "its loss could not be learned" + (f" ({narrow})" if narrow else ""))
         if isinstance(form, str):
             return Skip(form + (f" ({narrow})" if narrow else ""))
-        return dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1])
+        return dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1], refused_kwargs=form[2])
 
     def parameters_used(self, module):
         get_head = getattr(module, "get_output_embeddings", None)
