@@ -46,6 +46,9 @@ class LMHeadLossSpec:
     decoder_shift: tuple[int, int] | None = None
     cache_off: bool = False
     refused_kwargs: tuple[str, ...] = ()  # of LOSS_KWARGS, those the forward raises on with labels (so does the fused)
+    # Leading positions of the decoder's output that are never scored, the labels being those of the rest (GIT's
+    # image positions before the text): the targets get that many ignored ones in front.
+    leading: int = 0
 
     def transform(self, logits: Tensor) -> Tensor:
         """What the model's forward does to the head's output before the loss."""
@@ -276,6 +279,8 @@ class FusedLMHeadLoss:
         if target is None:
             # shifted: tokens < n predict n, the last position has no target
             target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:] if self.spec.shift else labels
+        if self.spec.leading:
+            target = nn.functional.pad(target, (self.spec.leading, 0), value=ignore_index)
         target = target.to(hidden.device)
         if target.shape != hidden.shape[:-1]:
             raise RuntimeError(

@@ -47,6 +47,12 @@ class _StubDecoder(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             value = getattr(self.__dict__["_real"], name)
+        return self._stand_in(value)
+
+    def __getitem__(self, key):  # a ModuleList's layer (GIT reads its image positions off its first layer)
+        return self._stand_in(self.__dict__["_real"][key])
+
+    def _stand_in(self, value):
         if isinstance(value, nn.Module):
             return _StubDecoder(self.hidden, value, self.__dict__["_perturb"], self.__dict__["_seen"])
         if self.__dict__["_perturb"] and isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -133,10 +139,12 @@ def _stubbed(model: nn.Module) -> dict[str, nn.Module] | None:
     return found if len(found) == 2 else None
 
 
-def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, **kwargs):
+def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, extra: int = 0,
+         loss_function=None, **kwargs):
     """The model's forward on a stub copy (decoder stubbed, ``make_head(real_head)`` as head, and
     with ``perturb`` every other parameter and buffer changed; the stub's calls' keyword arguments into
-    ``seen``); None where it raises."""
+    ``seen``; the decoder's output ``extra`` positions longer than the input ids, as a vision tower's positions
+    before the text make it; ``loss_function`` in place of the model's); None where it raises."""
     stubs = _stubbed(model)
     if stubs is None or BaseModelOutputWithPast is None:
         return None
@@ -146,6 +154,8 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
         others = {n: m for n, m in model._modules.items() if n not in (*stubs, head) and m is not None}
         probe = _perturbed(probe, others, keep=real)
     _put(probe, head, make_head(real))
+    if loss_function is not None:
+        probe.__dict__["_loss_function"] = loss_function  # what transformers' loss_function property returns
     widths = [real.in_features]
     if "." in head:  # the wrapper's own layers before the head (BERT's transform) run on the decoder's output, which
         # may be of the text config's hidden size where the head's input is not (RemBERT's output_embedding_size)
@@ -153,7 +163,7 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
         width = getattr(text, "hidden_size", None)
         widths += [width] if isinstance(width, int) and width != real.in_features else []
     for width in widths:
-        hidden = _probe.randn(_B, _S, width, gen=_probe.generator(7))
+        hidden = _probe.randn(_B, _S + extra, width, gen=_probe.generator(7))
         if "." in head:
             hidden = hidden.to(real.weight.device, real.weight.dtype)
         for name, part in stubs.items():
@@ -192,14 +202,15 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool, tuple, tuple] | str | None:
+def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec, extra: int = 0) -> tuple[bool, tuple, tuple] | str | None:
     """How the forward forms its loss, learned from its loss on known logits and labels:
     ``(shift, honoured keywords, keywords it raises on)``; a reason (str) where it is no form the fused loss reproduces;
-    None where the forward does not run on the stub."""
+    None where the forward does not run on the stub. ``extra``: positions before the labels' (GIT's image positions),
+    never scored (the labels are those of the last positions)."""
     gen = _probe.generator(11)
     vocab = head_of(model, head).out_features
     # fp32-exact values: a forward that casts the logits to fp32 loses nothing.
-    z = _probe.randn(_B, _S, vocab, gen=gen).mul(2).float().double()
+    z = _probe.randn(_B, _S + extra, vocab, gen=gen).mul(2).float().double()
     labels = torch.randint(0, vocab, (_B, _S), generator=gen)
     labels[0, 2] = labels[1, 3] = -100
     other = torch.randint(0, vocab, (_B, _S), generator=gen)  # shift_labels: unrelated to labels
@@ -212,12 +223,13 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
         fixed = {}
 
     def loss(**kwargs):
-        out = _run(model, head, lambda real: _FixedLogits(z, real), **fixed, **kwargs)
+        out = _run(model, head, lambda real: _FixedLogits(z, real), extra=extra, **fixed, **kwargs)
         return None if out is None else _loss_of(out)
 
     s = spec.transform(z).reshape(-1, vocab)
 
     def ce(target, reduction="mean", ignore_index=-100):
+        target = nn.functional.pad(target, (extra, 0), value=ignore_index)  # the positions before the labels' unscored
         return nn.functional.cross_entropy(s, target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
 
     def shifted(y, pad=-100):

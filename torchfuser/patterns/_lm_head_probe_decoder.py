@@ -75,6 +75,18 @@ def _shift_of(made: torch.Tensor, labels: torch.Tensor) -> tuple[int, int] | Non
     return (start, pad) if torch.equal(shift_right(labels, start, pad), made) else None
 
 
+def _cache_off(model: nn.Module, with_labels: list[dict], without: list[dict]) -> bool:
+    return "use_cache" in inspect.signature(type(model).forward).parameters and any(
+        c.get("use_cache") is False for c in with_labels) and not any(c.get("use_cache") is False for c in without)
+
+
+def turns_cache_off(model: nn.Module, head: str, extra: int = 0) -> bool:
+    """Whether the forward passes ``use_cache=False`` on with labels and not without (GIT's, Kosmos-2's): the fused
+    loss, which calls it without labels, passes it too (a cache built in a training step costs memory)."""
+    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(17))
+    return _cache_off(model, _calls(model, head, extra=extra, labels=labels), _calls(model, head, extra=extra))
+
+
 def decoder_inputs_from_labels(model: nn.Module, head: str) -> dict | bool | str | None:
     """How the forward makes its decoder's inputs from the labels: False where it does not; a dict of the spec's fields
     (``decoder_inputs_from_labels`` where ``model.prepare_decoder_input_ids_from_labels`` makes them, else
@@ -109,8 +121,7 @@ def decoder_inputs_from_labels(model: nn.Module, head: str) -> dict | bool | str
                 "prepare_decoder_input_ids_from_labels does nor as the labels shifted right (a start token first, "
                 "-100 made a pad token)")
     extra = {}
-    if "use_cache" in inspect.signature(type(model).forward).parameters and any(
-            c.get("use_cache") is False for c in with_labels) and not any(c.get("use_cache") is False for c in without):
+    if _cache_off(model, with_labels, without):
         found["cache_off"], extra["use_cache"] = True, False
     fused = _calls(model, head, decoder_input_ids=mine, **extra)
     if differ := _differences(with_labels, fused):

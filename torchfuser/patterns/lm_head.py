@@ -26,6 +26,7 @@ from torch import nn
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.lm_head import PROBE_LOGITS, FusedLMHeadLoss, LMHeadLossSpec
 from torchfuser.patterns import _lm_head_probe as probe, _lm_head_probe_decoder as decoder_probe, _probe
+from torchfuser.patterns import _lm_head_probe_offset as offset_probe
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
@@ -308,12 +309,18 @@ class LMHeadLossPattern(Pattern):
                             "whether it makes its decoder's inputs from them could not be told")
             spec = dataclasses.replace(spec, **(made or {}))
         form = probe.probe_loss(module, name, spec)
+        leading = offset_probe.leading_positions(module, name) if form is None else None
+        if leading:  # scored from a fixed position on (GIT: after its image's positions): checked at that geometry
+            form, spec = probe.probe_loss(module, name, spec, extra=leading), dataclasses.replace(spec, leading=leading)
         if form is None:
             return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
                         "its loss could not be learned" + (f" ({narrow})" if narrow else ""))
         if isinstance(form, str):
             return Skip(form + (f" ({narrow})" if narrow else ""))
-        return dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1], refused_kwargs=form[2])
+        spec = dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1], refused_kwargs=form[2])
+        if not spec.cache_off and "use_cache" in params and decoder_probe.turns_cache_off(module, name, spec.leading):
+            spec = dataclasses.replace(spec, cache_off=True)
+        return spec
 
     def parameters_used(self, module):
         get_head = getattr(module, "get_output_embeddings", None)
