@@ -199,6 +199,24 @@ def towers(model, rep) -> dict[str, dict[str, int]]:
     return out
 
 
+def idle_heads(model, res: Result) -> None:
+    """A fused LM head + loss that made no fused call in the step just run (an inner causal LM the model calls without
+    labels, computing the loss from its logits itself: BLIP-2's, Nemotron-H Omni's) is not counted as fused: the
+    table gives the reason instead."""
+    from torchfuser.modules.lm_head import FusedLMHeadLoss
+
+    for name, m in model.named_modules():
+        fused = m.__dict__.get("forward")
+        if isinstance(fused, FusedLMHeadLoss) and fused.calls.n == 0:
+            text = res.towers.get("text", {})
+            text["lm_head_loss"] = text.get("lm_head_loss", 1) - 1
+            if not text["lm_head_loss"]:
+                del text["lm_head_loss"]
+            res.skipped["lm_head_loss"] = (
+                f"fused on {name!r} ({type(m).__name__}), which ran no fused call in the training step: the model "
+                "calls it without labels and computes the loss from its logits itself, so its own head and loss run")
+
+
 def run_one(model_type: str, vision: dict | None = None) -> Result:
     """The sweep of one type; ``vision``: fields set on its tiny vision config (a variant's switches)."""
     short = arch_sweep._short
@@ -245,8 +263,14 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
         def add_towers(res, model, rep):
             res.towers = towers(model, rep)
 
-        return arch_sweep.optimize_and_check(Result(model_type, ""), ref, fused, loss_ref, lambda m: _step(m, inputs),
-                                             grads_match, add_towers)
+        res = Result(model_type, "")
+
+        def step(m):
+            loss = _step(m, inputs)
+            idle_heads(m, res)
+            return loss
+
+        return arch_sweep.optimize_and_check(res, ref, fused, loss_ref, step, grads_match, add_towers)
 
 
 def sweep(types=None) -> list[Result]:

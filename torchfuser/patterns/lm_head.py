@@ -26,7 +26,7 @@ from torch import nn
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.lm_head import PROBE_LOGITS, FusedLMHeadLoss, LMHeadLossSpec
 from torchfuser.patterns import _lm_head_probe as probe, _lm_head_probe_decoder as decoder_probe, _probe
-from torchfuser.patterns import _lm_head_probe_offset as offset_probe
+from torchfuser.patterns import _lm_head_probe_offset as offset_probe, _lm_head_probe_place as place
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
@@ -171,37 +171,6 @@ def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
     return spec
 
 
-def _nested_head(model: nn.Module, head: nn.Linear):
-    """The path of a head that is not a child of the model but sits in a wrapper of its own (T5Gemma 2's
-    ``lm_head.out_proj``, BERT's ``cls.predictions.decoder`` after its transform: what runs before the head is
-    captured with its input, what runs after it the probes see), else a Skip: a head inside the decoder the probes
-    stand in for, or inside a causal LM of its own (whose head and loss are fused there, if at all)."""
-    path = next((n for n, m in model.named_modules() if m is head), None)
-    if path is None:
-        return Skip("output embeddings are not a module of the model")
-    parts = path.split(".")
-    stubbed = probe._stubbed(model) or {}
-    if parts[0] == getattr(model, "base_model_prefix", None) or parts[0] in stubbed:
-        return Skip(f"output embeddings at {path!r}, inside the decoder ({parts[0]!r}, {type(stubbed.get(parts[0], model.get_submodule(parts[0]))).__name__}) "
-                    "whose output the loss is computed from: not a head on the decoder's output" +
-                    ("; the forward hands that decoder the labels, and it computes its loss itself"
-                     if "labels" in _params(stubbed.get(parts[0], model.get_submodule(parts[0]))) else ""))
-    for i in range(1, len(parts)):
-        inner = model.get_submodule(".".join(parts[:i]))
-        cls = type(inner).__name__
-        if cls.endswith("ForCausalLM") or cls in _CAUSAL_LM or isinstance(inner, nn.ModuleList):
-            return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
-                        "its head and loss are fused on that model, where it is given the labels")
-    return path
-
-
-def _params(module: nn.Module):
-    try:
-        return inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-
-
 @dataclasses.dataclass
 class _Uninstall:
     """Undo of the per-instance forward (an object, not a closure: a model saved whole keeps it)."""
@@ -252,6 +221,8 @@ class LMHeadLossPattern(Pattern):
             return None
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
+        if head is None and (inner := place.inner_head(module, _CAUSAL_LM)) is not None:
+            return Skip(inner)
         if not isinstance(head, nn.Linear):
             kind = type(head)  # PEFT's LoRA layer is also called Linear: say whose it is
             return Skip(f"output embeddings are {kind.__module__}.{kind.__qualname__}, not a plain torch.nn.Linear "
@@ -261,7 +232,7 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"output embeddings {type(head).__name__} {why}; only a plain nn.Linear head is fused")
         name = next((n for n, m in module._modules.items() if m is head), None)
         nested = name is None
-        if nested and isinstance(name := _nested_head(module, head), Skip):
+        if nested and isinstance(name := place.nested_head(module, head, _CAUSAL_LM), Skip):
             return name
         cfg = getattr(module, "config", None)
         vocab = _text_field(cfg, "vocab_size")

@@ -1,0 +1,163 @@
+"""LM head + loss of the image-text-to-text models whose loss takes a form of its own, fused where the fused loss
+reproduces it exactly, with the reason where it does not:
+
+- Florence-2 and UDOP (encoder-decoders) make their decoder's inputs from the labels with a shift of their own
+  (``shift_tokens_right`` / ``_shift_right``, no ``prepare_decoder_input_ids_from_labels`` that does it): read off
+  the probe as (start token, pad token) and made alike by the fused forward, every call of the stand-in encoder and
+  decoder checked against the labelled forward's; UDOP scales the decoder's output by d_model^-0.5 before a tied
+  head (captured with the head's input); Florence-2 turns the cache off with labels and raises on ``shift_labels=``;
+- GIT scores only the text after its image's positions (``logits[:, N:-1]`` against ``labels[:, 1:]``): N found
+  with a loss function that records the positions it is given, then the whole loss checked at that geometry.
+
+Loss and every gradient (the head's weight, tied or not, included) against the unfused model in fp32, the fused
+loss run (one fused call, logits not kept); the heads left alone (Pix2Struct's inside its decoder, BLIP's inside its
+text decoder, heads of inner causal LMs the model calls without labels) say why."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torchfuser
+from torchfuser.modules.lm_head import FusedLMHeadLoss, shift_right
+from torchfuser.patterns.base import Skip
+from torchfuser.patterns.lm_head import LMHeadLossPattern
+
+import vlm_sweep
+from vlm_pixels import pixel_candidates
+
+
+_BUILT: dict = {}
+
+
+def _model(model_type: str, **fields):
+    """A tiny model of the type and the sweep's inputs for it (built once a type and fields, copied each time)."""
+    key = (model_type, tuple(sorted(fields.items())))
+    if key not in _BUILT:
+        _BUILT[key] = _build(model_type, **fields)
+    model, inputs = _BUILT[key]
+    return copy.deepcopy(model), inputs
+
+
+def _build(model_type: str, **fields):
+    if model_type not in vlm_sweep.model_types():
+        pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
+    cfg = vlm_sweep.tiny_config(model_type)
+    for k, v in fields.items():
+        setattr(cfg, k, v)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = vlm_sweep._model_class(model_type)._from_config(cfg).float().train()
+    for pixels in pixel_candidates(model, 2):
+        try:
+            inputs = vlm_sweep.build_inputs(model, pixels)
+            with torch.no_grad():
+                model(**inputs, use_cache=False)
+            return model, inputs
+        except Exception:
+            continue
+    pytest.skip(f"no inputs built for {model_type}")
+
+
+def _step(model, inputs, **extra):
+    model.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        out = model(**{k: v.clone() for k, v in inputs.items()}, **extra)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _fused_head(model) -> FusedLMHeadLoss:
+    (fused,) = [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), FusedLMHeadLoss)]
+    return fused
+
+
+def _check_exact(model, inputs, **extra):
+    fused = torchfuser.optimize(copy.deepcopy(model), backend="reference", patterns=["lm_head_loss"])
+    head = _fused_head(fused)
+    want, want_g = _step(model, inputs, **extra)
+    got, got_g = _step(fused, inputs, **extra)
+    assert head.calls.n == 1  # the fused loss ran
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert got_g.keys() == want_g.keys()
+    floor = 1e-6 * max(g.abs().max().item() for g in want_g.values())
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item() + floor, msg=name)
+    torchfuser.restore(fused)
+    assert "forward" not in fused.__dict__
+    return head
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("florence2", dict(decoder_shift=(2, 1), cache_off=True, refused_kwargs=("shift_labels",), shift=False)),
+    ("udop", dict(decoder_shift=(0, 0), shift=False, leading=0)),
+    ("git", dict(leading=65, shift=True, cache_off=True)),
+])
+def test_the_spec_is_probed(model_type, fields):
+    model, _ = _model(model_type)
+    spec = LMHeadLossPattern().match(model)
+    assert not isinstance(spec, Skip), spec.reason
+    for k, v in fields.items():
+        assert getattr(spec, k) == v, (k, getattr(spec, k))
+
+
+@pytest.mark.parametrize("model_type, fields", [("florence2", {}), ("udop", {"tie_word_embeddings": True}),
+                                                ("udop", {"tie_word_embeddings": False}), ("git", {})])
+def test_loss_and_every_gradient_exact(model_type, fields):
+    model, inputs = _model(model_type, **fields)
+    if "tie_word_embeddings" in fields:
+        tied = model.lm_head.weight is model.get_input_embeddings().weight
+        assert tied is fields["tie_word_embeddings"]
+    _check_exact(model, inputs)
+
+
+def test_git_honours_num_items_in_batch_and_shift_labels():
+    model, inputs = _model("git")
+    _check_exact(model, inputs, num_items_in_batch=torch.tensor(5))
+    labels = inputs["labels"]
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    _check_exact(model, inputs, shift_labels=shifted)
+
+
+def test_git_with_labels_of_another_length_raises():
+    model, inputs = _model("git")
+    fused = torchfuser.optimize(copy.deepcopy(model), backend="reference", patterns=["lm_head_loss"])
+    inputs = {**inputs, "labels": inputs["labels"][:, 1:]}
+    with pytest.raises(Exception):
+        model(**inputs)
+    with pytest.raises(RuntimeError, match="one label per position"):
+        fused(**inputs)
+
+
+def test_florence2_refuses_shift_labels_as_its_forward_does():
+    model, inputs = _model("florence2")
+    fused = torchfuser.optimize(copy.deepcopy(model), backend="reference", patterns=["lm_head_loss"])
+    with pytest.raises(TypeError):
+        model(**inputs, shift_labels=inputs["labels"])
+    with pytest.raises(TypeError, match="shift_labels"):
+        fused(**inputs, shift_labels=inputs["labels"])
+
+
+def test_shift_right():
+    labels = torch.tensor([[5, -100, 7, 8], [-100, 4, 3, -100]])
+    assert torch.equal(shift_right(labels, 2, 1), torch.tensor([[2, 5, 1, 7], [2, 1, 4, 3]]))
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("pix2struct", "the forward hands that decoder the labels, and it computes its loss itself"),
+    ("blip", "inside 'text_decoder' (BlipTextLMHeadModel), whose own forward computes the head and loss"),
+    ("nemotron_h_omni", "a causal LM of its own"),
+])
+def test_heads_left_alone_say_why(model_type, why):
+    model, _ = _model(model_type)
+    spec = LMHeadLossPattern().match(model)
+    assert isinstance(spec, Skip) and why in spec.reason, spec
+
+
+@pytest.mark.parametrize("model_type", ["udop", "git"])  # (Florence-2's: in the slow sweep test)
+def test_the_sweep_fuses_the_head_exactly(model_type):
+    r = vlm_sweep.run_one(model_type)
+    assert r.kind == "fused", (r.kind, r.detail)
+    assert r.towers.get("text", {}).get("lm_head_loss") == 1, r.skipped.get("lm_head_loss")

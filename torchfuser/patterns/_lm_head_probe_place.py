@@ -1,0 +1,70 @@
+"""Where the head of a model sits when it is not a plain child of it: in a wrapper of the model's own (fused at its
+path), inside the decoder the probes stand in for, inside a causal LM of its own, or inside another model the forward
+hands the labels (BLIP's text decoder): the last three stay unfused here, each with its reason."""
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+
+from torchfuser.patterns import _lm_head_probe as probe
+from torchfuser.patterns.base import Skip
+
+
+def nested_head(model: nn.Module, head: nn.Linear, causal_lm: set):
+    """The path of a head that is not a child of the model but sits in a wrapper of its own (T5Gemma 2's
+    ``lm_head.out_proj``, BERT's ``cls.predictions.decoder`` after its transform: what runs before the head is
+    captured with its input, what runs after it the probes see), else a Skip: a head inside the decoder the probes
+    stand in for, or inside a causal LM of its own (whose head and loss are fused there, if at all)."""
+    path = next((n for n, m in model.named_modules() if m is head), None)
+    if path is None:
+        return Skip("output embeddings are not a module of the model")
+    parts = path.split(".")
+    stubbed = probe._stubbed(model) or {}
+    if parts[0] == getattr(model, "base_model_prefix", None) or parts[0] in stubbed:
+        decoder = model.get_submodule(parts[0])
+        own = "labels" in _params(decoder)
+        return Skip(f"output embeddings at {path!r}, inside the decoder ({parts[0]!r}, {type(decoder).__name__}) whose "
+                    "output the loss is computed from: not a head on the decoder's output"
+                    + ("; the forward hands that decoder the labels, and it computes its loss itself" if own else ""))
+    for i in range(1, len(parts)):
+        inner = model.get_submodule(".".join(parts[:i]))
+        cls = type(inner).__name__
+        if cls.endswith("ForCausalLM") or cls in causal_lm or isinstance(inner, nn.ModuleList):
+            return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
+                        "its head and loss are fused on that model, where it is given the labels")
+    return path
+
+
+def inner_head(model: nn.Module, causal_lm: set) -> str | None:
+    """Why a model without output embeddings of its own is not fused where a model inside it holds the head (BLIP's
+    text decoder, which its forward hands the labels): that model's head and loss, or None where there is none."""
+    for path, inner in model.named_modules():
+        get = getattr(inner, "get_output_embeddings", None)
+        if inner is model or not callable(get):
+            continue
+        try:
+            head = get()
+        except Exception:
+            continue
+        if not isinstance(head, nn.Linear):
+            continue
+        where = next((n for n, m in inner.named_modules() if m is head), "?")
+        cls = type(inner).__name__
+        said = f"output embeddings None on the model; its head sits at {path}.{where}, inside {path!r} ({cls})"
+        if cls.endswith("ForCausalLM") or cls in causal_lm:
+            return (f"{said}, a causal LM of its own: its head and loss are fused there, and run where this model "
+                    "hands it the labels (one that calls it without labels and computes the loss from its logits "
+                    "itself leaves that fused head idle)")
+        smoothing = getattr(inner, "label_smoothing", None)
+        return (f"{said}, whose own forward computes the head and loss (not a causal-LM class the pattern takes" +
+                (f"; with label smoothing {smoothing}, which linear_cross_entropy does not compute" if
+                 isinstance(smoothing, (int, float)) and smoothing > 0 else "") + ")")
+    return None
+
+
+def _params(module: nn.Module):
+    try:
+        return inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
