@@ -87,7 +87,7 @@ def _head_spec(model_type: str):
     return LMHeadLossPattern().match(model)
 
 
-@pytest.mark.parametrize("model_type, why", [("blip-2", "a model of its own"), ("llama4", "a model of its own"),
+@pytest.mark.parametrize("model_type, why", [("blip-2", "a causal LM of its own"),
                                               ("pix2struct", "hands that decoder the labels")])
 def test_heads_left_alone_say_why(model_type, why):
     spec = _head_spec(model_type)

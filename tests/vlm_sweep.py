@@ -201,8 +201,9 @@ def towers(model, rep) -> dict[str, dict[str, int]]:
 
 def idle_heads(model, res: Result) -> None:
     """A fused LM head + loss that made no fused call in the step just run (an inner causal LM the model calls without
-    labels, computing the loss from its logits itself: BLIP-2's, Nemotron-H Omni's) is not counted as fused: the
-    table gives the reason instead."""
+    labels, computing the loss from its logits itself where the model's own fused loss could not be probed: BLIP-2's;
+    or one the model's own fused loss took over: Kosmos-2.5's) is not counted as fused; where none ran, the table
+    gives the reason."""
     from torchfuser.modules.lm_head import FusedLMHeadLoss
 
     for name, m in model.named_modules():
@@ -210,8 +211,9 @@ def idle_heads(model, res: Result) -> None:
         if isinstance(fused, FusedLMHeadLoss) and fused.calls.n == 0:
             text = res.towers.get("text", {})
             text["lm_head_loss"] = text.get("lm_head_loss", 1) - 1
-            if not text["lm_head_loss"]:
-                del text["lm_head_loss"]
+            if text["lm_head_loss"]:  # another fused head ran (the model's own, on the inner causal LM's head)
+                continue
+            del text["lm_head_loss"]
             res.skipped["lm_head_loss"] = (
                 f"fused on {name!r} ({type(m).__name__}), which ran no fused call in the training step: the model "
                 "calls it without labels and computes the loss from its logits itself, so its own head and loss run")

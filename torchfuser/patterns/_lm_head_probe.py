@@ -12,7 +12,7 @@ import inspect
 import torch
 from torch import nn
 
-from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, LMHeadLossSpec
+from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, FusedLMHeadLoss, LMHeadLossSpec
 from torchfuser.patterns import _probe
 
 try:
@@ -90,9 +90,9 @@ def _changed(t: torch.Tensor) -> torch.Tensor:
     return t.detach() * 2 + 1
 
 
-def _perturbed(module: nn.Module, children=None, keep=None) -> nn.Module:
+def _perturbed(module: nn.Module, children=None, keep=()) -> nn.Module:
     """A shallow copy whose floating parameters and buffers, and those of ``children`` (default:
-    all), are changed; ``keep`` (the head, replaced anyway) is not copied."""
+    all), are changed; ``keep`` (the head and the stubbed decoder, replaced anyway) are not copied."""
     copy = _probe.shallow_copy(module)
     for table in (copy._parameters, copy._buffers):
         for name, t in table.items():
@@ -100,7 +100,7 @@ def _perturbed(module: nn.Module, children=None, keep=None) -> nn.Module:
                 table[name] = nn.Parameter(_changed(t), requires_grad=False) if isinstance(t, nn.Parameter) else _changed(t)
     children = module._modules if children is None else children
     for name, child in children.items():
-        if child is not None and child is not keep:
+        if child is not None and not any(child is k for k in keep):
             copy._modules[name] = _perturbed(child, keep=keep)
     return copy
 
@@ -115,13 +115,28 @@ def _put(probe: nn.Module, path: str, new: nn.Module) -> None:
     *parents, leaf = path.split(".")
     for name in parents:
         probe._modules[name] = probe = _probe.shallow_copy(probe._modules[name])
+        if isinstance(probe.__dict__.get("forward"), FusedLMHeadLoss):
+            del probe.__dict__["forward"]  # an inner causal LM's fused loss is bound to the model's own: its class forward
     probe._modules[leaf] = new
 
 
-def _stubbed(model: nn.Module) -> dict[str, nn.Module] | None:
-    """The children the probes stand in for: the decoder at ``base_model_prefix``, or where the model holds none there
-    (an encoder-decoder of its own, UDOP's) its encoder and decoder (``get_encoder`` / ``get_decoder``) where both are
-    children of it; None where neither."""
+def _stubbed(model: nn.Module, head: str | None = None) -> dict[str, nn.Module] | None:
+    """The modules the probes stand in for, by path: the decoder at ``base_model_prefix``; for a head inside a model of
+    its own (an inner causal LM whose logits the model computes its loss from: Llama 4's, BLIP-2's) that model's
+    decoder; or where the model holds none there (an encoder-decoder of its own, UDOP's) its encoder and decoder
+    (``get_encoder`` / ``get_decoder``) where both are children of it; None where neither."""
+    full = head.split(".") if head else []
+    parts = full[:-1]
+    for i in range(len(parts), 0, -1):  # the deepest model on the head's path with a decoder of its own
+        inner = model.get_submodule(".".join(parts[:i]))
+        prefix = getattr(inner, "base_model_prefix", None)
+        decoder = inner._modules.get(prefix) if isinstance(prefix, str) and prefix else None
+        others = [n for n, m in inner._modules.items() if m is not None and n != full[i]]
+        if decoder is None and len(others) == 1:  # (Llama 4's prefix names no child): its one child beside the head's
+            prefix = others[0]
+            decoder = inner._modules[prefix]
+        if isinstance(decoder, nn.Module) and full[i] != prefix:
+            return {".".join(parts[:i] + [prefix]): decoder}
     prefix = getattr(model, "base_model_prefix", None)
     decoder = model._modules.get(prefix) if isinstance(prefix, str) and prefix else None
     if isinstance(decoder, nn.Module):
@@ -145,14 +160,14 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
     with ``perturb`` every other parameter and buffer changed; the stub's calls' keyword arguments into
     ``seen``; the decoder's output ``extra`` positions longer than the input ids, as a vision tower's positions
     before the text make it; ``loss_function`` in place of the model's); None where it raises."""
-    stubs = _stubbed(model)
+    stubs = _stubbed(model, head)
     if stubs is None or BaseModelOutputWithPast is None:
         return None
     probe = _probe.shallow_copy(model)
     real = head_of(model, head)
     if perturb:  # the decoder and the head are replaced below: copying them would cost their memory
         others = {n: m for n, m in model._modules.items() if n not in (*stubs, head) and m is not None}
-        probe = _perturbed(probe, others, keep=real)
+        probe = _perturbed(probe, others, keep=(real, *stubs.values()))
     _put(probe, head, make_head(real))
     if loss_function is not None:
         probe.__dict__["_loss_function"] = loss_function  # what transformers' loss_function property returns
@@ -167,7 +182,7 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
         if "." in head:
             hidden = hidden.to(real.weight.device, real.weight.dtype)
         for name, part in stubs.items():
-            probe._modules[name] = _StubDecoder(hidden, part, perturb, seen)
+            _put(probe, name, _StubDecoder(hidden, part, perturb, seen))
         try:
             with torch.no_grad():
                 return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)

@@ -222,7 +222,9 @@ class LMHeadLossPattern(Pattern):
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         if head is None and (inner := place.inner_head(module, _CAUSAL_LM)) is not None:
-            return Skip(inner)
+            if isinstance(inner, str):
+                return Skip(inner)
+            head = inner
         if not isinstance(head, nn.Linear):
             kind = type(head)  # PEFT's LoRA layer is also called Linear: say whose it is
             return Skip(f"output embeddings are {kind.__module__}.{kind.__qualname__}, not a plain torch.nn.Linear "
@@ -256,6 +258,12 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
         logits = probe.probe_logits(module, name)
+        inner = place.inner_causal_lm(module, name, _CAUSAL_LM) if nested else None
+        if logits is None and inner is not None:
+            return Skip(f"output embeddings at {name!r}, inside {inner!r} ({type(module.get_submodule(inner)).__name__}), "
+                        "a causal LM of its own, fused there where it is given the labels; this model's forward did not "
+                        "run on a stand-in for that model's decoder (on text alone), so whether it computes the loss from "
+                        "its logits, and how, could not be learned")
         if logits is None and (nested or masked):
             return Skip((f"output embeddings at {name!r} (not a child of the model)" if nested else
                          f"loss_type {loss_type!r}") + ", and its forward does not run on a stand-in decoder to show "
