@@ -7,7 +7,10 @@ reproduces it exactly, with the reason where it does not:
   decoder checked against the labelled forward's; UDOP scales the decoder's output by d_model^-0.5 before a tied
   head (captured with the head's input); Florence-2 turns the cache off with labels and raises on ``shift_labels=``;
 - GIT scores only the text after its image's positions (``logits[:, N:-1]`` against ``labels[:, 1:]``): N found
-  with a loss function that records the positions it is given, then the whole loss checked at that geometry.
+  with a loss function that records the positions it is given, then the whole loss checked at that geometry;
+- Llama 4, Nemotron-H Omni and Kosmos-2.5 hold the head in an inner causal LM; the first two call it without
+  labels and compute the loss from its logits themselves (the inner model's fused loss never ran): the model's own
+  is fused at the inner head's path, the probes standing in for the inner model's decoder.
 
 Loss and every gradient (the head's weight, tied or not, included) against the unfused model in fp32, the fused
 loss run (one fused call, logits not kept); the heads left alone (Pix2Struct's inside its decoder, BLIP's inside its
@@ -70,13 +73,13 @@ def _step(model, inputs, **extra):
 
 
 def _fused_head(model) -> FusedLMHeadLoss:
-    (fused,) = [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), FusedLMHeadLoss)]
-    return fused
+    return model.__dict__["forward"]
 
 
 def _check_exact(model, inputs, **extra):
     fused = torchfuser.optimize(copy.deepcopy(model), backend="reference", patterns=["lm_head_loss"])
     head = _fused_head(fused)
+    assert head.model is fused  # the model's own (an inner causal LM's, Kosmos-2.5's, idle in its calls)
     want, want_g = _step(model, inputs, **extra)
     got, got_g = _step(fused, inputs, **extra)
     assert head.calls.n == 1  # the fused loss ran
@@ -94,6 +97,9 @@ def _check_exact(model, inputs, **extra):
     ("florence2", dict(decoder_shift=(2, 1), cache_off=True, refused_kwargs=("shift_labels",), shift=False)),
     ("udop", dict(decoder_shift=(0, 0), shift=False, leading=0)),
     ("git", dict(leading=65, shift=True, cache_off=True)),
+    ("llama4", dict(head="language_model.lm_head", shift=True)),
+    ("nemotron_h_omni", dict(head="language_model.lm_head", shift=True)),
+    ("kosmos-2.5", dict(head="text_model.lm_head", shift=True, cache_off=True)),
 ])
 def test_the_spec_is_probed(model_type, fields):
     model, _ = _model(model_type)
@@ -104,7 +110,8 @@ def test_the_spec_is_probed(model_type, fields):
 
 
 @pytest.mark.parametrize("model_type, fields", [("florence2", {}), ("udop", {"tie_word_embeddings": True}),
-                                                ("udop", {"tie_word_embeddings": False}), ("git", {})])
+                                                ("udop", {"tie_word_embeddings": False}), ("git", {}),
+                                                ("llama4", {}), ("nemotron_h_omni", {}), ("kosmos-2.5", {})])
 def test_loss_and_every_gradient_exact(model_type, fields):
     model, inputs = _model(model_type, **fields)
     if "tie_word_embeddings" in fields:
@@ -148,7 +155,7 @@ def test_shift_right():
 @pytest.mark.parametrize("model_type, why", [
     ("pix2struct", "the forward hands that decoder the labels, and it computes its loss itself"),
     ("blip", "inside 'text_decoder' (BlipTextLMHeadModel), whose own forward computes the head and loss"),
-    ("nemotron_h_omni", "a causal LM of its own"),
+    ("blip-2", "a causal LM of its own, fused there where it is given the labels; this model's forward did not run"),
 ])
 def test_heads_left_alone_say_why(model_type, why):
     model, _ = _model(model_type)

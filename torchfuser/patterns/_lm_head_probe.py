@@ -130,6 +130,8 @@ def _stubbed(model: nn.Module, head: str | None = None) -> dict[str, nn.Module] 
     for i in range(len(parts), 0, -1):  # the deepest model on the head's path with a decoder of its own
         inner = model.get_submodule(".".join(parts[:i]))
         prefix = getattr(inner, "base_model_prefix", None)
+        if not isinstance(prefix, str):  # not a model of its own (BERT's prediction head: a wrapper of the model's)
+            continue
         decoder = inner._modules.get(prefix) if isinstance(prefix, str) and prefix else None
         others = [n for n, m in inner._modules.items() if m is not None and n != full[i]]
         if decoder is None and len(others) == 1:  # (Llama 4's prefix names no child): its one child beside the head's
