@@ -304,6 +304,8 @@ class LMHeadLossPattern(Pattern):
     def parameters_used(self, module):
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
+        if head is None:  # an inner causal LM's head (Nemotron-H Omni's)
+            head = place.inner_head(module, _CAUSAL_LM)
         return head.named_parameters() if isinstance(head, nn.Module) else ()
 
     def apply(self, root, qualname, module, spec, backend):
