@@ -88,7 +88,7 @@ def _head_spec(model_type: str):
 
 
 @pytest.mark.parametrize("model_type, why", [("blip-2", "a causal LM of its own"),
-                                              ("pix2struct", "hands that decoder the labels")])
+                                              ("pix2struct", "takes labels and computes a loss of its own")])
 def test_heads_left_alone_say_why(model_type, why):
     spec = _head_spec(model_type)
     assert isinstance(spec, Skip) and why in spec.reason, spec

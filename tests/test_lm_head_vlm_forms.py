@@ -153,7 +153,7 @@ def test_shift_right():
 
 
 @pytest.mark.parametrize("model_type, why", [
-    ("pix2struct", "the forward hands that decoder the labels, and it computes its loss itself"),
+    ("pix2struct", "that decoder's forward takes labels and computes a loss of its own"),
     ("blip", "inside 'text_decoder' (BlipTextLMHeadModel), whose own forward computes the head and loss"),
     ("blip-2", "a causal LM of its own, fused there where it is given the labels; this model's forward did not run"),
 ])

@@ -27,7 +27,7 @@ def nested_head(model: nn.Module, head: nn.Linear, causal_lm: set):
         own = "labels" in _params(decoder)
         return Skip(f"output embeddings at {path!r}, inside the decoder ({parts[0]!r}, {type(decoder).__name__}) whose "
                     "output the loss is computed from: not a head on the decoder's output"
-                    + ("; the forward hands that decoder the labels, and it computes its loss itself" if own else ""))
+                    + ("; that decoder's forward takes labels and computes a loss of its own" if own else ""))
     for i in range(1, len(parts)):
         inner = model.get_submodule(".".join(parts[:i]))
         cls = type(inner).__name__
