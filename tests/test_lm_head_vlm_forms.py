@@ -168,3 +168,18 @@ def test_the_sweep_fuses_the_head_exactly(model_type):
     r = vlm_sweep.run_one(model_type)
     assert r.kind == "fused", (r.kind, r.detail)
     assert r.towers.get("text", {}).get("lm_head_loss") == 1, r.skipped.get("lm_head_loss")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model_type", ["florence2", "git", "llama4"])
+def test_cuda_fused_loss_and_gradients(model_type):
+    """On the GPU (the Triton linear_cross_entropy kernel), fp32: loss and every gradient as the unfused model's."""
+    model, inputs = _model(model_type)
+    model, inputs = model.cuda(), {k: v.cuda() for k, v in inputs.items()}
+    fused = torchfuser.optimize(copy.deepcopy(model), patterns=["lm_head_loss"])
+    want, want_g = _step(model, inputs)
+    got, got_g = _step(fused, inputs)
+    assert _fused_head(fused).calls.n == 1
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-4, atol=1e-5)
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, rtol=1e-3, atol=1e-3 * g.abs().max().item() + 1e-7, msg=name)

@@ -134,3 +134,23 @@ def test_the_sweep_fuses_gemma4_s_vision_mlps_exactly():
     r = vlm_sweep.run_one("gemma4")
     assert r.kind == "fused", (r.kind, r.detail)
     assert r.towers.get("vision", {}).get("gated_mlp") == 2, r.towers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_triton_exact(dtype):
+    """On the GPU (the Triton gated kernel, bounds that clip): fp32 as the unfused module; bf16 within the numerics
+    rule against float64."""
+    mlp = _mlp(True).cuda()
+    fused = FusedGatedMLP(copy.deepcopy(mlp), GatedMLPPattern().match(mlp), "triton")
+    x, g = (t.cuda() for t in _inputs())
+    ref, ref_g = _run(copy.deepcopy(mlp).double(), x.double(), g.double())
+    low = copy.deepcopy(mlp).to(dtype)
+    fused = fused.to(dtype)
+    want, want_g = _run(low, x.to(dtype), g.to(dtype))
+    got, got_g = _run(fused, x.to(dtype), g.to(dtype))
+    atol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert_within_rule(got.double(), want.double(), ref, atol, "output")
+    for n, a, b, r in zip(["input", *(n for n, _ in mlp.named_parameters())], got_g, want_g, ref_g):
+        assert_within_rule(a.double(), b.double(), r, atol * max(r.abs().max().item(), 1.0), n)
+    assert not fallbacks.counts(fused)
