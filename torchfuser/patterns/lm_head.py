@@ -11,7 +11,10 @@ forward on a shallow copy whose decoder is a stub and whose head returns known v
 not read from a parameter), and the loss (cross-entropy of shifted or unshifted labels, and which
 of num_items_in_batch / ignore_index / shift_labels it honours). Where the forward cannot run
 that way, it is fused only if it calls transformers' loss_function and its config names no logit
-transform. The model cannot be replaced in its parent (it is usually the root), so ``apply``
+transform. Forms of image-text models probed too (docs/vlm.md): decoder inputs the forward shifts from the labels
+itself (``_lm_head_probe_decoder``), a loss over the positions after a fixed number of leading ones (GIT's image
+positions: ``_lm_head_probe_offset``), the head of an inner causal LM whose logits the model computes its loss from
+(``_lm_head_probe_place``: where the head sits, and which decoder the probes stand in for). The model cannot be replaced in its parent (it is usually the root), so ``apply``
 installs a per-instance forward and its undo removes it; the class is never touched.
 """
 from __future__ import annotations

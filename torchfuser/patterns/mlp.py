@@ -1,7 +1,8 @@
 """MLP blocks: gated (gate/up/down or a fused gate_up) and plain (fc_in → GELU, ReLU or squared ReLU → fc_out,
 perhaps + a residual the forward is passed: BLOOM's and MPT's MLPs add it themselves).
 
-A candidate has two or three projection children (``nn.Linear`` or GPT-2's ``Conv1D``) whose
+A candidate has two or three projection children (``nn.Linear`` or GPT-2's ``Conv1D``; or a wrapped projection,
+Gemma 4's ``Gemma4ClippableLinear``: one Linear in a module that clamps around it, called as it is) whose
 shapes chain H → I → H, a parameter-free activation child and perhaps a dropout. Which
 projection is the gate, the order of a fused ``gate_up`` and where the dropout sits are
 decided by a probe: the block's own forward, run with small random projections, must equal
