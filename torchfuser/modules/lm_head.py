@@ -43,7 +43,8 @@ class LMHeadLossSpec:
     # as the model's prepare_decoder_input_ids_from_labels does: called without labels, it is given those.
     decoder_inputs_from_labels: bool = False
     # ... or as the labels shifted right, (start token, pad token for -100) (Florence-2's and UDOP's forwards, which
-    # have no prepare_decoder_input_ids_from_labels that does it); cache_off: the forward turns the cache off with labels
+    # have no prepare_decoder_input_ids_from_labels that does it); cache_off: the forward turns the cache off with
+    # labels (use_cache=False passed on), and so does the fused forward
     decoder_shift: tuple[int, int] | None = None
     cache_off: bool = False
     refused_kwargs: tuple[str, ...] = ()  # of LOSS_KWARGS, those the forward raises on with labels (so does the fused)
@@ -206,8 +207,8 @@ class FusedLMHeadLoss:
         capture = CaptureHead(self.probes, head, run=keep_logits)
         for name in self.spec.refused_kwargs:
             if kwargs.get(name) is not None:
-                raise TypeError(f"{type(self.model).__name__}.forward with labels does not take {name}= (its own forward "
-                                "raises on it too)")
+                raise TypeError(f"{type(self.model).__name__}.forward with labels does not take {name}= "
+                                "(its own forward raises on it too)")
         if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
             if self.spec.decoder_shift is not None:
                 kwargs["decoder_input_ids"] = shift_right(labels, *self.spec.decoder_shift)

@@ -116,7 +116,8 @@ def _put(probe: nn.Module, path: str, new: nn.Module) -> None:
     for name in parents:
         probe._modules[name] = probe = _probe.shallow_copy(probe._modules[name])
         if isinstance(probe.__dict__.get("forward"), FusedLMHeadLoss):
-            del probe.__dict__["forward"]  # an inner causal LM's fused loss is bound to the model's own: its class forward
+            # an inner causal LM's fused loss is bound to the model's own inner model: the class forward runs here
+            del probe.__dict__["forward"]
     probe._modules[leaf] = new
 
 
@@ -219,7 +220,8 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec, extra: int = 0) -> tuple[bool, tuple, tuple] | str | None:
+def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec,
+               extra: int = 0) -> tuple[bool, tuple, tuple] | str | None:
     """How the forward forms its loss, learned from its loss on known logits and labels:
     ``(shift, honoured keywords, keywords it raises on)``; a reason (str) where it is no form the fused loss reproduces;
     None where the forward does not run on the stub. ``extra``: positions before the labels' (GIT's image positions),

@@ -14,8 +14,9 @@ that way, it is fused only if it calls transformers' loss_function and its confi
 transform. Forms of image-text models probed too (docs/vlm.md): decoder inputs the forward shifts from the labels
 itself (``_lm_head_probe_decoder``), a loss over the positions after a fixed number of leading ones (GIT's image
 positions: ``_lm_head_probe_offset``), the head of an inner causal LM whose logits the model computes its loss from
-(``_lm_head_probe_place``: where the head sits, and which decoder the probes stand in for). The model cannot be replaced in its parent (it is usually the root), so ``apply``
-installs a per-instance forward and its undo removes it; the class is never touched.
+(``_lm_head_probe_place``: where the head sits, and which decoder the probes stand in for). The model cannot be
+replaced in its parent (it is usually the root), so ``apply`` installs a per-instance forward and its undo removes
+it; the class is never touched.
 """
 from __future__ import annotations
 
@@ -263,10 +264,11 @@ class LMHeadLossPattern(Pattern):
         logits = probe.probe_logits(module, name)
         inner = place.inner_causal_lm(module, name, _CAUSAL_LM) if nested else None
         if logits is None and inner is not None:
-            return Skip(f"output embeddings at {name!r}, inside {inner!r} ({type(module.get_submodule(inner)).__name__}), "
-                        "a causal LM of its own, fused there where it is given the labels; this model's forward did not "
-                        "run on a stand-in for that model's decoder (on text alone), so whether it computes the loss from "
-                        "its logits, and how, could not be learned")
+            cls = type(module.get_submodule(inner)).__name__
+            return Skip(f"output embeddings at {name!r}, inside {inner!r} ({cls}), a causal LM of its own, fused there "
+                        "where it is given the labels; this model's forward did not run on a stand-in for that model's "
+                        "decoder (on text alone), so whether it computes the loss from its logits, and how, could not "
+                        "be learned")
         if logits is None and (nested or masked):
             return Skip((f"output embeddings at {name!r} (not a child of the model)" if nested else
                          f"loss_type {loss_type!r}") + ", and its forward does not run on a stand-in decoder to show "
