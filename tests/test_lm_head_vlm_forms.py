@@ -13,8 +13,8 @@ reproduces it exactly, with the reason where it does not:
   is fused at the inner head's path, the probes standing in for the inner model's decoder.
 
 Loss and every gradient (the head's weight, tied or not, included) against the unfused model in fp32, the fused
-loss run (one fused call, logits not kept); the heads left alone (Pix2Struct's inside its decoder, BLIP's inside its
-text decoder, heads of inner causal LMs the model calls without labels) say why."""
+loss run (one fused call); BLIP's text decoder (handed the labels by BLIP) fused where it smooths no labels; the
+heads left alone (Pix2Struct's inside its decoder, BLIP-2's inner causal LM's) say why."""
 from __future__ import annotations
 
 import copy
@@ -152,9 +152,31 @@ def test_shift_right():
     assert torch.equal(shift_right(labels, 2, 1), torch.tensor([[2, 5, 1, 7], [2, 1, 4, 3]]))
 
 
+def test_blip_text_decoder_fused_where_it_smooths_no_labels():
+    """BLIP's head sits in its text decoder (``BlipTextLMHeadModel``), which its forward hands the labels: fused there;
+    a call for per-row losses (``reduction="none"``) runs the original; label smoothing leaves it unfused, saying so."""
+    model, inputs = _model("blip")
+    fused = torchfuser.optimize(copy.deepcopy(model), backend="reference", patterns=["lm_head_loss"])
+    head = fused.text_decoder.__dict__["forward"]
+    assert isinstance(head, FusedLMHeadLoss) and head.spec.head == "cls.predictions.decoder"
+    want, want_g = _step(model, inputs)
+    got, got_g = _step(fused, inputs)
+    assert head.calls.n == 1
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert got_g.keys() == want_g.keys()
+    for name, g in want_g.items():
+        torch.testing.assert_close(got_g[name], g, rtol=1e-4, atol=1e-4 * g.abs().max().item() + 1e-8, msg=name)
+    ids, labels = inputs["input_ids"], inputs["input_ids"]
+    per_row = fused.text_decoder(input_ids=ids, labels=labels, reduction="none").loss
+    assert per_row.shape == (ids.shape[0],) and head.calls.n == 1  # the original's, not fused
+    smoothing = copy.deepcopy(model)
+    smoothing.text_decoder.label_smoothing = 0.1
+    spec = LMHeadLossPattern().match(smoothing.text_decoder)
+    assert isinstance(spec, Skip) and "label_smoothing=0.1" in spec.reason, spec
+
+
 @pytest.mark.parametrize("model_type, why", [
     ("pix2struct", "that decoder's forward takes labels and computes a loss of its own"),
-    ("blip", "inside 'text_decoder' (BlipTextLMHeadModel), whose own forward computes the head and loss"),
     ("blip-2", "a causal LM of its own, fused there where it is given the labels; this model's forward did not run"),
 ])
 def test_heads_left_alone_say_why(model_type, why):

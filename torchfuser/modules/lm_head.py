@@ -197,6 +197,8 @@ class FusedLMHeadLoss:
         keep = kwargs.get("logits_to_keep", 0)
         if labels is None or not self.model.training or not isinstance(head, nn.Linear) or not (isinstance(keep, int) and keep == 0):
             return original(**kwargs)
+        if kwargs.get("reduction", "mean") not in (None, "mean") or kwargs.get("return_logits"):
+            return original(**kwargs)  # BLIP's text decoder: per-row losses, or its logits alone (the probes saw neither)
         return self._fused(original, head, kwargs)
 
     def _fused(self, original, head: nn.Linear, kwargs):

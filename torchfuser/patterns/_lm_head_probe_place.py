@@ -11,7 +11,7 @@ from torchfuser.patterns import _lm_head_probe as probe
 from torchfuser.patterns.base import Skip
 
 
-def nested_head(model: nn.Module, head: nn.Linear, causal_lm: set):
+def nested_head(model: nn.Module, head: nn.Linear, is_lm):
     """The path of a head that is not a child of the model but sits in a wrapper of its own (T5Gemma 2's
     ``lm_head.out_proj``, BERT's ``cls.predictions.decoder`` after its transform: what runs before the head is
     captured with its input, what runs after it the probes see; a head of an inner causal LM, Llama 4's, whose decoder
@@ -31,16 +31,16 @@ def nested_head(model: nn.Module, head: nn.Linear, causal_lm: set):
     for i in range(1, len(parts)):
         inner = model.get_submodule(".".join(parts[:i]))
         cls = type(inner).__name__
-        if (cls.endswith("ForCausalLM") or cls in causal_lm) and any(
+        if is_lm(cls) and any(
                 k.startswith(".".join(parts[:i]) + ".") for k in probe._stubbed(model, path) or {}):
             return path  # an inner causal LM whose decoder the probes stand in for: they show what the model does
-        if cls.endswith("ForCausalLM") or cls in causal_lm or isinstance(inner, nn.ModuleList):
+        if is_lm(cls) or isinstance(inner, nn.ModuleList):
             return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
                         "its head and loss are fused on that model, where it is given the labels")
     return path
 
 
-def inner_head(model: nn.Module, causal_lm: set) -> nn.Linear | str | None:
+def inner_head(model: nn.Module, is_lm) -> nn.Linear | str | None:
     """For a model without output embeddings of its own, where a model inside it holds the head: the head where that
     model is a causal LM (probed as a head inside one), else why it is not fused (BLIP's text decoder, which its
     forward hands the labels, computes the head and loss itself); None where no model inside holds one."""
@@ -57,7 +57,7 @@ def inner_head(model: nn.Module, causal_lm: set) -> nn.Linear | str | None:
         where = next((n for n, m in inner.named_modules() if m is head), "?")
         cls = type(inner).__name__
         said = f"output embeddings None on the model; its head sits at {path}.{where}, inside {path!r} ({cls})"
-        if cls.endswith("ForCausalLM") or cls in causal_lm:
+        if is_lm(cls):
             return head  # (Nemotron-H Omni's): probed as a head inside an inner causal LM
         smoothing = getattr(inner, "label_smoothing", None)
         return (f"{said}, whose own forward computes the head and loss (not a causal-LM class the pattern takes" +
@@ -73,11 +73,11 @@ def _params(module: nn.Module):
         return {}
 
 
-def inner_causal_lm(model: nn.Module, path: str, causal_lm: set) -> str | None:
+def inner_causal_lm(model: nn.Module, path: str, is_lm) -> str | None:
     """The path of the causal LM of its own that holds the head at ``path`` inside the model, or None."""
     parts = path.split(".")
     for i in range(len(parts) - 1, 0, -1):
         cls = type(model.get_submodule(".".join(parts[:i]))).__name__
-        if cls.endswith("ForCausalLM") or cls in causal_lm:
+        if is_lm(cls):
             return ".".join(parts[:i])
     return None

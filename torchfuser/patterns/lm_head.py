@@ -75,6 +75,13 @@ def _text_field(cfg, name: str):
 _CAUSAL_LM = _causal_lm_names()
 
 
+def _is_lm(cls: str) -> bool:
+    """A language model with a head of its own, by its class's name: a causal LM of the auto mappings (GPT-2's
+    ``GPT2LMHeadModel``), any ``*ForCausalLM``, or a ``*LMHeadModel`` (BLIP's text decoder, which its outer model
+    hands the labels); the probes decide whether its loss is one the fused loss reproduces."""
+    return cls.endswith(("ForCausalLM", "LMHeadModel")) or cls in _CAUSAL_LM
+
+
 def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor, cfg=None):
     """``spec`` with the logit scale the forward applies (Cohere multiplies by logit_scale, Granite
     divides by logits_scaling, HyperCLOVAX multiplies by it), or a Skip for any other transform."""
@@ -208,8 +215,7 @@ class LMHeadLossPattern(Pattern):
     fused = FusedLMHeadLoss
 
     def match(self, module):
-        cls = type(module).__name__
-        if not (cls.endswith("ForCausalLM") or cls in _CAUSAL_LM):
+        if not _is_lm(type(module).__name__):
             return None
         if isinstance(module.__dict__.get("forward"), FusedLMHeadLoss):
             return None  # already fused: optimize is idempotent
@@ -225,7 +231,7 @@ class LMHeadLossPattern(Pattern):
             return None
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
-        if head is None and (inner := place.inner_head(module, _CAUSAL_LM)) is not None:
+        if head is None and (inner := place.inner_head(module, _is_lm)) is not None:
             if isinstance(inner, str):
                 return Skip(inner)
             head = inner
@@ -238,7 +244,7 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"output embeddings {type(head).__name__} {why}; only a plain nn.Linear head is fused")
         name = next((n for n, m in module._modules.items() if m is head), None)
         nested = name is None
-        if nested and isinstance(name := place.nested_head(module, head, _CAUSAL_LM), Skip):
+        if nested and isinstance(name := place.nested_head(module, head, _is_lm), Skip):
             return name
         cfg = getattr(module, "config", None)
         vocab = _text_field(cfg, "vocab_size")
@@ -262,7 +268,7 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
         logits = probe.probe_logits(module, name)
-        inner = place.inner_causal_lm(module, name, _CAUSAL_LM) if nested else None
+        inner = place.inner_causal_lm(module, name, _is_lm) if nested else None
         if logits is None and inner is not None:
             cls = type(module.get_submodule(inner)).__name__
             return Skip(f"output embeddings at {name!r}, inside {inner!r} ({cls}), a causal LM of its own, fused there "
@@ -300,6 +306,9 @@ class LMHeadLossPattern(Pattern):
             return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
                         "its loss could not be learned" + (f" ({narrow})" if narrow else ""))
         if isinstance(form, str):
+            smoothing = getattr(module, "label_smoothing", None)  # (BLIP's text decoder reads it at each call)
+            if isinstance(smoothing, float) and smoothing > 0:
+                form += f"; it smooths its labels (label_smoothing={smoothing}), which the fused kernels do not"
             return Skip(form + (f" ({narrow})" if narrow else ""))
         spec = dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1], refused_kwargs=form[2])
         if not spec.cache_off and "use_cache" in params and decoder_probe.turns_cache_off(module, name, spec.leading):
@@ -310,7 +319,7 @@ class LMHeadLossPattern(Pattern):
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
         if head is None:  # an inner causal LM's head (Nemotron-H Omni's)
-            head = place.inner_head(module, _CAUSAL_LM)
+            head = place.inner_head(module, _is_lm)
         return head.named_parameters() if isinstance(head, nn.Module) else ()
 
     def apply(self, root, qualname, module, spec, backend):
