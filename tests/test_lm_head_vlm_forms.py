@@ -109,7 +109,8 @@ def test_the_spec_is_probed(model_type, fields):
         assert getattr(spec, k) == v, (k, getattr(spec, k))
 
 
-@pytest.mark.parametrize("model_type, fields", [("florence2", {}), ("udop", {"tie_word_embeddings": True}),
+@pytest.mark.parametrize("model_type, fields", [pytest.param("florence2", {}, marks=pytest.mark.slow),  # ≈ 30 s here
+                                                ("udop", {"tie_word_embeddings": True}),
                                                 ("udop", {"tie_word_embeddings": False}), ("git", {}),
                                                 ("llama4", {}), ("nemotron_h_omni", {}), ("kosmos-2.5", {})])
 def test_loss_and_every_gradient_exact(model_type, fields):
