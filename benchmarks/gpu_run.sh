@@ -71,6 +71,7 @@ for stage in "$@"; do
     ft-fp8) timeout ${FT_S:-400} python3 $ts --models ${MODELS:-llama1b} --variants ${VARIANTS:-compile torchfuser torchfuser-fp8 torchfuser+compile torchfuser-fp8+compile} \
               ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-fp8.jsonl" ;;
     lora-probe) timeout 150 python3 benchmarks/probes/lora_kernels_probe.py --out "$OUT/lora-kernels-probe.jsonl" ;;
+    vlm-heads-tests) timeout 240 python3 -m pytest -p no:cacheprovider tests/test_lm_head_vlm_forms.py tests/test_mlp_wrapped_projections.py -k cuda -rs ;;
     vlm-attn-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_rel_pos_attention.py tests/test_attention_norm_after_rope.py tests/test_vision_rotary_complex.py -k cuda -rs ;;
     varlen-probe) timeout 120 python3 benchmarks/probes/varlen_probe.py --out "$OUT/varlen-probe.jsonl" ;;
     ft-tests) timeout 200 python3 -m pytest -p no:cacheprovider -q -o addopts="-rfE" -n 4 ${FT_TESTS:-tests/backends/test_residual_norm_kernels.py} \

@@ -5,8 +5,8 @@ before it run (and get their gradients) as the model's code; what runs after it 
 gradient against the unfused model (fp32, through the causal-LM sweep's checks), restore. An encoder-decoder forward
 that makes its decoder's inputs from the labels (T5Gemma 2's) is given them as its
 prepare_decoder_input_ids_from_labels makes them, checked on the probe. A head inside a causal LM of its own, inside
-the decoder, a scale the wrapper reads from a parameter after the head, or decoder inputs made from the labels some
-other way stay unfused with their reasons."""
+the decoder, or a scale the wrapper reads from a parameter after the head stay unfused with their reasons (decoder
+inputs made from the labels by a shift of the forward's own: tests/test_lm_head_vlm_forms.py)."""
 from __future__ import annotations
 
 import copy
@@ -87,8 +87,8 @@ def _head_spec(model_type: str):
     return LMHeadLossPattern().match(model)
 
 
-@pytest.mark.parametrize("model_type, why", [("blip-2", "a model of its own"), ("llama4", "a model of its own"),
-                                              ("florence2", "decoder's inputs from the labels")])
+@pytest.mark.parametrize("model_type, why", [("blip-2", "a causal LM of its own"),
+                                              ("pix2struct", "takes labels and computes a loss of its own")])
 def test_heads_left_alone_say_why(model_type, why):
     spec = _head_spec(model_type)
     assert isinstance(spec, Skip) and why in spec.reason, spec

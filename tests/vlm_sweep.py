@@ -199,6 +199,26 @@ def towers(model, rep) -> dict[str, dict[str, int]]:
     return out
 
 
+def idle_heads(model, res: Result) -> None:
+    """A fused LM head + loss that made no fused call in the step just run (an inner causal LM the model calls without
+    labels, computing the loss from its logits itself where the model's own fused loss could not be probed: BLIP-2's;
+    or one the model's own fused loss took over: Kosmos-2.5's) is not counted as fused; where none ran, the table
+    gives the reason."""
+    from torchfuser.modules.lm_head import FusedLMHeadLoss
+
+    for name, m in model.named_modules():
+        fused = m.__dict__.get("forward")
+        if isinstance(fused, FusedLMHeadLoss) and fused.calls.n == 0:
+            text = res.towers.get("text", {})
+            text["lm_head_loss"] = text.get("lm_head_loss", 1) - 1
+            if text["lm_head_loss"]:  # another fused head ran (the model's own, on the inner causal LM's head)
+                continue
+            del text["lm_head_loss"]
+            res.skipped["lm_head_loss"] = (
+                f"fused on {name!r} ({type(m).__name__}), which ran no fused call in the training step: the model "
+                "calls it without labels and computes the loss from its logits itself, so its own head and loss run")
+
+
 def run_one(model_type: str, vision: dict | None = None) -> Result:
     """The sweep of one type; ``vision``: fields set on its tiny vision config (a variant's switches)."""
     short = arch_sweep._short
@@ -245,8 +265,14 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
         def add_towers(res, model, rep):
             res.towers = towers(model, rep)
 
-        return arch_sweep.optimize_and_check(Result(model_type, ""), ref, fused, loss_ref, lambda m: _step(m, inputs),
-                                             grads_match, add_towers)
+        res = Result(model_type, "")
+
+        def step(m):
+            loss = _step(m, inputs)
+            idle_heads(m, res)
+            return loss
+
+        return arch_sweep.optimize_and_check(res, ref, fused, loss_ref, step, grads_match, add_towers)
 
 
 def sweep(types=None) -> list[Result]:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torchfuser import functional as F
 from torchfuser.modules import fallbacks, tied_embedding
 from torchfuser.ops._call import plain_eager
+from torchfuser.modules.lm_head_logits import NOT_KEPT, LogitsNotKept, LogitsNotKeptError  # noqa: F401
 
 # What the capture head hands the model's forward in place of the logits; the forward's own
 # post-processing of these values tells what it does to logits (a scale, a softcap, or else).
@@ -41,11 +42,28 @@ class LMHeadLossSpec:
     # The forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's, T5Gemma 2's),
     # as the model's prepare_decoder_input_ids_from_labels does: called without labels, it is given those.
     decoder_inputs_from_labels: bool = False
+    # ... or as the labels shifted right, (start token, pad token for -100) (Florence-2's and UDOP's forwards, which
+    # have no prepare_decoder_input_ids_from_labels that does it); cache_off: the forward turns the cache off with
+    # labels (use_cache=False passed on), and so does the fused forward
+    decoder_shift: tuple[int, int] | None = None
+    cache_off: bool = False
+    refused_kwargs: tuple[str, ...] = ()  # of LOSS_KWARGS, those the forward raises on with labels (so does the fused)
+    # Leading positions of the decoder's output that are never scored, the labels being those of the rest (GIT's
+    # image positions before the text): the targets get that many ignored ones in front.
+    leading: int = 0
 
     def transform(self, logits: Tensor) -> Tensor:
         """What the model's forward does to the head's output before the loss."""
         z = logits * self.logit_scale
         return z if self.softcap is None else torch.tanh(z / self.softcap) * self.softcap
+
+
+def shift_right(labels: Tensor, start: int, pad: int) -> Tensor:
+    """The decoder's inputs an encoder-decoder makes from its labels: shifted right by one, ``start`` first, -100 (an
+    ignored label) made ``pad``."""
+    out = labels.new_full(labels.shape, start)
+    out[..., 1:] = labels[..., :-1]
+    return out.masked_fill(out == -100, pad)
 
 
 def head_holder(model: nn.Module, path: str) -> tuple[nn.Module | None, str]:
@@ -95,48 +113,6 @@ class CaptureHead(nn.Module):
             if keep:
                 self.probes[key] = probe
         return probe.expand(*hidden.shape[:-1], len(PROBE_LOGITS)).clone()
-
-
-class LogitsNotKeptError(AttributeError):
-    """Raised on any use of ``output.logits`` after a fused training call (an AttributeError, so that
-    ``hasattr`` probes of generic code read False rather than fail)."""
-
-
-class LogitsNotKept:
-    """What ``output.logits`` reads after a fused training call: the logits were never formed. Printing it
-    says so; any use (an attribute, indexing, arithmetic, a torch function) raises ``LogitsNotKeptError``
-    saying why and what to pass. The output's dict and tuple views leave it out, as they leave out any None
-    field, so the readers that walk them (the Trainer, TRL, accelerate, DDP) see no logits."""
-
-    MESSAGE = ("the logits of this training call were never formed: TorchFuser's fused LM head computes the loss "
-               "from the final hidden states without them. Pass torchfuser.optimize(model, keep_logits=True) to get "
-               "them (one more matmul and the logits' memory), or read them from a call in eval mode or without labels.")
-
-    def __repr__(self) -> str:
-        return "<logits not kept: torchfuser.optimize(model, keep_logits=True) keeps them>"
-
-    def __getattr__(self, name):
-        raise LogitsNotKeptError(f"outputs.logits.{name}: {self.MESSAGE}")
-
-    def _refuse(self, *args, **kwargs):
-        raise LogitsNotKeptError(f"outputs.logits: {self.MESSAGE}")
-
-    __getitem__ = __len__ = __iter__ = __bool__ = __float__ = __array__ = _refuse
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        raise LogitsNotKeptError(f"{getattr(func, '__name__', func)}(outputs.logits): {cls.MESSAGE}")
-
-    def __reduce__(self):
-        return (LogitsNotKept, ())
-
-
-for _op in ("add", "sub", "mul", "truediv", "floordiv", "matmul", "pow", "mod"):
-    setattr(LogitsNotKept, f"__{_op}__", LogitsNotKept._refuse)
-    setattr(LogitsNotKept, f"__r{_op}__", LogitsNotKept._refuse)
-for _op in ("neg", "abs", "lt", "le", "gt", "ge"):
-    setattr(LogitsNotKept, f"__{_op}__", LogitsNotKept._refuse)
-NOT_KEPT = LogitsNotKept()
 
 
 class FusedLMHeadLoss:
@@ -221,6 +197,8 @@ class FusedLMHeadLoss:
         keep = kwargs.get("logits_to_keep", 0)
         if labels is None or not self.model.training or not isinstance(head, nn.Linear) or not (isinstance(keep, int) and keep == 0):
             return original(**kwargs)
+        if kwargs.get("reduction", "mean") not in (None, "mean") or kwargs.get("return_logits"):
+            return original(**kwargs)  # BLIP's text decoder: per-row losses, or its logits alone (the probes saw neither)
         return self._fused(original, head, kwargs)
 
     def _fused(self, original, head: nn.Linear, kwargs):
@@ -229,9 +207,17 @@ class FusedLMHeadLoss:
         labels = kwargs.pop("labels")
         keep_logits = self.keep_logits
         capture = CaptureHead(self.probes, head, run=keep_logits)
-        if (self.spec.decoder_inputs_from_labels and kwargs.get("decoder_input_ids") is None
-                and kwargs.get("decoder_inputs_embeds") is None):
-            kwargs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=labels)
+        for name in self.spec.refused_kwargs:
+            if kwargs.get(name) is not None:
+                raise TypeError(f"{type(self.model).__name__}.forward with labels does not take {name}= "
+                                "(its own forward raises on it too)")
+        if kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+            if self.spec.decoder_shift is not None:
+                kwargs["decoder_input_ids"] = shift_right(labels, *self.spec.decoder_shift)
+            elif self.spec.decoder_inputs_from_labels:
+                kwargs["decoder_input_ids"] = self.model.prepare_decoder_input_ids_from_labels(labels=labels)
+        if self.spec.cache_off:  # as the forward does with labels
+            kwargs["use_cache"] = False
         embedding = self._tied_embedding(head, kwargs)
         holder, leaf = head_holder(self.model, self.spec.head)
         holder._modules[leaf] = capture
@@ -255,6 +241,8 @@ class FusedLMHeadLoss:
         if target is None:
             # shifted: tokens < n predict n, the last position has no target
             target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:] if self.spec.shift else labels
+        if self.spec.leading:
+            target = nn.functional.pad(target, (self.spec.leading, 0), value=ignore_index)
         target = target.to(hidden.device)
         if target.shape != hidden.shape[:-1]:
             raise RuntimeError(

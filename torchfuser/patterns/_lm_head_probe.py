@@ -12,7 +12,7 @@ import inspect
 import torch
 from torch import nn
 
-from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, LMHeadLossSpec
+from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, FusedLMHeadLoss, LMHeadLossSpec
 from torchfuser.patterns import _probe
 
 try:
@@ -47,6 +47,12 @@ class _StubDecoder(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             value = getattr(self.__dict__["_real"], name)
+        return self._stand_in(value)
+
+    def __getitem__(self, key):  # a ModuleList's layer (GIT reads its image positions off its first layer)
+        return self._stand_in(self.__dict__["_real"][key])
+
+    def _stand_in(self, value):
         if isinstance(value, nn.Module):
             return _StubDecoder(self.hidden, value, self.__dict__["_perturb"], self.__dict__["_seen"])
         if self.__dict__["_perturb"] and isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -84,9 +90,9 @@ def _changed(t: torch.Tensor) -> torch.Tensor:
     return t.detach() * 2 + 1
 
 
-def _perturbed(module: nn.Module, children=None, keep=None) -> nn.Module:
+def _perturbed(module: nn.Module, children=None, keep=()) -> nn.Module:
     """A shallow copy whose floating parameters and buffers, and those of ``children`` (default:
-    all), are changed; ``keep`` (the head, replaced anyway) is not copied."""
+    all), are changed; ``keep`` (the head and the stubbed decoder, replaced anyway) are not copied."""
     copy = _probe.shallow_copy(module)
     for table in (copy._parameters, copy._buffers):
         for name, t in table.items():
@@ -94,7 +100,7 @@ def _perturbed(module: nn.Module, children=None, keep=None) -> nn.Module:
                 table[name] = nn.Parameter(_changed(t), requires_grad=False) if isinstance(t, nn.Parameter) else _changed(t)
     children = module._modules if children is None else children
     for name, child in children.items():
-        if child is not None and child is not keep:
+        if child is not None and not any(child is k for k in keep):
             copy._modules[name] = _perturbed(child, keep=keep)
     return copy
 
@@ -109,23 +115,65 @@ def _put(probe: nn.Module, path: str, new: nn.Module) -> None:
     *parents, leaf = path.split(".")
     for name in parents:
         probe._modules[name] = probe = _probe.shallow_copy(probe._modules[name])
+        if isinstance(probe.__dict__.get("forward"), FusedLMHeadLoss):
+            # an inner causal LM's fused loss is bound to the model's own inner model: the class forward runs here
+            del probe.__dict__["forward"]
     probe._modules[leaf] = new
 
 
-def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, **kwargs):
+def _stubbed(model: nn.Module, head: str | None = None) -> dict[str, nn.Module] | None:
+    """The modules the probes stand in for, by path: the decoder at ``base_model_prefix``; for a head inside a model of
+    its own (an inner causal LM whose logits the model computes its loss from: Llama 4's, BLIP-2's) that model's
+    decoder; or where the model holds none there (an encoder-decoder of its own, UDOP's) its encoder and decoder
+    (``get_encoder`` / ``get_decoder``) where both are children of it; None where neither."""
+    full = head.split(".") if head else []
+    parts = full[:-1]
+    for i in range(len(parts), 0, -1):  # the deepest model on the head's path with a decoder of its own
+        inner = model.get_submodule(".".join(parts[:i]))
+        prefix = getattr(inner, "base_model_prefix", None)
+        if not isinstance(prefix, str):  # not a model of its own (BERT's prediction head: a wrapper of the model's)
+            continue
+        decoder = inner._modules.get(prefix) if isinstance(prefix, str) and prefix else None
+        others = [n for n, m in inner._modules.items() if m is not None and n != full[i]]
+        if decoder is None and len(others) == 1:  # (Llama 4's prefix names no child): its one child beside the head's
+            prefix = others[0]
+            decoder = inner._modules[prefix]
+        if isinstance(decoder, nn.Module) and full[i] != prefix:
+            return {".".join(parts[:i] + [prefix]): decoder}
+    prefix = getattr(model, "base_model_prefix", None)
+    decoder = model._modules.get(prefix) if isinstance(prefix, str) and prefix else None
+    if isinstance(decoder, nn.Module):
+        return {prefix: decoder}
+    found = {}
+    for getter in ("get_encoder", "get_decoder"):
+        try:
+            part = getattr(model, getter)()
+        except Exception:
+            return None
+        name = next((n for n, m in model._modules.items() if m is part and m is not None), None)
+        if name is None:
+            return None
+        found[name] = part
+    return found if len(found) == 2 else None
+
+
+def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, extra: int = 0,
+         loss_function=None, **kwargs):
     """The model's forward on a stub copy (decoder stubbed, ``make_head(real_head)`` as head, and
     with ``perturb`` every other parameter and buffer changed; the stub's calls' keyword arguments into
-    ``seen``); None where it raises."""
-    prefix = getattr(model, "base_model_prefix", None)
-    decoder = model._modules.get(prefix) if isinstance(prefix, str) else None
-    if not isinstance(decoder, nn.Module) or BaseModelOutputWithPast is None:
+    ``seen``; the decoder's output ``extra`` positions longer than the input ids, as a vision tower's positions
+    before the text make it; ``loss_function`` in place of the model's); None where it raises."""
+    stubs = _stubbed(model, head)
+    if stubs is None or BaseModelOutputWithPast is None:
         return None
     probe = _probe.shallow_copy(model)
     real = head_of(model, head)
     if perturb:  # the decoder and the head are replaced below: copying them would cost their memory
-        others = {n: m for n, m in model._modules.items() if n not in (prefix, head) and m is not None}
-        probe = _perturbed(probe, others, keep=real)
+        others = {n: m for n, m in model._modules.items() if n not in (*stubs, head) and m is not None}
+        probe = _perturbed(probe, others, keep=(real, *stubs.values()))
     _put(probe, head, make_head(real))
+    if loss_function is not None:
+        probe.__dict__["_loss_function"] = loss_function  # what transformers' loss_function property returns
     widths = [real.in_features]
     if "." in head:  # the wrapper's own layers before the head (BERT's transform) run on the decoder's output, which
         # may be of the text config's hidden size where the head's input is not (RemBERT's output_embedding_size)
@@ -133,10 +181,11 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
         width = getattr(text, "hidden_size", None)
         widths += [width] if isinstance(width, int) and width != real.in_features else []
     for width in widths:
-        hidden = _probe.randn(_B, _S, width, gen=_probe.generator(7))
+        hidden = _probe.randn(_B, _S + extra, width, gen=_probe.generator(7))
         if "." in head:
             hidden = hidden.to(real.weight.device, real.weight.dtype)
-        probe._modules[prefix] = _StubDecoder(hidden, decoder, perturb, seen)
+        for name, part in stubs.items():
+            _put(probe, name, _StubDecoder(hidden, part, perturb, seen))
         try:
             with torch.no_grad():
                 return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
@@ -171,14 +220,16 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool, tuple[str, ...]] | str | None:
+def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec,
+               extra: int = 0) -> tuple[bool, tuple, tuple] | str | None:
     """How the forward forms its loss, learned from its loss on known logits and labels:
-    ``(shift, honoured keywords)``; a reason (str) where it is no form the fused loss reproduces;
-    None where the forward does not run on the stub."""
+    ``(shift, honoured keywords, keywords it raises on)``; a reason (str) where it is no form the fused loss reproduces;
+    None where the forward does not run on the stub. ``extra``: positions before the labels' (GIT's image positions),
+    never scored (the labels are those of the last positions)."""
     gen = _probe.generator(11)
     vocab = head_of(model, head).out_features
     # fp32-exact values: a forward that casts the logits to fp32 loses nothing.
-    z = _probe.randn(_B, _S, vocab, gen=gen).mul(2).float().double()
+    z = _probe.randn(_B, _S + extra, vocab, gen=gen).mul(2).float().double()
     labels = torch.randint(0, vocab, (_B, _S), generator=gen)
     labels[0, 2] = labels[1, 3] = -100
     other = torch.randint(0, vocab, (_B, _S), generator=gen)  # shift_labels: unrelated to labels
@@ -191,12 +242,13 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
         fixed = {}
 
     def loss(**kwargs):
-        out = _run(model, head, lambda real: _FixedLogits(z, real), **fixed, **kwargs)
+        out = _run(model, head, lambda real: _FixedLogits(z, real), extra=extra, **fixed, **kwargs)
         return None if out is None else _loss_of(out)
 
     s = spec.transform(z).reshape(-1, vocab)
 
     def ce(target, reduction="mean", ignore_index=-100):
+        target = nn.functional.pad(target, (extra, 0), value=ignore_index)  # the positions before the labels' unscored
         return nn.functional.cross_entropy(s, target.reshape(-1), ignore_index=ignore_index, reduction=reduction)
 
     def shifted(y, pad=-100):
@@ -221,43 +273,15 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec) -> tuple[bool,
                          ce(shifted(ignore3) if shift else ignore3)),
         "shift_labels": (other, labels, ce(other), ce(plain)),
     }
-    honoured = []
+    honoured, refused = [], []
     for name, (value, y, yes, no) in tries.items():
         if not _accepts(model, name):
             continue
         got = loss(labels=y.clone(), **{name: value})
-        if got is not None and _probe.close(got, yes):
+        if got is None:  # the forward raises with it given (Florence-2 passes shift_labels= itself): so does the fused
+            refused.append(name)
+        elif _probe.close(got, yes):
             honoured.append(name)
-        elif got is None or not _probe.close(got, no):
+        elif not _probe.close(got, no):
             return f"its loss with {name}= given is neither the fused loss's with nor without it"
-    return shift, tuple(honoured)
-
-
-def decoder_inputs_from_labels(model: nn.Module, head: str) -> bool | str | None:
-    """Whether the forward makes its decoder's inputs from the labels where none are given (an encoder-decoder's,
-    T5Gemma 2's): the decoder_input_ids the stub decoder is called with, with labels and without. True where it does
-    and ``model.prepare_decoder_input_ids_from_labels`` makes the same ones (the fused loss calls the forward without
-    labels, so it passes them itself), False where it does not, a reason where it does otherwise; None where the
-    forward does not run on the stub."""
-    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(17))
-    labels[0, 3] = -100
-    calls = {}
-    for given in (True, False):  # (with labels the loss on the capture head's probe logits may fail: the decoder ran)
-        seen = []
-        _run(model, head, lambda real: CaptureHead(real=real), seen=seen, **({"labels": labels} if given else {}))
-        calls[given] = seen
-    if not calls[True]:
-        return None
-    made, other = (c[0].get("decoder_input_ids") if c else None for c in (calls[True], calls[False]))
-    if not isinstance(made, torch.Tensor) or (isinstance(other, torch.Tensor) and torch.equal(other, made)):
-        return False
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    try:
-        mine = prepare(labels=labels.clone()) if callable(prepare) else None
-    except Exception:
-        mine = None
-    if isinstance(mine, torch.Tensor) and mine.shape == made.shape and torch.equal(mine.cpu(), made.cpu()):
-        return True
-    how = "not as its prepare_decoder_input_ids_from_labels does" if callable(prepare) else (
-        "it has no prepare_decoder_input_ids_from_labels to make them alike")
-    return f"its forward makes its decoder's inputs from the labels, {how} (the fused loss calls it without labels)"
+    return shift, tuple(honoured), tuple(refused)

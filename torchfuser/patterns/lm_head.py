@@ -11,8 +11,12 @@ forward on a shallow copy whose decoder is a stub and whose head returns known v
 not read from a parameter), and the loss (cross-entropy of shifted or unshifted labels, and which
 of num_items_in_batch / ignore_index / shift_labels it honours). Where the forward cannot run
 that way, it is fused only if it calls transformers' loss_function and its config names no logit
-transform. The model cannot be replaced in its parent (it is usually the root), so ``apply``
-installs a per-instance forward and its undo removes it; the class is never touched.
+transform. Forms of image-text models probed too (docs/vlm.md): decoder inputs the forward shifts from the labels
+itself (``_lm_head_probe_decoder``), a loss over the positions after a fixed number of leading ones (GIT's image
+positions: ``_lm_head_probe_offset``), the head of an inner causal LM whose logits the model computes its loss from
+(``_lm_head_probe_place``: where the head sits, and which decoder the probes stand in for). The model cannot be
+replaced in its parent (it is usually the root), so ``apply`` installs a per-instance forward and its undo removes
+it; the class is never touched.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from torch import nn
 
 from torchfuser.modules.base import follow_replicas, hooked, unfollow_replicas
 from torchfuser.modules.lm_head import PROBE_LOGITS, FusedLMHeadLoss, LMHeadLossSpec
-from torchfuser.patterns import _lm_head_probe as probe, _probe
+from torchfuser.patterns import _lm_head_probe as probe, _lm_head_probe_decoder as decoder_probe, _probe
+from torchfuser.patterns import _lm_head_probe_offset as offset_probe, _lm_head_probe_place as place
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
 try:
@@ -68,6 +73,13 @@ def _text_field(cfg, name: str):
 
 
 _CAUSAL_LM = _causal_lm_names()
+
+
+def _is_lm(cls: str) -> bool:
+    """A language model with a head of its own, by its class's name: a causal LM of the auto mappings (GPT-2's
+    ``GPT2LMHeadModel``), any ``*ForCausalLM``, or a ``*LMHeadModel`` (BLIP's text decoder, which its outer model
+    hands the labels); the probes decide whether its loss is one the fused loss reproduces."""
+    return cls.endswith(("ForCausalLM", "LMHeadModel")) or cls in _CAUSAL_LM
 
 
 def _with_measured_scale(spec: LMHeadLossSpec, logits: torch.Tensor, cfg=None):
@@ -170,27 +182,6 @@ def _unprobed(module: nn.Module, spec: LMHeadLossSpec):
     return spec
 
 
-def _nested_head(model: nn.Module, head: nn.Linear):
-    """The path of a head that is not a child of the model but sits in a wrapper of its own (T5Gemma 2's
-    ``lm_head.out_proj``, BERT's ``cls.predictions.decoder`` after its transform: what runs before the head is
-    captured with its input, what runs after it the probes see), else a Skip: a head inside the decoder the probes
-    stand in for, or inside a causal LM of its own (whose head and loss are fused there, if at all)."""
-    path = next((n for n, m in model.named_modules() if m is head), None)
-    if path is None:
-        return Skip("output embeddings are not a module of the model")
-    parts = path.split(".")
-    if parts[0] == getattr(model, "base_model_prefix", None):
-        return Skip(f"output embeddings at {path!r}, inside the decoder (base_model_prefix) whose output the loss is "
-                    "computed from: not a head on the decoder's output")
-    for i in range(1, len(parts)):
-        inner = model.get_submodule(".".join(parts[:i]))
-        cls = type(inner).__name__
-        if cls.endswith("ForCausalLM") or cls in _CAUSAL_LM or isinstance(inner, nn.ModuleList):
-            return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
-                        "its head and loss are fused on that model, where it is given the labels")
-    return path
-
-
 @dataclasses.dataclass
 class _Uninstall:
     """Undo of the per-instance forward (an object, not a closure: a model saved whole keeps it)."""
@@ -237,8 +228,7 @@ class LMHeadLossPattern(Pattern):
     fused = FusedLMHeadLoss
 
     def match(self, module):
-        cls = type(module).__name__
-        if not (cls.endswith("ForCausalLM") or cls in _CAUSAL_LM):
+        if not _is_lm(type(module).__name__):
             return None
         if isinstance(module.__dict__.get("forward"), FusedLMHeadLoss):
             return None  # already fused: optimize is idempotent
@@ -254,6 +244,10 @@ class LMHeadLossPattern(Pattern):
             return None
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
+        if head is None and (inner := place.inner_head(module, _is_lm)) is not None:
+            if isinstance(inner, str):
+                return Skip(inner)
+            head = inner
         if not isinstance(head, nn.Linear):
             kind = type(head)  # PEFT's LoRA layer is also called Linear: say whose it is
             return Skip(f"output embeddings are {kind.__module__}.{kind.__qualname__}, not a plain torch.nn.Linear "
@@ -263,7 +257,7 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"output embeddings {type(head).__name__} {why}; only a plain nn.Linear head is fused")
         name = next((n for n, m in module._modules.items() if m is head), None)
         nested = name is None
-        if nested and isinstance(name := _nested_head(module, head), Skip):
+        if nested and isinstance(name := place.nested_head(module, head, _is_lm), Skip):
             return name
         cfg = getattr(module, "config", None)
         vocab = _text_field(cfg, "vocab_size")
@@ -287,6 +281,13 @@ class LMHeadLossPattern(Pattern):
             return Skip(f"final_logit_softcapping={softcap!r} is not a positive number")
         spec = LMHeadLossSpec(head=name, softcap=None if softcap is None else float(softcap))
         logits = probe.probe_logits(module, name)
+        inner = place.inner_causal_lm(module, name, _is_lm) if nested else None
+        if logits is None and inner is not None:
+            cls = type(module.get_submodule(inner)).__name__
+            return Skip(f"output embeddings at {name!r}, inside {inner!r} ({cls}), a causal LM of its own, fused there "
+                        "where it is given the labels; this model's forward did not run on a stand-in for that model's "
+                        "decoder (on text alone), so whether it computes the loss from its logits, and how, could not "
+                        "be learned")
         if logits is None and (nested or masked):
             return Skip((f"output embeddings at {name!r} (not a child of the model)" if nested else
                          f"loss_type {loss_type!r}") + ", and its forward does not run on a stand-in decoder to show "
@@ -305,22 +306,33 @@ class LMHeadLossPattern(Pattern):
             return Skip("the forward changes the logits by a value read from a parameter or buffer of the model "
                         "(a learnable logit scale, say); the fused loss would hold that value fixed and give it no gradient")
         if "decoder_input_ids" in params:  # an encoder-decoder's forward may make its decoder's inputs from the labels
-            made = probe.decoder_inputs_from_labels(module, name)
+            made = decoder_probe.decoder_inputs_from_labels(module, name)
             if made is None or isinstance(made, str):
                 return Skip(made or "an encoder-decoder's forward that did not run on a stand-in decoder with labels, so "
                             "whether it makes its decoder's inputs from them could not be told")
-            spec = dataclasses.replace(spec, decoder_inputs_from_labels=made)
+            spec = dataclasses.replace(spec, **(made or {}))
         form = probe.probe_loss(module, name, spec)
+        leading = offset_probe.leading_positions(module, name) if form is None else None
+        if leading:  # scored from a fixed position on (GIT: after its image's positions): checked at that geometry
+            form, spec = probe.probe_loss(module, name, spec, extra=leading), dataclasses.replace(spec, leading=leading)
         if form is None:
             return Skip("its forward ran on a stand-in decoder for the logits but not with labels, so how it forms "
                         "its loss could not be learned" + (f" ({narrow})" if narrow else ""))
         if isinstance(form, str):
+            smoothing = getattr(module, "label_smoothing", None)  # (BLIP's text decoder reads it at each call)
+            if isinstance(smoothing, float) and smoothing > 0:
+                form += f"; it smooths its labels (label_smoothing={smoothing}), which the fused kernels do not"
             return Skip(form + (f" ({narrow})" if narrow else ""))
-        return dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1])
+        spec = dataclasses.replace(spec, shift=form[0], loss_kwargs=form[1], refused_kwargs=form[2])
+        if not spec.cache_off and "use_cache" in params and decoder_probe.turns_cache_off(module, name, spec.leading):
+            spec = dataclasses.replace(spec, cache_off=True)
+        return spec
 
     def parameters_used(self, module):
         get_head = getattr(module, "get_output_embeddings", None)
         head = get_head() if callable(get_head) else None
+        if head is None:  # an inner causal LM's head (Nemotron-H Omni's)
+            head = place.inner_head(module, _is_lm)
         return head.named_parameters() if isinstance(head, nn.Module) else ()
 
     def apply(self, root, qualname, module, spec, backend):

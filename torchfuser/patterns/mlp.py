@@ -1,7 +1,8 @@
 """MLP blocks: gated (gate/up/down or a fused gate_up) and plain (fc_in → GELU, ReLU or squared ReLU → fc_out,
 perhaps + a residual the forward is passed: BLOOM's and MPT's MLPs add it themselves).
 
-A candidate has two or three projection children (``nn.Linear`` or GPT-2's ``Conv1D``) whose
+A candidate has two or three projection children (``nn.Linear`` or GPT-2's ``Conv1D``; or a wrapped projection,
+Gemma 4's ``Gemma4ClippableLinear``: one Linear in a module that clamps around it, called as it is) whose
 shapes chain H → I → H, a parameter-free activation child and perhaps a dropout. Which
 projection is the gate, the order of a fused ``gate_up`` and where the dropout sits are
 decided by a probe: the block's own forward, run with small random projections, must equal
@@ -19,6 +20,7 @@ from torch import nn
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.mlp import FusedGatedMLP, FusedMLP, GatedMLPSpec, MLPSpec
 from torchfuser.patterns import _probe, _reasons
+from torchfuser.patterns._attention_projections import linear_of, projection_dims
 from torchfuser.patterns.base import Pattern, Skip
 
 _H, _I = 8, 12  # probe widths: small, and I ≠ H so that shapes cannot line up by accident
@@ -62,8 +64,9 @@ class _Scale(nn.Module):
 
 
 def _parts(module: nn.Module) -> _Parts | None:
-    # A projection under a PEFT adapter counts as the projection it wraps (the fused MLPs run LoRA).
-    proj = {n: d for n, m in module._modules.items() if m is not None and (d := _probe.projection_dims(lora.base_of(m)))}
+    # A projection under a PEFT adapter counts as the projection it wraps (the fused MLPs run LoRA); a wrapped
+    # projection (Gemma 4's ClippableLinear: clamps around one Linear) as its Linear's widths, called as it is.
+    proj = {n: d for n, m in module._modules.items() if m is not None and (d := projection_dims(m))}
     if len(proj) not in (2, 3) or len(module._parameters):
         return None
     rest = [n for n in module._modules if n not in proj]
@@ -98,7 +101,7 @@ def _probe_module(module: nn.Module, parts: _Parts, widths: dict[str, tuple[int,
                   residual: str | None = None):
     gen = _probe.generator(4)
     probe = _probe.shallow_copy(module)
-    small = {n: _probe.small_projection(lora.base_of(module._modules[n]), *widths[n], gen) for n in widths}
+    small = {n: _probe.small_projection(linear_of(module._modules[n]), *widths[n], gen) for n in widths}
     probe._modules.update(small)
     if parts.dropout is not None:
         probe._modules[parts.dropout] = _Scale()
