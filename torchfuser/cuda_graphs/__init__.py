@@ -132,8 +132,10 @@ def install(model: nn.Module, options: GraphOptions | None = None, auto: bool = 
     if stacks:
         model.__dict__[_ATTR] = stacks
         if getattr(getattr(model, "config", None), "use_cache", False):
-            notes.append("cuda graphs: model.config.use_cache is True, so training calls pass a KV cache, which a "
-                         "graph cannot capture: pass use_cache=False or set model.config.use_cache = False")
+            notes.append("cuda graphs: model.config.use_cache is True: a training call that does not pass "
+                         "use_cache=False hands the layers a KV cache, which a graph cannot capture (such calls run "
+                         "eager, counted with that reason); pass use_cache=False or set model.config.use_cache = False "
+                         "(Hugging Face's Trainer and TRL's trainers do)")
     return notes
 
 
