@@ -17,7 +17,7 @@ from torchfuser.patterns.base import Skip
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 
 from numerics import assert_bf16_within_rule, assert_trains_like
-from tiny_lm import fused_layers, lm_step as step, tiny_model
+from tiny_lm import assert_generates_like, fused_layers, lm_step as step, tiny_model
 from test_residual_norm import H, Layer, RMSNorm
 
 # model type, (norm_in, post_attention_norm, norm_mid, post_mlp_norm)
@@ -119,9 +119,5 @@ def test_generate_equals_unfused(model_type):
     ref = tiny_model(model_type).eval()
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
-    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        got = fused.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(got, want)
+    assert_generates_like(ref, fused)
     assert len(fused_layers(fused)) == 2 and not fallbacks.counts(fused), fallbacks.counts(fused)

@@ -16,7 +16,7 @@ from torchfuser.patterns.base import Skip
 from torchfuser.patterns.residual_norm import ResidualNormPattern
 
 from numerics import assert_bf16_within_rule
-from tiny_lm import fused_layers, lm_step as step, tiny_model
+from tiny_lm import assert_generates_like, fused_layers, lm_step as step, tiny_model
 from test_residual_norm import H, Layer, RMSNorm
 from test_residual_output_scale import _set_scales, _trains_like
 
@@ -62,11 +62,7 @@ def test_generate_equals_unfused():
     ref = tiny_model("gemma4_text").eval()
     fused = copy.deepcopy(ref)
     torchfuser.optimize(fused, backend="reference")
-    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        got = fused.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(got, want)
+    assert_generates_like(ref, fused)
     layers = {n for n, m in fused.named_modules() if m in fused_layers(fused)}
     assert len(layers) == 2 and not layers & set(fallbacks.counts(fused)), fallbacks.counts(fused)
 

@@ -32,6 +32,15 @@ def lm_step(model, device="cpu"):
     return loss.detach()
 
 
+def assert_generates_like(ref, fused) -> None:
+    """Greedy decoding with the cache (no_grad: the fused forward's decode path) gives the unfused model's tokens."""
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = fused.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
+
+
 def fused_layers(model) -> list:
     """The decoder layers whose forward the residual-norm pattern replaced, also where CUDA graphs (the default
     ``cuda_graphs="auto"`` on a GPU) route the layer through its stack, which calls that forward."""
