@@ -152,8 +152,11 @@ for stage in "$@"; do
               --out "$OUT/qlora-convergence-${MODELS:-llama1b}" ;;
     qlora-probe) timeout 150 python3 benchmarks/probes/dequant_probe.py --out "$OUT/dequant-probe.jsonl" ;;
     qlora-gemm-probe) timeout 200 python3 benchmarks/probes/dequant_gemm_probe.py --out "$OUT/dequant-gemm-probe.jsonl" ;;
-    context-qlora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py --quant nf4 ${CTX_ARGS:-} --out "$OUT/context-length-qlora.jsonl" ;;
-    context-lora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py ${CTX_ARGS:-} --out "$OUT/context-length-lora.jsonl" ;;
+    # Three settings a call, each one process: build, 16k, then longer until OOM or ${CTX_BUDGET} s of steps (then a fit).
+    context-qlora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py --quant nf4 --budget ${CTX_BUDGET:-90} --timeout 240 \
+                     ${CTX_ARGS:-} --out "$OUT/context-length-qlora.jsonl" --plot "$OUT/context-length-qlora.png" ;;
+    context-lora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py --budget ${CTX_BUDGET:-90} --timeout 240 \
+                    ${CTX_ARGS:-} --out "$OUT/context-length-lora.jsonl" --plot "$OUT/context-length-lora.png" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;
     moe-capture) timeout 120 python3 benchmarks/probes/moe_block_capture_probe.py ;;
     moe-train) timeout ${MOE_S:-500} python3 $ts --models ${MODELS:-qwen3moe olmoe} --variants ${VARIANTS:-torchfuser torchfuser-graphs} ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-moe.jsonl" ;;

@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torchfuser  # noqa: E402
+import ladder  # noqa: E402
 import qlora  # noqa: E402
 import unsloth_variant  # noqa: E402
 import workloads  # noqa: E402
@@ -229,18 +230,15 @@ def run_variant(recipe, variant, args, device):
         real = inputs.pop("tokens")
         sync()
         start = time.perf_counter()
-        with autocast:
-            loss = step_fn(**inputs, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        losses.append(ladder.one_step(step_fn, opt, inputs, autocast))
         sync()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             tokens.append(real)
-        losses.append(loss.item())
     timed_peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     peak = None if timed_peak is None else max(warm_peak, timed_peak)
+    if getattr(args, "ladder", None):  # context_length.py: longer rows on the same model
+        climbed = ladder.climb(step_fn, opt, model.config.vocab_size, args, device, autocast, sync, times[-1])
     if args.profile_dir:
         inputs = {k: v for k, v in batches[0].items() if k != "tokens"}
         profile(step_fn, opt, inputs, autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant.replace('+', '_')}.txt")
@@ -257,6 +255,8 @@ def run_variant(recipe, variant, args, device):
         "fused_blocks": len(torchfuser.report(model).fused),
         "report_notes": torchfuser.report(model).notes,  # graph captures and replays, call-time fallbacks, adapters
     }
+    if getattr(args, "ladder", None):
+        row["ladder"] = climbed
     # What optimize's Inductor pass did to the compiled graphs (torch.compile(optimize(model))).
     passes = [line for r in inductor_pass.RECENT[passes_before:] for line in r.rewrites + r.skipped]
     if passes:
@@ -290,14 +290,7 @@ def run_unsloth(recipe, variant, args, device):
 
 def profile(step_fn, opt, inputs, autocast, device, path):
     """Two steps under the profiler: the kernels and ops that take the time, for the notes."""
-    def step():
-        with autocast:
-            loss = step_fn(**inputs, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    prof = profiled(step, device, 2)
+    prof = profiled(lambda: ladder.one_step(step_fn, opt, inputs, autocast), device, 2)
     cuda = device.type == "cuda"
     write_tables(prof, path, ("self_cuda_time_total" if cuda else "self_cpu_time_total",), 90, 200,
                  gpu_idle(prof) if cuda else "")
@@ -346,7 +339,8 @@ def table(rows):
         peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
         lines.append(f"{r['model']:10} {r['variant']:30} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9,d} {peak:>9} "
                      f"{ratio('eager'):>9} {ratio('compile'):>10} {r['first_loss']:8.3f}→{r['last_loss']:<8.3f}")
-        if "loss_parity" in r:  # unsloth variants: the first step's loss against PEFT's, same weights and batch
+        # unsloth variants: the first step's loss against PEFT's, same weights and batch (none in a ladder run)
+        if "loss_parity" in r and r["loss_first_step"].get("peft_eager_bf16") is not None:
             f, p = r["loss_first_step"], r["loss_parity"]
             verdict = {True: "within", False: "NOT within", None: "no fp32 reference for"}[p["within_rule"]]
             lines.append(f"{'':41} first-step loss {f['unsloth']:.4f}, PEFT {f['peft_eager_bf16']:.4f}, fp32 "
@@ -375,6 +369,9 @@ def main(argv=None):
     parser.add_argument("--compiled-elementwise", default="inductor",
                         help="TORCHFUSER_COMPILED_ELEMENTWISE for the torchfuser+compile-ew variant")
     parser.add_argument("--exclude", nargs="*", default=[], help="patterns the torchfuser variants leave out (an A/B)")
+    parser.add_argument("--ladder", nargs="*", type=int, default=[], metavar="SEQ",
+                        help="then one step at each of these longer lengths, until out of memory (benchmarks/ladder.py)")
+    parser.add_argument("--ladder-budget", type=float, default=0, help="seconds the ladder may take (0: no limit)")
     parser.add_argument("--out", help="append JSON lines here")
     parser.add_argument("--profile-dir", help="write a profiler table per variant here")
     args = parser.parse_args(argv)

@@ -56,7 +56,7 @@ def longest_row(args) -> int:
     """The longest row of the run's batches (workloads.py): packed rows are PACK tokens."""
     import workloads
 
-    return workloads.PACK if args.workload == "packed" else args.seq
+    return workloads.PACK if args.workload == "packed" else max([args.seq, *(getattr(args, "ladder", None) or [])])
 
 
 def skip_reason(config, args, device) -> str | None:
@@ -129,8 +129,22 @@ def prepare_checkpoint(recipe, args, device, build, batches):
     atexit.register(shutil.rmtree, folder, True)
     model.save_pretrained(folder)
     write_tokenizer(model.config.vocab_size, folder)
-    model = workloads.add_lora(model, args.lora, args.seed)
-    inputs = {k: v for k, v in batches(args, model.config.vocab_size, device)[0].items() if k != "tokens"}
+    # context_length.py's ladder: lengths past the fp32 reference's memory, and no parity asked of it
+    losses = {"peft_eager_bf16": None, "reference_fp32": None} if getattr(args, "ladder", None) else \
+        _peft_losses(workloads.add_lora(model, args.lora, args.seed), batches(args, model.config.vocab_size, device)[0])
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    _CHECKPOINTS[key] = folder, losses
+    return _CHECKPOINTS[key]
+
+
+def _peft_losses(model, batch: dict) -> dict:
+    """The first batch's loss of the PEFT model in bf16 and of the same weights in fp32 (None if it does not fit)."""
+    import torch
+
+    inputs = {k: v for k, v in batch.items() if k != "tokens"}
     losses = {}
     with torch.no_grad():
         losses["peft_eager_bf16"] = model(**inputs, use_cache=False).loss.item()
@@ -142,12 +156,7 @@ def prepare_checkpoint(recipe, args, device, build, batches):
             losses["reference_fp32"] = None
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
-    del model, inputs
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    _CHECKPOINTS[key] = folder, losses
-    return _CHECKPOINTS[key]
+    return losses
 
 
 def parity(unsloth_loss: float, losses: dict) -> dict:
@@ -189,7 +198,8 @@ def run_isolated(recipe, variant, args, device, build, batches) -> dict:
         first = row["loss_first_step"]["unsloth"]
         row["loss_first_step"].update(losses)
         # PEFT's losses are of the unquantised model: against a quantised Unsloth model they are no rule's reference.
-        row["loss_parity"] = parity(first, losses) if not getattr(args, "quant", None) else {"within_rule": None}
+        row["loss_parity"] = parity(first, losses) if not getattr(args, "quant", None) and losses["peft_eager_bf16"] \
+            is not None else {"within_rule": None}
     return row
 
 
