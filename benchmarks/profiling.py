@@ -36,6 +36,17 @@ def idle_gaps(prof):
     return kernels, gaps
 
 
+def gpu_idle(prof, top: int = 12) -> str:
+    """Where the GPU waits for the host: the gaps between consecutive kernels, largest first."""
+    kernels, found = idle_gaps(prof)
+    gaps = [(b - a, before.name, after.name) for a, b, before, after in found]
+    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
+    lines = [f"\nGPU idle between kernels: {sum(g[0] for g in gaps) / 1e3:.2f} ms of {span / 1e3:.2f} ms "
+             f"({len(gaps)} gaps); largest:"]
+    lines += [f"  {g:9.1f} us  after {a[:60]}  before {b[:60]}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    return "\n".join(lines) + "\n"
+
+
 def write_tables(prof, path: Path, keys: tuple[str, ...], rows: int, width: int, extra: str = "") -> None:
     """One table per sort key (e.g. ``self_cuda_time_total``), then ``extra``, written to ``path``."""
     averages = prof.key_averages()

@@ -60,7 +60,7 @@ import ladder  # noqa: E402
 import qlora  # noqa: E402
 import unsloth_variant  # noqa: E402
 import workloads  # noqa: E402
-from profiling import idle_gaps, profiled, write_tables  # noqa: E402
+from profiling import gpu_idle, profiled, write_tables  # noqa: E402
 
 # TorchFuser's FP8 variants: "torchfuser-fp8", then any of these options in this order, then "-graphs" or
 # "+compile": tensorwise or blockwise (the recipe; else rowwise), pair or rt (rowwise both-ways
@@ -294,17 +294,6 @@ def profile(step_fn, opt, inputs, autocast, device, path):
     cuda = device.type == "cuda"
     write_tables(prof, path, ("self_cuda_time_total" if cuda else "self_cpu_time_total",), 90, 200,
                  gpu_idle(prof) if cuda else "")
-
-
-def gpu_idle(prof, top: int = 12) -> str:
-    """Where the GPU waits for the host: the gaps between consecutive kernels, largest first."""
-    kernels, found = idle_gaps(prof)
-    gaps = [(b - a, before.name, after.name) for a, b, before, after in found]
-    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
-    lines = [f"\nGPU idle between kernels: {sum(g[0] for g in gaps) / 1e3:.2f} ms of {span / 1e3:.2f} ms "
-             f"({len(gaps)} gaps); largest:"]
-    lines += [f"  {g:9.1f} us  after {a[:60]}  before {b[:60]}" for g, a, b in sorted(gaps, reverse=True)[:top]]
-    return "\n".join(lines) + "\n"
 
 
 def environment(device):

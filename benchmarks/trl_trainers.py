@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "recipes")]
+sys.path[:0] = [str(ROOT), str(ROOT / "recipes"), str(ROOT / "benchmarks")]
 
 import torchfuser  # noqa: E402
+from profiling import gpu_idle, write_tables  # noqa: E402
 
 WORKLOADS = {  # model, teacher, LoRA rank, rows per optimizer step, prompt and completion tokens
     "dpo": dict(model="llama8b", lora=16, rows=4, prompt=512, completion=1536),
@@ -91,8 +92,12 @@ def fixed_rollouts(cls, completion: int, vocab: int):
 
 
 class _Timer:
-    def __init__(self, warmup: int, cuda: bool):
-        self.warmup, self.cuda, self.times, self.peak, self._t = warmup, cuda, [], 0, None
+    """Times every optimizer step after ``warmup``; with ``profile`` (a path), the last step also runs under the
+    profiler (after the timing: its overhead is not in the times) and its tables are written there."""
+
+    def __init__(self, warmup: int, cuda: bool, last: int, profile: Path | None = None):
+        self.warmup, self.cuda, self.last, self.profile = warmup, cuda, last, profile
+        self.times, self._t, self._prof = [], None, None
 
     def callback(self):
         from transformers import TrainerCallback
@@ -105,13 +110,22 @@ class _Timer:
                     torch.cuda.synchronize()
                     if state.global_step == timer.warmup:
                         torch.cuda.reset_peak_memory_stats()
+                if timer.profile and state.global_step == timer.last:
+                    timer._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                        [torch.profiler.ProfilerActivity.CUDA] if timer.cuda else []))
+                    timer._prof.__enter__()
                 timer._t = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kwargs):
                 if timer.cuda:
                     torch.cuda.synchronize()
-                if state.global_step > timer.warmup:
+                if state.global_step > timer.warmup and timer._prof is None:
                     timer.times.append((time.perf_counter() - timer._t) * 1e3)
+                if timer._prof is not None:
+                    timer._prof.__exit__(None, None, None)
+                    key = "self_cuda_time_total" if timer.cuda else "self_cpu_time_total"
+                    write_tables(timer._prof, timer.profile, (key,), 90, 200, gpu_idle(timer._prof) if timer.cuda else "")
+                    timer._prof = None
         return Timing()
 
 
@@ -133,11 +147,13 @@ def run(variant: str, args) -> dict:
         peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", lora_dropout=0.0)
     rows, prompt, completion = args.rows or spec["rows"], args.prompt or spec["prompt"], args.completion or spec["completion"]
     per_device = min(rows, args.micro_batch)
-    common = dict(output_dir=tempfile.mkdtemp(), max_steps=args.warmup + args.steps, per_device_train_batch_size=per_device,
+    common = dict(output_dir=tempfile.mkdtemp(), max_steps=args.warmup + args.steps + bool(args.profile_dir), per_device_train_batch_size=per_device,
                   gradient_accumulation_steps=rows // per_device, learning_rate=1e-6, logging_steps=1, save_strategy="no",
                   report_to=[], seed=0, use_cpu=not cuda, bf16=cuda, gradient_checkpointing=args.grad_checkpointing,
                   disable_tqdm=True, log_level="warning", use_liger_kernel=variant == "trl+liger")
-    timer = _Timer(args.warmup, cuda)
+    profile = Path(args.profile_dir) / f"profile-{args.workload}-{variant.replace('+', '_')}.txt" if args.profile_dir else None
+    # one more step when profiled: the profiled step is not timed
+    timer = _Timer(args.warmup, cuda, args.warmup + args.steps, profile)
     callbacks = [timer.callback()]
     if variant.startswith("torchfuser"):
         callbacks.append(torchfuser.TorchFuserCallback(verbose=False, **json.loads(args.tf_kwargs)))
@@ -195,6 +211,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile-dir", help="profile one more step after the timed ones; its table goes here")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.seq:
