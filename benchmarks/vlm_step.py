@@ -104,7 +104,10 @@ def prepare(model, variant: str, kind: str):
     elif variant == "liger":
         import liger_kernel.transformers as liger
 
-        getattr(liger, f"apply_liger_kernel_to_{kind}")(model=model)
+        # its patch takes the transformers model, not PEFT's wrapper (the LoRA shapes wrap it); the wrapper's forward
+        # then calls the patched one
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        getattr(liger, f"apply_liger_kernel_to_{kind}")(model=base)
     elif variant == "compile":
         model.compile()
     elif variant != "eager":

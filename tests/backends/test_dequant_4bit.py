@@ -135,8 +135,9 @@ def test_into_rows_of_a_joint_operand(interpreter, dtype):  # noqa: F811
         out = torch.full((1 + 96 + 40 + 1, 64), 7.0, dtype=dtype, device=dev)
         rows = out[1:-1].split([96, 40])
         for r, (packed, qs, absmax) in zip(rows, bases):
-            into(packed.to(dev), absmax.to(dev), qs.code.to(dev), 64, r)
-            assert _diff("into", r, fwd(packed, absmax, qs.code, 64, r.shape[0], 64, dtype).cpu(), "fwd") is None
+            args = (packed.to(dev), absmax.to(dev), qs.code.to(dev), 64)
+            into(*args, r)
+            assert _diff("into", r.cpu(), fwd(*args, r.shape[0], 64, dtype).cpu(), "fwd") is None
         assert (out[0] == 7).all() and (out[-1] == 7).all()
     with pytest.raises(ValueError, match="contiguous"):
         interpreter.dequantize_4bit_into(*bases[0][:1], bases[0][2], bases[0][1].code, 64,
