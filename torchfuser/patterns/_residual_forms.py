@@ -7,10 +7,27 @@ import torch
 
 from torchfuser.patterns import _probe, _residual_dropout, _residual_scale
 
-POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
-              "norm(attention(x)), then s + norm(mlp(s))), so no norm reads a residual sum; fusing the add after the "
-              "norm needs a norm-then-add kernel (out = r + rms_norm(a)), which no backend has, and composed of the "
-              "kernels there are the layer would run what it runs now")
+_POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
+               "norm(attention(x)), then s + norm(mlp(s)))")
+POST_BLOCK_SCALED = (_POST_BLOCK + ", with a residual scale or a block adding the residual itself besides, which the "
+                     "fused forward does not combine with them")
+
+
+def post_block_limits(module, roles: dict, dropouts: tuple) -> str | None:
+    """Why a post-block layer (``ResidualNormSpec.post_block``) is not fused, or None: only RMSNorms (the norm-then-add
+    kernel is ``rms_norm_add``), two blocks, no dropout between them, no third block or sandwich norms."""
+    from torchfuser.patterns._residual_roles import norm_kind  # (imports the norm patterns: not at this module's import)
+
+    kinds = {norm_kind(module._modules[roles[r]]) for r in ("norm_in", "norm_mid")}
+    if kinds != {"rms"}:
+        return _POST_BLOCK + (", and they are LayerNorms (or an identity): the norm-then-add kernel (rms_norm_add) is "
+                              "an RMSNorm's, none is built for LayerNorm")
+    if any(dropouts):
+        return _POST_BLOCK + ", with a dropout between its blocks, which the fused forward does not apply"
+    if {"mlp2", "tail_in", "post_attention_norm", "act"} & set(roles):
+        return _POST_BLOCK + (", with a second MLP, a third block or an inline MLP besides, which the fused forward "
+                              "does not combine with them")
+    return None
 
 
 def passes_residual(probe, calls: dict, role: str) -> bool:
