@@ -167,3 +167,17 @@ def test_op_under_torch_compile_fake():
     a, r, w = torch.empty(2, 3, 8, device="meta", dtype=BF16), torch.empty(2, 3, 8, device="meta"), torch.empty(8)
     out = F.rms_norm_add(a, r, w.to("meta"), EPS)
     assert out.dtype == F32 and out.shape == a.shape and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("dts", [DTYPES[0], DTYPES[4]], ids=_ids)
+def test_custom_ops_pass_opcheck(dts):
+    """The registered ops (schema, fake implementation, autograd registration) as torch.library checks them."""
+    ad, rd, yd = dts
+    gen = torch.Generator().manual_seed(3)
+    a, r = torch.randn(3, 16, generator=gen).to(ad), torch.randn(3, 16, generator=gen).to(rd)
+    w = torch.randn(16, generator=gen)
+    fwd = torch.ops.torchfuser.rms_norm_add_fwd
+    torch.library.opcheck(fwd, (a.requires_grad_(), r.requires_grad_(), w.requires_grad_(), EPS, 0.0, yd, "reference"))
+    out, rstd = fwd(a.detach(), r.detach(), w.detach(), EPS, 0.0, yd, "reference")
+    torch.library.opcheck(torch.ops.torchfuser.rms_norm_add_bwd,
+                          (torch.randn_like(out), a.detach(), w.detach(), rstd, EPS, 0.0, yd, "reference"))
