@@ -143,3 +143,12 @@ def test_hooked_norm_falls_back_with_the_reason():
     torch.testing.assert_close(step(fused), step(ref), rtol=1e-6, atol=1e-6)
     reasons = [why for c in fallbacks.counts(fused).values() for why in c]
     assert reasons and all("hooks" in why for why in reasons), reasons
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_gradient_checkpointing_exact():
+    """transformers' gradient checkpointing: the fused computation checkpointed by the layer's forward, exact."""
+    ref, fused = _fused("olmo2")
+    for m in (ref, fused):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
