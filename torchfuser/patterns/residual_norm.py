@@ -287,8 +287,9 @@ def _p(module: nn.Module, name: str) -> float:
 
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
-    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m) or post-norm output "
-                   "sublayer (BERT's): residual adds inside its norms (forward and backward)")
+    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m), one with post-block "
+                   "norms (OLMo-2: each norm and the add after it one kernel) or post-norm output sublayer (BERT's): "
+                   "residual adds inside its norms' kernels")
 
     def __init__(self, norms_fused: bool = True, layer_norms_fused: bool = True):
         # whether the rms_norm / layer_norm patterns run in the same optimize call
