@@ -152,3 +152,13 @@ def test_gradient_checkpointing_exact():
     for m in (ref, fused):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
+
+
+def test_a_hybrid_model_s_attention_layer():
+    """OLMo-hybrid: its linear-attention layer pre-norm (fused before), its attention layer post-block (fused now)."""
+    ref = tiny_model("olmo_hybrid")
+    fused = copy.deepcopy(ref)
+    torchfuser.optimize(fused, backend="reference")
+    kinds = sorted(m.forward.spec.post_block for m in fused_layers(fused))
+    assert kinds == [False, True], str(torchfuser.report(fused))
+    assert_trains_like(ref, fused, step, list(ref.state_dict()))
