@@ -55,6 +55,17 @@ class _PostBlockDropout(_PostBlock):
         return s + self.post_attention_layernorm(self.mlp(s))
 
 
+class _PostBlockScaled(_PostBlock):  # Granite-style multiplier at its default 1.0: read at each call
+    def __init__(self):
+        super().__init__()
+        self.residual_multiplier = 1.0
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        a, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask, **kwargs)
+        s = hidden_states + self.input_layernorm(a) * self.residual_multiplier
+        return s + self.post_attention_layernorm(self.mlp(s)) * self.residual_multiplier
+
+
 def test_a_post_block_layer_is_fused_by_structure():
     found = ResidualNormPattern().match(_PostBlock())
     assert isinstance(found, ResidualNormSpec) and found.post_block and not found.post_norm, found
@@ -67,7 +78,8 @@ def test_another_form_gets_no_post_block_spec():
     assert not (isinstance(found, Skip) and "post-block" in found.reason), found
 
 
-@pytest.mark.parametrize("cls, words", [(_PostBlockLayerNorms, "LayerNorms"), (_PostBlockDropout, "dropout")])
+@pytest.mark.parametrize("cls, words", [(_PostBlockLayerNorms, "LayerNorms"), (_PostBlockDropout, "dropout"),
+                                        (_PostBlockScaled, "residual scale")])
 def test_forms_it_does_not_build_are_left_alone_with_the_reason(cls, words):
     found = ResidualNormPattern().match(cls())
     assert isinstance(found, Skip) and "post-block" in found.reason and words in found.reason, found

@@ -106,8 +106,6 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
     out = out[0] if returns_none else out
     kind = probe.kind(out)
-    if kind == "post_block" and (why := _residual_forms.post_block_limits(module, roles, dropouts)):
-        return Skip(why)
     if not _saw_input(probe, calls) and kind not in ("post", "post_block"):
         return None  # no norm sees the layer's input, and it is not a post-norm form
     scaled = _residual_forms.scaled_kind(probe, markers, out, kind)
@@ -116,8 +114,8 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     if kind is None and "act" not in roles and (retried := _residual_forms.mlp_tuple_kind(probe, markers)) is not None:
         kind, out, calls = retried
     passes = {r: _residual_forms.passes_residual(probe, calls, r) for r in ("attention", "mlp")}
-    if kind == "post_block" and (scaled or any(passes.values())):
-        return Skip(_residual_forms.POST_BLOCK_SCALED)
+    if kind == "post_block" and (why := _residual_forms.post_block_limits(probe, markers, dropouts, scaled, passes)):
+        return Skip(why)
     if any(passes.values()) and kind != "sequential":
         return Skip(_residual_forms.passed_residual_reason(probe, calls))
     if kind is None and isinstance(out, tuple):
