@@ -174,3 +174,40 @@ def test_a_hybrid_model_s_attention_layer():
     kinds = sorted(m.forward.spec.post_block for m in fused_layers(fused))
     assert kinds == [False, True], str(torchfuser.report(fused))
     assert_trains_like(ref, fused, step, list(ref.state_dict()))
+
+
+class _PostBlockOutputScale(_PostBlock):  # Gemma 4's ``out *= layer_scalar``, on a post-block layer
+    def __init__(self):
+        super().__init__()
+        self.layer_scalar = nn.Buffer(torch.full((1,), 0.75))
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return _PostBlock.forward(self, hidden_states, attention_mask, **kwargs) * self.layer_scalar
+
+
+@pytest.mark.parametrize("cls", [_PostBlock, _PostBlockOutputScale])
+def test_a_toy_layer_exact_in_float64(cls):
+    """The fused forward in float64 (reference backend) against the original: the output, the input's and every
+    parameter's gradient; an output-scale buffer changed after optimize is followed."""
+    torch.manual_seed(0)
+    ref = cls().double()
+    model = nn.ModuleDict(dict(layer=copy.deepcopy(ref)))
+    torchfuser.optimize(model, backend="reference")
+    assert model.layer.forward.spec.post_block
+    if cls is _PostBlockOutputScale:
+        assert model.layer.forward.spec.output_scale == "layer_scalar"
+        for m in (ref, model.layer):
+            m.layer_scalar.fill_(-1.5)
+    x = torch.randn(2, 5, H, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn(2, 5, H, dtype=torch.float64)
+    out, out2 = ref(x), model.layer(x2)
+    torch.testing.assert_close(out2, out)
+    (out * g).sum().backward()
+    (out2 * g).sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad)
+    for (n, a), (_, b) in zip(ref.named_parameters(), model.layer.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=n)
+    from torchfuser.modules import fallbacks
+
+    assert not fallbacks.counts(model)  # the fused path ran
