@@ -82,6 +82,30 @@ def check_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, out_dtype: t
     return device
 
 
+def rms_norm_add(
+    a: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-6, *, offset: float = 0.0,
+    y_dtype: torch.dtype | None = None, backend: str | None = None,
+) -> Tensor:
+    """residual + rms_norm(a) in one forward kernel: a norm on a block's output, then the residual add (OLMo-2's
+    post-block norms). The norm is rounded to ``y_dtype`` (default a's) and added in torch's promoted dtype of
+    residual and it, as ``residual + norm(a)`` would."""
+    device = check_rms_norm_add(a, residual, weight, y_dtype)
+    return ops.rms_norm_add(a, residual, weight, float(eps), float(offset), backend_for(backend, device), y_dtype)
+
+
+def check_rms_norm_add(a: Tensor, residual: Tensor, weight: Tensor, y_dtype: torch.dtype | None) -> torch.device:
+    """rms_norm_add's checks of its inputs; their device."""
+    op = "rms_norm_add"
+    for name, t in (("a", a), ("residual", residual), ("weight", weight)):
+        _check_float(name, t, op)
+    if a.shape != residual.shape:
+        raise ValueError(f"{op}: a and residual must have the same shape, got {tuple(a.shape)} and {tuple(residual.shape)}")
+    _check_vector(op, "weight", weight, a.shape[-1])
+    if y_dtype is not None and y_dtype not in _FLOATS:
+        raise TypeError(f"{op}: y_dtype must be a floating dtype or None, got {y_dtype}")
+    return _check_same_device(op, a=a, residual=residual, weight=weight)
+
+
 def layer_norm(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float = 1e-5, *, backend: str | None = None
 ) -> Tensor:

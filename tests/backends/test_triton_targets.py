@@ -147,7 +147,7 @@ _ALL_KERNELS = {
     "_fp8_quant_blocks_kernel", "_fp8_quant_weight_blocks_kernel", "_gated_fwd_amax_kernel", "_gated_bwd_amax_kernel",
     "_rms_norm_fwd_amax_kernel", "_rms_norm_bwd_amax_kernel", "_dequantize_4bit_fwd_kernel",
     "_dequant_matmul_4bit_kernel", "_hilo_split_fwd_kernel", "_activation_fwd_kernel", "_activation_bwd_kernel",
-    "_dequantize_scales_kernel",
+    "_dequantize_scales_kernel", "_rms_norm_add_fwd_kernel",
 }
 # The ones that write e4m3:
 _FP8_CAST_KERNELS = {"_fp8_quant_rows_kernel", "_fp8_quant_tiles_kernel", "_fp8_quant_both_kernel",

@@ -2,6 +2,7 @@
 
     x ─ norm_in ─ attention ─ (+ x) ─ s ─ norm_mid ─ MLP ─ (+ s) ─ out          (sequential)
     x ─ attention ─ (+ x) ─ norm_in ─ h ─ MLP ─ (+ h) ─ norm_mid ─ out          (``post_norm``: OPT-350m)
+    x ─ attention ─ norm_in ─ (+ x) ─ h ─ MLP ─ norm_mid ─ (+ h) ─ out          (``post_block``: OLMo-2, ``_post_block``)
     out = x + attention(norm_in(x)) + MLP(norm_mid(x))                         (``parallel``: GPT-NeoX,
           with norm_mid = norm_in where one norm feeds both (GPT-J, Phi, Cohere))
 
@@ -50,7 +51,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from torchfuser.modules import fallbacks, fp8, offload
+from torchfuser.modules import _post_block, fallbacks, fp8, offload
 from torchfuser.modules._layer_blocks import (adds as _adds, as_class as _as_class, attend as _attend, child as _child,
                                               is_identity as _is_identity, made_again as _made_again, maxima as _maxima,
                                               mlp_call as _mlp, projection_dtype as _projection_dtype, tail as _tail,
@@ -89,6 +90,7 @@ class ResidualNormSpec:
     norm_mid: str = "post_attention_layernorm"  # = norm_in: one norm feeds both blocks (parallel only)
     parallel: bool = False  # out = x + attention(norm_in(x)) + mlp(norm_mid(x))
     post_norm: bool = False  # h = norm_in(x + attention(x)); out = norm_mid(h + mlp(h)) (OPT-350m)
+    post_block: bool = False  # h = x + norm_in(attention(x)); out = h + norm_mid(mlp(h)) (OLMo-2; RMSNorms)
     # Parameters the original forward does not hand to the attention and that must be at their default
     # (None) for the fused path (GPT-2's encoder_hidden_states); any other value runs the original forward.
     at_default: tuple[str, ...] = ()
@@ -199,6 +201,8 @@ class ResidualNormForward:
         norm_in, attention, mlp = _child(layer, s.norm_in), _child(layer, s.attention), _mlp(layer, s, self._drop)
         if s.post_norm:
             return self._post(call, x, norm_in, attention, mlp)
+        if s.post_block:
+            return _post_block.forward(self, call, x, attention, mlp)
         # (no autocast: no projection dtype; FP8 producers off: no maxima; no_grad: nothing made again. Each
         # asked without a call where it is off: host time of a decode step)
         low = _projection_dtype(x, attention, mlp) if not s.parallel and torch._C._is_any_autocast_enabled() else None
@@ -280,7 +284,9 @@ class ResidualNormForward:
         if call is None:
             return "keywords its forward does not pass on to the attention"
         layer, s = self.layer, self.spec
-        if s.norm_in_identity:
+        if s.post_block:
+            why = _post_block.unfused(layer, s)
+        elif s.norm_in_identity:
             first = _child(layer, s.norm_in)
             if not (_is_identity(first) and _as_class(first)):
                 return "its first norm is no longer a plain nn.Identity (replaced, or hooked)"

@@ -11,11 +11,12 @@ from .layer_norm import layer_norm
 from .linear_cross_entropy import linear_cross_entropy
 from .moe import moe_experts, moe_route
 from .rms_norm import add_rms_norm, rms_norm, rms_norm_opening_residual
+from .rms_norm_add import rms_norm_add
 from .rope import rope
 
 __all__ = [
     "activation",
     "add_layer_norm", "layer_norm_opening_residual",
-    "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "layer_norm", "swiglu", "geglu", "swiglu_packed",
+    "rms_norm", "add_rms_norm", "rms_norm_opening_residual", "rms_norm_add", "layer_norm", "swiglu", "geglu", "swiglu_packed",
     "geglu_packed", "geglu_erf", "geglu_erf_packed", "gelu", "rope", "linear_cross_entropy", "moe_route", "moe_experts",
 ]

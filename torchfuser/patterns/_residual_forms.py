@@ -7,10 +7,51 @@ import torch
 
 from torchfuser.patterns import _probe, _residual_dropout, _residual_scale
 
-POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
-              "norm(attention(x)), then s + norm(mlp(s))), so no norm reads a residual sum; fusing the add after the "
-              "norm needs a norm-then-add kernel (out = r + rms_norm(a)), which no backend has, and composed of the "
-              "kernels there are the layer would run what it runs now")
+_POST_BLOCK = ("its norms normalise each block's output before its residual add (OLMo-2's post-block norms: s = x + "
+               "norm(attention(x)), then s + norm(mlp(s)))")
+
+
+def post_block_limits(probe, markers: dict, dropouts: tuple, scaled, passes: dict) -> str | None:
+    """Why a post-block layer (``ResidualNormSpec.post_block``) is not fused, or None: only RMSNorms (the norm-then-add
+    kernel is ``rms_norm_add``), two blocks, no dropout between them, no residual scale or block adding the residual
+    (nor a float attribute its forward reads: ``_residual_scale`` reads pre-norm factors only), no third block or
+    sandwich norms."""
+    from torchfuser.patterns._residual_roles import norm_kind  # (imports the norm patterns: not at this module's import)
+
+    module, roles = probe.module, probe.roles
+    kinds = {norm_kind(module._modules[roles[r]]) for r in ("norm_in", "norm_mid")}
+    if kinds != {"rms"}:
+        return _POST_BLOCK + (", and they are LayerNorms (or an identity): the norm-then-add kernel (rms_norm_add) is "
+                              "an RMSNorm's, none is built for LayerNorm")
+    if any(dropouts):
+        return _POST_BLOCK + ", with a dropout between its blocks, which the fused forward does not apply"
+    if scaled or any(passes.values()) or _reads_floats(probe, markers):
+        return _POST_BLOCK + (", with a residual scale or a block adding the residual itself besides, which the fused "
+                              "forward does not combine with them")
+    if {"mlp2", "tail_in", "post_attention_norm", "act"} & set(roles):
+        return _POST_BLOCK + (", with a second MLP, a third block or an inline MLP besides, which the fused forward "
+                              "does not combine with them")
+    return None
+
+
+
+def _reads_floats(probe, markers: dict) -> list[str]:
+    """The layer's float attributes (not dropouts) that change its output when set to another value: a residual scale
+    the post-block form does not follow (the fused forward would not read it)."""
+    read = []
+    for name, value in vars(probe.module).items():
+        if not isinstance(value, float) or isinstance(value, bool) or "drop" in name:
+            continue
+        probe.attrs = {name: 0.375 if value != 0.375 else 0.625}
+        try:
+            same = probe.kind(probe.split(probe.run(0.0, **markers)[0])[0]) == "post_block"
+        except Exception:  # noqa: BLE001 - read in a way the probe cannot follow
+            same = False
+        finally:
+            probe.attrs = {}
+        if not same:
+            read.append(name)
+    return read
 
 
 def passes_residual(probe, calls: dict, role: str) -> bool:

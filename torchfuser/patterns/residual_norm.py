@@ -24,7 +24,8 @@ the fused path (``at_default``). What the probe learns is the ``ResidualNormSpec
 times a one-element buffer (Gemma 4's ``layer_scalar``: ``_residual_output_scale``), a third block after the
 others (Gemma 4's per-layer inputs: ``_residual_tail``), a cross-attention pair left to the original (BART's
 decoder layers: ``_residual_roles.cross_pairs``), BERT's post-norm output sublayers (``residual_norm_output``);
-norms after the blocks before their adds (OLMo-2) are recognised to say why they are not fused.
+RMSNorms after the blocks before their adds (OLMo-2's post-block norms: h = x + norm_in(attention(x)), then
+h + norm_mid(mlp(h))), each norm and its add one kernel (``modules._post_block``).
 """
 from __future__ import annotations
 
@@ -105,16 +106,16 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
     returns_none = isinstance(out, tuple) and len(out) == 2 and out[1] is None and not returns_rest  # Bamba's mamba layers
     out = out[0] if returns_none else out
     kind = probe.kind(out)
-    if kind == "post_block":
-        return Skip(_residual_forms.POST_BLOCK)
-    if not _saw_input(probe, calls) and kind != "post":
-        return None  # no norm sees the layer's input: not a pre-norm layer (OLMo-2's norms after the blocks)
+    if not _saw_input(probe, calls) and kind not in ("post", "post_block"):
+        return None  # no norm sees the layer's input, and it is not a post-norm form
     scaled = _residual_forms.scaled_kind(probe, markers, out, kind)
     if scaled is not None:
         kind, scaled = scaled
     if kind is None and "act" not in roles and (retried := _residual_forms.mlp_tuple_kind(probe, markers)) is not None:
         kind, out, calls = retried
     passes = {r: _residual_forms.passes_residual(probe, calls, r) for r in ("attention", "mlp")}
+    if kind == "post_block" and (why := _residual_forms.post_block_limits(probe, markers, dropouts, scaled, passes)):
+        return Skip(why)
     if any(passes.values()) and kind != "sequential":
         return Skip(_residual_forms.passed_residual_reason(probe, calls))
     if kind is None and isinstance(out, tuple):
@@ -199,6 +200,7 @@ def _study_roles(module: nn.Module, roles: dict[str, str], first: str, params, e
         roles["mlp"] = ""
     return ResidualNormSpec(first, attention_input, arguments, tuple(renames), extra and not drops_extra, *dropouts,
                             **roles, mlp_inline=inline, parallel=kind == "parallel", post_norm=kind == "post",
+                            post_block=kind == "post_block",
                             at_default=defaulted, positional=positional,
                             drops_extra=drops_extra, returns_rest=returns_rest,
                             residual_passed=tuple(r for r in ("attention", "mlp") if passes[r]),
@@ -283,8 +285,9 @@ def _p(module: nn.Module, name: str) -> float:
 
 class ResidualNormPattern(Pattern):
     name = "residual_norm"
-    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m) or post-norm output "
-                   "sublayer (BERT's): residual adds inside its norms (forward and backward)")
+    description = ("pre-norm decoder layer (sequential or parallel), post-norm one (OPT-350m), one with post-block "
+                   "norms (OLMo-2: each norm and the add after it one kernel) or post-norm output sublayer (BERT's): "
+                   "residual adds inside its norms' kernels")
 
     def __init__(self, norms_fused: bool = True, layer_norms_fused: bool = True):
         # whether the rms_norm / layer_norm patterns run in the same optimize call

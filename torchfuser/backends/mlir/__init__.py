@@ -12,6 +12,7 @@ from .ops import (
     layer_norm_res_bwd, rms_norm_bwd, rms_norm_fwd, rope_bwd, rope_fwd, swiglu_bwd, swiglu_fwd,
     swiglu_packed_bwd, swiglu_packed_fwd,
 )
+from .rms_norm_add import rms_norm_add_bwd, rms_norm_add_fwd
 
 __all__ = [
     "activation_fwd", "activation_bwd",
@@ -20,7 +21,7 @@ __all__ = [
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
-    "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "compile_graph",
+    "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "compile_graph", "rms_norm_add_fwd", "rms_norm_add_bwd",
 ]
 
 

@@ -11,6 +11,7 @@ from .layer_norm import add_layer_norm_fwd, layer_norm_bwd, layer_norm_fwd, laye
 from .linear_cross_entropy import linear_cross_entropy_fwd
 from .moe import moe_experts_bwd, moe_experts_fwd, moe_route_bwd, moe_route_fwd
 from .rms_norm import add_rms_norm_bwd, add_rms_norm_fwd, add_rms_norm_infer, rms_norm_bwd, rms_norm_fwd, rms_norm_infer
+from .rms_norm_add import rms_norm_add_bwd, rms_norm_add_fwd
 from .rope import rope_bwd, rope_fwd, rope_infer
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
+    "rms_norm_add_fwd", "rms_norm_add_bwd",
     "rope_fwd", "rope_bwd", "rms_norm_infer", "add_rms_norm_infer", "rope_infer", "swiglu_infer", "linear_cross_entropy_fwd", "moe_route_fwd", "moe_route_bwd", "moe_experts_fwd",
     "moe_experts_bwd", "dequantize_4bit_fwd", "dequantize_4bit_into", "dequantize_scales_fwd", "dequant_matmul_4bit_fwd", "dequant_matmul_4bit_bwd", "hilo_split",
 ]

@@ -24,6 +24,7 @@ from .linear_cross_entropy import linear_cross_entropy_fwd, linear_cross_entropy
 from .moe import moe_experts_bwd, moe_experts_fwd, moe_route_bwd, moe_route_fwd
 from .norm_fp8 import add_rms_norm_fp8_bwd, add_rms_norm_fp8_fwd, rms_norm_fp8_bwd, rms_norm_fp8_fwd
 from .rms_norm import add_rms_norm_bwd, add_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd
+from .rms_norm_add import rms_norm_add_bwd, rms_norm_add_fwd
 from .rope import rope_bwd, rope_fwd
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd", "gelu_fwd", "gelu_bwd",
     "swiglu_packed_fwd", "swiglu_packed_bwd", "geglu_packed_fwd", "geglu_packed_bwd",
     "geglu_erf_fwd", "geglu_erf_bwd", "geglu_erf_packed_fwd", "geglu_erf_packed_bwd",
+    "rms_norm_add_fwd", "rms_norm_add_bwd",
     "rope_fwd", "rope_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_scale_", "fp8_quantize",
     "fp8_quantize_both", "fp8_quantize_both_amax", "fp8_quantize_blocks", "fp8_quantize_weight_blocks",
     "swiglu_packed_fp8_fwd", "swiglu_packed_fp8_bwd", "geglu_packed_fp8_fwd", "geglu_packed_fp8_bwd",

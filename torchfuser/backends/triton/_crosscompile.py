@@ -270,6 +270,23 @@ def _scenarios(hiddens, dtypes, tokens):
     q, a2 = torch.empty(n, dtype=torch.uint8, device=meta), torch.empty(n // 256, device=meta)
     code2, off = torch.empty(256, device=meta), torch.empty((), device=meta)
     yield "dequantize_scales_fwd", lambda: dequant_4bit.dequantize_scales_fwd(q, a2, code2, 256, off)
+    # Norm then add (post-block norms, OLMo-2), after all the others: a block's output and the residual stream in
+    # one dtype, and under autocast (a bf16/fp16 output, an fp32 stream; the norm in a's dtype or, by Llama's rule
+    # as EXAONE 4's, in fp32); the backward's rms_norm_bwd of dy in y's dtype.
+    from . import rms_norm_add
+
+    for dt in dtypes:
+        for n in hiddens:
+            a, w = torch.empty(tokens, n, dtype=dt, device=meta), torch.empty(n, dtype=dt, device=meta)
+            r32, rs = torch.empty(tokens, n, device=meta), torch.empty(tokens, device=meta)
+            yield "rms_norm_add_fwd", lambda a=a, w=w: rms_norm_add.rms_norm_add_fwd(a, a, w, 1e-6, 0.0)
+            yield "rms_norm_add_bwd", lambda a=a, w=w, rs=rs: rms_norm_add.rms_norm_add_bwd(a, a, w, rs, 1e-6, 0.0)
+            if dt != torch.float32:
+                for yd in (None, torch.float32):
+                    yield "rms_norm_add_fwd-autocast", lambda a=a, r=r32, w=w, yd=yd: rms_norm_add.rms_norm_add_fwd(
+                        a, r, w, 1e-6, 0.0, yd)
+                yield "rms_norm_add_bwd-fp32y", lambda a=a, r=r32, w=w, rs=rs: rms_norm_add.rms_norm_add_bwd(
+                    r, a, w, rs, 1e-6, 0.0, torch.float32)
 
 
 def _rowwise_both(path, fn, *args):
