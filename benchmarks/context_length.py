@@ -21,6 +21,7 @@ plot (``--plot``) shows the points, the lines and the device's memory.
 All settings run with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (Unsloth sets it itself).
 
     python benchmarks/context_length.py --quant nf4 --out context-length-qlora.jsonl --plot context-qlora.png
+    python benchmarks/context_length.py --quant nf4 --settings torchfuser-offload --lengths 278528 --budget 0  # confirm
     python benchmarks/context_length.py --model tiny --device cpu --start 64 --step 64 --max 192   # smoke run
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ _OOM = ("OutOfMemory", "out of memory", "CUDA error: out of memory")
 
 def run_setting(setting: str, args) -> dict:
     """One setting's ladder: {"setting", "points": [...], "total_gib", ...} (points: seq, status, ms, tokens/s, peak)."""
-    ladder = list(range(args.start + args.step, args.max + 1, args.step))
+    ladder = args.lengths or list(range(args.start + args.step, args.max + 1, args.step))
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as out:
         cmd = [sys.executable, str(HERE / "train_step.py"), "--models", args.model, "--device", args.device,
                "--precision", "bf16", "--lora", "16", "--batch", "1", "--seq", str(args.start), "--steps", "1",
@@ -147,6 +148,8 @@ def main(argv=None) -> None:
     parser.add_argument("--start", type=int, default=16384)
     parser.add_argument("--step", type=int, default=16384)
     parser.add_argument("--max", type=int, default=1 << 20)
+    parser.add_argument("--lengths", type=int, nargs="+", metavar="SEQ",
+                        help="after --start, only these lengths (a confirmation: one step at a predicted longest length)")
     parser.add_argument("--budget", type=float, default=120, help="seconds of ladder steps a setting (0: no limit)")
     parser.add_argument("--margin-gib", type=float, default=2.0, help="memory a prediction leaves free")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a setting's process may take")

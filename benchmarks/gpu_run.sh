@@ -158,6 +158,10 @@ for stage in "$@"; do
     # Three settings a call, each one process: build, 16k, then longer until OOM or ${CTX_BUDGET} s of steps (then a fit).
     context-qlora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py --quant nf4 --budget ${CTX_BUDGET:-90} --timeout 240 \
                      ${CTX_ARGS:-} --out "$OUT/context-length-qlora.jsonl" --plot "$OUT/context-length-qlora.png" ;;
+    # One step at a given length after a 16k warm-up (CTX_SETTING, CTX_LEN: a predicted longest length, confirmed).
+    context-confirm) timeout ${CTX_S:-580} python3 benchmarks/context_length.py ${CTX_QUANT:+--quant $CTX_QUANT} --budget 0 \
+                       --settings ${CTX_SETTING:-torchfuser-offload} --lengths ${CTX_LEN:-278528} --timeout 570 \
+                       --out "$OUT/context-length-confirm.jsonl" ;;
     context-lora) timeout ${CTX_S:-580} python3 benchmarks/context_length.py --budget ${CTX_BUDGET:-90} --timeout 240 \
                     ${CTX_ARGS:-} --out "$OUT/context-length-lora.jsonl" --plot "$OUT/context-length-lora.png" ;;
     moe-path) timeout 120 python3 benchmarks/probes/moe_expert_path_probe.py --out "$OUT/moe-expert-path.jsonl" ;;

@@ -173,6 +173,8 @@ def run(variant: str, args) -> dict:
                       callbacks=callbacks)
     else:
         teacher = build(args.teacher or spec["teacher"], dtype, args.device, model.config.vocab_size)
+        if variant == "torchfuser+teacher":  # the callback fuses the model being trained; a user can fuse the teacher
+            torchfuser.optimize(teacher)
         cls = fixed_rollouts(trl.DistillationTrainer, completion, vocab)
         trainer = cls(model=model, teacher_model=teacher, args=trl.DistillationConfig(max_completion_length=completion,
                                                                                      **common),
@@ -189,6 +191,8 @@ def run(variant: str, args) -> dict:
     if variant.startswith("torchfuser"):
         rep = torchfuser.report(trainer.model)
         row["fused"] = rep.summary()
+        if variant == "torchfuser+teacher":
+            row["teacher_fused"] = torchfuser.report(teacher).summary()
         row["lm_head"] = [n for n in rep.notes if n.startswith("lm_head_loss")]
     return row
 
@@ -196,7 +200,8 @@ def run(variant: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=list(WORKLOADS), required=True)
-    parser.add_argument("--variants", nargs="+", default=["trl", "trl+liger", "torchfuser"])
+    parser.add_argument("--variants", nargs="+", default=["trl", "trl+liger", "torchfuser"],
+                        choices=["trl", "trl+liger", "torchfuser", "torchfuser+teacher"])
     parser.add_argument("--model", help="recipes/<name>.json (default: the workload's)")
     parser.add_argument("--teacher")
     parser.add_argument("--lora", type=int, help="LoRA rank (0: full fine-tuning; default: the workload's)")

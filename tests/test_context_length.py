@@ -74,3 +74,19 @@ def test_a_budget_stops_the_ladder_before_a_step_that_would_overrun_it(tmp_path)
 def test_unsloth_loads_for_the_longest_length_of_the_ladder():
     args = argparse.Namespace(workload="fixed", seq=16384, ladder=[32768, 65536])
     assert unsloth_variant.longest_row(args) == 65536
+
+
+def test_explicit_lengths_replace_the_climb(monkeypatch):
+    """--lengths: one step at each given length after --start (a confirmation run), not the whole range."""
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        raise context_length.subprocess.TimeoutExpired(cmd, 1)
+
+    monkeypatch.setattr(context_length.subprocess, "run", fake_run)
+    args = argparse.Namespace(start=16384, step=16384, max=1 << 20, lengths=[278528], model="llama8b", device="cuda",
+                              budget=0, quant="nf4", timeout=1)
+    result = context_length.run_setting("torchfuser-offload", args)
+    ladder = seen["cmd"][seen["cmd"].index("--ladder") + 1:seen["cmd"].index("--ladder-budget")]
+    assert ladder == ["278528"] and "error" in result and result["points"] == []
