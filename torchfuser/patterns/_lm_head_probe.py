@@ -36,8 +36,8 @@ def length(inputs: dict) -> int:
 
 class _StubDecoder(nn.Module):
     """Stands in for the decoder: returns fixed final hidden states. Whatever else the forward
-    reads of it comes from the real decoder (Falcon-H1's lm_head_multiplier), except submodules (but embeddings),
-    which are stubs too (BART-style ``self.model.decoder(...)``), and, when ``perturb`` is set,
+    reads of it comes from the real decoder (Falcon-H1's lm_head_multiplier), except submodules,
+    which are stubs too (embeddings ``_StubEmbedding``s) (BART-style ``self.model.decoder(...)``), and, when ``perturb`` is set,
     parameters and buffers, which come back changed (to tell a scale read off them)."""
 
     def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False, seen: list | None = None):
@@ -64,13 +64,33 @@ class _StubDecoder(nn.Module):
         return self._stand_in(self.__dict__["_real"][key])
 
     def _stand_in(self, value):
-        # The input embedding the outer model embeds its tokens with runs as it is (BLIP-2 reads OPT's through its
-        # decoder's embed_tokens): never a decoder's stand-in.
-        if isinstance(value, nn.Module) and not isinstance(value, nn.Embedding):
+        if isinstance(value, nn.Embedding):  # the input embedding an outer model embeds its tokens with (BLIP-2's)
+            return _StubEmbedding(value)
+        if isinstance(value, nn.Module):
             return _StubDecoder(self.hidden, value, self.__dict__["_perturb"], self.__dict__["_seen"])
         if self.__dict__["_perturb"] and isinstance(value, torch.Tensor) and value.is_floating_point():
             return _changed(value)
         return value
+
+
+class _StubEmbedding(nn.Module):
+    """Stands in for an input embedding inside the stubbed decoder: zeros of its width for the token ids, where they
+    are (an outer model puts its image features among them with ``masked_scatter``: BLIP-2), in its weight's dtype;
+    the stand-in decoder reads none of them."""
+
+    def __init__(self, real: nn.Embedding):
+        super().__init__()
+        self.__dict__["_real"] = real
+
+    def forward(self, ids, *args, **kwargs):
+        real = self.__dict__["_real"]
+        return torch.zeros(*ids.shape, real.embedding_dim, dtype=real.weight.dtype, device=ids.device)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_real"], name)
 
 
 class _OrNone:

@@ -74,10 +74,11 @@ def _image_inputs(model: nn.Module, rows: int, required: list[str]) -> tuple[dic
             continue
         if not name.endswith("_input_ids"):
             return None  # an argument of a kind not built here
-        others[name] = torch.zeros(rows, _IDS, dtype=torch.long)
+        others[name] = None
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is None or param.device.type == "meta":
         return None  # (no values to run the vision tower on)
+    others = {name: torch.zeros(rows, _IDS, dtype=torch.long, device=param.device) for name in others}
     channels = getattr(vision, "num_channels", None)
     channels = channels if isinstance(channels, int) else 3
     getter = next((getattr(model, g) for g in _GETTERS if callable(getattr(model, g, None))), None)
