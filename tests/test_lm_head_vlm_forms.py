@@ -10,11 +10,12 @@ reproduces it exactly, with the reason where it does not:
   with a loss function that records the positions it is given, then the whole loss checked at that geometry;
 - Llama 4, Nemotron-H Omni and Kosmos-2.5 hold the head in an inner causal LM; the first two call it without
   labels and compute the loss from its logits themselves (the inner model's fused loss never ran): the model's own
-  is fused at the inner head's path, the probes standing in for the inner model's decoder.
+  is fused at the inner head's path, the probes standing in for the inner model's decoder; so do BLIP-2,
+  InstructBLIP and InstructBLIP-Video, whose forward needs pixel values (built by the probes from the config).
 
 Loss and every gradient (the head's weight, tied or not, included) against the unfused model in fp32, the fused
 loss run (one fused call); BLIP's text decoder (handed the labels by BLIP) fused where it smooths no labels; the
-heads left alone (Pix2Struct's inside its decoder, BLIP-2's inner causal LM's) say why."""
+heads left alone (Pix2Struct's inside its decoder) say why."""
 from __future__ import annotations
 
 import copy
@@ -100,6 +101,9 @@ def _check_exact(model, inputs, **extra):
     ("llama4", dict(head="language_model.lm_head", shift=True)),
     ("nemotron_h_omni", dict(head="language_model.lm_head", shift=True)),
     ("kosmos-2.5", dict(head="text_model.lm_head", shift=True, cache_off=True)),
+    ("blip-2", dict(head="language_model.lm_head", shift=True, leading=0)),
+    ("instructblip", dict(head="language_model.lm_head", shift=True, leading=0)),
+    ("instructblipvideo", dict(head="language_model.lm_head", shift=True, leading=0)),
 ])
 def test_the_spec_is_probed(model_type, fields):
     model, _ = _model(model_type)
@@ -112,7 +116,8 @@ def test_the_spec_is_probed(model_type, fields):
 @pytest.mark.parametrize("model_type, fields", [pytest.param("florence2", {}, marks=pytest.mark.slow),  # ≈ 30 s here
                                                 ("udop", {"tie_word_embeddings": True}),
                                                 ("udop", {"tie_word_embeddings": False}), ("git", {}),
-                                                ("llama4", {}), ("nemotron_h_omni", {}), ("kosmos-2.5", {})])
+                                                ("llama4", {}), ("nemotron_h_omni", {}), ("kosmos-2.5", {}),
+                                                ("blip-2", {}), ("instructblip", {}), ("instructblipvideo", {})])
 def test_loss_and_every_gradient_exact(model_type, fields):
     model, inputs = _model(model_type, **fields)
     if "tie_word_embeddings" in fields:
@@ -178,7 +183,6 @@ def test_blip_text_decoder_fused_where_it_smooths_no_labels():
 
 @pytest.mark.parametrize("model_type, why", [
     ("pix2struct", "that decoder's forward takes labels and computes a loss of its own"),
-    ("blip-2", "a causal LM of its own, fused there where it is given the labels; this model's forward did not run"),
 ])
 def test_heads_left_alone_say_why(model_type, why):
     model, _ = _model(model_type)
@@ -186,7 +190,7 @@ def test_heads_left_alone_say_why(model_type, why):
     assert isinstance(spec, Skip) and why in spec.reason, spec
 
 
-@pytest.mark.parametrize("model_type", ["udop", "git"])  # (Florence-2's: in the slow sweep test)
+@pytest.mark.parametrize("model_type", ["udop", "git", "blip-2"])  # (Florence-2's: in the slow sweep test)
 def test_the_sweep_fuses_the_head_exactly(model_type):
     r = vlm_sweep.run_one(model_type)
     assert r.kind == "fused", (r.kind, r.detail)
@@ -194,7 +198,7 @@ def test_the_sweep_fuses_the_head_exactly(model_type):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model_type", ["florence2", "git", "llama4"])
+@pytest.mark.parametrize("model_type", ["florence2", "git", "llama4", "blip-2", "instructblip"])
 def test_cuda_fused_loss_and_gradients(model_type):
     """On the GPU (the Triton linear_cross_entropy kernel), fp32: loss and every gradient as the unfused model's."""
     model, inputs = _model(model_type)

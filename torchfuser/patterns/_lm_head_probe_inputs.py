@@ -89,7 +89,7 @@ def _image_inputs(model: nn.Module, rows: int, required: list[str]) -> tuple[dic
     for shape in ((rows, channels, *size), (rows, 1, channels, *size)):
         pixels = _probe.randn(*shape, gen=gen).to(param.device, param.dtype)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _probe.saved_rng():  # (a dropout in training mode draws)
                 out = getter(pixel_values=pixels, **{k: v for k, v in others.items() if k in takes})
         except Exception:
             continue
