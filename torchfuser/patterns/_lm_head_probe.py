@@ -31,7 +31,8 @@ def forward_inputs(model: nn.Module) -> dict | None:
 
 def length(inputs: dict) -> int:
     """The probe's sequence length: the labels' and the stand-in decoder's (before any ``extra`` positions)."""
-    return inputs["input_ids"].shape[1]
+    ids = inputs.get("input_ids")
+    return _S if ids is None else ids.shape[1]  # (no ids: an encoder-decoder over images, decoder as long as labels)
 
 
 class _StubDecoder(nn.Module):
@@ -48,8 +49,8 @@ class _StubDecoder(nn.Module):
         self.__dict__["_seen"] = seen  # where the keyword arguments of each call go, if anywhere
 
     def forward(self, *args, **kwargs):
-        if self.__dict__["_seen"] is not None:
-            self.__dict__["_seen"].append(kwargs)
+        if self.__dict__["_seen"] is not None:  # positional ones too (BERT's LM hands its encoder input_ids so)
+            self.__dict__["_seen"].append({**{f"(argument {i})": a for i, a in enumerate(args)}, **kwargs})
         # Fields other decoders add (a mixture of experts' router_logits): absent, as None.
         return _OrNone(BaseModelOutputWithPast(last_hidden_state=self.hidden))
 

@@ -59,10 +59,11 @@ def _rows_of_features(out, width: int) -> int | None:
     return total // width if tensors and total and total % width == 0 else None
 
 
-def _image_inputs(model: nn.Module, rows: int, required: list[str]) -> tuple[dict, int] | None:
-    """(the pixel values and other required inputs, image tokens a row), or None where they cannot be built."""
+def _image_inputs(model: nn.Module, rows: int, required: list[str], getter: bool = True) -> tuple[dict, int] | None:
+    """(the pixel values and other required inputs, image tokens a row), or None where they cannot be built; without
+    ``getter``, one image a row (4-D) of the vision config's or the encoder's config's size, no tokens."""
     cfg = getattr(model, "config", None)
-    vision = getattr(cfg, "vision_config", None)
+    vision = getattr(cfg, "vision_config", None) or getattr(cfg, "encoder", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
     width = getattr(text, "hidden_size", None)
     size = _size(vision)
@@ -81,6 +82,8 @@ def _image_inputs(model: nn.Module, rows: int, required: list[str]) -> tuple[dic
     others = {name: torch.zeros(rows, _IDS, dtype=torch.long, device=param.device) for name in others}
     channels = getattr(vision, "num_channels", None)
     channels = channels if isinstance(channels, int) else 3
+    if not getter:
+        return {"pixel_values": _probe.randn(rows, channels, *size, gen=_probe.generator(23)).to(param.device, param.dtype)}, 0
     getter = next((getattr(model, g) for g in _GETTERS if callable(getattr(model, g, None))), None)
     if getter is None:
         return None
@@ -104,6 +107,11 @@ def forward_inputs(model: nn.Module, rows: int, text: int) -> dict | None:
     other argument; where it needs pixel values, those (see the module's docstring) with the image's tokens after the
     first of ``text`` + their number positions; None where it needs anything else or they cannot be built."""
     required = _required(model)
+    params = inspect.signature(type(model).forward).parameters
+    if "input_ids" not in params and "pixel_values" in params and not required:
+        # an encoder-decoder over images alone (VisionEncoderDecoder): its decoder's length is the labels'
+        built = _image_inputs(model, rows, ["pixel_values"], getter=False)
+        return None if built is None else built[0]
     if not required:
         return {"input_ids": torch.zeros(rows, text, dtype=torch.long)}
     token = _field(getattr(model, "config", None), _TOKENS)
