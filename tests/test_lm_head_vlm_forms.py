@@ -11,7 +11,9 @@ reproduces it exactly, with the reason where it does not:
 - Llama 4, Nemotron-H Omni and Kosmos-2.5 hold the head in an inner causal LM; the first two call it without
   labels and compute the loss from its logits themselves (the inner model's fused loss never ran): the model's own
   is fused at the inner head's path, the probes standing in for the inner model's decoder; so do BLIP-2,
-  InstructBLIP and InstructBLIP-Video, whose forward needs pixel values (built by the probes from the config).
+  InstructBLIP and InstructBLIP-Video, whose forward needs pixel values (built by the probes from the config), and
+  VisionEncoderDecoder, whose decoder is a causal LM (BERT's) it calls without labels on decoder inputs it makes from
+  them.
 
 Loss and every gradient (the head's weight, tied or not, included) against the unfused model in fp32, the fused
 loss run (one fused call); BLIP's text decoder (handed the labels by BLIP) fused where it smooths no labels; the
@@ -104,6 +106,9 @@ def _check_exact(model, inputs, **extra):
     ("blip-2", dict(head="language_model.lm_head", shift=True, leading=0)),
     ("instructblip", dict(head="language_model.lm_head", shift=True, leading=0)),
     ("instructblipvideo", dict(head="language_model.lm_head", shift=True, leading=0)),
+    # its decoder (a BERT causal LM) called without labels on the labels shifted right, its loss unshifted
+    ("vision-encoder-decoder", dict(head="decoder.cls.predictions.decoder", shift=False,
+                                    decoder_inputs_from_labels=True, loss_kwargs=())),
 ])
 def test_the_spec_is_probed(model_type, fields):
     model, _ = _model(model_type)
@@ -117,7 +122,8 @@ def test_the_spec_is_probed(model_type, fields):
                                                 ("udop", {"tie_word_embeddings": True}),
                                                 ("udop", {"tie_word_embeddings": False}), ("git", {}),
                                                 ("llama4", {}), ("nemotron_h_omni", {}), ("kosmos-2.5", {}),
-                                                ("blip-2", {}), ("instructblip", {}), ("instructblipvideo", {})])
+                                                ("blip-2", {}), ("instructblip", {}), ("instructblipvideo", {}),
+                                                ("vision-encoder-decoder", {})])
 def test_loss_and_every_gradient_exact(model_type, fields):
     model, inputs = _model(model_type, **fields)
     if "tie_word_embeddings" in fields:
