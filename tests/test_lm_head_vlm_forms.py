@@ -204,7 +204,7 @@ def test_the_sweep_fuses_the_head_exactly(model_type):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model_type", ["florence2", "git", "llama4", "blip-2", "instructblip"])
+@pytest.mark.parametrize("model_type", ["florence2", "git", "llama4", "blip-2", "instructblip", "vision-encoder-decoder"])
 def test_cuda_fused_loss_and_gradients(model_type):
     """On the GPU (the Triton linear_cross_entropy kernel), fp32: loss and every gradient as the unfused model's."""
     model, inputs = _model(model_type)
