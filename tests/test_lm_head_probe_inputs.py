@@ -48,9 +48,11 @@ def test_pixel_values_and_image_tokens_as_a_processor_makes_them(model_type, pix
     model = _model(model_type)
     size = model.config.vision_config.image_size
     assert pixels[-1] == size  # (the tiny config's image size)
-    state = torch.get_rng_state()
+    state, weights = torch.get_rng_state(), copy.deepcopy(model.state_dict())
     inputs = probe.forward_inputs(model)
-    assert torch.equal(torch.get_rng_state(), state)  # the vision tower's dropout drew from a generator put back
+    assert torch.equal(torch.get_rng_state(), state)  # the vision tower ran in eval mode, under saved generators
+    assert all(m.training for m in model.modules())  # ... and every module's training flag is put back
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in weights.items())
     assert inputs.keys() == {"input_ids", "pixel_values", *others}
     assert inputs["pixel_values"].shape == pixels and inputs["pixel_values"].dtype == torch.float32
     ids = inputs["input_ids"]

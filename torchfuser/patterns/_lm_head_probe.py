@@ -38,7 +38,7 @@ def length(inputs: dict) -> int:
 class _StubDecoder(nn.Module):
     """Stands in for the decoder: returns fixed final hidden states. Whatever else the forward
     reads of it comes from the real decoder (Falcon-H1's lm_head_multiplier), except submodules,
-    which are stubs too (embeddings ``_StubEmbedding``s) (BART-style ``self.model.decoder(...)``), and, when ``perturb`` is set,
+    which are stubs too (BART-style ``self.model.decoder(...)``; an embedding a ``_StubEmbedding``), and, when ``perturb`` is set,
     parameters and buffers, which come back changed (to tell a scale read off them)."""
 
     def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False, seen: list | None = None):
@@ -222,8 +222,8 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
             hidden = hidden.to(real.weight.device, real.weight.dtype)
         for name, part in stubs.items():
             _put(probe, name, _StubDecoder(hidden, part, perturb, seen))
-        try:  # each run draws the same (a vision tower's dropout in training mode: the decoder probe compares runs)
-            with torch.no_grad(), _probe.saved_rng():
+        try:  # each run draws the same (the decoder probe compares runs); a vision tower runs in eval mode
+            with torch.no_grad(), _probe.saved_rng(), _inputs.eval_mode(model, "pixel_values" in inputs):
                 _probe.seed_cpu(0)
                 if torch.cuda.is_initialized():
                     torch.cuda.manual_seed_all(0)

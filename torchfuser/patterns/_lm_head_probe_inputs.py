@@ -6,11 +6,13 @@ Built from the forward's signature and the config only: the pixel values are one
 row, ``num_channels`` × ``image_size``², tried 4-D then 5-D; the image's tokens (its config's image or video token id)
 are as many a row as the model's own ``get_image_features`` / ``get_video_features`` makes features of the text
 width, in one run after the first token, as its processor puts them; a required ``*_input_ids`` beside them (the
-instruction InstructBLIP hands its Q-Former) is a few pad tokens. The vision tower runs on those (under no_grad; the
-values it makes never reach the probes' stand-in decoder); a forward that needs any other argument is not probed.
+instruction InstructBLIP hands its Q-Former) is a few pad tokens. The vision tower runs on those (under no_grad, the
+model in eval mode for the while: no running statistics updated, no dropout drawn; the values it makes never reach
+the probes' stand-in decoder); a forward that needs any other argument is not probed.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -21,6 +23,20 @@ from torchfuser.patterns import _probe
 _TOKENS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
 _GETTERS = ("get_image_features", "get_video_features")
 _IDS = 4  # the length of a required *_input_ids beside the text's (InstructBLIP's Q-Former instruction)
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module, on: bool = True):
+    """The model in eval mode while its vision tower runs for a probe (no batch norm's running statistics updated, no
+    dropout drawn), every module's own training flag put back after."""
+    flags = [(m, m.training) for m in model.modules()] if on else []
+    try:
+        for m, _ in flags:
+            m.training = False
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _required(model: nn.Module) -> list[str]:
@@ -69,17 +85,13 @@ def _image_inputs(model: nn.Module, rows: int, required: list[str], getter: bool
     size = _size(vision)
     if size is None or not isinstance(width, int) or "pixel_values" not in required:
         return None
-    others = {}
-    for name in required:
-        if name == "pixel_values":
-            continue
-        if not name.endswith("_input_ids"):
-            return None  # an argument of a kind not built here
-        others[name] = None
+    names = [n for n in required if n != "pixel_values"]
+    if not all(n.endswith("_input_ids") for n in names):
+        return None  # an argument of a kind not built here
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is None or param.device.type == "meta":
         return None  # (no values to run the vision tower on)
-    others = {name: torch.zeros(rows, _IDS, dtype=torch.long, device=param.device) for name in others}
+    others = {name: torch.zeros(rows, _IDS, dtype=torch.long, device=param.device) for name in names}
     channels = getattr(vision, "num_channels", None)
     channels = channels if isinstance(channels, int) else 3
     if not getter:
@@ -92,7 +104,7 @@ def _image_inputs(model: nn.Module, rows: int, required: list[str], getter: bool
     for shape in ((rows, channels, *size), (rows, 1, channels, *size)):
         pixels = _probe.randn(*shape, gen=gen).to(param.device, param.dtype)
         try:
-            with torch.no_grad(), _probe.saved_rng():  # (a dropout in training mode draws)
+            with torch.no_grad(), _probe.saved_rng(), eval_mode(model):
                 out = getter(pixel_values=pixels, **{k: v for k, v in others.items() if k in takes})
         except Exception:
             continue
