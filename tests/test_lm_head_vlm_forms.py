@@ -153,6 +153,18 @@ def test_git_with_labels_of_another_length_raises():
         fused(**inputs)
 
 
+def test_blip2_with_labels_of_the_text_alone_raises():
+    """BLIP-2 scores labels shorter than its input against the last positions (``logits[:, -labels.size(1):]``, the
+    form of processors that put no image tokens in the ids; in fp32 transformers 5.25's own loss then fails on a view
+    of the sliced logits, in bf16 it runs): the probe saw labels as long as the input only, so the fused forward
+    raises, saying what to do, rather than score them against other positions."""
+    model, inputs = _model("blip-2")
+    fused = torchfuser.optimize(copy.deepcopy(model), backend="reference", patterns=["lm_head_loss"])
+    inputs = {**inputs, "labels": inputs["labels"][:, -4:].contiguous()}
+    with pytest.raises(RuntimeError, match="one label per position"):
+        fused(**inputs)
+
+
 def test_florence2_refuses_shift_labels_as_its_forward_does():
     model, inputs = _model("florence2")
     fused = torchfuser.optimize(copy.deepcopy(model), backend="reference", patterns=["lm_head_loss"])
