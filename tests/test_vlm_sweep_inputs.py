@@ -15,7 +15,7 @@ import vlm_sweep
 BUILT = {
     "mllama": ("vision", "attention", 4),  # tiles, aspect ratios, cross-attention mask; its global layers
     "gemma4": ("text", "lm_head_loss", 1),  # patches with (x, y) positions, per-layer table, vision tower filled in
-    "blip-2": ("vision", "attention", 2),  # image token id the config leaves None (its LM head: idle, the reason given)
+    "blip-2": ("vision", "attention", 2),  # image token id the config leaves None
     "kosmos-2": ("vision", "attention", 3),  # image positions by mask
     "got_ocr2": ("vision", "rel_pos_attention", 2),  # SAM-style vision attention with decomposed relative positions
     "minicpm_ocr": ("vision", "varlen_attention", 3),  # packed patch strips; its attention requires max_seqlen

@@ -13,20 +13,32 @@ import torch
 from torch import nn
 
 from torchfuser.modules.lm_head import PROBE_LOGITS, CaptureHead, FusedLMHeadLoss, LMHeadLossSpec
-from torchfuser.patterns import _probe
+from torchfuser.patterns import _lm_head_probe_inputs as _inputs, _probe
 
 try:
     from transformers.modeling_outputs import BaseModelOutputWithPast
 except ImportError:  # pragma: no cover - transformers is a dependency
     BaseModelOutputWithPast = None
 
-_B, _S = 2, 5  # the probe batch: 2 rows of 5 tokens
+_B, _S = 2, 5  # the probe batch: 2 rows of 5 tokens (and an image's tokens where the forward needs pixels)
+
+
+def forward_inputs(model: nn.Module) -> dict | None:
+    """The keyword arguments of every probe call (``_lm_head_probe_inputs``): ``input_ids``, and pixel values where
+    the forward takes them as a required argument; None where they cannot be built."""
+    return _inputs.forward_inputs(model, _B, _S)
+
+
+def length(inputs: dict) -> int:
+    """The probe's sequence length: the labels' and the stand-in decoder's (before any ``extra`` positions)."""
+    ids = inputs.get("input_ids")
+    return _S if ids is None else ids.shape[1]  # (no ids: an encoder-decoder over images, decoder as long as labels)
 
 
 class _StubDecoder(nn.Module):
     """Stands in for the decoder: returns fixed final hidden states. Whatever else the forward
     reads of it comes from the real decoder (Falcon-H1's lm_head_multiplier), except submodules,
-    which are stubs too (BART-style ``self.model.decoder(...)``), and, when ``perturb`` is set,
+    which are stubs too (BART-style ``self.model.decoder(...)``; an embedding a ``_StubEmbedding``), and, when ``perturb`` is set,
     parameters and buffers, which come back changed (to tell a scale read off them)."""
 
     def __init__(self, hidden: torch.Tensor, real: nn.Module, perturb: bool = False, seen: list | None = None):
@@ -37,8 +49,8 @@ class _StubDecoder(nn.Module):
         self.__dict__["_seen"] = seen  # where the keyword arguments of each call go, if anywhere
 
     def forward(self, *args, **kwargs):
-        if self.__dict__["_seen"] is not None:
-            self.__dict__["_seen"].append(kwargs)
+        if self.__dict__["_seen"] is not None:  # positional ones too (BERT's LM hands its encoder input_ids so)
+            self.__dict__["_seen"].append({**{f"(argument {i})": a for i, a in enumerate(args)}, **kwargs})
         # Fields other decoders add (a mixture of experts' router_logits): absent, as None.
         return _OrNone(BaseModelOutputWithPast(last_hidden_state=self.hidden))
 
@@ -53,11 +65,33 @@ class _StubDecoder(nn.Module):
         return self._stand_in(self.__dict__["_real"][key])
 
     def _stand_in(self, value):
+        if isinstance(value, nn.Embedding):  # the input embedding an outer model embeds its tokens with (BLIP-2's)
+            return _StubEmbedding(value)
         if isinstance(value, nn.Module):
             return _StubDecoder(self.hidden, value, self.__dict__["_perturb"], self.__dict__["_seen"])
         if self.__dict__["_perturb"] and isinstance(value, torch.Tensor) and value.is_floating_point():
             return _changed(value)
         return value
+
+
+class _StubEmbedding(nn.Module):
+    """Stands in for an input embedding inside the stubbed decoder: zeros of its width for the token ids, where they
+    are (an outer model puts its image features among them with ``masked_scatter``: BLIP-2), in its weight's dtype;
+    the stand-in decoder reads none of them."""
+
+    def __init__(self, real: nn.Embedding):
+        super().__init__()
+        self.__dict__["_real"] = real
+
+    def forward(self, ids, *args, **kwargs):
+        real = self.__dict__["_real"]
+        return torch.zeros(*ids.shape, real.embedding_dim, dtype=real.weight.dtype, device=ids.device)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_real"], name)
 
 
 class _OrNone:
@@ -158,13 +192,15 @@ def _stubbed(model: nn.Module, head: str | None = None) -> dict[str, nn.Module] 
 
 
 def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: list | None = None, extra: int = 0,
-         loss_function=None, **kwargs):
+         loss_function=None, inputs: dict | None = None, **kwargs):
     """The model's forward on a stub copy (decoder stubbed, ``make_head(real_head)`` as head, and
     with ``perturb`` every other parameter and buffer changed; the stub's calls' keyword arguments into
     ``seen``; the decoder's output ``extra`` positions longer than the input ids, as a vision tower's positions
-    before the text make it; ``loss_function`` in place of the model's); None where it raises."""
+    before the text make it; ``loss_function`` in place of the model's; ``inputs`` those of ``forward_inputs``, built
+    where not given); None where it raises."""
     stubs = _stubbed(model, head)
-    if stubs is None or BaseModelOutputWithPast is None:
+    inputs = forward_inputs(model) if inputs is None else inputs
+    if stubs is None or BaseModelOutputWithPast is None or inputs is None:
         return None
     probe = _probe.shallow_copy(model)
     real = head_of(model, head)
@@ -181,14 +217,17 @@ def _run(model: nn.Module, head: str, make_head, perturb: bool = False, seen: li
         width = getattr(text, "hidden_size", None)
         widths += [width] if isinstance(width, int) and width != real.in_features else []
     for width in widths:
-        hidden = _probe.randn(_B, _S + extra, width, gen=_probe.generator(7))
+        hidden = _probe.randn(_B, length(inputs) + extra, width, gen=_probe.generator(7))
         if "." in head:
             hidden = hidden.to(real.weight.device, real.weight.dtype)
         for name, part in stubs.items():
             _put(probe, name, _StubDecoder(hidden, part, perturb, seen))
-        try:
-            with torch.no_grad():
-                return type(model).forward(probe, input_ids=torch.zeros(_B, _S, dtype=torch.long), **kwargs)
+        try:  # each run draws the same (the decoder probe compares runs); a vision tower runs in eval mode
+            with torch.no_grad(), _probe.saved_rng(), _inputs.eval_mode(model, "pixel_values" in inputs):
+                _probe.seed_cpu(0)
+                if torch.cuda.is_initialized():
+                    torch.cuda.manual_seed_all(0)
+                return type(model).forward(probe, **{k: v.clone() for k, v in inputs.items()}, **kwargs)
         except Exception:  # (what the stub decoder saw stays: a loss on the probe logits may fail after it ran)
             continue
     return None
@@ -226,13 +265,16 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec,
     ``(shift, honoured keywords, keywords it raises on)``; a reason (str) where it is no form the fused loss reproduces;
     None where the forward does not run on the stub. ``extra``: positions before the labels' (GIT's image positions),
     never scored (the labels are those of the last positions)."""
-    gen = _probe.generator(11)
+    inputs = forward_inputs(model)
+    if inputs is None:
+        return None
+    gen, n = _probe.generator(11), length(inputs)
     vocab = head_of(model, head).out_features
     # fp32-exact values: a forward that casts the logits to fp32 loses nothing.
-    z = _probe.randn(_B, _S + extra, vocab, gen=gen).mul(2).float().double()
-    labels = torch.randint(0, vocab, (_B, _S), generator=gen)
+    z = _probe.randn(_B, n + extra, vocab, gen=gen).mul(2).float().double()
+    labels = torch.randint(0, vocab, (_B, n), generator=gen)
     labels[0, 2] = labels[1, 3] = -100
-    other = torch.randint(0, vocab, (_B, _S), generator=gen)  # shift_labels: unrelated to labels
+    other = torch.randint(0, vocab, (_B, n), generator=gen)  # shift_labels: unrelated to labels
 
     # A mixture of experts' router loss is added by the fused forward itself (and the stub has no
     # router logits): off here, where the forward has the switch.
@@ -242,7 +284,7 @@ def probe_loss(model: nn.Module, head: str, spec: LMHeadLossSpec,
         fixed = {}
 
     def loss(**kwargs):
-        out = _run(model, head, lambda real: _FixedLogits(z, real), extra=extra, **fixed, **kwargs)
+        out = _run(model, head, lambda real: _FixedLogits(z, real), extra=extra, inputs=inputs, **fixed, **kwargs)
         return None if out is None else _loss_of(out)
 
     s = spec.transform(z).reshape(-1, vocab)

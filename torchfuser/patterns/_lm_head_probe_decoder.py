@@ -17,7 +17,7 @@ from torch import nn
 
 from torchfuser.modules.lm_head import CaptureHead, shift_right
 from torchfuser.patterns import _probe
-from torchfuser.patterns._lm_head_probe import _B, _S, _OrNone, _run, head_of
+from torchfuser.patterns._lm_head_probe import _B, _OrNone, _run, forward_inputs, head_of, length
 
 
 def _same(a, b) -> bool:
@@ -83,8 +83,12 @@ def _cache_off(model: nn.Module, with_labels: list[dict], without: list[dict]) -
 def turns_cache_off(model: nn.Module, head: str, extra: int = 0) -> bool:
     """Whether the forward passes ``use_cache=False`` on with labels and not without (GIT's, Kosmos-2's): the fused
     loss, which calls it without labels, passes it too (a cache built in a training step costs memory)."""
-    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(17))
-    return _cache_off(model, _calls(model, head, extra=extra, labels=labels), _calls(model, head, extra=extra))
+    inputs = forward_inputs(model)
+    if inputs is None:
+        return False
+    labels = torch.randint(0, head_of(model, head).out_features, (_B, length(inputs)), generator=_probe.generator(17))
+    return _cache_off(model, _calls(model, head, extra=extra, labels=labels, inputs=inputs),
+                      _calls(model, head, extra=extra, inputs=inputs))
 
 
 def decoder_inputs_from_labels(model: nn.Module, head: str) -> dict | bool | str | None:
@@ -93,12 +97,15 @@ def decoder_inputs_from_labels(model: nn.Module, head: str) -> dict | bool | str
     ``decoder_shift`` = (start, pad) read off the probe; ``cache_off`` where it turns the cache off with labels) where
     the fused forward, passing those, makes every call of the stand-ins the labelled forward makes; a reason where it
     does otherwise; None where the forward does not run on the stub."""
-    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(17))
+    inputs = forward_inputs(model)
+    if inputs is None:
+        return None
+    labels = torch.randint(0, head_of(model, head).out_features, (_B, length(inputs)), generator=_probe.generator(17))
     labels[0, 3] = labels[1, 0] = -100
-    with_labels = _calls(model, head, labels=labels.clone())
+    with_labels = _calls(model, head, labels=labels.clone(), inputs=inputs)
     if not with_labels:
         return None
-    without = _calls(model, head)
+    without = _calls(model, head, inputs=inputs)
     if not _differences(with_labels, without):
         return False
     made = _made(with_labels, without, labels)
@@ -123,7 +130,7 @@ def decoder_inputs_from_labels(model: nn.Module, head: str) -> dict | bool | str
     extra = {}
     if _cache_off(model, with_labels, without):
         found["cache_off"], extra["use_cache"] = True, False
-    fused = _calls(model, head, decoder_input_ids=mine, **extra)
+    fused = _calls(model, head, decoder_input_ids=mine, inputs=inputs, **extra)
     if differ := _differences(with_labels, fused):
         return ("its forward does more with the labels than make its decoder's inputs from them: given those inputs "
                 f"and no labels (as the fused loss calls it), its encoder / decoder get other {', '.join(differ)}")

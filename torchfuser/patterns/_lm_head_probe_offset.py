@@ -15,7 +15,7 @@ from torch import nn
 
 from torchfuser.modules.lm_head import CaptureHead
 from torchfuser.patterns import _probe
-from torchfuser.patterns._lm_head_probe import _B, _S, _run, head_of
+from torchfuser.patterns._lm_head_probe import _B, _run, forward_inputs, head_of, length
 
 _LONG = (2048, 1536)  # decoder outputs this much longer than the labels: N below the shorter is found
 
@@ -29,14 +29,15 @@ class _Positions(CaptureHead):
         return out
 
 
-def _first_scored(model: nn.Module, head: str, extra: int, labels: torch.Tensor) -> int | None:
+def _first_scored(model: nn.Module, head: str, extra: int, labels: torch.Tensor, inputs: dict) -> int | None:
     seen = []
 
     def record(*args, **kwargs):
         seen.append(kwargs.get("logits", args[0] if args else None))
         return torch.zeros((), dtype=torch.float64)
 
-    _run(model, head, lambda real: _Positions(real=real), extra=extra, loss_function=record, labels=labels)
+    _run(model, head, lambda real: _Positions(real=real), extra=extra, loss_function=record, labels=labels,
+         inputs=inputs)
     if len(seen) != 1 or not isinstance(seen[0], torch.Tensor) or seen[0].dim() != 3 or seen[0].shape[1] == 0:
         return None
     pos = seen[0][..., 0]
@@ -49,8 +50,11 @@ def _first_scored(model: nn.Module, head: str, extra: int, labels: torch.Tensor)
 def leading_positions(model: nn.Module, head: str) -> int | None:
     """N where the forward (given labels of the probe's length) scores the decoder's output from position N on, N
     fixed (0 < N, the same for two lengths of output); None otherwise or where it does not run that way."""
-    labels = torch.randint(0, head_of(model, head).out_features, (_B, _S), generator=_probe.generator(19))
-    firsts = [_first_scored(model, head, extra, labels.clone()) for extra in _LONG]
+    inputs = forward_inputs(model)
+    if inputs is None:
+        return None
+    labels = torch.randint(0, head_of(model, head).out_features, (_B, length(inputs)), generator=_probe.generator(19))
+    firsts = [_first_scored(model, head, extra, labels.clone(), inputs) for extra in _LONG]
     if firsts[0] is None or firsts[0] != firsts[1] or not 0 < firsts[0] <= min(_LONG):
         return None
     return firsts[0]

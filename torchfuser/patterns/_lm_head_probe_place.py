@@ -21,6 +21,10 @@ def nested_head(model: nn.Module, head: nn.Linear, is_lm):
     if path is None:
         return Skip("output embeddings are not a module of the model")
     parts = path.split(".")
+    for i in range(1, len(parts)):  # first: VisionEncoderDecoder's decoder, whose head this is, is a causal LM
+        if is_lm(type(model.get_submodule(".".join(parts[:i]))).__name__) and any(
+                k.startswith(".".join(parts[:i]) + ".") for k in probe._stubbed(model, path) or {}):
+            return path  # an inner causal LM whose decoder the probes stand in for: they show what the model does
     stubbed = probe._stubbed(model) or {}
     if parts[0] == getattr(model, "base_model_prefix", None) or parts[0] in stubbed:
         decoder = model.get_submodule(parts[0])
@@ -31,9 +35,6 @@ def nested_head(model: nn.Module, head: nn.Linear, is_lm):
     for i in range(1, len(parts)):
         inner = model.get_submodule(".".join(parts[:i]))
         cls = type(inner).__name__
-        if is_lm(cls) and any(
-                k.startswith(".".join(parts[:i]) + ".") for k in probe._stubbed(model, path) or {}):
-            return path  # an inner causal LM whose decoder the probes stand in for: they show what the model does
         if is_lm(cls) or isinstance(inner, nn.ModuleList):
             return Skip(f"output embeddings at {path!r}, inside {'.'.join(parts[:i])!r} ({cls}), a model of its own: "
                         "its head and loss are fused on that model, where it is given the labels")

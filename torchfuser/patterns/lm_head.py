@@ -14,7 +14,8 @@ that way, it is fused only if it calls transformers' loss_function and its confi
 transform. Forms of image-text models probed too (docs/vlm.md): decoder inputs the forward shifts from the labels
 itself (``_lm_head_probe_decoder``), a loss over the positions after a fixed number of leading ones (GIT's image
 positions: ``_lm_head_probe_offset``), the head of an inner causal LM whose logits the model computes its loss from
-(``_lm_head_probe_place``: where the head sits, and which decoder the probes stand in for). The model cannot be
+(``_lm_head_probe_place``: where the head sits, and which decoder the probes stand in for); a forward that requires
+pixel values (BLIP-2's) is run on pixel values and image tokens built from its config (``_lm_head_probe_inputs``). The model cannot be
 replaced in its parent (it is usually the root), so ``apply`` installs a per-instance forward and its undo removes
 it; the class is never touched.
 """
@@ -286,7 +287,8 @@ class LMHeadLossPattern(Pattern):
             cls = type(module.get_submodule(inner)).__name__
             return Skip(f"output embeddings at {name!r}, inside {inner!r} ({cls}), a causal LM of its own, fused there "
                         "where it is given the labels; this model's forward did not run on a stand-in for that model's "
-                        "decoder (on text alone), so whether it computes the loss from its logits, and how, could not "
+                        "decoder (given token ids, and pixel values and image tokens where it requires pixel values: "
+                        "it needs other inputs), so whether it computes the loss from its logits, and how, could not "
                         "be learned")
         if logits is None and (nested or masked):
             return Skip((f"output embeddings at {name!r} (not a child of the model)" if nested else
