@@ -33,15 +33,21 @@ def assert_trains_like(ref, fused, step, keys, loss_rtol: float = 1e-6) -> None:
     from torchfuser.modules import fallbacks
 
     assert list(fused.state_dict()) == keys
+    assert_step_like(ref, fused, step, loss_rtol)
+    assert not fallbacks.counts(fused), fallbacks.counts(fused)  # every call ran fused
+    torchfuser.restore(fused)
+    assert list(fused.state_dict()) == keys
+
+
+def assert_step_like(ref, fused, step, loss_rtol: float = 1e-6) -> None:
+    """One fp32 training step (``step(model)`` returns the loss after its backward) of ``fused`` against ``ref``:
+    the loss and every gradient (none where none)."""
     loss_ref, loss = step(ref), step(fused)
     torch.testing.assert_close(loss, loss_ref, rtol=loss_rtol, atol=1e-6)
     for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
         assert (a.grad is None) == (b.grad is None), n
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
-    assert not fallbacks.counts(fused), fallbacks.counts(fused)  # every call ran fused
-    torchfuser.restore(fused)
-    assert list(fused.state_dict()) == keys
 
 
 def assert_bf16_within_rule(fused, plain, ref64, step) -> None:

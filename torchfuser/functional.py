@@ -70,15 +70,21 @@ def add_rms_norm(
 
 def check_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, out_dtype: torch.dtype | None) -> torch.device:
     """add_rms_norm's checks of its inputs; their device."""
-    op = "add_rms_norm"
-    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
-        _check_float(name, t, op)
-    if x.shape != residual.shape:
-        raise ValueError(f"{op}: x and residual must have the same shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
-    _check_vector(op, "weight", weight, x.shape[-1])
-    device = _check_same_device(op, x=x, residual=residual, weight=weight)
-    if out_dtype is not None and out_dtype not in _FLOATS:
-        raise TypeError(f"{op}: out_dtype must be a floating dtype or None, got {out_dtype}")
+    return _check_norm_and_add("add_rms_norm", "x", x, residual, weight, "out_dtype", out_dtype)
+
+
+def _check_norm_and_add(op: str, first: str, t: Tensor, residual: Tensor, weight: Tensor, dtype_name: str,
+                        dtype: torch.dtype | None) -> torch.device:
+    """The checks of a norm fused with a residual add (``t`` named ``first``, the output dtype ``dtype_name``);
+    their device."""
+    for name, v in ((first, t), ("residual", residual), ("weight", weight)):
+        _check_float(name, v, op)
+    if t.shape != residual.shape:
+        raise ValueError(f"{op}: {first} and residual must have the same shape, got {tuple(t.shape)} and {tuple(residual.shape)}")
+    _check_vector(op, "weight", weight, t.shape[-1])
+    device = _check_same_device(op, **{first: t, "residual": residual, "weight": weight})
+    if dtype is not None and dtype not in _FLOATS:
+        raise TypeError(f"{op}: {dtype_name} must be a floating dtype or None, got {dtype}")
     return device
 
 
@@ -95,15 +101,7 @@ def rms_norm_add(
 
 def check_rms_norm_add(a: Tensor, residual: Tensor, weight: Tensor, y_dtype: torch.dtype | None) -> torch.device:
     """rms_norm_add's checks of its inputs; their device."""
-    op = "rms_norm_add"
-    for name, t in (("a", a), ("residual", residual), ("weight", weight)):
-        _check_float(name, t, op)
-    if a.shape != residual.shape:
-        raise ValueError(f"{op}: a and residual must have the same shape, got {tuple(a.shape)} and {tuple(residual.shape)}")
-    _check_vector(op, "weight", weight, a.shape[-1])
-    if y_dtype is not None and y_dtype not in _FLOATS:
-        raise TypeError(f"{op}: y_dtype must be a floating dtype or None, got {y_dtype}")
-    return _check_same_device(op, a=a, residual=residual, weight=weight)
+    return _check_norm_and_add("rms_norm_add", "a", a, residual, weight, "y_dtype", y_dtype)
 
 
 def layer_norm(

@@ -11,6 +11,8 @@ import importlib
 import pytest
 import torch
 
+from norm_kernel_helpers import backend_module, row_strided
+
 import test_triton_ops
 from numerics import ATOL, assert_within_rule
 
@@ -19,19 +21,6 @@ interpreter, DEVICE = test_triton_ops.interpreter, test_triton_ops.DEVICE
 EPS = 1e-5
 F32, BF16 = torch.float32, torch.bfloat16
 DTYPES = [(F32, F32), (BF16, BF16), (F32, BF16)]  # (x, r): the residual stream and a block's output
-
-
-def _backend(name, request):
-    if name == "triton":
-        return request.getfixturevalue("interpreter")
-    if name == "mlir":
-        pytest.importorskip("torch_mlir")
-        request.getfixturevalue("mlir_tmp_cache")
-    return importlib.import_module(f"torchfuser.backends.{name}")
-
-
-def _row_strided(t):
-    return torch.cat([t, torch.full_like(t[..., :5], 3.0)], dim=-1)[..., : t.shape[-1]]
 
 
 def _plain(x, r, w, b, dy, dres, dtype):
@@ -51,7 +40,7 @@ def _check(B, shape, dts, bias, strided, device):
     rand = lambda *sh, dt: torch.randn(*sh, generator=gen).to(device, dt)  # noqa: E731
     x, r, dy, dres = rand(*shape, dt=xd) + 0.5, rand(*shape, dt=rd), rand(*shape, dt=sd), rand(*shape, dt=sd)
     if strided:
-        x, dres = _row_strided(x), _row_strided(dres)
+        x, dres = row_strided(x), row_strided(dres)
     w = rand(shape[-1], dt=sd)
     b = rand(shape[-1], dt=sd) if bias else None
     s, y, mean, rstd = B.add_layer_norm_fwd(x, r, w, b, EPS)
@@ -77,18 +66,18 @@ def _check(B, shape, dts, bias, strided, device):
 @pytest.mark.parametrize("dts", DTYPES, ids=lambda d: "+".join(str(t)[6:] for t in d))
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_add_layer_norm(backend, shape, dts, bias, request):
-    _check(_backend(backend, request), shape, dts, bias, shape == (37, 123), DEVICE)
+    _check(backend_module(backend, request), shape, dts, bias, shape == (37, 123), DEVICE)
 
 
 def test_add_layer_norm_mlir(request):
-    _check(_backend("mlir", request), (2, 5, 96), (F32, F32), True, True, "cpu")
+    _check(backend_module("mlir", request), (2, 5, 96), (F32, F32), True, True, "cpu")
 
 
 @pytest.mark.parametrize("dts", DTYPES[:2], ids=["f32", "bf16"])
 def test_add_layer_norm_looped_path(dts, request, monkeypatch):
     """The chunked path of rows longer than MAX_FUSED, forced on 123-wide rows with 32-wide chunks: the
     forward's later passes recompute s, the backward adds dres per chunk."""
-    B = _backend("triton", request)
+    B = backend_module("triton", request)
     monkeypatch.setattr(importlib.import_module(B.__name__ + ".layer_norm"), "norm_config",
                         lambda *a, **k: (32, 1, False, 1))
     _check(B, (37, 123), dts, True, True, DEVICE)
@@ -96,7 +85,7 @@ def test_add_layer_norm_looped_path(dts, request, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_shapes_must_match(backend, request):
-    B = _backend(backend, request)
+    B = backend_module(backend, request)
     x, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
     with pytest.raises(ValueError, match="same shape"):
         B.add_layer_norm_fwd(x, torch.randn(2, 4, 8, device=DEVICE), w, None, EPS)
@@ -111,7 +100,7 @@ def test_shapes_must_match(backend, request):
 def test_partial_rotary_in_the_kernel(backend, dtype, d, rd, request):
     """rope with cos/sin narrower than the head (NeoX's rotary_pct, Phi's partial_rotary_factor): the first rd
     channels as rope on them alone, the rest copied through bit for bit, forward and backward."""
-    B = _backend(backend, request)
+    B = backend_module(backend, request)
     device = "cpu" if backend == "mlir" else DEVICE
     gen = torch.Generator().manual_seed(2)
     q, k = (torch.randn(2, h, 5, d, generator=gen).to(device, dtype) for h in (4, 2))

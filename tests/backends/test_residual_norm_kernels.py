@@ -12,6 +12,8 @@ import importlib
 import pytest
 import torch
 
+from norm_kernel_helpers import backend_module, row_strided
+
 import test_triton_ops
 from numerics import ATOL, assert_within_rule
 
@@ -32,19 +34,6 @@ CASES = [  # (shape, the inputs read through row-strided views)
 
 def _ids(dts):
     return "+".join(str(d)[6:] for d in dts)
-
-
-def _row_strided(t):
-    return torch.cat([t, torch.full_like(t[..., :7], 3.0)], dim=-1)[..., : t.shape[-1]]
-
-
-def _backend(name, request):
-    if name == "triton":
-        return request.getfixturevalue("interpreter")
-    if name == "mlir":
-        pytest.importorskip("torch_mlir")
-        request.getfixturevalue("mlir_tmp_cache")
-    return importlib.import_module(f"torchfuser.backends.{name}")
 
 
 def _plain_rms(s, w, offset):
@@ -80,7 +69,7 @@ def _check(B, shape, strided, dts, device, exact=True):
     gen = torch.Generator().manual_seed(0)
     rand = lambda *sh, dt: torch.randn(*sh, generator=gen).to(device, dt)  # noqa: E731  never zeros
     t = {"x": rand(*shape, dt=xd), "r": rand(*shape, dt=rd), "dy": rand(*shape, dt=sd), "dres": rand(*shape, dt=sd)}
-    x, r, dy, dres = (_row_strided(v) if k in strided else v for k, v in t.items())
+    x, r, dy, dres = (row_strided(v, 7) if k in strided else v for k, v in t.items())
     w = rand(shape[-1], dt=sd)
 
     s, y, rstd = B.add_rms_norm_fwd(x, r, w, EPS, offset)
@@ -124,14 +113,14 @@ def _params():
 
 @pytest.mark.parametrize("backend,shape,strided,dts", list(_params()))
 def test_add_rms_norm(backend, shape, strided, dts, request):
-    _check(_backend(backend, request), shape, strided, dts, "cpu" if backend == "mlir" else DEVICE)
+    _check(backend_module(backend, request), shape, strided, dts, "cpu" if backend == "mlir" else DEVICE)
 
 
 @pytest.mark.parametrize("dts", DTYPES, ids=_ids)
 def test_add_rms_norm_looped_path(dts, request, monkeypatch):
     """The chunked path of rows longer than MAX_FUSED, forced on 123-wide rows with 32-wide chunks
     (four per row, the last one partial): the forward recomputes s in its second pass."""
-    B = _backend("triton", request)
+    B = backend_module("triton", request)
     looped = lambda *args, **kwargs: (32, 1, False, 1)  # noqa: E731
     monkeypatch.setattr(importlib.import_module(B.__name__ + ".rms_norm"), "norm_config", looped)
     _check(B, (37, 123), ("x", "dres"), dts, DEVICE)
@@ -140,7 +129,7 @@ def test_add_rms_norm_looped_path(dts, request, monkeypatch):
 def test_wide_rows_with_the_residual_gradient_take_the_looped_backward(request):
     """Past 8192 elements a backward that adds dres walks its row in chunks (it spills holding five
     rows in registers), one without dres stays one-pass up to MAX_FUSED; both compute the same."""
-    B = _backend("triton", request)
+    B = backend_module("triton", request)
     rn = importlib.import_module(B.__name__ + ".rms_norm")
     assert rn.norm_config(8192, True, dres=True)[2] and rn.norm_config(12288, True)[2]
     assert not rn.norm_config(8200, True, dres=True)[2] and rn.norm_config(8200, False, dres=True)[2]
@@ -149,7 +138,7 @@ def test_wide_rows_with_the_residual_gradient_take_the_looped_backward(request):
 
 @pytest.mark.parametrize("backend", ["triton", "reference", "mlir"])
 def test_shapes_must_match(backend, request):
-    B, device = _backend(backend, request), "cpu" if backend == "mlir" else DEVICE
+    B, device = backend_module(backend, request), "cpu" if backend == "mlir" else DEVICE
     x, w = torch.randn(4, 8, device=device), torch.randn(8, device=device)
     with pytest.raises(ValueError, match="same shape"):
         B.add_rms_norm_fwd(x, torch.randn(2, 4, 8, device=device), w, EPS, 0.0)  # would broadcast: refused
@@ -162,7 +151,7 @@ def test_shapes_must_match(backend, request):
 def test_low_precision_output_and_its_gradient(backend, request):
     """A norm asked for a bf16 output (the projections after it cast to bf16 anyway): y is the fp32
     result rounded once, and a bf16 dy is read as the fp32 value it is."""
-    B, device = _backend(backend, request), "cpu" if backend == "mlir" else DEVICE
+    B, device = backend_module(backend, request), "cpu" if backend == "mlir" else DEVICE
     gen = torch.Generator().manual_seed(4)
     x, r, dres = (torch.randn(37, 123, generator=gen).to(device) for _ in range(3))
     w = torch.randn(123, generator=gen).to(device)

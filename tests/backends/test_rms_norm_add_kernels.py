@@ -11,6 +11,8 @@ import importlib
 import pytest
 import torch
 
+from norm_kernel_helpers import backend_module, row_strided
+
 import test_triton_ops
 from numerics import ATOL, assert_within_rule, needs_mlir
 
@@ -24,19 +26,6 @@ DTYPES = [(F32, F32, None), (BF16, BF16, None), (F16, F16, None), (BF16, F32, No
 
 def _ids(d):
     return "+".join("-" if t is None else str(t)[6:] for t in d)
-
-
-def _backend(name, request):
-    if name == "triton":
-        return request.getfixturevalue("interpreter")
-    if name == "mlir":
-        pytest.importorskip("torch_mlir")
-        request.getfixturevalue("mlir_tmp_cache")
-    return importlib.import_module(f"torchfuser.backends.{name}")
-
-
-def _row_strided(t):
-    return torch.cat([t, torch.full_like(t[..., :5], 3.0)], dim=-1)[..., : t.shape[-1]]
 
 
 def _plain(a, r, w, offset, dout, y_dtype, dtype):
@@ -62,7 +51,7 @@ def _check(B, shape, dts, offset, strided, device, exact=True):
     rand = lambda *sh, dt: torch.randn(*sh, generator=gen).to(device, dt)  # noqa: E731
     a, r, dout, w = rand(*shape, dt=ad) * 3 + 0.5, rand(*shape, dt=rd), rand(*shape, dt=od), rand(shape[-1], dt=F32)
     if strided:
-        a, r = _row_strided(a), _row_strided(r)
+        a, r = row_strided(a), row_strided(r)
     out, rstd = B.rms_norm_add_fwd(a, r, w, EPS, offset, yd)
     assert (out.dtype, rstd.dtype, out.shape, rstd.shape) == (od, F32, a.shape, a.shape[:-1]) and out.is_contiguous()
     wide = torch.promote_types(ad, yd or ad)
@@ -82,13 +71,13 @@ def _check(B, shape, dts, offset, strided, device, exact=True):
 @pytest.mark.parametrize("shape", [(1, 64), (37, 123), (2, 5, 96)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dts", DTYPES, ids=_ids)
 def test_rms_norm_add(backend, shape, dts, request):
-    _check(_backend(backend, request), shape, dts, 0.0, shape == (37, 123), DEVICE)
+    _check(backend_module(backend, request), shape, dts, 0.0, shape == (37, 123), DEVICE)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_offset_and_a_wide_row(backend, request):
     """Gemma's 1 + w, and one row of 8192 (hidden ≥ 8192: the widest one-pass tile)."""
-    B = _backend(backend, request)
+    B = backend_module(backend, request)
     _check(B, (2, 7, 40), (BF16, F32, None), 1.0, False, DEVICE)
     _check(B, (1, 8192), (F32, F32, None), 0.0, False, DEVICE)
 
@@ -96,13 +85,13 @@ def test_offset_and_a_wide_row(backend, request):
 @needs_mlir
 @pytest.mark.parametrize("dts", [DTYPES[0], DTYPES[3], DTYPES[4]], ids=_ids)
 def test_rms_norm_add_mlir(dts, request):
-    _check(_backend("mlir", request), (2, 5, 96), dts, 0.0, True, "cpu")
+    _check(backend_module("mlir", request), (2, 5, 96), dts, 0.0, True, "cpu")
 
 
 @pytest.mark.parametrize("dts", [DTYPES[0], DTYPES[3]], ids=_ids)
 def test_rms_norm_add_looped_path(dts, request, monkeypatch):
     """The chunked path of rows longer than MAX_FUSED, forced on 123-wide rows with 32-wide chunks."""
-    B = _backend("triton", request)
+    B = backend_module("triton", request)
     monkeypatch.setattr(importlib.import_module(B.__name__ + ".rms_norm_add"), "norm_config",
                         lambda *a, **k: (32, 1, False, 1))
     _check(B, (37, 123), dts, 0.0, True, DEVICE, exact=False)
@@ -110,14 +99,14 @@ def test_rms_norm_add_looped_path(dts, request, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_shapes_must_match(backend, request):
-    B = _backend(backend, request)
+    B = backend_module(backend, request)
     a, w = torch.randn(4, 8, device=DEVICE), torch.randn(8, device=DEVICE)
     with pytest.raises(ValueError, match="same shape"):
         B.rms_norm_add_fwd(a, torch.randn(2, 4, 8, device=DEVICE), w, EPS, 0.0)
 
 
 def test_triton_refuses_float64(request):
-    B = _backend("triton", request)
+    B = backend_module("triton", request)
     a = torch.randn(4, 8, device=DEVICE, dtype=torch.float64)
     with pytest.raises(TypeError, match="float64"):
         B.rms_norm_add_fwd(a, a, a[0], EPS, 0.0)
