@@ -35,7 +35,7 @@ def norm_then_add(norm: FusedRMSNorm, a: torch.Tensor, residual: torch.Tensor) -
     """``residual + norm(a)`` in one forward kernel: the norm in the dtype the original norm returns for a (its
     spec's rule, under autocast on a GPU its autocast rule), the sum in torch's promoted dtype."""
     s = norm.spec
-    w = getattr(norm, s.weight)
+    w = norm.kernel_weight(a)
     on = a.device.type != "cpu" and autocast_enabled(a.device.type)  # (read by _out_dtype: in the key)
     key = ("post_block", (type(a), a.dtype, a.device, a.shape), (type(residual), residual.dtype, residual.device),
            (type(w), w.dtype, w.device, w.shape), norm.backend, on)

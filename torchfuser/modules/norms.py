@@ -1,4 +1,11 @@
-"""Fused RMSNorm and LayerNorm. They own the original ``weight`` / ``bias`` parameters."""
+"""Fused RMSNorm and LayerNorm. They own the original ``weight`` / ``bias`` parameters.
+
+A weightless norm (NanoChat's RMS norm, OLMo-1's LayerNorm: spec ``weight`` None) runs the same kernels with a
+weight of ones in the normed tensor's dtype (``kernel_weight``: w = 1 is exact in every dtype, so the output is
+the weightless formula's; the kernels' dw is computed and dropped). A LayerNorm with ``offset`` (Nemotron's
+``LayerNorm1P``: w + 1) hands the kernels ``w + offset`` rounded in w's dtype, as the original computes it; its
+gradient reaches w through that add.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,21 +46,36 @@ class RMSNormSpec:
 
     eps: float
     offset: float = 0.0
-    weight: str = "weight"
+    weight: str | None = "weight"  # None: a weightless norm (NanoChat's)
     out_dtype: str = "input"
     autocast_out_dtype: str | None = None
 
 
 @dataclass(frozen=True)
 class LayerNormSpec:
-    """y = (x − mean) · rsqrt(var + eps) · w + b; ``bias`` is None for bias-free norms. y's dtype as
+    """y = (x − mean) · rsqrt(var + eps) · (offset + w) + b; ``bias`` is None for bias-free norms, ``weight`` None
+    (and bias None) for weightless ones (OLMo-1's); Nemotron's LayerNorm1P has offset 1. y's dtype as
     ``RMSNormSpec``'s (nn.LayerNorm: x's, but fp32 under CUDA autocast)."""
 
     eps: float
-    weight: str = "weight"
+    weight: str | None = "weight"
     bias: str | None = "bias"
     out_dtype: str = "input"
     autocast_out_dtype: str | None = None
+    offset: float = 0.0
+
+
+def ones_weight(module: nn.Module, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A weightless norm's weight for the kernels: ones of like's width and device, in ``dtype`` (like's by
+    default), made once per those (not while tracing: a traced graph makes its own)."""
+    key = (like.shape[-1], dtype or like.dtype, like.device)
+    if torch.compiler.is_compiling():
+        return torch.ones(key[0], dtype=key[1], device=key[2])
+    cache = module.__dict__.setdefault("_ones", {})
+    w = cache.get(key)
+    if w is None:
+        w = cache[key] = torch.ones(key[0], dtype=key[1], device=key[2])
+    return w
 
 
 def _out_dtype(spec, x: Tensor, w: Tensor, x_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -83,11 +105,16 @@ def _add_out_dtype(spec, x: Tensor, residual: Tensor, w: Tensor) -> torch.dtype 
 class FusedRMSNorm(FusedModule):
     def __init__(self, original: nn.Module, spec: RMSNormSpec, backend: str = "auto"):
         super().__init__(spec, backend)
-        adopt(self, original, [spec.weight])
+        adopt(self, original, [spec.weight] if spec.weight else [])
+
+    def kernel_weight(self, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """The weight the kernels take for a norm of ``like`` (of ``dtype``): the original's, or ones."""
+        name = self.spec.weight
+        return getattr(self, name) if name else ones_weight(self, like, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        w = getattr(self, s.weight)
+        w = self.kernel_weight(x)
         # The checks and the backend once per call signature (host time: a decode step calls every norm once a
         # token). Everything they read is in the key; a weight swapped for another object or dtype, autocast
         # turned on, another device or width gives another key; TRITON_INTERPRET is read at resolve time only.
@@ -110,7 +137,7 @@ class FusedRMSNorm(FusedModule):
         ``maxima``: whether the norm's output, and residual's gradient, hand their FP8 maxima on to the
         GEMMs that take them (plain eager; ``modules.fp8.producer_maxima`` decides)."""
         s = self.spec
-        w = getattr(self, s.weight)
+        w = self.kernel_weight(x, torch.promote_types(x.dtype, residual.dtype))
         # The output dtype (where the caller gives none: the original norm's for s = x + residual, None where
         # that is s's own), the checks and the backend once per call signature, as in forward; autocast is
         # read by the dtype rule on a GPU, so its state is in the key.
@@ -137,7 +164,7 @@ class FusedRMSNorm(FusedModule):
         """(this norm of x in ``out_dtype``, x) for a block that adds x back: x's two gradients are summed
         in the norm's backward kernel (``ops.rms_norm_opening_residual``). ``maxima``: whether the norm's
         output hands its FP8 maxima on, as in ``add``."""
-        s, weight = self.spec, getattr(self, self.spec.weight)
+        s, weight = self.spec, self.kernel_weight(x)
         on = x.device.type != "cpu" and autocast_enabled(x.device.type)  # (read by _out_dtype: in the key)
         key = ("opening", (type(x), x.dtype, x.device, x.shape), (type(weight), weight.dtype, weight.device, weight.shape),
                self.backend, on)
@@ -153,7 +180,7 @@ class FusedRMSNorm(FusedModule):
         projections after the norm): the backward makes it again from src, which the norm's backward keeps. Bit
         for bit: every backend's ``add_rms_norm_fwd`` normalises the stored sum with its own ``rms_norm_fwd``, as
         this does (``modules.recompute``; a hidden-sized tensor a token less kept per norm)."""
-        s, w = self.spec, getattr(self, self.spec.weight)
+        s, w = self.spec, self.kernel_weight(src)
         backend = decided(self, ("again", src.device, self.backend), lambda: F.backend_for(self.backend, src.device))
         eps, offset, dtype = float(s.eps), float(s.offset), y.dtype
         return recompute.made_again(y, lambda: kernel(backend, "rms_norm_fwd")(src, w, eps, offset, dtype)[0])
@@ -166,22 +193,29 @@ class FusedLayerNorm(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
-        w, bias = getattr(self, s.weight), None if s.bias is None else getattr(self, s.bias)
+        w, bias = self._wb(x)
         out = _out_dtype(s, x, w)
         if out == x.dtype:
             return F.layer_norm(x, w, bias, s.eps, backend=self.backend)
         return F.layer_norm(_in_dtype(x, out), w, bias, s.eps, backend=self.backend).to(out)
 
-    def _wb(self):
+    def _wb(self, like: Tensor, dtype: torch.dtype | None = None):
+        """(weight, bias) the kernels take: w + offset (Nemotron's w + 1, in w's dtype as the original adds it),
+        or ones for a weightless norm."""
         s = self.spec
-        return getattr(self, s.weight), None if s.bias is None else getattr(self, s.bias)
+        if s.weight is None:
+            w = ones_weight(self, like, dtype)
+        else:
+            w = getattr(self, s.weight)
+            w = w + s.offset if s.offset else w
+        return w, None if s.bias is None else getattr(self, s.bias)
 
     def add(self, x: Tensor, residual: Tensor, out_dtype: torch.dtype | None = None,
             maxima: tuple[bool, bool] = (False, False)) -> tuple[Tensor, Tensor]:
         """(x + residual, this norm of it), the add inside the norm's kernel forward and backward
         (``ops.add_layer_norm``); the norm in ``out_dtype`` (default: the original norm's dtype for s).
         ``maxima`` is FusedRMSNorm's interface; LayerNorms produce no FP8 maxima."""
-        w, b = self._wb()
+        w, b = self._wb(x, torch.promote_types(x.dtype, residual.dtype))
         F.check_add_rms_norm(x, residual, w, out_dtype)  # the same checks: floats, shapes, one device
         if b is not None:
             F._check_vector("layer_norm", "bias", b, x.shape[-1])
@@ -197,7 +231,7 @@ class FusedLayerNorm(FusedModule):
                          maxima: bool = False) -> tuple[Tensor, Tensor]:
         """(this norm of x, x) for a block that adds x back: x's two gradients are summed in the norm's
         backward kernel (``ops.layer_norm_opening_residual``)."""
-        w, b = self._wb()
+        w, b = self._wb(x)
         out = out_dtype or _out_dtype(self.spec, x, w)
         if out != x.dtype and torch.promote_types(x.dtype, out) != x.dtype:  # a wider output: the plain path
             return self(x).to(out), x
