@@ -11,7 +11,7 @@ from torchfuser.modules.attention import FusedAttention
 from torchfuser.modules.norms import FusedLayerNorm, FusedRMSNorm, LayerNormSpec, RMSNormSpec
 from torchfuser.patterns import _probe, _reasons
 from torchfuser.patterns.base import Skip
-from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern
+from torchfuser.patterns.norms import LayerNormPattern, RMSNormPattern, weightless
 
 
 def signature(module: nn.Module):
@@ -82,11 +82,21 @@ def norm_kind(m: nn.Module) -> str | None:
         return "rms"
     if isinstance(m, FusedLayerNorm):
         return "layer"
-    if m._modules or not m._parameters:
+    if m._modules or not m._parameters and not weightless(m):
         return None
     if isinstance(RMSNormPattern().match(m), RMSNormSpec):
         return "rms"
     return "layer" if isinstance(LayerNormPattern().match(m), LayerNormSpec) else None
+
+
+def block(m: nn.Module | None) -> bool:
+    """Whether a child takes a role in a layer: one with parameters, or a weightless norm (NanoChat's, OLMo-1's),
+    fused or fusable."""
+    if m is None:
+        return False
+    if any(True for _ in m.parameters()):
+        return True
+    return (isinstance(m, (FusedRMSNorm, FusedLayerNorm)) or weightless(m)) and norm_kind(m) is not None
 
 
 def cross_pairs(module: nn.Module, blocks: list[str], kinds: dict) -> list[tuple[str, str, tuple]]:
@@ -113,7 +123,7 @@ def study_crosses(module: nn.Module, crosses: list, kinds: dict, sig, study):
     raise when called, so that the arguments that make the forward call them (its encoder states) must stay at their
     default. The first spec found, else the likeliest Skip, else None."""
     skips = []
-    every = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+    every = [n for n, m in module._modules.items() if block(m)]
     for cross, cross_norm, inline in crosses:
         rest = [n for n in every if n not in (cross, cross_norm, *inline[0])]
         found = study(module, [n for n in rest if not kinds[n]], [n for n in rest if kinds[n]], *sig, inline=inline,

@@ -33,7 +33,7 @@ def _eps(module: nn.Module) -> float | None:
 _WIDTH = 64  # a weightless norm of no declared width is probed this wide
 
 
-def _weightless(module: nn.Module) -> bool:
+def weightless(module: nn.Module) -> bool:
     """A parameterless, bufferless leaf that calls itself a norm (an eps attribute, a ``normalized_shape``, or
     "norm" in its class name): the math probe decides whether it is one."""
     if module._modules or module._buffers or any(p is not None for p in module._parameters.values()):
@@ -93,7 +93,7 @@ def _probe_input(hidden: int, eps: float) -> torch.Tensor:
 def _candidate(module: nn.Module):
     """((weight, bias), eps) for a norm-shaped leaf ((None, None), eps for a weightless one), a Skip for one we
     cannot read, else None."""
-    names = (None, None) if _weightless(module) else _norm_params(module)
+    names = (None, None) if weightless(module) else _norm_params(module)
     if names is None:
         return None
     eps = _eps(module)

@@ -43,7 +43,7 @@ from torchfuser.modules.residual_output import ResidualOutputSpec
 from torchfuser.patterns import _residual_forms, _residual_output_scale, _residual_tail, residual_norm_output
 from torchfuser.patterns._residual_probe import (_EXTRA, _Marker, _Probe, _reshapes_attention_input, _run_markers, _saw_input,
                                                  sandwich_roles, tail_argument)
-from torchfuser.patterns._residual_roles import (attention_like, cross_pairs, identities, inline_mlp, mlp_first, norm_kind,
+from torchfuser.patterns._residual_roles import (attention_like, block, cross_pairs, identities, inline_mlp, mlp_first, norm_kind,
                                                  signature, study_crosses)
 from torchfuser.patterns.base import Applied, Pattern, Skip
 
@@ -296,7 +296,7 @@ class ResidualNormPattern(Pattern):
     def match(self, module: nn.Module):
         if isinstance(module.__dict__.get("forward"), (residual_norm.ResidualNormForward, residual_output.ResidualOutputForward)):
             return None  # already fused: optimize is idempotent
-        blocks = [n for n, m in module._modules.items() if m is not None and any(True for _ in m.parameters())]
+        blocks = [n for n, m in module._modules.items() if block(m)]
         if len(blocks) == 2:  # a post-norm output sublayer: norm(dropout(dense(h)) + r) (BERT's)
             return residual_norm_output.match(module, blocks, self.fused_kinds)
         inline = inline_mlp(module, blocks) if len(blocks) == 5 else None
