@@ -67,9 +67,10 @@ class LayerNormSpec:
 
 def ones_weight(module: nn.Module, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """A weightless norm's weight for the kernels: ones of like's width and device, in ``dtype`` (like's by
-    default), made once per those (not while tracing: a traced graph makes its own)."""
+    default), made once per those (not while tracing or capturing a CUDA graph: the graph makes its own; a
+    captured fill holds its values only in replays)."""
     key = (like.shape[-1], dtype or like.dtype, like.device)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or like.is_cuda and torch.cuda.is_current_stream_capturing():
         return torch.ones(key[0], dtype=key[1], device=key[2])
     cache = module.__dict__.setdefault("_ones", {})
     w = cache.get(key)
