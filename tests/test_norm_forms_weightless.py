@@ -113,6 +113,8 @@ def test_a_weightless_norm_has_no_parameters_and_follows_the_input_device_and_dt
     assert not list(fused.parameters()) and not list(fused.state_dict())
     for dt in (torch.float32, torch.bfloat16):
         assert fused(torch.randn(2, 3, 16, dtype=dt)).dtype == dt  # any width: its ones follow x
+    fused = _fused(nn.LayerNorm(H, elementwise_affine=False), "reference")
+    assert fused.weight is None and fused.bias is None and not list(fused.state_dict())  # read as the original's
 
 
 class _Scaled(nn.Module):  # a weightless "norm" that scales its output: not a norm

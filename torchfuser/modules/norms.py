@@ -65,6 +65,14 @@ class LayerNormSpec:
     offset: float = 0.0
 
 
+def _absent(fused: nn.Module, original: nn.Module) -> None:
+    """The original's parameters registered as None (``nn.LayerNorm(elementwise_affine=False)``'s weight and bias)
+    read as None on the fused module too."""
+    for name, p in original._parameters.items():
+        if p is None:
+            fused.register_parameter(name, None)
+
+
 def ones_weight(module: nn.Module, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """A weightless norm's weight for the kernels: ones of like's width and device, in ``dtype`` (like's by
     default), made once per those (not while tracing or capturing a CUDA graph: the graph makes its own; a
@@ -107,6 +115,7 @@ class FusedRMSNorm(FusedModule):
     def __init__(self, original: nn.Module, spec: RMSNormSpec, backend: str = "auto"):
         super().__init__(spec, backend)
         adopt(self, original, [spec.weight] if spec.weight else [])
+        _absent(self, original)
 
     def kernel_weight(self, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """The weight the kernels take for a norm of ``like`` (of ``dtype``): the original's, or ones."""
@@ -191,6 +200,7 @@ class FusedLayerNorm(FusedModule):
     def __init__(self, original: nn.Module, spec: LayerNormSpec, backend: str = "auto"):
         super().__init__(spec, backend)
         adopt(self, original, [n for n in (spec.weight, spec.bias) if n is not None])
+        _absent(self, original)
 
     def forward(self, x: Tensor) -> Tensor:
         s = self.spec
