@@ -201,3 +201,22 @@ def test_family_bf16_within_the_rule(name):
     torchfuser.optimize(fused, backend="reference")
     assert len(fused_layers(fused)) == 2
     assert_bf16_within_rule(fused, plain, ref64, step)
+
+
+class _LiteralEps(nn.Module):  # OLMo-1's shape of code with another literal eps, and an RMS norm of it
+    def __init__(self, rms: bool, eps: float):
+        super().__init__()
+        self.normalized_shape, self.rms, self._e = (H,), rms, eps  # (the eps under a name no pattern reads)
+
+    def forward(self, x):
+        if self.rms:
+            return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self._e).to(x.dtype)
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, None, None, self._e).to(x.dtype)
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms", "layer"])
+@pytest.mark.parametrize("eps", [3e-6, 1e-8, 0.25])
+def test_a_literal_eps_is_solved(rms, eps):
+    spec = _spec(_LiteralEps(rms, eps))
+    assert isinstance(spec, RMSNormSpec if rms else LayerNormSpec) and spec.weight is None, spec
+    assert spec.eps == pytest.approx(eps, rel=1e-3)
