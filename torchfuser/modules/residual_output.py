@@ -21,7 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from torchfuser.modules import fallbacks, offload
+from torchfuser.modules import decode, fallbacks, offload
 from torchfuser.modules._layer_blocks import child, unfused_norms
 from torchfuser.modules.base import follow_replicas, unfollow_replicas
 
@@ -49,6 +49,8 @@ class ResidualOutputForward:
 
     def __call__(self, *args, **kwargs):
         m, s = self.module, self.spec
+        if not torch.is_grad_enabled() and decode.layer(m, args[0] if args else kwargs.get(s.names[0])):
+            return decode.run(type(m).forward, m, *args, **kwargs)  # a decode step: unfused (modules.decode)
         if torch.compiler.is_compiling():  # Inductor fuses the add into its own norm kernel
             return type(m).forward(m, *args, **kwargs)
         h, r, why = self._inputs(args, kwargs)

@@ -1,0 +1,153 @@
+"""Decode steps run the original modules: a decode-shaped call under no grad is handed to the module the fused one
+replaced, so a rollout (``generate``) runs the unfused model's code, bit for bit, at its speed plus one check a call.
+
+Why: a decode step is host-bound (one to a few tokens a row, a KV cache). Its ATen work fused is already below the
+unfused model's, but the fused modules' per-call Python costs more than the unfused modules' (measured 3–8 % slower
+on the CPU probe and 6–8 % on an H200 at Qwen2.5-1.5B shapes, batch 16: NOTES-trl.md, "Rollouts with generate").
+The kernels gain nothing there; prefill and TRL's no-grad scoring of whole sequences are large, and stay fused.
+
+The rule (``original``), checked first by every fused forward that can hand a call on:
+
+- grad mode off (a training forward always runs fused; the caller checks it inline, before calling here),
+- the switch ``switches.decode_to_original`` on (the default),
+- not traced or compiled (``torch.compiler.is_compiling()``), not inside TorchFuser's CUDA-graph warm-up or capture
+  (``base.no_host_reads``) nor any CUDA graph capture of the current stream (the original's code may read values
+  back to the host),
+- decode-shaped: the hidden states have at most ``DECODE_POSITIONS`` positions a row (dim 1 of a B × S × … tensor,
+  the rows of a 2-D one): packed or variable-length calls with one long row are not decode,
+- the original still shares this module's parameters, buffers and children (``share``: the same dicts, so whatever
+  was swapped in since, by ``.to()``, an adapter, FSDP2 or ``functional_call``, the original holds too; a
+  DataParallel replica, whose dicts are its own, keeps the fused path), and neither holds a tensor outside them
+  (FSDP1 keeps its views as plain attributes: only checked while FSDP is imported).
+
+Calls made by an original while it runs for a decode step (a layer's norms, attention and MLP; an attention's q/k
+norms, whose rows are heads; a MoE block's shared expert on flat tokens) dispatch without the shape check: they are
+part of the step. Each handed-on call at the top is counted on its module with ``REASON`` (``modules.fallbacks``; the
+report says how many); the calls inside it are not. Kinds: norms, MLPs, attention (also variable-length and
+relative-position), MoE blocks (``modules.base.FusedModule`` subclasses, which keep ``_original``), and the decoder
+layers and output sublayers whose forward is replaced on the instance (their class's ``forward``). The LM head +
+loss is not one: it is the model's forward, and runs the original already wherever no labels are given.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor, nn
+
+from torchfuser.modules import fallbacks
+from torchfuser.modules.base import _graphing, loaded_fsdp
+from torchfuser.switches import SWITCHES
+
+# At most this many new positions a row (a decode step: 1; speculative or assisted decoding: a few).
+DECODE_POSITIONS = 4
+REASON = ("decode-shaped no-grad call: the original modules are faster where the step is host-bound; "
+          "switches.decode_to_original=False keeps the fused kernels")
+_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+class _State(threading.local):
+    inside = False  # an original runs for a decode step on this thread: its fused children follow it
+
+
+_STATE = _State()
+
+
+def share(fused: nn.Module, original: nn.Module) -> None:
+    """Give ``original`` ``fused``'s parameter, buffer and submodule dicts themselves where it holds the same names
+    and objects (``adopt`` registered them): no per-call ``hand_back`` is needed then. Dicts that differ stay
+    apart, and such a module keeps the fused path at decode (``original`` checks the identity per call)."""
+    for name in _DICTS:
+        mine, theirs = fused.__dict__[name], original.__dict__[name]
+        if mine.keys() != theirs.keys() or any(theirs[k] is not v for k, v in mine.items()):
+            return
+    for name in _DICTS:
+        original.__dict__[name] = fused.__dict__[name]
+
+
+def unshare(fused: nn.Module, original: nn.Module) -> None:
+    """The original back in the model (``restore``): dicts of its own again, where it shared ``fused``'s."""
+    for name in _DICTS:
+        if original.__dict__[name] is fused.__dict__[name]:
+            original.__dict__[name] = dict(original.__dict__[name])
+
+
+def decode_shaped(x) -> bool:
+    """The shape and mode part of the rule (the module docstring): a top-level call's hidden states ``x``."""
+    # (compilation first: no guard on the shape where the compiler traces this)
+    if torch.compiler.is_compiling() or getattr(_graphing, "on", False) or not isinstance(x, Tensor):
+        return False
+    n = x.dim()
+    if n < 2 or (x.shape[1] if n > 2 else x.shape[0]) > DECODE_POSITIONS:
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def original(fused: nn.Module, x) -> nn.Module | None:
+    """The original module to run this no-grad call of ``fused`` (on hidden states ``x``), or None: the fused path.
+    Counted where it is a step's top-level call. The caller checks grad mode first and calls ``run``."""
+    if not SWITCHES.decode_to_original:
+        return None
+    inside = _STATE.inside
+    if not inside and not decode_shaped(x):
+        return None
+    d = fused.__dict__
+    o = d.get("_original")
+    if o is None:
+        return None
+    od = o.__dict__
+    if od["_parameters"] is not d["_parameters"] or od["_modules"] is not d["_modules"] or od["_buffers"] is not d["_buffers"]:
+        return None
+    if loaded_fsdp() is not None and _tensor_attributes(d):
+        return None
+    if od["training"] is not d["training"]:  # model.train() / .eval() reached the fused module only
+        od["training"] = d["training"]
+    if not inside:
+        _count(d, fused)
+    return o
+
+
+def _tensor_attributes(d: dict) -> bool:
+    """Whether a module's ``__dict__`` holds a tensor outside its parameters and buffers (FSDP1's views)."""
+    for v in d.values():
+        if isinstance(v, Tensor):
+            return True
+    return False
+
+
+def _count(d: dict, module: nn.Module) -> None:
+    counter = d.get(fallbacks.ATTR)
+    if counter is None:
+        fallbacks.count(module, REASON)
+    else:
+        counter[REASON] += 1
+
+
+def run(forward, *args, **kwargs):
+    """``forward(*args, **kwargs)`` for a decode step: the fused modules it calls run their originals too."""
+    if _STATE.inside:
+        return forward(*args, **kwargs)
+    _STATE.inside = True
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        _STATE.inside = False
+
+
+def call(o: nn.Module):
+    """What runs the original ``o``: its forward, or the module where it carries hooks of its own (set before it
+    was fused: the unfused model runs them)."""
+    return o if (o._forward_hooks or o._forward_pre_hooks) else o.forward
+
+
+def layer(module: nn.Module, x) -> bool:
+    """Whether a call of a layer whose forward TorchFuser replaced on the instance runs its class's forward (the
+    same rule; counted on the layer). Grad mode is checked by the caller."""
+    if not SWITCHES.decode_to_original:
+        return False
+    if _STATE.inside:
+        return True
+    if not decode_shaped(x):
+        return False
+    _count(module.__dict__, module)
+    return True
