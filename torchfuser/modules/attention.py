@@ -253,9 +253,9 @@ class FusedAttention(FusedModule):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
-            out = decode.run(decode.call(o), hidden_states, *args, **kwargs)  # (its q/k norms follow it)
+            out = decode.run(o, hidden_states, *args, **kwargs)  # (its q/k norms follow it)
             if type(out) is tuple and len(out) > 1 and out[1] is not None:  # weights formed (eager): as _fallback
-                _attention_fallback.record_attention_weights(o, out)
+                _attention_fallback.record_attention_weights(self.__dict__["_original"], out)
             return out
         s = self.spec
         if args:  # positional arguments, named as the original forward names them

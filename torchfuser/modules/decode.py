@@ -17,8 +17,8 @@ The rule (``original``), checked first by every fused forward that can hand a ca
   the rows of a 2-D one): packed or variable-length calls with one long row are not decode,
 - the original still shares this module's parameters, buffers and children (``share``: the same dicts, so whatever
   was swapped in since, by ``.to()``, an adapter, FSDP2 or ``functional_call``, the original holds too; a
-  DataParallel replica, whose dicts are its own, keeps the fused path), and neither holds a tensor outside them
-  (FSDP1 keeps its views as plain attributes: only checked while FSDP is imported).
+  DataParallel replica, whose dicts are its own, keeps the fused path), and the module holds none of its tensors
+  outside them (FSDP1 keeps its views of a flat parameter as plain attributes of the module).
 
 Calls made by an original while it runs for a decode step (a layer's norms, attention and MLP; an attention's q/k
 norms, whose rows are heads; a MoE block's shared expert on flat tokens) dispatch without the shape check: they are
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser.modules import fallbacks
-from torchfuser.modules.base import _graphing, loaded_fsdp
+from torchfuser.modules.base import _graphing
 from torchfuser.switches import SWITCHES
 
 # At most this many new positions a row (a decode step: 1; speculative or assisted decoding: a few).
@@ -44,6 +44,7 @@ DECODE_POSITIONS = 4
 REASON = ("decode-shaped no-grad call: the original modules are faster where the step is host-bound; "
           "switches.decode_to_original=False keeps the fused kernels")
 _DICTS = ("_parameters", "_buffers", "_modules")
+_TENSORS = "_decode_tensor_names"  # set by share
 
 
 class _State(threading.local):
@@ -63,6 +64,8 @@ def share(fused: nn.Module, original: nn.Module) -> None:
             return
     for name in _DICTS:
         original.__dict__[name] = fused.__dict__[name]
+    # the names of its own tensors: one found in the instance's __dict__ (FSDP1's views) keeps the fused path
+    fused.__dict__[_TENSORS] = (*fused._parameters, *fused._buffers)
 
 
 def unshare(fused: nn.Module, original: nn.Module) -> None:
@@ -83,36 +86,32 @@ def decode_shaped(x) -> bool:
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def original(fused: nn.Module, x) -> nn.Module | None:
-    """The original module to run this no-grad call of ``fused`` (on hidden states ``x``), or None: the fused path.
-    Counted where it is a step's top-level call. The caller checks grad mode first and calls ``run``."""
+def original(fused: nn.Module, x):
+    """What runs this no-grad call of ``fused`` (on hidden states ``x``) as the original module, or None: the fused
+    path. That is the original's ``forward``, or the original itself where it carries hooks of its own (set before
+    it was fused: the unfused model runs them). Counted where it is a step's top-level call. The caller checks
+    grad mode first; one whose original calls fused modules calls it through ``run``."""
     if not SWITCHES.decode_to_original:
         return None
     inside = _STATE.inside
     if not inside and not decode_shaped(x):
         return None
     d = fused.__dict__
-    o = d.get("_original")
-    if o is None:
+    names = d.get(_TENSORS)
+    if names is None:  # not shared (built outside a pattern, or its dicts differ from the original's)
         return None
+    o = d["_original"]
     od = o.__dict__
     if od["_parameters"] is not d["_parameters"] or od["_modules"] is not d["_modules"] or od["_buffers"] is not d["_buffers"]:
         return None
-    if loaded_fsdp() is not None and _tensor_attributes(d):
-        return None
+    for name in names:  # (FSDP1 holds its views as plain attributes, outside the dicts the original shares)
+        if name in d:
+            return None
     if od["training"] is not d["training"]:  # model.train() / .eval() reached the fused module only
         od["training"] = d["training"]
     if not inside:
         _count(d, fused)
-    return o
-
-
-def _tensor_attributes(d: dict) -> bool:
-    """Whether a module's ``__dict__`` holds a tensor outside its parameters and buffers (FSDP1's views)."""
-    for v in d.values():
-        if isinstance(v, Tensor):
-            return True
-    return False
+    return o if (od["_forward_hooks"] or od["_forward_pre_hooks"]) else o.forward
 
 
 def _count(d: dict, module: nn.Module) -> None:
@@ -132,12 +131,6 @@ def run(forward, *args, **kwargs):
         return forward(*args, **kwargs)
     finally:
         _STATE.inside = False
-
-
-def call(o: nn.Module):
-    """What runs the original ``o``: its forward, or the module where it carries hooks of its own (set before it
-    was fused: the unfused model runs them)."""
-    return o if (o._forward_hooks or o._forward_pre_hooks) else o.forward
 
 
 def layer(module: nn.Module, x) -> bool:

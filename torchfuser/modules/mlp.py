@@ -79,7 +79,7 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
-            return decode.call(o)(x)
+            return o(x)
         s = self.spec
         h, make = self._gated(x)
         with self._h_made_again(h, make):
@@ -157,7 +157,7 @@ class FusedMLP(_WithLoRA, FusedModule):
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
-            return decode.call(o)(x, *args, **kwargs)
+            return o(x, *args, **kwargs)
         s = self.spec
         h = self._hidden(x)
         if s.residual is None:

@@ -118,7 +118,7 @@ class FusedMoE(FusedModule):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
-            return decode.run(decode.call(o), hidden_states, *args, **kwargs)  # (its shared expert follows it)
+            return decode.run(o, hidden_states, *args, **kwargs)  # (its shared expert follows it)
         s = self.spec
         why = self._unfused() if not args and not kwargs else "called with more than its input"
         if why is not None:

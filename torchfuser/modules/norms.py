@@ -87,7 +87,7 @@ class FusedRMSNorm(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
-            return decode.call(o)(x)
+            return o(x)
         s = self.spec
         w = getattr(self, s.weight)
         # The checks and the backend once per call signature (host time: a decode step calls every norm once a
@@ -168,7 +168,7 @@ class FusedLayerNorm(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
-            return decode.call(o)(x)
+            return o(x)
         s = self.spec
         w, bias = getattr(self, s.weight), None if s.bias is None else getattr(self, s.bias)
         out = _out_dtype(s, x, w)

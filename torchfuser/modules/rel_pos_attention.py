@@ -86,7 +86,7 @@ class FusedRelPosAttention(FusedModule):
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
-            return decode.run(decode.call(o), hidden_states, *args, **kwargs)
+            return decode.run(o, hidden_states, *args, **kwargs)
         s = self.spec
         kwargs.update(zip(s.positional, args))
         why = self._fallback_reason(hidden_states, kwargs)
