@@ -45,6 +45,7 @@ REASON = ("decode-shaped no-grad call: the original modules are faster where the
           "switches.decode_to_original=False keeps the fused kernels")
 _DICTS = ("_parameters", "_buffers", "_modules")
 _TENSORS = "_decode_tensor_names"  # set by share
+_CHILDREN = "_decode_children"  # a layer's: (its children and mode, what runs at decode, the fused ones replaced)
 
 
 class _State(threading.local):
@@ -78,7 +79,7 @@ def unshare(fused: nn.Module, original: nn.Module) -> None:
 def decode_shaped(x) -> bool:
     """The shape and mode part of the rule (the module docstring): a top-level call's hidden states ``x``."""
     # (compilation first: no guard on the shape where the compiler traces this)
-    if torch.compiler.is_compiling() or getattr(_graphing, "on", False) or not isinstance(x, Tensor):
+    if torch.compiler.is_compiling() or _graphing.on or not isinstance(x, Tensor):
         return False
     n = x.dim()
     if n < 2 or (x.shape[1] if n > 2 else x.shape[0]) > DECODE_POSITIONS:
@@ -97,6 +98,24 @@ def original(fused: nn.Module, x):
     if not inside and not decode_shaped(x):
         return None
     d = fused.__dict__
+    o = _held(d)
+    if o is None:
+        return None
+    od = o.__dict__
+    if od["training"] is not d["training"]:  # model.train() / .eval() reached the fused module only
+        od["training"] = d["training"]
+    if not inside:
+        counter = d.get(fallbacks.ATTR)  # (fallbacks.count inline: host time)
+        if counter is None:
+            fallbacks.count(fused, REASON)
+        else:
+            counter[REASON] += 1
+    return o if (od["_forward_hooks"] or od["_forward_pre_hooks"]) else o.forward
+
+
+def _held(d: dict) -> nn.Module | None:
+    """The original a fused module (``d``: its ``__dict__``) can hand a call to: one that shares its dicts, while
+    the module holds none of its tensors outside them. None where there is none."""
     names = d.get(_TENSORS)
     if names is None:  # not shared (built outside a pattern, or its dicts differ from the original's)
         return None
@@ -107,19 +126,7 @@ def original(fused: nn.Module, x):
     for name in names:  # (FSDP1 holds its views as plain attributes, outside the dicts the original shares)
         if name in d:
             return None
-    if od["training"] is not d["training"]:  # model.train() / .eval() reached the fused module only
-        od["training"] = d["training"]
-    if not inside:
-        _count(d, fused)
-    return o if (od["_forward_hooks"] or od["_forward_pre_hooks"]) else o.forward
-
-
-def _count(d: dict, module: nn.Module) -> None:
-    counter = d.get(fallbacks.ATTR)
-    if counter is None:
-        fallbacks.count(module, REASON)
-    else:
-        counter[REASON] += 1
+    return o
 
 
 def run(forward, *args, **kwargs):
@@ -133,14 +140,66 @@ def run(forward, *args, **kwargs):
         _STATE.inside = False
 
 
-def layer(module: nn.Module, x) -> bool:
-    """Whether a call of a layer whose forward TorchFuser replaced on the instance runs its class's forward (the
-    same rule; counted on the layer). Grad mode is checked by the caller."""
+NOT_DECODE = object()  # what ``layer_call`` returns for a call it leaves to the layer's fused forward
+
+
+def layer_call(layer: nn.Module, args: tuple, kwargs: dict, first: str):
+    """A call of a layer whose forward TorchFuser replaced on the instance (``first``: its hidden states' name): for a
+    decode step (the same rule; counted on the layer) its class's forward, the unfused layer, with its fused
+    children swapped for their originals for the call (``_children``: no check a child; their own fused children,
+    q/k norms, check for themselves); else ``NOT_DECODE``. Grad mode is checked by the caller."""
     if not SWITCHES.decode_to_original:
-        return False
-    if _STATE.inside:
-        return True
-    if not decode_shaped(x):
-        return False
-    _count(module.__dict__, module)
-    return True
+        return NOT_DECODE
+    d = layer.__dict__
+    outer = _STATE.inside
+    if not outer:
+        if not decode_shaped(args[0] if args else kwargs.get(first)):
+            return NOT_DECODE
+        counter = d.get(fallbacks.ATTR)  # (fallbacks.count inline: host time)
+        if counter is None:
+            fallbacks.count(layer, REASON)
+        else:
+            counter[REASON] += 1
+    mods = d["_modules"]
+    key = (*mods.values(), d["training"])
+    swapped = None
+    cached = d.get(_CHILDREN)
+    if cached is not None and cached[0] == key:
+        swapped = cached[1]
+        for cd in cached[2]:  # (hooks or FSDP1's views on a replaced child since: it runs, and checks, itself)
+            if cd["_forward_hooks"] or cd["_forward_pre_hooks"]:
+                swapped = None
+            for name in cd[_TENSORS]:  # (loops, not generators: host time)
+                if name in cd:
+                    swapped = None
+    else:
+        swapped = _children(d, mods, key)
+    _STATE.inside = True
+    if swapped is not None:
+        d["_modules"] = swapped
+    try:
+        return type(layer).forward(layer, *args, **kwargs)
+    finally:
+        if swapped is not None:
+            d["_modules"] = mods
+        _STATE.inside = outer
+
+
+def _children(d: dict, mods: dict, key: tuple) -> dict | None:
+    """The layer's ``_modules`` with each fused child that can hand its calls on replaced by its original, or None
+    where none can; kept in the layer's ``__dict__`` under ``key`` (its children and mode): made again whenever a
+    child is swapped or the layer's mode changes, and the originals' modes set then (``model.train()`` /
+    ``.eval()`` reach the layer too). A fused child with hooks, or its tensors outside its dicts (FSDP1), keeps
+    its place: it runs its hooks, and checks for itself."""
+    swapped, replaced = {}, []
+    for name, child in mods.items():
+        cd = child.__dict__
+        o = None if (child._forward_hooks or child._forward_pre_hooks) else _held(cd)
+        if o is None:
+            swapped[name] = child
+            continue
+        o.__dict__["training"] = cd["training"]
+        swapped[name] = o
+        replaced.append(cd)
+    d[_CHILDREN] = (key, swapped, tuple(replaced)) if replaced else (key, None, ())
+    return swapped if replaced else None

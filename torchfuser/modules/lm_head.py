@@ -182,6 +182,9 @@ class FusedLMHeadLoss:
         replica.__dict__["forward"] = twin
 
     def __call__(self, *args, **kwargs):
+        if not args and kwargs.get("labels") is None:  # generate, scoring: the model's own forward (host time of a decode step)
+            previous = self.previous
+            return previous(**kwargs) if previous is not None else type(self.model).forward(self.model, **kwargs)
         original = self._original()
         if args:  # name positional arguments so that labels can be found
             bound = self.__signature__.bind_partial(*args, **kwargs)

@@ -169,8 +169,10 @@ class ResidualNormForward:
 
     def __call__(self, *args, **kwargs):
         layer, s = self.layer, self.spec
-        if not torch.is_grad_enabled() and decode.layer(layer, args[0] if args else kwargs.get(s.first)):
-            return decode.run(type(layer).forward, layer, *args, **kwargs)  # a decode step: unfused (modules.decode)
+        if not torch.is_grad_enabled():  # a decode step: the unfused layer (modules.decode)
+            out = decode.layer_call(layer, args, kwargs, s.first)
+            if out is not decode.NOT_DECODE:
+                return out
         own = layer.__dict__.get(offload.KEY)  # (offload.of inline: host time, as below)
         if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
             if own is not None and own.applies(layer):  # checkpointed as asked: run eagerly, a graph break

@@ -49,8 +49,10 @@ class ResidualOutputForward:
 
     def __call__(self, *args, **kwargs):
         m, s = self.module, self.spec
-        if not torch.is_grad_enabled() and decode.layer(m, args[0] if args else kwargs.get(s.names[0])):
-            return decode.run(type(m).forward, m, *args, **kwargs)  # a decode step: unfused (modules.decode)
+        if not torch.is_grad_enabled():  # a decode step: the unfused sublayer (modules.decode)
+            out = decode.layer_call(m, args, kwargs, s.names[0])
+            if out is not decode.NOT_DECODE:
+                return out
         if torch.compiler.is_compiling():  # Inductor fuses the add into its own norm kernel
             return type(m).forward(m, *args, **kwargs)
         h, r, why = self._inputs(args, kwargs)
