@@ -61,8 +61,9 @@ def fused_layer_calls(monkeypatch):
 
 
 def _decode_counts(model) -> dict[str, int]:
-    return {name: reasons[decode.REASON] for name, reasons in torchfuser.report(model).fallbacks.items()
-            if decode.REASON in reasons}
+    report = torchfuser.report(model)
+    assert not report.fallbacks  # none left the fused path for want of a way: those handed on are counted apart
+    return report.decode_calls
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])  # (qwen3: q/k norms inside the attention)
@@ -108,8 +109,10 @@ def test_the_report_counts_the_calls():
     assert not any(decode.REASON in n for n in torchfuser.report(fused).notes)
     _generate(fused)
     notes = [n for n in torchfuser.report(fused).notes if decode.REASON in n]
-    assert notes == [f"fallback: model.layers.* (2 modules): {2 * (NEW - 1)} calls left the fused path: {decode.REASON}",
-                     f"fallback: model.norm: {NEW - 1} calls left the fused path: {decode.REASON}"]
+    assert notes == [f"decode: model.layers.* (2 modules): {2 * (NEW - 1)} calls ran the original modules: {decode.REASON}",
+                     f"decode: model.norm: {NEW - 1} calls ran the original modules: {decode.REASON}"]
+    assert torchfuser.report(fused).to_dict()["decode_calls"] == {"model.layers.0": NEW - 1, "model.layers.1": NEW - 1,
+                                                                  "model.norm": NEW - 1}
 
 
 def test_grad_mode_long_rows_and_packed_rows_run_fused(fused_layer_calls):
@@ -171,6 +174,7 @@ def test_restore_gives_the_originals_dicts_of_their_own():
     torchfuser.restore(fused)
     assert fused.model.layers[0].self_attn is original
     assert original._modules is not attn._modules and original._parameters is not attn._parameters
+    assert not any(k.startswith(("_decode", "_torchfuser_decode")) for m in fused.modules() for k in m.__dict__)
     assert list(fused.state_dict()) == list(base.state_dict())
     assert torch.equal(_generate(fused).sequences, _generate(base).sequences)
 

@@ -13,8 +13,9 @@ The rule (``original``), checked first by every fused forward that can hand a ca
 - not traced or compiled (``torch.compiler.is_compiling()``), not inside TorchFuser's CUDA-graph warm-up or capture
   (``base.no_host_reads``) nor any CUDA graph capture of the current stream (the original's code may read values
   back to the host),
-- decode-shaped: the hidden states have at most ``DECODE_POSITIONS`` positions a row (dim 1 of a B × S × … tensor,
-  the rows of a 2-D one): packed or variable-length calls with one long row are not decode,
+- decode-shaped: the hidden states have at most ``DECODE_POSITIONS`` positions a row (S of B × S × hidden, the rows
+  of tokens × hidden; a 4-D input, such as a q/k norm's head-major q, never at the top): packed or variable-length
+  calls with one long row are not decode,
 - the original still shares this module's parameters, buffers and children (``share``: the same dicts, so whatever
   was swapped in since, by ``.to()``, an adapter, FSDP2 or ``functional_call``, the original holds too; a
   DataParallel replica, whose dicts are its own, keeps the fused path), and the module holds none of its tensors
@@ -22,8 +23,9 @@ The rule (``original``), checked first by every fused forward that can hand a ca
 
 Calls made by an original while it runs for a decode step (a layer's norms, attention and MLP; an attention's q/k
 norms, whose rows are heads; a MoE block's shared expert on flat tokens) dispatch without the shape check: they are
-part of the step. Each handed-on call at the top is counted on its module with ``REASON`` (``modules.fallbacks``; the
-report says how many); the calls inside it are not. Kinds: norms, MLPs, attention (also variable-length and
+part of the step. Each handed-on call at the top is counted on its module (``counts``; the report's ``decode_calls``
+and a note with ``REASON``), the calls inside it are not: a call-time fallback by choice, kept apart from
+``modules.fallbacks``' calls that could not run fused. Kinds: norms, MLPs, attention (also variable-length and
 relative-position), MoE blocks (``modules.base.FusedModule`` subclasses, which keep ``_original``), and the decoder
 layers and output sublayers whose forward is replaced on the instance (their class's ``forward``). The LM head +
 loss is not one: it is the model's forward, and runs the original already wherever no labels are given.
@@ -46,6 +48,8 @@ REASON = ("decode-shaped no-grad call: the original modules are faster where the
 _DICTS = ("_parameters", "_buffers", "_modules")
 _TENSORS = "_decode_tensor_names"  # set by share
 _CHILDREN = "_decode_children"  # a layer's: (its children and mode, what runs at decode, the fused ones replaced)
+_CALLS = "_torchfuser_decode_calls"  # top-level calls handed on: an int in the module's __dict__
+HEAD = "decode: "  # every note made here starts so, to be replaced when the report is refreshed
 
 
 class _State(threading.local):
@@ -53,6 +57,26 @@ class _State(threading.local):
 
 
 _STATE = _State()
+
+
+def counts(model: nn.Module) -> dict[str, int]:
+    """{qualified module name: top-level decode calls handed to the original modules} over ``model``."""
+    return {name: n for name, m in model.named_modules() if (n := m.__dict__.get(_CALLS))}
+
+
+def notes(model: nn.Module) -> list[str]:
+    """One line per module name with layer indices as * (``fallbacks.layer_glob``), the calls summed."""
+    grouped: dict[str, list[int]] = {}
+    for name, n in counts(model).items():
+        grouped.setdefault(fallbacks.layer_glob(name), []).append(n)
+    return [f"{HEAD}{name}" + (f" ({len(ns)} modules)" if len(ns) > 1 else "") + f": {sum(ns)} "
+            f"call{'s' if sum(ns) != 1 else ''} ran the original modules: {REASON}" for name, ns in grouped.items()]
+
+
+def clear(module: nn.Module) -> None:
+    """What a layer keeps for decode steps (its count, its children's originals), dropped at ``restore``."""
+    module.__dict__.pop(_CALLS, None)
+    module.__dict__.pop(_CHILDREN, None)
 
 
 def share(fused: nn.Module, original: nn.Module) -> None:
@@ -81,8 +105,11 @@ def decode_shaped(x) -> bool:
     # (compilation first: no guard on the shape where the compiler traces this)
     if torch.compiler.is_compiling() or _graphing.on or not isinstance(x, Tensor):
         return False
-    n = x.dim()
-    if n < 2 or (x.shape[1] if n > 2 else x.shape[0]) > DECODE_POSITIONS:
+    n = x.dim()  # B × S × hidden, or tokens × hidden; not a head-major q or k (a q/k norm's: the heads are dim 1)
+    if n == 3:
+        if x.shape[1] > DECODE_POSITIONS:
+            return False
+    elif n != 2 or x.shape[0] > DECODE_POSITIONS:
         return False
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
@@ -105,11 +132,7 @@ def original(fused: nn.Module, x):
     if od["training"] is not d["training"]:  # model.train() / .eval() reached the fused module only
         od["training"] = d["training"]
     if not inside:
-        counter = d.get(fallbacks.ATTR)  # (fallbacks.count inline: host time)
-        if counter is None:
-            fallbacks.count(fused, REASON)
-        else:
-            counter[REASON] += 1
+        d[_CALLS] = d.get(_CALLS, 0) + 1
     return o if (od["_forward_hooks"] or od["_forward_pre_hooks"]) else o.forward
 
 
@@ -155,11 +178,7 @@ def layer_call(layer: nn.Module, args: tuple, kwargs: dict, first: str):
     if not outer:
         if not decode_shaped(args[0] if args else kwargs.get(first)):
             return NOT_DECODE
-        counter = d.get(fallbacks.ATTR)  # (fallbacks.count inline: host time)
-        if counter is None:
-            fallbacks.count(layer, REASON)
-        else:
-            counter[REASON] += 1
+        d[_CALLS] = d.get(_CALLS, 0) + 1
     mods = d["_modules"]
     key = (*mods.values(), d["training"])
     swapped = None

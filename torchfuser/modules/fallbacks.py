@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-_ATTR = ATTR = "_torchfuser_fallbacks"  # (ATTR: read by modules.decode, which counts inline)
+_ATTR = "_torchfuser_fallbacks"
 HEAD = "fallback: "  # every note made here starts so, to be replaced when the report is refreshed
 
 

@@ -357,4 +357,5 @@ class Uninstall:
             del self.layer.__dict__["forward"]
         self.layer.__dict__.pop(offload.KEY, None)
         fallbacks.clear(self.layer)
+        decode.clear(self.layer)
         unfollow_replicas(self.layer)

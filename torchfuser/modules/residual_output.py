@@ -108,4 +108,5 @@ class Uninstall:
             del self.module.__dict__["forward"]
         self.module.__dict__.pop(offload.KEY, None)
         fallbacks.clear(self.module)
+        decode.clear(self.module)
         unfollow_replicas(self.module)
