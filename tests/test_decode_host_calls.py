@@ -25,8 +25,9 @@ from torchfuser.ops import _call
 # the original modules (the default): +35 with transformers 5.25 (a check a layer and for the final norm, the
 # layers' children swapped for their originals, the LM head's wrapper).
 PYTHON_CALLS_EXTRA = 80
-# The same with the fused kernels' decode path (switch decode_to_original off): +270 with transformers 5.25, +354
-# with 5.17 (1dfe1cd: +472 / +554; main before the no-grad kernel path and the call-path cuts, 17988d2: +1011).
+# The same with the fused kernels' decode path (switch decode_to_original off): +301 with transformers 5.25 (23633a5,
+# before the switch: +295; at 6e3fafb +270, +354 with 5.17; 1dfe1cd: +472 / +554; main before the no-grad kernel
+# path and the call-path cuts, 17988d2: +1011).
 # ATen calls there: fused 157 against 171 unfused (5.25); at 17988d2, 233 against 171.
 PYTHON_CALLS_EXTRA_FUSED = 420
 
