@@ -191,3 +191,15 @@ def test_a_module_whose_dicts_are_its_own_keeps_the_fused_path():
         assert decode.original(replica, x) is None
         norm.__dict__["weight"] = norm.weight.detach().clone()  # as FSDP1 sets its views
         assert decode.original(norm, x) is None
+
+
+def test_hooks_on_a_fused_child_run_at_decode():
+    """A hook put on a fused child after the layer's swap dict was made: the layer calls that child (its hooks run),
+    which hands the call on to its original."""
+    base, fused = _pair("llama")
+    _generate(fused)
+    seen = []
+    fused.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[1]))
+    got, want = _generate(fused), _generate(base)
+    assert seen == [10] + [1] * (NEW - 1)  # the prefill (fused), then each decode step
+    assert torch.equal(got.sequences, want.sequences)
