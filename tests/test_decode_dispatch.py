@@ -78,10 +78,12 @@ def test_rollouts_give_the_unfused_tokens_and_logits_bit_for_bit(model_type, fus
     assert len(counts) == len(layers) + 1 and set(counts.values()) == {NEW - 1}
 
 
-def test_decode_steps_equal_the_unfused_ones_on_the_same_cache():
+@pytest.mark.parametrize("model_type", ["gpt_neox", "qwen2_moe"])
+def test_decode_steps_equal_the_unfused_ones_on_the_same_cache(model_type):
     """Exact by construction, also where the fused prefill rounds otherwise than the unfused one (GPT-NeoX's
-    LayerNorms and parallel residual): from one cache, each decode step gives the unfused model's logits."""
-    base, fused = _pair("gpt_neox")
+    LayerNorms and parallel residual, the MoE blocks' grouped experts): from one cache, each decode step gives the
+    unfused model's logits."""
+    base, fused = _pair(model_type)
     ids, mask = _prompts()
     cache = DynamicCache(config=base.config)
     with torch.no_grad():

@@ -1,12 +1,13 @@
 """Decode steps run the original modules: a decode-shaped call under no grad is handed to the module the fused one
-replaced, so a rollout (``generate``) runs the unfused model's code, bit for bit, at its speed plus one check a call.
+replaced, so a rollout (``generate``) runs the unfused model's code, bit for bit, at its speed plus one check a
+decoder layer (and one a fused module outside the layers, such as the final norm).
 
 Why: a decode step is host-bound (one to a few tokens a row, a KV cache). Its ATen work fused is already below the
 unfused model's, but the fused modules' per-call Python costs more than the unfused modules' (measured 3–8 % slower
 on the CPU probe and 6–8 % on an H200 at Qwen2.5-1.5B shapes, batch 16: NOTES-trl.md, "Rollouts with generate").
 The kernels gain nothing there; prefill and TRL's no-grad scoring of whole sequences are large, and stay fused.
 
-The rule (``original``), checked first by every fused forward that can hand a call on:
+The rule (``original``; ``layer_call`` for a layer), checked first by every fused forward that can hand a call on:
 
 - grad mode off (a training forward always runs fused; the caller checks it inline, before calling here),
 - the switch ``switches.decode_to_original`` on (the default),
