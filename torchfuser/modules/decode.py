@@ -26,8 +26,8 @@ Calls made by an original while it runs for a decode step (a layer's norms, atte
 norms, whose rows are heads; a MoE block's shared expert on flat tokens) dispatch without the shape check: they are
 part of the step. Each handed-on call at the top is counted on its module (``counts``; the report's ``decode_calls``
 and a note with ``REASON``), the calls inside it are not: a call-time fallback by choice, kept apart from
-``modules.fallbacks``' calls that could not run fused. Kinds: norms, MLPs, attention (also variable-length and
-relative-position), MoE blocks (``modules.base.FusedModule`` subclasses, which keep ``_original``), and the decoder
+``modules.fallbacks``' calls that could not run fused. Kinds: norms, MLPs, attention (also variable-length, and
+relative-position, whose B × h × w × C maps are never decode-shaped at the top), MoE blocks (``modules.base.FusedModule`` subclasses, which keep ``_original``), and the decoder
 layers and output sublayers whose forward is replaced on the instance (their class's ``forward``). The LM head +
 loss is not one: it is the model's forward, and runs the original already wherever no labels are given.
 """
