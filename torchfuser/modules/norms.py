@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
-from torchfuser.modules import recompute
+from torchfuser.modules import decode, recompute
 from torchfuser.modules.base import FusedModule, adopt, decided
 from torchfuser.ops._call import autocast_enabled, kernel
 from torchfuser.ops.rms_norm import add_rms_norm_fp8_producer
@@ -86,6 +86,8 @@ class FusedRMSNorm(FusedModule):
         adopt(self, original, [spec.weight])
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
+            return o(x)
         s = self.spec
         w = getattr(self, s.weight)
         # The checks and the backend once per call signature (host time: a decode step calls every norm once a
@@ -165,6 +167,8 @@ class FusedLayerNorm(FusedModule):
         adopt(self, original, [n for n in (spec.weight, spec.bias) if n is not None])
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
+            return o(x)
         s = self.spec
         w, bias = getattr(self, s.weight), None if s.bias is None else getattr(self, s.bias)
         out = _out_dtype(s, x, w)
