@@ -141,7 +141,8 @@ for stage in "$@"; do
     # trl-dpo / trl-grpo / trl-distill: whole steps, TRL alone, TRL + Liger, TRL + TorchFuserCallback (one call each).
     trl-head) timeout ${HEAD_S:-480} python3 benchmarks/lm_head_trl.py --device cuda ${HEAD_ARGS:-} --out "$OUT/lm-head-trl.jsonl" ;;
     trl-tests) timeout ${TESTS_S:-300} python3 -m pytest -p no:cacheprovider -q -o addopts="" -rfE --tb=short \
-              tests/test_trl_trainers.py tests/test_generate_rl.py tests/test_trl.py tests/test_trl_report.py tests/test_decode_host_calls.py ;;
+              tests/test_trl_trainers.py tests/test_generate_rl.py tests/test_trl.py tests/test_trl_report.py tests/test_decode_host_calls.py \
+              tests/test_decode_dispatch.py ;;
     trl-dpo) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload dpo ${TRL_ARGS:-} --out "$OUT/trl-dpo.jsonl" ;;
     trl-grpo) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload grpo ${TRL_ARGS:-} --out "$OUT/trl-grpo.jsonl" ;;
     trl-distill) timeout ${TRL_S:-540} python3 benchmarks/trl_trainers.py --workload distill ${TRL_ARGS:-} --out "$OUT/trl-distill.jsonl" ;;

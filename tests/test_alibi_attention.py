@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import torchfuser
+from torchfuser import switches
 from torchfuser.modules import fallbacks
 from torchfuser.modules.attention import FusedAttention
 
@@ -138,7 +139,8 @@ def test_calls_it_cannot_reproduce_run_the_original():
     original = attn.__dict__["_original"]
     x, res, mask = torch.randn(1, 3, 32), torch.randn(1, 3, 32), torch.zeros(1, 1, 3, 3)
     alibi = torch.randn(4, 1, 3)
-    with torch.no_grad():
+    # (three positions under no_grad: a decode step, which runs the original anyway; the fused path's own checks here)
+    with torch.no_grad(), switches.switched(decode_to_original=False):
         got = attn(x, res, alibi=alibi, attention_mask=mask)[0]
         torch.testing.assert_close(got, original(x, res, alibi=alibi, attention_mask=mask)[0], rtol=1e-5, atol=1e-6)
         assert not fallbacks.counts(model)

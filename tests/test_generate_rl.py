@@ -1,8 +1,9 @@
 """Rollouts as TRL's GRPO / RLOO / distillation trainers make them with transformers' own ``generate``: the
 model in training mode (the Trainer's), under ``torch.no_grad()``, TRL's ``fused_lm_head`` wrapper on the
 model's forward (put on after TorchFuserCallback fused it), a batch of prompts padded on the left, the KV
-cache on. Greedy decoding of the fused model gives exactly the unfused model's tokens, with every fused
-block on its fused path (no call handed back to an original module)."""
+cache on. Greedy decoding of the fused model gives exactly the unfused model's tokens, the prefill on the fused
+path and the decode steps by the original modules (``modules.decode``, counted apart), no call handed back to an
+original module for want of a fused way."""
 from __future__ import annotations
 
 import copy
@@ -61,6 +62,8 @@ def test_greedy_rollouts_equal_unfused(lora, mode):
     assert not fallbacks.counts(target)
     rep = torchfuser.report(fused)
     assert rep.counts()["attention"]["fused"] == 2 and not rep.fallbacks, rep
+    calls = {name.removeprefix("base_model.model."): n for name, n in rep.decode_calls.items()}  # (PEFT's wrapper)
+    assert calls == {"model.layers.0": 11, "model.layers.1": 11, "model.norm": 11}  # 12 new tokens, the first prefilled
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and tuple(int(x) for x in trl.__version__.split(".")[:2]) < (1, 16),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from torchfuser import switches
 from torchfuser.cuda_graphs.replay import Stack
 from torchfuser.modules.residual_norm import ResidualNormForward
 
@@ -33,12 +34,15 @@ def lm_step(model, device="cpu"):
 
 
 def assert_generates_like(ref, fused) -> None:
-    """Greedy decoding with the cache (no_grad: the fused forward's decode path) gives the unfused model's tokens."""
+    """Greedy decoding with the cache gives the unfused model's tokens: the decode steps run by the original modules
+    (the default, ``modules.decode``), and by the fused forward's decode path (no_grad; the switch off)."""
     ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        got = fused.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(got, want)
+        for on in (True, False):
+            with switches.switched(decode_to_original=on):
+                got = fused.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert torch.equal(got, want)
 
 
 def fused_layers(model) -> list:

@@ -10,7 +10,7 @@ from torch import nn
 from torchfuser import backends, cuda_graphs as _cuda_graphs, patterns as _patterns, settings as _settings, transaction
 from torchfuser import experts as _experts, head_check, unwrap, walker
 from torchfuser.backends import policy as _policy
-from torchfuser.modules import fallbacks, fp8 as _fp8, offload as _offload, packed as _packed
+from torchfuser.modules import decode as _decode, fallbacks, fp8 as _fp8, offload as _offload, packed as _packed
 from torchfuser.modules.fp8 import step as _fp8_step
 from torchfuser.modules.base import loaded_fsdp
 from torchfuser.modules.lm_head import FusedLMHeadLoss
@@ -376,7 +376,7 @@ def _undo(model: nn.Module) -> None:
 
 _LORA_HEAD = "adapters: "
 # Notes made anew at each report: the old ones go first.
-_REFRESHED = (fallbacks.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED, _offload.HEAD, _SMALL_NOTE)
+_REFRESHED = (fallbacks.HEAD, _decode.HEAD, _LORA_HEAD, _packed.HEAD, head_check.HEAD, _experts.CHANGED, _offload.HEAD, _SMALL_NOTE)
 
 
 def _lora_notes(model: nn.Module, result: FusionReport) -> list[str]:
@@ -407,11 +407,12 @@ def report(model: nn.Module) -> FusionReport:
     result = st.report if st is not None else target.__dict__[unwrap.LAST_REPORT]
     result.notes = _cuda_graphs.refresh_notes(target, result.notes)  # replays, captures, eager calls
     result.fallbacks = fallbacks.counts(target)
+    result.decode_calls = _decode.counts(target)
     replaced, heads = head_check.check(target, st, result.entries) if st is not None else ({}, [])
     result.notes = [n for n in result.notes if not n.startswith(_REFRESHED) and n != _COMPILE_NOTE]
     if _compiled_with_inductor() and any(e.pattern == "attention" for e in result.fused):
         result.notes.append(_COMPILE_NOTE)
-    result.notes += (fallbacks.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
+    result.notes += (fallbacks.notes(target) + _decode.notes(target) + _lora_notes(target, result) + _packed.notes(target) + heads
                      + _experts.changed(target, result)
                      + _offload.notes(target, result, getattr(_settings.of(target), "checkpointing", False))
                      + _small_calls_note({e.backend for e in result.fused}))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from torchfuser import unwrap, walker
+from torchfuser.modules import decode
 from torchfuser.modules.base import FusedModule, hand_back, host_reads_allowed
 from torchfuser.modules.residual_norm import ResidualNormForward
 from torchfuser.modules.residual_output import ResidualOutputForward
@@ -175,6 +176,7 @@ class _Tuner:
     def _put_back(self, st, decision: Decision) -> None:
         undo = self.applied.undo
         hand_back(undo.fused, undo.original)
+        decode.unshare(undo.fused, undo.original)
         parent_name, _, attr = self.name.rpartition(".")
         self.target.get_submodule(parent_name)._modules[attr] = undo.original  # the live parent
         self.applied.undo = _KeptOriginal(undo.parent, undo.attr, undo.original)

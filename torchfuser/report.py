@@ -47,6 +47,9 @@ class FusionReport:
         # {module name: {reason: calls}}: calls a fused block handed to its original forward
         # (filled in by torchfuser.report; the notes say the same in words).
         self.fallbacks: dict[str, dict[str, int]] = {}
+        # {module name: calls}: decode-shaped no-grad calls handed to the original modules by choice (modules.decode;
+        # filled in by torchfuser.report, a note says the same)
+        self.decode_calls: dict[str, int] = {}
 
     def with_note(self, note: str) -> "FusionReport":
         """A copy with one more note, sharing the entries."""
@@ -137,4 +140,5 @@ class FusionReport:
             "entries": [e.__dict__ for e in self.entries],
             "notes": self.notes,
             "fallbacks": self.fallbacks,
+            "decode_calls": getattr(self, "decode_calls", {}),  # (a report pickled before it had them)
         }

@@ -50,6 +50,11 @@ class Switches:
     # reference kernel, measured cheaper per call there (NOTES-trl.md, rollouts). Off: the MLIR kernel always
     # (the MLIR kernel tests). Within the accuracy rule either way (the reference backend is the oracle).
     mlir_small_to_reference: bool = True
+    # A decode-shaped call under no grad (at most modules.decode.DECODE_POSITIONS positions a row: a rollout's decode
+    # step) runs the original modules the fused ones replaced: the step is host-bound there and the unfused modules'
+    # Python is the cheaper (NOTES-trl.md, rollouts). Off: the fused kernels always. On, such a call gives the unfused
+    # model's bits by construction (tests/test_decode_dispatch.py).
+    decode_to_original: bool = True
 
     def __setattr__(self, name: str, value) -> None:
         if name not in {f.name for f in dataclasses.fields(self)}:

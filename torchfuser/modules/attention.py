@@ -22,7 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from torchfuser import functional as F, ops
 from torchfuser.modules.base import (FusedModule, adopt, apply_dropout, call_original, decided, dropout_p, host_reads_allowed,
                                      keep_dropout)
-from torchfuser.modules import _attention_fallback, attention_bias, fallbacks, packed, rotary_complex
+from torchfuser.modules import _attention_fallback, attention_bias, decode, fallbacks, packed, rotary_complex
 # (re-exported: the patterns and the other attention modules read them from here)
 from torchfuser.modules._attention_fallback import _IMPLEMENTATIONS, _collector, _recorded_from  # noqa: F401
 from torchfuser.modules.adapters import lora
@@ -252,6 +252,11 @@ class FusedAttention(FusedModule):
         return ops.rope(q, k, cos, sin, backend)
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
+        if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
+            out = decode.run(o, hidden_states, *args, **kwargs)  # (its q/k norms follow it)
+            if type(out) is tuple and len(out) > 1 and out[1] is not None:  # weights formed (eager): as _fallback
+                _attention_fallback.record_attention_weights(self.__dict__["_original"], out)
+            return out
         s = self.spec
         if args:  # positional arguments, named as the original forward names them
             kwargs.update(zip(s.positional, args))

@@ -8,7 +8,11 @@ import threading
 import torch
 from torch import nn
 
-_graphing = threading.local()
+class _Graphing(threading.local):
+    on = False  # (a class default: a read on a thread that never set it raises no AttributeError inside getattr)
+
+
+_graphing = _Graphing()
 
 
 @contextlib.contextmanager
@@ -23,7 +27,7 @@ def no_host_reads():
 
 
 def host_reads_allowed() -> bool:
-    return not (torch.compiler.is_compiling() or getattr(_graphing, "on", False))
+    return not (torch.compiler.is_compiling() or _graphing.on)
 
 
 class FusedModule(nn.Module):

@@ -182,6 +182,11 @@ class FusedLMHeadLoss:
         replica.__dict__["forward"] = twin
 
     def __call__(self, *args, **kwargs):
+        # generate, scoring: the model's own forward, first (host time of a decode step). This head hands no decode step
+        # on itself (modules.decode): without labels it runs the original forward already, whose blocks hand theirs on.
+        if not args and kwargs.get("labels") is None:
+            previous = self.previous
+            return previous(**kwargs) if previous is not None else type(self.model).forward(self.model, **kwargs)
         original = self._original()
         if args:  # name positional arguments so that labels can be found
             bound = self.__signature__.bind_partial(*args, **kwargs)

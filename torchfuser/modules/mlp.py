@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
 from torchfuser.functional import backend_for
-from torchfuser.modules import fp8, recompute
+from torchfuser.modules import decode, fp8, recompute
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.base import FusedModule, adopt, apply_dropout, decided, dropout_p, keep_dropout
 from torchfuser.modules.projections import call_linear, joint, residual_linear, single
@@ -78,6 +78,8 @@ class FusedGatedMLP(_WithLoRA, FusedModule):
         self._act = _GATED_ACTS[spec.activation]
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
+            return o(x)
         s = self.spec
         h, make = self._gated(x)
         with self._h_made_again(h, make):
@@ -154,6 +156,8 @@ class FusedMLP(_WithLoRA, FusedModule):
         adopt(self, original, [n for n in names if n is not None])
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
+            return o(x, *args, **kwargs)
         s = self.spec
         h = self._hidden(x)
         if s.residual is None:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F
-from torchfuser.modules import fallbacks
+from torchfuser.modules import decode, fallbacks
 from torchfuser.modules.base import FusedModule, adopt, hooked
 from torchfuser.ops._call import autocast_enabled
 from torchfuser.ops.moe import KERNELS as MOE_KERNELS
@@ -117,6 +117,8 @@ class FusedMoE(FusedModule):
         return nn.functional.linear(x, weight, bias)
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
+        if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
+            return decode.run(o, hidden_states, *args, **kwargs)  # (its shared expert follows it)
         s = self.spec
         why = self._unfused() if not args and not kwargs else "called with more than its input"
         if why is not None:

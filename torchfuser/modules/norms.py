@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F, ops
-from torchfuser.modules import recompute
+from torchfuser.modules import decode, recompute
 from torchfuser.modules.base import FusedModule, adopt, decided
 from torchfuser.ops._call import autocast_enabled, kernel
 from torchfuser.ops.rms_norm import add_rms_norm_fp8_producer
@@ -123,6 +123,8 @@ class FusedRMSNorm(FusedModule):
         return getattr(self, name) if name else ones_weight(self, like, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
+            return o(x)
         s = self.spec
         w = self.kernel_weight(x)
         # The checks and the backend once per call signature (host time: a decode step calls every norm once a
@@ -203,6 +205,8 @@ class FusedLayerNorm(FusedModule):
         _absent(self, original)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() and (o := decode.original(self, x)) is not None:  # a decode step: unfused
+            return o(x)
         s = self.spec
         w, bias = self._wb(x)
         out = _out_dtype(s, x, w)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from torchfuser.modules import fallbacks
+from torchfuser.modules import decode, fallbacks
 from torchfuser.modules.attention import _collector, _recorded_from
 from torchfuser.modules.base import FusedModule, adopt, call_original
 from torchfuser.modules.projections import single
@@ -85,6 +85,8 @@ class FusedRelPosAttention(FusedModule):
         return None
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
+        if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
+            return decode.run(o, hidden_states, *args, **kwargs)
         s = self.spec
         kwargs.update(zip(s.positional, args))
         why = self._fallback_reason(hidden_states, kwargs)

@@ -51,7 +51,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from torchfuser.modules import _post_block, fallbacks, fp8, offload
+from torchfuser.modules import _post_block, decode, fallbacks, fp8, offload
 from torchfuser.modules._layer_blocks import (adds as _adds, as_class as _as_class, attend as _attend, child as _child,
                                               is_identity as _is_identity, made_again as _made_again, maxima as _maxima,
                                               mlp_call as _mlp, projection_dtype as _projection_dtype, tail as _tail,
@@ -169,6 +169,10 @@ class ResidualNormForward:
 
     def __call__(self, *args, **kwargs):
         layer, s = self.layer, self.spec
+        if not torch.is_grad_enabled():  # a decode step: the unfused layer (modules.decode)
+            out = decode.layer_call(layer, args, kwargs, s.first)
+            if out is not decode.NOT_DECODE:
+                return out
         own = layer.__dict__.get(offload.KEY)  # (offload.of inline: host time, as below)
         if torch.compiler.is_compiling():  # Inductor fuses the adds into its own norm kernels
             if own is not None and own.applies(layer):  # checkpointed as asked: run eagerly, a graph break
@@ -353,4 +357,5 @@ class Uninstall:
             del self.layer.__dict__["forward"]
         self.layer.__dict__.pop(offload.KEY, None)
         fallbacks.clear(self.layer)
+        decode.clear(self.layer)
         unfollow_replicas(self.layer)

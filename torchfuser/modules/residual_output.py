@@ -21,7 +21,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from torchfuser.modules import fallbacks, offload
+from torchfuser.modules import decode, fallbacks, offload
 from torchfuser.modules._layer_blocks import child, unfused_norms
 from torchfuser.modules.base import follow_replicas, unfollow_replicas
 
@@ -49,6 +49,10 @@ class ResidualOutputForward:
 
     def __call__(self, *args, **kwargs):
         m, s = self.module, self.spec
+        if not torch.is_grad_enabled():  # a decode step: the unfused sublayer (modules.decode)
+            out = decode.layer_call(m, args, kwargs, s.names[0])
+            if out is not decode.NOT_DECODE:
+                return out
         if torch.compiler.is_compiling():  # Inductor fuses the add into its own norm kernel
             return type(m).forward(m, *args, **kwargs)
         h, r, why = self._inputs(args, kwargs)
@@ -104,4 +108,5 @@ class Uninstall:
             del self.module.__dict__["forward"]
         self.module.__dict__.pop(offload.KEY, None)
         fallbacks.clear(self.module)
+        decode.clear(self.module)
         unfollow_replicas(self.module)

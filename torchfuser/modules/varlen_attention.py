@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from torchfuser import functional as F
-from torchfuser.modules import fallbacks, packed
+from torchfuser.modules import decode, fallbacks, packed
 from torchfuser.modules.base import FusedModule, adopt, call_original
 from torchfuser.modules.projections import project, single
 from torchfuser.modules.attention import _deinterleave, _interleave
@@ -100,6 +100,8 @@ class FusedVarlenAttention(FusedModule):
         return None
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
+        if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
+            return decode.run(o, hidden_states, *args, **kwargs)
         s = self.spec
         kwargs.update(zip(s.positional, args))
         why = self._fallback_reason(hidden_states, kwargs)

@@ -8,6 +8,7 @@ from typing import Callable, ClassVar
 
 from torch import nn
 
+from torchfuser.modules import decode
 from torchfuser.modules.base import FusedModule, hand_back
 
 
@@ -38,6 +39,7 @@ class _PutBack:
 
     def __call__(self) -> None:
         hand_back(self.fused, self.original)
+        decode.unshare(self.fused, self.original)
         self.parent._modules[self.attr] = self.original
 
 
@@ -110,6 +112,8 @@ class Pattern:
         parent = root.get_submodule(parent_name)
         fused = self.build(module, spec, backend)
         _check_holds_originals(self, fused, module)
+        if isinstance(fused, FusedModule) and fused.__dict__.get("_original") is module:
+            decode.share(fused, module)  # a decode step runs the original on what the fused module holds now
         fused.train(module.training)
         parent._modules[attr] = fused
         return Applied(type(fused).__name__, _PutBack(parent, attr, fused, module))

@@ -45,10 +45,16 @@ LOOPS = (
     "builtin.module(func.func(refback-munge-memref-copy, convert-linalg-to-loops), canonicalize, cse, loop-invariant-code-motion{{}})"
 )
 
-# LLVM: transcendental functions expanded to arithmetic so that they vectorise, then the
-# standard conversions.
+# LLVM: transcendental functions expanded to arithmetic so that they vectorise; bf16 math and arith
+# ops computed in f32 and rounded back (what LLVM's promotion does on x86, which has no bf16 arithmetic),
+# and the f32 → bf16 rounding itself expanded to integer arithmetic (to nearest even, NaN kept quiet, as
+# torch rounds): on a CPU without AVX512-BF16, LLVM lowers that rounding to a call of compiler-rt's
+# __truncsfbf2, which neither libgcc 12 nor the process provides (the JIT then finds no @kernel). Then
+# the standard conversions.
 LLVM = (
-    "builtin.module(func.func(math-expand-ops, convert-vector-to-scf, convert-linalg-to-loops), convert-scf-to-cf,"
+    "builtin.module(func.func(math-expand-ops, math-extend-to-supported-types{target-type=f32},"
+    " arith-emulate-unsupported-floats{source-types=bf16 target-type=f32}, arith-expand{include-bf16=true},"
+    " convert-vector-to-scf, convert-linalg-to-loops), convert-scf-to-cf,"
     " expand-strided-metadata, lower-affine, finalize-memref-to-llvm, convert-math-to-llvm, convert-math-to-libm,"
     " convert-vector-to-llvm, convert-arith-to-llvm, convert-func-to-llvm, convert-cf-to-llvm,"
     " reconcile-unrealized-casts)"
