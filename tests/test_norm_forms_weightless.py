@@ -97,12 +97,7 @@ def test_fused_module_bf16_within_the_rule(form, backend):
     plain = copy.deepcopy(orig).to(torch.bfloat16)
     fused = _fused(copy.deepcopy(plain), backend)
     same = _grads(plain, x.bfloat16(), dy.bfloat16())
-    try:
-        got = _grads(fused, x.bfloat16(), dy.bfloat16())
-    except RuntimeError as err:  # (this machine's torch-mlir JIT lacks __truncsfbf2: test_mlir_ops' bf16 fails alike)
-        if backend == "mlir" and "no @kernel" in str(err):
-            pytest.skip("MLIR's JIT cannot link bf16 truncation here")
-        raise
+    got = _grads(fused, x.bfloat16(), dy.bfloat16())
     for name, a, b, r in zip(("y", "dx", "dw", "db"), got, same, ref64):
         assert a.dtype == b.dtype, name
         assert_within_rule(a, b, r, ATOL[torch.bfloat16] * max(1.0, r.abs().max().item()), f"{form} {name}")
