@@ -128,22 +128,34 @@ def run(shape: str, variant: str, args) -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        if cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
+    def one_step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             loss = model(**inputs, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = one_step()
         if cuda:
             torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - t)
         losses.append(loss.item())
     ms = 1e3 * statistics.median(times)
+    if args.profile_dir:  # two more steps under the profiler: the kernels by self time, and the GPU's idle gaps
+        from pathlib import Path
+
+        from profiling import gpu_idle, profiled, write_tables
+
+        prof = profiled(one_step, device, 2)
+        write_tables(prof, Path(args.profile_dir) / f"profile-{shape}-{variant}.txt",
+                     ("self_cuda_time_total" if cuda else "self_cpu_time_total",), 90, 200, gpu_idle(prof) if cuda else "")
     return {"shape": shape, "variant": variant, "text_layers": cfg.text_config.num_hidden_layers, "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "loss_first": losses[0], "loss_last": losses[-1], "steps": args.steps}
@@ -159,6 +171,7 @@ def main() -> None:
     p.add_argument("--text-layers", type=int, help="the language model's depth, if not the shape's (full fine-tuning "
                    "of gemma3-4b keeps ≈ 70 GB of fp32 weights, gradients and AdamW state: 17 of its 34 layers fit 80 GB)")
     p.add_argument("--out", help="append one JSON line per variant here")
+    p.add_argument("--profile-dir", help="after the timed steps, two profiled ones: a table per variant here")
     args = p.parse_args()
     rows = []
     for variant in sorted(args.variants, key=lambda v: v == "liger"):  # Liger patches classes globally: last
