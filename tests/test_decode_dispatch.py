@@ -16,7 +16,7 @@ from torchfuser import switches
 from torchfuser.modules import decode
 from torchfuser.modules.residual_norm import ResidualNormForward
 
-from tiny_lm import VOCAB, lm_step, tiny_model
+from tiny_lm import VOCAB, left_padded_prompts, lm_step, tiny_model
 
 NEW = 6
 
@@ -26,15 +26,8 @@ def _pair(model_type: str, backend: str = "reference"):
     return base, torchfuser.optimize(copy.deepcopy(base), backend=backend)
 
 
-def _prompts(batch: int = 4, longest: int = 10):
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.zeros(batch, longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row in range(batch):
-        n = longest - 2 * row  # left padding of 0, 2, 4, 6 tokens
-        ids[row, -n:] = torch.randint(3, VOCAB, (n,), generator=gen)
-        mask[row, -n:] = 1
-    return ids, mask
+def _prompts():
+    return left_padded_prompts(4, 10, 2, 3, VOCAB)  # left padding of 0, 2, 4, 6 tokens
 
 
 def _generate(model):

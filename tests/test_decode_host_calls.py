@@ -21,6 +21,8 @@ import torchfuser
 from torchfuser import ops, switches
 from torchfuser.ops import _call
 
+from tiny_lm import left_padded_prompts
+
 # Python calls a fused decode step may add to the unfused one (tiny Llama, 2 layers, batch 4), the step handed to
 # the original modules (the default): +35 with transformers 5.25 (a check a layer and for the final norm, the
 # layers' children swapped for their originals, the LM head's wrapper).
@@ -57,15 +59,8 @@ def _pair(backend: str):
     return base, fused
 
 
-def _prompts(batch: int = 4, longest: int = 12):
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.zeros(batch, longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row in range(batch):
-        n = longest - 3 * row  # left padding of 0, 3, 6, 9 tokens
-        ids[row, -n:] = torch.randint(4, 1024, (n,), generator=gen)
-        mask[row, -n:] = 1
-    return ids, mask
+def _prompts():
+    return left_padded_prompts(4, 12, 3, 4, 1024)  # left padding of 0, 3, 6, 9 tokens
 
 
 class _Decode:

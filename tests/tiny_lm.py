@@ -23,6 +23,19 @@ def tiny_model(model_type: str, **fields):
     return AutoModelForCausalLM.from_config(cfg).float().train()
 
 
+def left_padded_prompts(batch: int, longest: int, pad_step: int, low: int, high: int):
+    """(ids, mask): ``batch`` prompts left-padded to ``longest`` with 0, the padding growing by ``pad_step`` a row
+    (as generation and TRL's rollouts batch them), tokens drawn from [low, high) of one seeded generator."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row in range(batch):
+        n = longest - pad_step * row
+        ids[row, -n:] = torch.randint(low, high, (n,), generator=gen)
+        mask[row, -n:] = 1
+    return ids, mask
+
+
 def lm_step(model, device="cpu"):
     """One forward and backward on fixed token ids; the global generator seeded just before the forward, so
     two models' dropouts draw the same random stream."""
