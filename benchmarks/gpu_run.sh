@@ -43,6 +43,7 @@ for stage in "$@"; do
     vlm) timeout 280 python3 benchmarks/vlm_step.py --shape qwen25vl7b --variants eager torchfuser liger --out "$OUT/vlm-step.jsonl"
          timeout 300 python3 benchmarks/vlm_step.py --shape gemma3-4b --variants eager torchfuser compile --out "$OUT/vlm-step.jsonl" ;;
     vlm-qwen) timeout 280 python3 benchmarks/vlm_step.py --shape qwen25vl7b --variants eager torchfuser liger ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/vlm-step.jsonl" ;;
+    vlm-gemma) timeout 320 python3 benchmarks/vlm_step.py --shape gemma3-4b --variants eager torchfuser compile ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/vlm-step.jsonl" ;;
     # Gemma-3-4B with half its language model (17 of 34 layers), the full model's fp32 training state does not fit 80 GB
     vlm-gemma-half) timeout 300 python3 benchmarks/vlm_step.py --shape gemma3-4b --text-layers 17 --variants eager torchfuser compile ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/vlm-step.jsonl" ;;
     demo) timeout 150 python3 -m torchfuser.cli demo ;;

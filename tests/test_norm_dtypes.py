@@ -14,6 +14,7 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
@@ -35,6 +36,7 @@ FAMILIES = {
     "torch-rmsnorm": (lambda: nn.RMSNorm(H, eps=1e-6), 0.0, False, (3, 5, H)),
     "layernorm": (lambda: nn.LayerNorm(H), None, True, (3, 5, H)),
     "layernorm-nobias": (lambda: nn.LayerNorm(H, bias=False), None, True, (3, 5, H)),
+    "nemotron": (lambda: NemotronLayerNorm1P(H), 1.0, True, (3, 5, H)),  # w + 1; under autocast: autocast's dtype
 }
 
 
@@ -65,7 +67,7 @@ def _ref64(family, x, norm):
     w = norm.weight.double()
     if ln:
         b = None if norm.bias is None else norm.bias.double()
-        return nn.functional.layer_norm(x, x.shape[-1:], w, b, norm.eps)
+        return nn.functional.layer_norm(x, x.shape[-1:], (offset or 0.0) + w, b, norm.eps)
     eps = getattr(norm, "variance_epsilon", None) or norm.eps
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (offset + w)
 
@@ -146,6 +148,8 @@ def test_gpu_autocast_output_dtype_is_probed():
     assert _fused(_norm("torch-rmsnorm", F32)).norm.spec.autocast_out_dtype == ("float32" if rms_fp32 else None)
     for family in ("llama", "gemma", "t5"):
         assert _fused(_norm(family, F32)).norm.spec.autocast_out_dtype is None, family
+    # Nemotron's LayerNorm1P reads autocast's state: its inputs cast to autocast's dtype, the norm run with it off
+    assert _fused(_norm("nemotron", F32)).norm.spec.autocast_out_dtype == "autocast"
     assert _fused(_norm("llama", F32)).norm.spec.out_dtype == "promote"
     assert _fused(_norm("gemma", F32)).norm.spec.out_dtype == "input"
     assert _fused(_norm("t5", F32)).norm.spec.out_dtype == "weight"

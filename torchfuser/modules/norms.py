@@ -26,17 +26,21 @@ def _at_least_fp32(d: torch.dtype) -> torch.dtype:
     return torch.promote_types(d, torch.float32)
 
 
-# What dtype a norm returns for x's and its weight's (the pattern probes which, patterns/_dtype_probe.py):
+# What dtype a norm returns for x's and its weight's, and autocast's dtype where it is on (the pattern probes
+# which, patterns/_dtype_probe.py):
 OUT_DTYPE_RULES = {
-    "input": lambda x, w: x,  # Gemma's (…).type_as(x), nn.LayerNorm, nn.RMSNorm
-    "promote": torch.promote_types,  # Llama's weight * x.to(input_dtype): bf16 x, fp32 weight → fp32
-    "weight": lambda x, w: w if w in _HALF else _at_least_fp32(torch.promote_types(x, w)),  # T5's
-    "float32": lambda x, w: _at_least_fp32(torch.promote_types(x, w)),  # (CUDA autocast's layer_norm)
+    "input": lambda x, w, a: x,  # Gemma's (…).type_as(x), nn.LayerNorm, nn.RMSNorm
+    "promote": lambda x, w, a: torch.promote_types(x, w),  # Llama's weight * x.to(input_dtype): bf16 x, fp32 w → fp32
+    "weight": lambda x, w, a: w if w in _HALF else _at_least_fp32(torch.promote_types(x, w)),  # T5's
+    "float32": lambda x, w, a: _at_least_fp32(torch.promote_types(x, w)),  # (CUDA autocast's layer_norm)
+    # Nemotron's LayerNorm1P under autocast: x, w + 1 and b cast to autocast's dtype, the norm run with it off.
+    # (The kernels take x and w as they are and round the output once, to that dtype: no less accurate.)
+    "autocast": lambda x, w, a: a,
 }
 
 
-def output_dtype(rule: str, x: torch.dtype, w: torch.dtype) -> torch.dtype:
-    return OUT_DTYPE_RULES[rule](x, w)
+def output_dtype(rule: str, x: torch.dtype, w: torch.dtype, autocast: torch.dtype | None = None) -> torch.dtype | None:
+    return OUT_DTYPE_RULES[rule](x, w, autocast)
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,10 @@ def ones_weight(module: nn.Module, like: Tensor, dtype: torch.dtype | None = Non
 def _out_dtype(spec, x: Tensor, w: Tensor, x_dtype: torch.dtype | None = None) -> torch.dtype:
     """The dtype the original norm returns for this call (``x_dtype``: the dtype of what is normed, x's by
     default): its rule, under autocast on a GPU its autocast rule (CPU autocast changes none)."""
-    rule = spec.out_dtype
-    if spec.autocast_out_dtype is not None and x.device.type != "cpu" and autocast_enabled(x.device.type):
-        rule = spec.autocast_out_dtype
-    return OUT_DTYPE_RULES[rule](x_dtype or x.dtype, w.dtype)
+    rule, device = spec.out_dtype, x.device.type
+    if spec.autocast_out_dtype is not None and device != "cpu" and autocast_enabled(device):
+        return output_dtype(spec.autocast_out_dtype, x_dtype or x.dtype, w.dtype, torch.get_autocast_dtype(device))
+    return output_dtype(rule, x_dtype or x.dtype, w.dtype)
 
 
 def _in_dtype(x: Tensor, out: torch.dtype) -> Tensor:

@@ -11,7 +11,7 @@ the original refuses are left out) and the rule (``modules.norms.OUT_DTYPE_RULES
 dtype seen is the spec's ``out_dtype``. Under autocast: CPU autocast is probed as it is; CUDA's (and
 XPU's) runs layer_norm, rms_norm, pow, rsqrt and the other ops of ATen's ``AT_FORALL_FP32`` list in fp32
 (nn.LayerNorm returns fp32 there whatever its input), which cannot run here, so a function mode casts
-those ops' half inputs to fp32 as that policy does (``_GPUAutocastPolicy``), and the rule seen is the
+those ops' half inputs to fp32 as that policy does (``_gpu_autocast``), and the rule seen is the
 spec's ``autocast_out_dtype`` (None where it is the plain one).
 """
 from __future__ import annotations
@@ -45,13 +45,32 @@ _FP32_UNDER_GPU_AUTOCAST = frozenset((
 
 
 class _GPUAutocastPolicy(TorchFunctionMode):
-    """CUDA autocast's fp32 list, emulated on the CPU: those ops' bf16 / fp16 tensor inputs cast to fp32."""
+    """CUDA autocast's fp32 list, emulated on the CPU: those ops' bf16 / fp16 tensor inputs cast to fp32, while
+    autocast is on (a module may turn it off around its own ops)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) in _FP32_UNDER_GPU_AUTOCAST:
+        if (getattr(func, "__name__", None) in _FP32_UNDER_GPU_AUTOCAST and torch.is_autocast_enabled("cpu")
+                and torch.is_autocast_enabled("cuda")):
             args, kwargs = tree_map(_to_fp32, (args, kwargs))
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _gpu_autocast():
+    """CUDA bf16 autocast as the probe's CPU tensors can see it: the policy above, and autocast's state on for
+    code that reads it (Nemotron's norm casts its inputs to ``torch.get_autocast_dtype(x.device.type)`` where
+    ``torch.is_autocast_enabled()``, then turns autocast off for x's device type): CUDA's flag and dtype, and
+    CPU autocast in bf16 (which casts no op a norm runs; ``out_dtypes`` checks its rule is the plain one)."""
+    was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), _GPUAutocastPolicy():
+            yield
+    finally:
+        torch.set_autocast_enabled("cuda", was[0])
+        torch.set_autocast_dtype("cuda", was[1])
 
 
 def _to_fp32(t):
@@ -76,9 +95,9 @@ def _seen(probe: nn.Module, x64: torch.Tensor, context) -> dict:
     return seen
 
 
-def _rule(seen: dict) -> str | None:
-    return next((r for r in OUT_DTYPE_RULES if all(output_dtype(r, xd, wd) == out for (xd, wd), out in seen.items())),
-                None)
+def _rule(seen: dict, autocast: torch.dtype | None = None) -> str | None:
+    return next((r for r in OUT_DTYPE_RULES
+                 if all(output_dtype(r, xd, wd, autocast) == out for (xd, wd), out in seen.items())), None)
 
 
 def _table(seen: dict) -> str:
@@ -97,7 +116,7 @@ def out_dtypes(probe: nn.Module, x64: torch.Tensor) -> tuple[str, str | None] | 
     if _rule(cpu) != rule:
         return Skip(f"its output dtype under CPU autocast differs from without it ({_table(cpu)}), which a fused "
                     "norm does not reproduce")
-    gpu = _rule(_seen(probe, x64, _GPUAutocastPolicy))
+    gpu = _rule(_seen(probe, x64, _gpu_autocast), torch.bfloat16)
     if gpu is None:
         return Skip("its output dtype under CUDA autocast follows none of the rules a fused norm reproduces")
     return rule, (None if gpu == rule else gpu)
