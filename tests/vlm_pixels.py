@@ -10,8 +10,24 @@ import torch
 from vlm_configs import PATCHES, VOCAB, _first_int, _vision
 
 
+def text_only(model) -> bool:
+    """Whether the model is a causal LM alone: a config with no sub-config (no tower of another kind: Evolla's
+    protein encoder) and a forward that takes no image; the image-text mapping lists one for the text half of a
+    checkpoint whose vision tower is another type's (Mistral 4 for Mistral Small 4, which loads as Mistral 3)."""
+    from transformers import PretrainedConfig
+
+    cfg = model.config
+    params = inspect.signature(type(model).forward).parameters
+    return not getattr(type(cfg), "sub_configs", None) and not any(
+        isinstance(v, PretrainedConfig) for v in vars(cfg).values()) and not any("pixel" in p for p in params)
+
+
 def pixel_candidates(model, n_images: int):
-    """Pixel inputs of the shapes image-text models take, most specific first (keyword → tensor)."""
+    """Pixel inputs of the shapes image-text models take, most specific first (keyword → tensor); none at all for a
+    text-only model."""
+    if text_only(model):
+        yield {}
+        return
     vis = _vision(model.config)
     params = inspect.signature(type(model).forward).parameters
     gen = torch.Generator().manual_seed(2)

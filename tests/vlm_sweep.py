@@ -31,7 +31,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arch_sweep  # noqa: E402
 from vlm_configs import PATCHES, VOCAB, _first_int, _vision, tiny_config  # noqa: E402
-from vlm_pixels import pixel_candidates  # noqa: E402
+from vlm_pixels import pixel_candidates, text_only  # noqa: E402
 
 PROMPT, TAIL = 3, 5  # text tokens before and after the image
 
@@ -258,7 +258,7 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
         if inputs is None:
             return Result(model_type, "unbuildable", "inputs: " + why)
         fused = copy.deepcopy(ref)
-        if _image_token(ref.config) is None and not _image_reached_loss(ref, inputs):
+        if _image_token(ref.config) is None and not text_only(ref) and not _image_reached_loss(ref, inputs):
             return Result(model_type, "unbuildable", "inputs: with no image token id in its config, the pixels given "
                           "beside plain text do not reach the loss (no gradient outside its language model, the same "
                           "loss with other pixels): its image placeholders are not known here")
