@@ -158,6 +158,14 @@ _INDEXER = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16,
             "indexer_compress_ratio": 4}
 
 
+# Fields a config leaves None (or sized for its checkpoint's depth) that its model needs, set by its checkpoints.
+# Granite 4 Vision: Window Q-Former projectors (2×2 queries over 4×4 patch windows, as the 2×2 spatial groups sample),
+# one deepstack tap (the vision tower's second-last hidden state into the first text layer) and the four spatial
+# groups into the second (the last one written wins, as in the model's own dict of injections).
+_FILLED = {"granite4_vision": {"downsample_rate": "2/4", "deepstack_layer_map": [[-2, 0]],
+                               "spatial_target_layers": [1, 1, 1, 1]}}
+
+
 def _tied(values: dict, defaults: dict) -> dict:
     """Fields the defaults tie to others kept so at the tiny sizes, in every sub-config and per-layer table entry:
     a head width that is the latent attention's no-rotary plus rotary widths (Mistral 4's head_dim and qk_head_dim,
@@ -308,6 +316,7 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
     values = _merge(values, _merged_widths(values, defaults))
     values = _merge(values, _tied(values, defaults))
     values = _merge(values, _discrete_codes(model_type, values, defaults))
+    values = _merge(values, _FILLED.get(model_type, {}))
     values = _merge(values, _special_ids(values, []))
     values = _merge(values, _sections(values))
     values = _kv_as_heads(values) if kv_as_heads else values
@@ -367,8 +376,9 @@ def _placeholders(cfg, values: dict) -> None:
 
 
 def _vision(cfg):
-    """The vision config: named as such, or an encoder's (VisionEncoderDecoder), or one inside that (T5Gemma 2)."""
-    names = ("vision_config", "visual_config", "vision_tower_config", "encoder")
+    """The vision config: named as such, or an encoder's (VisionEncoderDecoder), or one inside that (T5Gemma 2, or a
+    vision-language model's inside a robot policy: PI0's vlm_config)."""
+    names = ("vision_config", "visual_config", "vision_tower_config", "encoder", "vlm_config")
     sub = next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), cfg)
     inner = next((getattr(sub, n) for n in names[:3] if getattr(sub, n, None) is not None), None) if sub is not cfg else None
     return inner if inner is not None else sub
