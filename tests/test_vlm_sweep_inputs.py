@@ -29,6 +29,18 @@ BUILT = {
     "muse_spark": ("vision", "varlen_attention", 2),  # per-stage audio lists cut; merged patch width kept as merged
     "muse_glimmer": ("vision", "varlen_attention", 2),  # patch_temporal; merged patch width kept as merged
     "mistral_large4": ("vision", "attention", 2),  # per-layer kinds padded to the depth; runs only without GQA
+    "apertus1p5": ("text", "attention", 2),  # image and audio codes at fixed offsets; WavTokenizer codebook_dim tied
+    "chameleon": ("text", "gated_mlp", 2),  # a vocabulary map of its VQ codes (its LM head left alone: masked columns)
+    "emu3": ("text", "attention", 2),  # a vocabulary map of its VQ codes and row ends
+    "cohere_compass": ("vision", "varlen_attention", 2),  # a default rotary per layer type (none by default)
+    "dots3_note": ("vision", "varlen_attention", 2),  # sliding layers' head_dim = no-rotary + rotary; adapter widths
+    "glm5_next": ("vision", "varlen_attention", 2),  # NoPE DSA layers: a rotary width of 0 kept 0
+    "granite4_vision": ("vision", "attention", 2),  # Window Q-Former projectors, deepstack map and spatial groups
+    "mistral4": ("text", "moe", 2),  # a causal LM alone, run on text; head_dim = no-rotary + rotary
+    "molmo2": ("vision", "attention", 3),  # crops, pooling indices and grids; feature layers within the depth
+    "pi0": ("text", "attention", 6),  # a robot policy: state, actions, noise, time; its inner VLM's image token
+    "pi05": ("text", "attention", 6),
+    "qwen4_exp": ("vision", "varlen_attention", 2),  # a QSA indexer the config leaves None
 }
 
 

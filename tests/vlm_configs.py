@@ -10,14 +10,15 @@ import arch_sweep
 
 VOCAB = arch_sweep.VOCAB
 PATCHES = 8  # patches a side of a tiny image
-_TOKEN_ID = re.compile(r"(_token_id|_token_index|_token_ids)$")
+_TOKEN_ID = re.compile(r"(_token_id|_token_index|_token_ids|_patch_id)$")  # Molmo 2's image token: image_patch_id
 # Vision fields tied to the number of patches a side: tokens after pooling (Gemma 3), image sequence lengths.
 _PER_IMAGE = ("mm_tokens_per_image", "latent_query_num")
 # Widths of what a vision tower hands the language model: the text width.
 _TO_TEXT = ("out_hidden_size", "text_hidden_size", "output_hidden_size", "projection_dim", "out_hidden_dim",
             "vision_output_dim", "projector_input_dim", "projector_output_dim", "projection_hidden_size",
             "vision_hidden_size",  # these two: the vision tower's own width (Kimi-K2.5, Nemotron-H Omni), 64 too
-            "decoder_hidden_size")  # an encoder's width as its decoder reads it (PP-FormulaNet's cross-attention)
+            "decoder_hidden_size",  # an encoder's width as its decoder reads it (PP-FormulaNet's cross-attention)
+            "adapter_out_dim")  # an adapter's output (Dots 3's vision and audio adapters)
 
 
 def _is_sub(key, value) -> bool:
@@ -36,6 +37,9 @@ def _images(values: dict) -> dict:
     if isinstance(patch, int) and isinstance(values.get("image_size"), (int, list, tuple)):
         size = patch * PATCHES
         out["image_size"] = [size, size] if isinstance(values["image_size"], (list, tuple)) else size
+        side = values["image_size"][0] if isinstance(values["image_size"], (list, tuple)) else values["image_size"]
+        if values.get("num_position_embeddings") == (side // patch) ** 2:  # one a patch, fixed (Molmo 2's)
+            out["num_position_embeddings"] = PATCHES**2
     if isinstance(values.get("image_grid_pinpoints"), list):  # any-resolution tiling: one tile of the tiny size
         vis = values.get("vision_config") or {}
         p, s = vis.get("patch_size", 14), vis.get("image_size")
@@ -46,6 +50,8 @@ def _images(values: dict) -> dict:
         if key.endswith(("feature_layer", "feature_layers")):
             if isinstance(value, int) and not -3 <= value < 3:
                 out[key] = -1
+            elif isinstance(value, list) and value and all(isinstance(i, int) and i >= 0 for i in value):
+                out[key] = sorted({min(i, 1) for i in value})  # layers counted from the first (Molmo 2's adapter)
             elif isinstance(value, list) and all(isinstance(i, int) for i in value):
                 out[key] = sorted({max(-3, min(2, i)) for i in value})
     if isinstance(values.get("depth"), int) and values["depth"] > 2:  # vision layers (Qwen-VL's towers)
@@ -145,6 +151,109 @@ def _merged_widths(values: dict, defaults: dict) -> dict:
             if isinstance(defaults.get(k), int) and defaults[k] == vis0["hidden_size"] * merge**2}
 
 
+_LATENT = ("qk_nope_head_dim", "qk_rope_head_dim")
+# A QSA token indexer's fields a config declares but leaves None, read by every indexed-attention layer (Qwen4-Exp):
+# one key head, as it requires; a budget of two blocks.
+_INDEXER = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+            "indexer_compress_ratio": 4}
+
+
+# Fields a config leaves None (or sized for its checkpoint's depth) that its model needs, set by its checkpoints.
+# Granite 4 Vision: Window Q-Former projectors (2×2 queries over 4×4 patch windows, as the 2×2 spatial groups sample),
+# one deepstack tap (the vision tower's second-last hidden state into the first text layer) and the four spatial
+# groups into the second (the last one written wins, as in the model's own dict of injections).
+_FILLED = {"granite4_vision": {"downsample_rate": "2/4", "deepstack_layer_map": [[-2, 0]],
+                               "spatial_target_layers": [1, 1, 1, 1]}}
+
+
+def _tied(values: dict, defaults: dict) -> dict:
+    """Fields the defaults tie to others kept so at the tiny sizes, in every sub-config and per-layer table entry:
+    a head width that is the latent attention's no-rotary plus rotary widths (Mistral 4's head_dim and qk_head_dim,
+    Dots 3's sliding layers'), a codebook as wide as the encoder (WavTokenizer: no projections around its quantizer)
+    and an adapter's input too (Dots 3's),
+    a size the defaults turn off with 0 (GLM-5-Next's NoPE DSA layers: qk_rope_head_dim 0), and an indexer left
+    None where the layers need one."""
+    out = {}
+    for key, value in values.items():
+        if _is_sub(key, value) and isinstance(defaults.get(key), dict):
+            inner = _tied(value, defaults[key])
+            if inner:
+                out[key] = {**value, **inner}
+        elif key == "per_layer_config" and isinstance(value, dict) and isinstance(defaults.get(key), dict):
+            table = {}
+            for i, entry in value.items():  # an entry holds what differs from the config, at its default values
+                # its head counts, latent ranks and widths made tiny as the config's are (not its head_dim: a global
+                # layer's wider head, Gemma 4's, stays)
+                sizes = {k: arch_sweep._SIZE[k] for k, v in entry.items() if k in arch_sweep._SIZE and k != "head_dim"
+                         and isinstance(v, int) and not isinstance(v, bool) and v}
+                table[i] = {**entry, **sizes, **_widths({**values, **entry, **sizes}, {**defaults, **entry})}
+            out[key] = table
+    out.update(_widths(values, defaults))
+    for key, value in values.items():  # a codebook or an adapter's input as wide as the encoder by default
+        if (key == "codebook_dim" or str(key).startswith("adapter_in")) and isinstance(value, int) \
+                and defaults.get(key) == defaults.get("hidden_size") and isinstance(values.get("hidden_size"), int):
+            out[key] = values["hidden_size"]
+    for key, value in defaults.items():
+        if key in arch_sweep._SIZE and value == 0 and not isinstance(value, bool) and values.get(key) != 0:
+            out[key] = 0
+    if "indexed_attention" in (values.get("layer_types") or ()) and all(
+            k in values and values[k] is None for k in _INDEXER):
+        out.update(_INDEXER)
+    return out
+
+
+def _widths(values: dict, defaults: dict) -> dict:
+    """Head widths that are the no-rotary plus rotary widths by default, at the tiny ones (0 kept 0: NoPE)."""
+    if not all(isinstance(defaults.get(k), int) and isinstance(values.get(k), int) for k in _LATENT):
+        return {}
+    nope, rope = (0 if defaults[k] == 0 else values[k] for k in _LATENT)
+    return {k: nope + rope for k in ("head_dim", "qk_head_dim") if isinstance(defaults.get(k), int)
+            and defaults[k] == sum(defaults[j] for j in _LATENT) and isinstance(values.get(k), int)}
+
+
+CODES = 4  # codes in a tiny image (or audio) tokenizer's codebook
+# The names a tokenizer gives the image codes in a vocabulary map the processor fills (left None in the config): the
+# tokenizer's own strings, so per type. Extra names: Emu3's end of an image row.
+_CODE_NAMES = {
+    "chameleon": lambda i: "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(i)) + "Z",
+    "emu3": lambda i: f"<|visual token{i:06d}|>",
+}
+_MAP_EXTRAS = {"emu3": ("<|extra_200|>",)}
+
+
+def _discrete_codes(model_type: str, values: dict, defaults: dict) -> dict:
+    """A tokenizer whose image codes are vocabulary ids (Chameleon, Emu3: through a vocabulary map; Apertus 1.5:
+    at a fixed offset, its audio codes after them): codebooks of ``CODES`` codes, their ids at the bottom of the
+    reserved top of the tiny vocabulary (never text), the map's image placeholder and extras on free ids above."""
+    offsets = sorted((v, k) for k, v in values.items() if str(k).endswith("_token_offset") and isinstance(v, int))
+    mapped = "vocabulary_map" in values and values["vocabulary_map"] is None and model_type in _CODE_NAMES
+    if not offsets and not mapped:
+        return {}
+    out = {}
+    for key, sub in values.items():
+        if _is_sub(key, sub):
+            codes = {k: CODES for k in ("codebook_size", "num_embeddings") if isinstance(sub.get(k), int)}
+            mult = sub.get("channel_multiplier")
+            if isinstance(sub.get("base_channels"), int) and isinstance(mult, (list, tuple)) and mult:
+                codes["base_channels"] = 32  # the tokenizer's convolutions narrow too (groups of 32 channels)
+                d = defaults.get(key) or {}
+                if d.get("hidden_size") == d.get("base_channels", 0) * mult[-1]:  # its attention over the last stage
+                    codes["hidden_size"] = 32 * mult[-1]
+            if codes:
+                out[key] = {**sub, **codes}
+    for n, (_, key) in enumerate(offsets):
+        out[key] = VOCAB - 16 + CODES * n
+    if mapped:
+        taken = {v for k, v in values.items() if _TOKEN_ID.search(str(k)) and isinstance(v, int)}
+        free = (i for i in range(VOCAB - 1, VOCAB - 16 + CODES, -1) if i not in taken)
+        names = ("<image>", *_MAP_EXTRAS.get(model_type, ()))
+        out["vocabulary_map"] = {**{_CODE_NAMES[model_type](i): VOCAB - 16 + i for i in range(CODES)},
+                                 **{name: next(free) for name in names}}
+        if "image_token_id" in values:  # the config's own, read from the map, not left None
+            out["image_token_id"] = out["vocabulary_map"]["<image>"]
+    return out
+
+
 def _special_ids(values: dict, taken: list[int]) -> dict:
     """Token ids past the tiny vocabulary moved to its top, each to its own id."""
     out = {}
@@ -184,6 +293,9 @@ def _merge(a: dict, b: dict) -> dict:
 def _kv_as_heads(values: dict) -> dict:
     """As many k/v heads as heads, in every (sub-)config."""
     out = {k: _kv_as_heads(v) if _is_sub(k, v) else v for k, v in values.items()}
+    if isinstance(out.get("per_layer_config"), dict):  # a per-layer entry's own heads (Dots 3's sliding layers)
+        out["per_layer_config"] = {i: _kv_as_heads(e) if isinstance(e, dict) else e
+                                   for i, e in out["per_layer_config"].items()}
     if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
         out["num_key_value_heads"] = out["num_attention_heads"]
     return out
@@ -202,6 +314,9 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
     values = _merge(values, _images(values))
     values = _merge(values, _stages(values, defaults))
     values = _merge(values, _merged_widths(values, defaults))
+    values = _merge(values, _tied(values, defaults))
+    values = _merge(values, _discrete_codes(model_type, values, defaults))
+    values = _merge(values, _FILLED.get(model_type, {}))
     values = _merge(values, _special_ids(values, []))
     values = _merge(values, _sections(values))
     values = _kv_as_heads(values) if kv_as_heads else values
@@ -213,9 +328,16 @@ def tiny_config(model_type: str, kv_as_heads: bool = False):
         # Multimodal rotary sections the model defaults when the config names none (sized for head_dim 128).
         merges = isinstance(getattr(_vision(cfg), "spatial_merge_size", None), int)  # Qwen-VL-style (PaddleOCR-VL)
         mrope = "mrope_section" in getattr(type(sub), "ignore_keys_at_rope_validation", ()) or (merges and sub is not cfg)
-        if mrope and isinstance(rope, dict):
-            default = {"mrope_section": [22, 22, 20], "partial_rotary_factor": rope.get("partial_rotary_factor", 1.0)}
-            rope.setdefault("mrope_section", _sections(default)["mrope_section"])
+        types = getattr(sub, "layer_types", None)
+        entries = [rope] if isinstance(rope, dict) else []
+        if rope == {} and isinstance(types, list) and types:
+            # no rotary parameters, left to checkpoints, where the rotary embedding reads one set per layer type
+            # (Cohere Compass): a default rotary for each type
+            rope.update({kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in dict.fromkeys(types)})
+            entries = list(rope.values())
+        for entry in entries if mrope else ():
+            default = {"mrope_section": [22, 22, 20], "partial_rotary_factor": entry.get("partial_rotary_factor", 1.0)}
+            entry.setdefault("mrope_section", _sections(default)["mrope_section"])
         fields = sub.to_dict() if sub is not None else {}
         if "sliding_window" in fields and fields["sliding_window"] is None and any(
                 "sliding" in k and not k.startswith("use_") for k in fields if k != "sliding_window"):
@@ -254,8 +376,9 @@ def _placeholders(cfg, values: dict) -> None:
 
 
 def _vision(cfg):
-    """The vision config: named as such, or an encoder's (VisionEncoderDecoder), or one inside that (T5Gemma 2)."""
-    names = ("vision_config", "visual_config", "vision_tower_config", "encoder")
+    """The vision config: named as such, or an encoder's (VisionEncoderDecoder), or one inside that (T5Gemma 2, or a
+    vision-language model's inside a robot policy: PI0's vlm_config)."""
+    names = ("vision_config", "visual_config", "vision_tower_config", "encoder", "vlm_config")
     sub = next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), cfg)
     inner = next((getattr(sub, n) for n in names[:3] if getattr(sub, n, None) is not None), None) if sub is not cfg else None
     return inner if inner is not None else sub

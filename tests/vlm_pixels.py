@@ -10,8 +10,24 @@ import torch
 from vlm_configs import PATCHES, VOCAB, _first_int, _vision
 
 
+def text_only(model) -> bool:
+    """Whether the model is a causal LM alone: a config with no sub-config (no tower of another kind: Evolla's
+    protein encoder) and a forward that takes no image; the image-text mapping lists one for the text half of a
+    checkpoint whose vision tower is another type's (Mistral 4 for Mistral Small 4, which loads as Mistral 3)."""
+    from transformers import PretrainedConfig
+
+    cfg = model.config
+    params = inspect.signature(type(model).forward).parameters
+    return not getattr(type(cfg), "sub_configs", None) and not any(
+        isinstance(v, PretrainedConfig) for v in vars(cfg).values()) and not any("pixel" in p for p in params)
+
+
 def pixel_candidates(model, n_images: int):
-    """Pixel inputs of the shapes image-text models take, most specific first (keyword → tensor)."""
+    """Pixel inputs of the shapes image-text models take, most specific first (keyword → tensor); none at all for a
+    text-only model."""
+    if text_only(model):
+        yield {}
+        return
     vis = _vision(model.config)
     params = inspect.signature(type(model).forward).parameters
     gen = torch.Generator().manual_seed(2)
@@ -37,6 +53,13 @@ def pixel_candidates(model, n_images: int):
         side = 2 * merge
         yield {"pixel_values": torch.randn(n_images * side * side, channels * patch * patch, generator=gen),
                "image_grid_hw": torch.tensor([[side, side]] * n_images)}
+    if "image_token_pooling" in params and "image_grids" in params:  # Molmo 2: one crop an image, 2 × 2 patches pooled
+        side = PATCHES // 2  # into each image token; each image's pooling indexes its own patches
+        r, c, dr, dc = torch.meshgrid(*(torch.arange(n) for n in (side, side, 2, 2)), indexing="ij")
+        pool = ((r * 2 + dr) * PATCHES + c * 2 + dc).reshape(side * side, 4)
+        yield {"pixel_values": torch.randn(n_images, PATCHES**2, channels * patch * patch, generator=gen),
+               "image_token_pooling": pool.repeat(n_images, 1), "image_grids": torch.tensor([[side, side, 0, 0]] * n_images),
+               "image_num_crops": torch.ones(n_images, dtype=torch.long)}
     if "spatial_shapes" in params and "pixel_attention_mask" in params:  # NaFlex patches (LFM2-VL's SigLIP 2)
         yield {"pixel_values": torch.randn(n_images, PATCHES**2, channels * patch * patch, generator=gen),
                "spatial_shapes": torch.tensor([[PATCHES, PATCHES]] * n_images),

@@ -31,7 +31,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import arch_sweep  # noqa: E402
 from vlm_configs import PATCHES, VOCAB, _first_int, _vision, tiny_config  # noqa: E402
-from vlm_pixels import pixel_candidates  # noqa: E402
+from vlm_pixels import pixel_candidates, text_only  # noqa: E402
 
 PROMPT, TAIL = 3, 5  # text tokens before and after the image
 
@@ -59,11 +59,16 @@ def _get_image_features(model):
         fn = getattr(m, "get_image_features", None)
         if callable(fn):
             return fn
-    return None
+    # a vision-language model inside a model of another kind (PI0's robot policy: its PaliGemma)
+    return next((m.get_image_features for m in model.modules() if callable(getattr(m, "get_image_features", None))), None)
 
 
 def _feature_rows(out, width: int) -> int:
-    if hasattr(out, "pooler_output") and out.pooler_output is not None:
+    stack = getattr(out, "deepstack_features", None)
+    if getattr(out, "pooler_output", None) is None and isinstance(stack, (list, tuple)) and stack \
+            and isinstance(stack[0], tuple) and len(stack[0]) == 2:
+        out = stack[0][1]  # (text layer, features) pairs injected layer by layer (Granite 4 Vision): the first's rows
+    elif hasattr(out, "pooler_output") and out.pooler_output is not None:
         out = out.pooler_output
     elif not isinstance(out, (torch.Tensor, list, tuple)) and hasattr(out, "to_tuple"):
         out = out.to_tuple()[0]
@@ -75,7 +80,11 @@ def _feature_rows(out, width: int) -> int:
 
 
 def _image_token(cfg) -> int | None:
-    for sub in (cfg, getattr(cfg, "text_config", None)):
+    # the config's, its text config's, or a vision-language model's inside it (PI0's vlm_config)
+    from transformers import PretrainedConfig
+
+    subs = [v for k, v in vars(cfg).items() if isinstance(v, PretrainedConfig) and k != "text_config"]
+    for sub in (cfg, getattr(cfg, "text_config", None), *subs):
         for name in ("image_token_id", "image_token_index", "image_token", "video_token_id", "video_token_index"):
             v = getattr(sub, name, None)
             if isinstance(v, int) and not isinstance(v, bool):
@@ -83,12 +92,38 @@ def _image_token(cfg) -> int | None:
     return None  # the image reaches the model another way (an encoder-decoder, or features put before the text)
 
 
+def _features(fn, kwargs: dict):
+    """``fn``'s image features; where it takes no 5-D pixels, of them flattened to one image a camera or tile, as a
+    model that takes several a row flattens them before its vision model (PI0's cameras)."""
+    try:
+        return fn(**kwargs)
+    except Exception:
+        px = kwargs.get("pixel_values")
+        if not (isinstance(px, torch.Tensor) and px.dim() == 5):
+            raise
+        return fn(**{**kwargs, "pixel_values": px.flatten(0, 1)})
+
+
+def _action_inputs(model, params, rows: int) -> dict:
+    """A flow-matching robot policy's training inputs (PI0, PI0.5: ``actions`` its labels, an MSE loss on the velocity
+    it predicts): the robot's state, the actions, and the noise and time the forward would otherwise draw itself."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(3)
+    chunk, dim = cfg.chunk_size, cfg.max_action_dim
+    out = {"actions": torch.randn(rows, chunk, dim, generator=gen), "noise": torch.randn(rows, chunk, dim, generator=gen),
+           "timestep": torch.rand(rows, generator=gen) * 0.998 + 0.001}
+    if "state" in params:
+        out["state"] = torch.randn(rows, cfg.max_state_dim, generator=gen)
+    return {k: v for k, v in out.items() if k in params}
+
+
 def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     """input_ids with one image's tokens a row (as many as ``get_image_features`` makes), the pixel inputs,
     labels with image tokens -100, and the token-type masks the forward takes."""
-    text = model.config.get_text_config()
-    width = getattr(text, "hidden_size", None)
     fn = _get_image_features(model)
+    owner = getattr(fn, "__self__", model)  # the text width of the model whose features they are (PI0's PaliGemma)
+    text = getattr(owner, "config", model.config).get_text_config()
+    width = getattr(text, "hidden_size", None)
     image = _image_token(model.config)
     params = inspect.signature(type(model).forward).parameters
     slots = getattr(model.config, "latent_query_num", None)
@@ -103,7 +138,7 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
         open_ = any(p.kind is p.VAR_KEYWORD for p in takes.values())  # passed on to the inner model's (VideoLLaMA 3)
         kwargs = {k: v for k, v in pixels.items() if k in takes or open_}
         with torch.no_grad():
-            n = _feature_rows(fn(**kwargs), width)
+            n = _feature_rows(_features(fn, kwargs), width)
     if n % rows:
         raise ValueError(f"{n} image features do not split into {rows} images")
     gen = torch.Generator().manual_seed(1)
@@ -120,6 +155,9 @@ def build_inputs(model, pixels: dict, rows: int = 2) -> dict:
     is_image[:, PROMPT:PROMPT + n // rows] = True
     labels = ids.masked_fill(is_image, -100)
     inputs = {"input_ids": ids, "labels": labels, **pixels}
+    if "actions" in params and "labels" not in params:  # a robot policy: actions are its labels
+        del inputs["labels"]
+        inputs.update(_action_inputs(model, params, rows))
     if "bbox" in params:  # a layout model's word boxes (UDOP): each token in a box of its own, 0-1000 coordinates
         start = torch.arange(ids.shape[1]) * 1000 // ids.shape[1]
         inputs["bbox"] = torch.stack([start, start, start + 10, start + 10], -1).expand(rows, -1, -1).clone()
@@ -222,6 +260,10 @@ def idle_heads(model, res: Result) -> None:
 def run_one(model_type: str, vision: dict | None = None) -> Result:
     """The sweep of one type; ``vision``: fields set on its tiny vision config (a variant's switches)."""
     short = arch_sweep._short
+    params = inspect.signature(_model_class(model_type).forward).parameters
+    if not {"labels", "actions"} & set(params):
+        return Result(model_type, "unbuildable", "inputs: its forward takes no labels and computes no loss (DiffusionGemma's "
+                      "block diffusion: logits over a canvas, trained with a loss of the training loop's own)")
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         inputs, loss_ref, why, tried = None, None, "no pixel input shape tried", False
@@ -258,7 +300,7 @@ def run_one(model_type: str, vision: dict | None = None) -> Result:
         if inputs is None:
             return Result(model_type, "unbuildable", "inputs: " + why)
         fused = copy.deepcopy(ref)
-        if _image_token(ref.config) is None and not _image_reached_loss(ref, inputs):
+        if _image_token(ref.config) is None and not text_only(ref) and not _image_reached_loss(ref, inputs):
             return Result(model_type, "unbuildable", "inputs: with no image token id in its config, the pixels given "
                           "beside plain text do not reach the loss (no gradient outside its language model, the same "
                           "loss with other pixels): its image placeholders are not known here")

@@ -42,11 +42,17 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    # An output the loss does not use gets no gradient: zeros stand in for it.
+    # An output the loss does not use gets no gradient, and neither does its input, as with q and k rotated apart:
+    # a layer whose rotated query reaches nothing (the last layer of a prefix read only through its KV cache, PI0's
+    # VLM) leaves q_proj's gradient None, not zeros (an optimizer decays a zero gradient's weight, skips a None one).
+    # For the kernel, which rotates both, zeros stand in for the missing one.
+    used = (dq is not None, dk is not None)
+    if not any(used):
+        return None, None, None, None, None
     dq, dk = (g if g is not None else cos.new_zeros(shape, dtype=dtype) for g, (shape, dtype) in zip((dq, dk), ctx.outputs))
     # Every backend reads strided gradients (SDPA's come B×S×H×D-laid): no copy here.
     gq, gk = run(rope_bwd, dq, dk, cos, sin, ctx.backend)
-    return gq, gk, None, None, None
+    return gq if used[0] else None, gk if used[1] else None, None, None, None
 
 
 _rope = autograd(rope_fwd, _setup, _backward)

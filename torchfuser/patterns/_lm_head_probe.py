@@ -249,6 +249,19 @@ def probe_logits(model: nn.Module, head: str, perturb: bool = False) -> torch.Te
     return None if logits is None else logits[0]
 
 
+def runs_at_vocabulary_width(model: nn.Module, head: str) -> bool:
+    """Whether the forward runs where the head returns fixed logits as wide as its vocabulary: asked where it does
+    not run on the narrow probe logits (``probe_logits``), which is what the fused forward hands it too; one that runs
+    only so reads or writes the logits by vocabulary position (Chameleon masks its image tokens' columns)."""
+    inputs = forward_inputs(model)
+    if inputs is None:
+        return False
+    vocab = head_of(model, head).out_features
+    z = _probe.randn(_B, length(inputs), vocab, gen=_probe.generator(17))
+    out = _run(model, head, lambda real: _FixedLogits(z, real), inputs=inputs)
+    return out is not None and _logits_of(out, vocab) is not None
+
+
 def _loss_of(out) -> torch.Tensor | None:
     loss = out[0] if isinstance(out, tuple) else getattr(out, "loss", None)
     return loss.detach().double().cpu() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None

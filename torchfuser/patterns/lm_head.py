@@ -294,6 +294,10 @@ class LMHeadLossPattern(Pattern):
             return Skip((f"output embeddings at {name!r} (not a child of the model)" if nested else
                          f"loss_type {loss_type!r}") + ", and its forward does not run on a stand-in decoder to show "
                         "what it does with the head's output")
+        if logits is None and probe.runs_at_vocabulary_width(module, name):
+            return Skip("its forward runs only on logits as wide as the vocabulary: it reads or writes them by "
+                        "vocabulary position (Chameleon sets its image tokens' logits to the lowest value before the "
+                        "loss), which the fused loss, never forming the logits, does not reproduce")
         if logits is None:  # the forward would not run on a stub decoder: judge by the config and the code
             return Skip(narrow + ", and its forward does not run on a stand-in decoder to show its loss uses them "
                         "all") if narrow else _unprobed(module, spec)
