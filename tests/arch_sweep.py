@@ -34,9 +34,10 @@ import torchfuser  # noqa: E402
 VOCAB = 128
 # Generic size fields of transformers' configs, by name: (names, tiny value).
 _SIZES = [
-    (("vocab_size",), VOCAB),
+    (("vocab_size", "encoder_hash_byte_group_vocab"), VOCAB),  # (BLT's hashed n-gram tables: 6 × 500002 rows)
     (("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "hidden_dim", "word_embed_proj_dim",
-      "embedding_size", "d_embed"), 64),
+      "embedding_size", "d_embed", "hidden_size_global", "adapter_in_dim", "adapter_input_size", "adapter_out_dim"),
+     64),
     (("intermediate_size", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "n_inner", "d_ff", "ffn_hidden_size",
       "d_inner"), 128),
     (("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
@@ -49,6 +50,7 @@ _SIZES = [
     (("num_experts_per_tok", "moe_topk", "num_selected_experts", "moe_k", "top_k", "num_experts_per_token"), 2),
     (("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
     (("n_group", "topk_group", "num_expert_group"), 1),
+    (("n_shared_experts",), 1),  # (dots1's default is None, and the shared expert's width is a multiple of it)
     (("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim"), 8),
     (("q_lora_rank",), 16),
     (("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length"), 128),
@@ -56,6 +58,9 @@ _SIZES = [
     # Gemma 3n's and 4's per-layer inputs: a (262144, layers · 256) embedding by default, 0.5 GB in fp32
     (("vocab_size_per_layer_input",), VOCAB),
     (("hidden_size_per_layer_input",), 16),
+    # Qwen4-Exp's sparse-attention indexer: its layer_types name indexed layers but the fields default to None
+    (("indexer_n_heads",), 4), (("indexer_kv_heads",), 1), (("indexer_head_dim",), 16),
+    (("indexer_budget",), 8), (("indexer_compress_ratio",), 4),
 ]
 _SIZE = {name: value for names, value in _SIZES for name in names}
 SEQ = 12
@@ -88,6 +93,25 @@ _EXTRA = {
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8),
     "dory": dict(n_input_layers=2, n_recurrent_layers=0, n_output_layers=2, num_hidden_layers=4,
                  layer_types=["sliding_attention", "mlp", "full_attention", "mlp"]),  # the three must sum up
+    # DBRX's attention reads a rope_theta its config does not define, and clamps by clip_qkv, which cannot stay
+    # None (its checkpoints: 8)
+    "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),
+    # rotary parameters by layer type, and its defaults name none of them
+    "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "dots3_note_text": dict(head_dim=16),  # its sliding layers: head_dim = qk_nope_head_dim + qk_rope_head_dim
+    # no default layout (LFM2's derives one); the first num_dense_layers have a dense MLP, the others experts
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    # Kolibri's lists of layer indices (whose keys and values a layer reads, which indexed layers select keys)
+    # derived again from the kept layer_types, one dense MLP layer, at most as many index heads as a key head has
+    # query heads
+    "kolibri1_1": dict(num_hidden_layers=2, kv_source_layers=None, index_layers=None, mlp_only_layers=[0],
+                       index_num_heads=2),
+    "zaya": dict(num_experts_per_tok=1),  # the only routing it supports
+    "xmod": dict(default_language="en_XX"),  # the adapter its layers run (one of its config's languages)
+    # Zamba's hybrid layers share one attention block, tied by a pattern that needs two of them; its attention
+    # widths and the Mamba rank derived again from the tiny hidden_size (the defaults' are for 3712)
+    "zamba": dict(layers_block_type=["linear_attention", "hybrid", "hybrid"], num_hidden_layers=3,
+                  attention_hidden_size=None, attention_head_dim=None, mamba_dt_rank="auto"),
 }
 
 
@@ -114,7 +138,7 @@ def _tiny(values: dict) -> dict:
         elif isinstance(value, float) and ("drop" in key or "jitter" in key):
             out[key] = 0.0
         elif (isinstance(value, list) or isinstance(value, str) and "pattern" in key) and n_layers and n_layers > 2 \
-                and len(value) == n_layers:
+                and len(value) == n_layers and key not in _SIZE:
             short = _per_layer(list(value), n_layers)
             out[key] = "".join(short) if isinstance(value, str) else short
             for k in _LAYERS:
@@ -126,11 +150,36 @@ def _tiny(values: dict) -> dict:
         if per_layer and key.endswith(("_layer_ids", "_layer_indices", "per_layer_config")) and isinstance(value, (list, dict)):
             old, short = per_layer
             first = {}
-            for i in value:
-                if isinstance(i, int) and i < len(old):
-                    first.setdefault(str(old[i]), i)
+            for i in value:  # (a dict's keys may be digits: "02", as to_dict writes them)
+                index = int(i) if isinstance(i, str) and i.isdigit() else i
+                if isinstance(index, int) and index < len(old):
+                    first.setdefault(str(old[index]), i)
             kept = [j for j, kind in enumerate(short) if str(kind) in first]
-            out[key] = {j: value[first[str(short[j])]] for j in kept} if isinstance(value, dict) else kept
+            if isinstance(value, dict):  # a layer's own fields, sized as the config's
+                out[key] = {j: {**(v := value[first[str(short[j])]]), **_tiny(v)} for j in kept}
+            else:
+                out[key] = kept
+    for key, value in values.items():  # a size given layer by layer (Gemma 3n's intermediate_size): each the tiny one
+        if key in _SIZE and isinstance(value, list) and n_layers and len(value) == n_layers:
+            out[key] = [_SIZE[key]] * next((out[k] for k in _LAYERS if k in out), n_layers)
+    shared = values.get("num_kv_shared_layers")
+    if per_layer and isinstance(shared, int) and shared > 0:
+        # the last layers reuse the caches of the last earlier layer of their kind: every kind must be kept before
+        # them, so the kept layers come twice and the second copy shares (all of them where every layer does)
+        short = per_layer[1]
+        out["num_kv_shared_layers"] = len(short)
+        if shared < n_layers:
+            for key, value in list(out.items()):
+                if isinstance(value, (list, str)) and isinstance(values.get(key), type(value)) \
+                        and len(values[key]) == n_layers:
+                    out[key] = value + value
+            for k in _LAYERS:
+                if k in values:
+                    out[k] = 2 * len(short)
+    if any(k in values for k in ("qk_rope_head_dim", "qk_nope_head_dim", "kv_lora_rank")) \
+            and "num_key_value_heads" in out and values["num_key_value_heads"] == values.get("num_attention_heads"):
+        # multi-head latent attention expands the latent into every query head: as many key/value heads
+        out["num_key_value_heads"] = out.get("num_attention_heads", values["num_attention_heads"])
     return out
 
 
@@ -138,9 +187,11 @@ def tiny_config(model_type: str):
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(model_type).to_dict()
-    overrides = {**_tiny(defaults), **_EXTRA.get(model_type, {})}
+    overrides = _tiny(defaults)
     if "qk_rope_head_dim" in defaults:  # multi-head latent attention: the rotary width is the head_dim
         overrides["head_dim"] = overrides["qk_rope_head_dim"]
+    for key, value in _EXTRA.get(model_type, {}).items():  # a sub-config's entries go into its tiny fields
+        overrides[key] = {**overrides[key], **value} if isinstance(overrides.get(key), dict) else value
     overrides.pop("attention_layers", None)  # GPT-Neo derives it from attention_types
     cfg = AutoConfig.for_model(model_type, **overrides)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
