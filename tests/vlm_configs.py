@@ -183,10 +183,13 @@ def _tied(values: dict, defaults: dict) -> dict:
             table = {}
             for i, entry in value.items():  # an entry holds what differs from the config, at its default values
                 # its head counts, latent ranks and widths made tiny as the config's are (not its head_dim: a global
-                # layer's wider head, Gemma 4's, stays)
+                # layer's wider head, Gemma 4's, stays); the widths tied as in the default entry of its fields
+                # (arch_sweep._tiny has moved the entries to the kept layers' indices, their sizes tiny already)
+                default = next((e for e in defaults[key].values() if isinstance(e, dict) and e.keys() == entry.keys()),
+                               entry)
                 sizes = {k: arch_sweep._SIZE[k] for k, v in entry.items() if k in arch_sweep._SIZE and k != "head_dim"
                          and isinstance(v, int) and not isinstance(v, bool) and v}
-                table[i] = {**entry, **sizes, **_widths({**values, **entry, **sizes}, {**defaults, **entry})}
+                table[i] = {**entry, **sizes, **_widths({**values, **entry, **sizes}, {**defaults, **default})}
             out[key] = table
     out.update(_widths(values, defaults))
     for key, value in values.items():  # a codebook or an adapter's input as wide as the encoder by default
