@@ -13,6 +13,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import torchfuser
 
+from tiny_lm import loss_and_grads
+
 MASKED = [60, 61, 62, 63]  # vocabulary ids never predicted (an image tokenizer's codes, say)
 
 
@@ -34,12 +36,6 @@ def _model():
         return MaskedColumnsForCausalLM(cfg).float().train()
 
 
-def _step(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
 
 def test_logits_written_by_vocabulary_position_leave_the_head_alone_with_the_reason():
     ref = _model()
@@ -51,8 +47,8 @@ def test_logits_written_by_vocabulary_position_leave_the_head_alone_with_the_rea
     assert reasons and "vocabulary position" in reasons[0], reasons
     assert "forward" not in fused.__dict__
     ids = torch.randint(0, 60, (2, 7), generator=torch.Generator().manual_seed(1))
-    loss_ref, grads_ref = _step(ref, ids)
-    loss, grads = _step(fused, ids)  # the model's own head and loss run (other blocks fused)
+    loss_ref, grads_ref = loss_and_grads(ref, ids)
+    loss, grads = loss_and_grads(fused, ids)  # the model's own head and loss run (other blocks fused)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     for name, g in grads_ref.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)

@@ -11,6 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import torchfuser
 from torchfuser.modules import FusedGatedMLP, FusedRMSNorm
 
+from tiny_lm import loss_and_grads
+
 
 def tiny_llama(seed=0, tied=False):
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -18,12 +20,6 @@ def tiny_llama(seed=0, tied=False):
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 
-
-def loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_llama_parity_state_dict_and_restore():

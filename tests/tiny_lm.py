@@ -36,6 +36,14 @@ def left_padded_prompts(batch: int, longest: int, pad_step: int, low: int, high:
     return ids, mask
 
 
+def loss_and_grads(model, ids):
+    """One forward and backward of ``model`` on ``ids`` (labels = ids): the loss and a copy of every gradient."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 def lm_step(model, device="cpu"):
     """One forward and backward on fixed token ids; the global generator seeded just before the forward, so
     two models' dropouts draw the same random stream."""
