@@ -152,10 +152,6 @@ def _merged_widths(values: dict, defaults: dict) -> dict:
 
 
 _LATENT = ("qk_nope_head_dim", "qk_rope_head_dim")
-# A QSA token indexer's fields a config declares but leaves None, read by every indexed-attention layer (Qwen4-Exp):
-# one key head, as it requires; a budget of two blocks.
-_INDEXER = {"indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
-            "indexer_compress_ratio": 4}
 
 
 # Fields a config leaves None (or sized for its checkpoint's depth) that its model needs, set by its checkpoints.
@@ -171,8 +167,8 @@ def _tied(values: dict, defaults: dict) -> dict:
     a head width that is the latent attention's no-rotary plus rotary widths (Mistral 4's head_dim and qk_head_dim,
     Dots 3's sliding layers'), a codebook as wide as the encoder (WavTokenizer: no projections around its quantizer)
     and an adapter's input too (Dots 3's),
-    a size the defaults turn off with 0 (GLM-5-Next's NoPE DSA layers: qk_rope_head_dim 0), and an indexer left
-    None where the layers need one."""
+    and a size the defaults turn off with 0 (GLM-5-Next's NoPE DSA layers: qk_rope_head_dim 0). (Qwen4-Exp's
+    indexer fields, None by default, are sizes of ``arch_sweep._SIZES``.)"""
     out = {}
     for key, value in values.items():
         if _is_sub(key, value) and isinstance(defaults.get(key), dict):
@@ -199,9 +195,6 @@ def _tied(values: dict, defaults: dict) -> dict:
     for key, value in defaults.items():
         if key in arch_sweep._SIZE and value == 0 and not isinstance(value, bool) and values.get(key) != 0:
             out[key] = 0
-    if "indexed_attention" in (values.get("layer_types") or ()) and all(
-            k in values and values[k] is None for k in _INDEXER):
-        out.update(_INDEXER)
     return out
 
 
