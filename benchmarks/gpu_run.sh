@@ -23,7 +23,7 @@ for stage in "$@"; do
     residual-tests) timeout 330 python3 -m pytest -p no:cacheprovider tests/test_residual_norm.py tests/test_residual_forms_cuda.py tests/backends/test_residual_norm_kernels.py \
               tests/test_projections.py tests/test_cuda_graphs.py tests/test_architectures.py -k "not test_architectures or triton_backend" ;;
     postnorm-tests) timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE tests/test_post_block_cuda.py \
-              tests/test_residual_post_block.py tests/backends/test_rms_norm_add_kernels.py tests/test_norm_dtypes.py ;;
+              tests/test_residual_post_block.py tests/backends/test_rms_norm_add_kernels.py tests/test_norm_dtypes.py tests/test_rope_unused_output.py ;;
     postnorm-probe) timeout 200 python3 benchmarks/probes/rms_norm_add_probe.py --out "$OUT/rms-norm-add-probe.jsonl" ;;
     graphs-tests) timeout 200 python3 -m pytest -p no:cacheprovider tests/test_cuda_graphs.py ;;
     train-bf16) timeout 400 python3 $ts --models qwen05b llama1b --variants eager torchfuser torchfuser-graphs --precision bf16 --profile-dir "$OUT/prof" --out "$OUT/train-step-bf16.jsonl" ;;
