@@ -33,7 +33,7 @@ GEMMA_TEXT = dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=3
                   num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024,
                   query_pre_attn_scalar=256)
 GEMMA_VISION = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-                    image_size=896, patch_size=14)
+                    image_size=896, patch_size=14, vision_use_head=False)  # as the released config: no pooling head
 SHAPES = {
     "qwen25vl7b": ("qwen2_5_vl", QWEN_TEXT, QWEN_VISION, dict(side=74, lora=16)),
     "gemma3-4b": ("gemma3", GEMMA_TEXT, GEMMA_VISION, dict(side=896, lora=0)),
