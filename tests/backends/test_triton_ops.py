@@ -375,6 +375,7 @@ def test_linear_cross_entropy(case, dtype, interpreter, monkeypatch):
     if chunk is not None:
         itemsize, module = torch.finfo(dtype).bits // 8, interpreter.linear_cross_entropy
         monkeypatch.setattr(module, "EXTRA_BYTES", 0)
+        monkeypatch.setattr(module, "DW_CHUNK_RATIO", 0)  # chunks smaller than dW: several, to test their sum
         monkeypatch.setattr(module, "MIN_CHUNK_BYTES", chunk * (v * itemsize + (4 + itemsize) * h))
         assert module.chunk_rows(n, v, itemsize, 1 << 20, h) == chunk
     labels = torch.randint(0, v, (n,)).to(DEVICE)

@@ -54,6 +54,11 @@ from .fp8_quant import fp8_quantize, fp8_quantize_both
 # ~1000 tokens per chunk slower again (the chunks this gives at the benchmark models' heads: NOTES-triton.md).
 EXTRA_BYTES = 960 << 20
 MIN_CHUNK_BYTES = 128 << 20
+# Where dW sums over the chunks, each chunk after the first reads and writes all of dW again: a chunk's
+# logits get at least DW_CHUNK_RATIO × dW's bytes, or that traffic outgrows the chunks' own work. Without
+# this floor a large head's gradient left little of EXTRA_BYTES to the logits: Gemma-2B's 256k × 2048 head
+# ran 32 chunks of 256 tokens, 32 ms a step of dW additions on an H100 (11 % of the step; NOTES-families.md).
+DW_CHUNK_RATIO = 1.0
 # FP8's chunks: at least this many tokens (each chunk adds its V × H dW product into dW, and its GEMMs run
 # below their rate at a few hundred rows).
 FP8_MIN_CHUNK = 1024
@@ -306,12 +311,14 @@ def chunks(n: int, most: int) -> list[tuple[int, int]]:
     return out
 
 
-def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int, hidden: int = 0, fp8: bool = False) -> int:
+def chunk_rows(n: int, v: int, itemsize: int, grad_bytes: int, hidden: int = 0, fp8: bool = False,
+               dw_bytes: int = 0) -> int:
     """Tokens per chunk: the most whose logits (and, for a ``hidden`` wide input, the fp32 q·W and
     the scaled input; with ``fp8`` their e4m3 copies too) fit in what EXTRA_BYTES leaves beside the
-    returned gradients, rounded down to a multiple of 512 when that many fit (cuBLAS's fast shapes);
+    returned gradients, or in DW_CHUNK_RATIO × ``dw_bytes`` (a dW the chunks add into) where that is more,
+    rounded down to a multiple of 512 when that many fit (cuBLAS's fast shapes);
     with ``fp8`` at least FP8_MIN_CHUNK tokens (multiples of 16: the FP8 GEMMs' rows)."""
-    budget = max(MIN_CHUNK_BYTES, EXTRA_BYTES - grad_bytes)
+    budget = max(MIN_CHUNK_BYTES, EXTRA_BYTES - grad_bytes, int(DW_CHUNK_RATIO * dw_bytes))
     per_token = itemsize * v + (4 + itemsize) * hidden
     if fp8:  # q's two e4m3 copies (when there are gradients), h's and hsᵀ's
         per_token += (2 * v if hidden else 0) + 2 * hidden
@@ -357,7 +364,8 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
             qw, qwt = fp8_quantize_both(weight, tensorwise)  # along H for the logits, Wᵀ along V for dh
         else:
             qw = fp8_quantize(weight, tensorwise, False)
-    rows = chunk_rows(n, v, hidden.element_size(), grad_bytes, hdim if need_grad else 0, fp8 is not None)
+    rows = chunk_rows(n, v, hidden.element_size(), grad_bytes, hdim if need_grad else 0, fp8 is not None,
+                      0 if dw is None else dw.nbytes)
     mean = reduction == "mean"
     row_scale = torch.empty(min(rows, n), dtype=torch.float32, device=dev)  # a_n of a chunk's tokens
     for start, size in chunks(n, rows):
