@@ -232,10 +232,11 @@ def _times_w(q, weight):
     return torch.mm(q, weight)  # no fp32-output GEMM on this device: one rounding more
 
 
-def _chunk_grads(q, h, weight, a, dh, dw, db, first):
+def _chunk_grads(q, h, weight, a, dh, dw, db, first, v):
     """A chunk's share of the gradients from q (dl = a ⊙ q, in place of its logits): its rows of
     dh, and its terms of dW and db (written by the first chunk, added by the others; none where
-    ``dw`` is None: a frozen head)."""
+    ``dw`` is None: a frozen head). q and ``weight`` may run past the vocabulary's ``v`` columns and rows
+    (``_padded``: zeros there)."""
     rows, hdim = h.shape
     hs = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # a ⊙ h (written by the kernel even where unused)
     g = _times_w(q, weight)
@@ -246,13 +247,26 @@ def _chunk_grads(q, h, weight, a, dh, dw, db, first):
     if dw is None:
         pass
     elif first:
-        torch.mm(q.t(), hs, out=dw)
+        torch.mm(q[:, :v].t(), hs, out=dw)
     else:
-        dw.addmm_(q.t(), hs)
+        dw.addmm_(q[:, :v].t(), hs)
     if db is not None:
         # Σ_n a_n q_n, with a split into two rounded parts so that the sum sees a to ~2⁻¹⁶.
         hi = a.to(q.dtype)
-        db += _times_w(torch.stack([hi, (a - hi.float()).to(q.dtype)]), q).sum(0)
+        db += _times_w(torch.stack([hi, (a - hi.float()).to(q.dtype)]), q).sum(0)[:v]
+
+
+def _padded(weight):
+    """W with zero rows up to a vocabulary whose logits rows are a multiple of 16 bytes, or W itself where they
+    are. Unaligned rows (GPT-2's 50257 tokens) leave cuBLAS only its align-1 kernels for the three GEMMs of
+    every chunk: GPT-2-medium's head took 20 ms a step on an H100 that way, against 3 ms for torch.compile's
+    padded GEMMs (NOTES-families.md). The zero rows give zero logits, which the CE kernel never reads (it
+    stops at the vocabulary's size), zero q·W terms, and dW rows that are never formed."""
+    align = max(1, 16 // weight.element_size())
+    v, hdim = weight.shape
+    if v % align == 0:
+        return weight
+    return torch.cat([weight, weight.new_zeros(align - v % align, hdim)])
 
 
 def _chunk_grads_fp8(g, h, qwt, a, dh, dw, db, tensorwise, dw_dtype, weight_grad=True):
@@ -364,7 +378,8 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
             qw, qwt = fp8_quantize_both(weight, tensorwise)  # along H for the logits, Wᵀ along V for dh
         else:
             qw = fp8_quantize(weight, tensorwise, False)
-    rows = chunk_rows(n, v, hidden.element_size(), grad_bytes, hdim if need_grad else 0, fp8 is not None,
+    wmm = weight if fp8 is not None else _padded(weight)
+    rows = chunk_rows(n, wmm.shape[0], hidden.element_size(), grad_bytes, hdim if need_grad else 0, fp8 is not None,
                       0 if dw is None else dw.nbytes)
     mean = reduction == "mean"
     row_scale = torch.empty(min(rows, n), dtype=torch.float32, device=dev)  # a_n of a chunk's tokens
@@ -373,18 +388,18 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
         # Logits in the input dtype, as nn.Linear gives them (fp32 accumulation, one rounding);
         # the kernel works in fp32. bf16 logits halve its reads and double the tokens per chunk.
         if fp8 is None:
-            z = torch.mm(h, weight.t())
+            z = torch.mm(h, wmm.t())
         else:
             z = _fp8_gemm.mm(fp8_quantize(h, tensorwise, False), qw, hidden.dtype)
         a = row_scale[:size]
-        ce_rows(z, bias, labels[start:start + size], losses[start:start + size], a, nvalid, ignore_index,
+        ce_rows(z[:, :v], bias, labels[start:start + size], losses[start:start + size], a, nvalid, ignore_index,
                 softcap, need_grad, mean, normalised=fp8 is not None)
         with_db = bias is not None and weight_grad
         if need_grad and fp8 is not None:
             dw = _chunk_grads_fp8(z, h, qwt, a, dh[start:start + size], None if start == 0 else dw,
                                   db if with_db else None, tensorwise, weight.dtype, weight_grad)
         elif need_grad:
-            _chunk_grads(z, h, weight, a, dh[start:start + size], dw, db if with_db else None, start == 0)
+            _chunk_grads(z, h, wmm, a, dh[start:start + size], dw, db if with_db else None, start == 0, v)
         del z  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = losses.sum()
     if mean:
