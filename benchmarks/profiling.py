@@ -47,6 +47,22 @@ def gpu_idle(prof, top: int = 12) -> str:
     return "\n".join(lines) + "\n"
 
 
+_COPIES = ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::clone", "aten::contiguous")
+
+
+def copies_by_shape(prof, top: int = 30) -> str:
+    """The copies, casts and concatenations by input shapes and dtypes (a profile taken with ``record_shapes``):
+    which tensors the "copies, casts, cat" of ``kernel_time_by_kind`` move. Device time includes the kernels the
+    op launched."""
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in _COPIES]
+    if not rows:
+        return ""
+    rows.sort(key=lambda e: -e.device_time_total)
+    lines = [f"\nCopies by input shape (device ms, calls, op, shapes):"]
+    lines += [f"  {e.device_time_total / 1e3:8.3f} {e.count:5d}  {e.key:16} {e.input_shapes}"[:240] for e in rows[:top]]
+    return "\n".join(lines) + "\n"
+
+
 def write_tables(prof, path: Path, keys: tuple[str, ...], rows: int, width: int, extra: str = "") -> None:
     """One table per sort key (e.g. ``self_cuda_time_total``), then ``extra``, written to ``path``."""
     averages = prof.key_averages()

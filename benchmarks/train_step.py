@@ -60,7 +60,7 @@ import ladder  # noqa: E402
 import qlora  # noqa: E402
 import unsloth_variant  # noqa: E402
 import workloads  # noqa: E402
-from profiling import gpu_idle, profiled, write_tables  # noqa: E402
+from profiling import copies_by_shape, gpu_idle, profiled, write_tables  # noqa: E402
 
 # TorchFuser's FP8 variants: "torchfuser-fp8", then any of these options in this order, then "-graphs" or
 # "+compile": tensorwise or blockwise (the recipe; else rowwise), pair or rt (rowwise both-ways
@@ -290,10 +290,10 @@ def run_unsloth(recipe, variant, args, device):
 
 def profile(step_fn, opt, inputs, autocast, device, path):
     """Two steps under the profiler: the kernels and ops that take the time, for the notes."""
-    prof = profiled(lambda: ladder.one_step(step_fn, opt, inputs, autocast), device, 2)
+    prof = profiled(lambda: ladder.one_step(step_fn, opt, inputs, autocast), device, 2, record_shapes=True)
     cuda = device.type == "cuda"
     write_tables(prof, path, ("self_cuda_time_total" if cuda else "self_cpu_time_total",), 90, 200,
-                 gpu_idle(prof) if cuda else "")
+                 (gpu_idle(prof) if cuda else "") + copies_by_shape(prof))
 
 
 def environment(device):
