@@ -58,7 +58,7 @@ def copies_by_shape(prof, top: int = 30) -> str:
     if not rows:
         return ""
     rows.sort(key=lambda e: -e.device_time_total)
-    lines = [f"\nCopies by input shape (device ms, calls, op, shapes):"]
+    lines = ["\nCopies by input shape (device ms, calls, op, shapes):"]
     lines += [f"  {e.device_time_total / 1e3:8.3f} {e.count:5d}  {e.key:16} {e.input_shapes}"[:240] for e in rows[:top]]
     return "\n".join(lines) + "\n"
 

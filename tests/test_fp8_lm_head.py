@@ -338,4 +338,3 @@ def test_fp8_chunks_of_a_real_head_stay_large():
     grads = n * h * 2 + v * h * 2  # dh and dW in bf16, what the forward counts
     rows = L.chunk_rows(n, v, 2, grads, h, fp8=True)
     assert rows >= L.FP8_MIN_CHUNK == 1024 and len(L.chunks(n, rows)) <= 8
-
