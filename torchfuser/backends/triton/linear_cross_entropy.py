@@ -18,7 +18,9 @@ dl is a_n·q_n, so the GEMMs read q and the per-row a_n goes elsewhere:
     dW  += qᵀ · (a ⊙ h)        db += Σ_n a_n q_n
 One read and one write of the logits, where writing softmax − onehot takes two reads and a write
 (what the kernel does for fp16, whose range q and S can pass: there a_n = scale_n).
-Extra memory: one chunk of logits, its C×H scaled copies, and the gradients, held near EXTRA_BYTES.
+Extra memory: one chunk of logits, its C×H scaled copies, and the gradients, held near EXTRA_BYTES; a trained
+head's chunk may hold as many bytes of logits as its dW (DW_CHUNK_RATIO). A vocabulary whose logits rows are not
+a multiple of 16 bytes adds a copy of W padded with zero rows (``_padded``), for cuBLAS's aligned kernels.
 
 FP8 (``fp8`` "rowwise" / "tensorwise"; bf16 operands, tokens, H and V multiples of 16, checked by the
 caller): the three products run as e4m3 GEMMs (``_fp8_gemm.mm``, ``torch._scaled_mm``), each operand
