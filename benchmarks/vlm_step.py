@@ -151,11 +151,12 @@ def run(shape: str, variant: str, args) -> dict:
     if args.profile_dir:  # two more steps under the profiler: the kernels by self time, and the GPU's idle gaps
         from pathlib import Path
 
-        from profiling import gpu_idle, profiled, write_tables
+        from profiling import copies_by_shape, gpu_idle, profiled, write_tables
 
-        prof = profiled(one_step, device, 2)
+        prof = profiled(one_step, device, 2, record_shapes=True)
         write_tables(prof, Path(args.profile_dir) / f"profile-{shape}-{variant}.txt",
-                     ("self_cuda_time_total" if cuda else "self_cpu_time_total",), 90, 200, gpu_idle(prof) if cuda else "")
+                     ("self_cuda_time_total" if cuda else "self_cpu_time_total",), 90, 200,
+                     (gpu_idle(prof) if cuda else "") + copies_by_shape(prof))
     return {"shape": shape, "variant": variant, "text_layers": cfg.text_config.num_hidden_layers, "ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "loss_first": losses[0], "loss_last": losses[-1], "steps": args.steps,
@@ -193,9 +194,9 @@ def main() -> None:
         if "error" in r:
             print(f"{r['variant']:<12} {r['error']}")
             continue
-        ratio = base["ms_per_step"] / r["ms_per_step"] if base else float("nan")
+        ratio = f"{base['ms_per_step'] / r['ms_per_step']:.2f}x" if base else "-"  # no eager run: no ratio
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['variant']:<12} {r['ms_per_step']:9.1f} {r['tokens_per_s']:10.0f} {peak:>9} {ratio:8.2f}x")
+        print(f"{r['variant']:<12} {r['ms_per_step']:9.1f} {r['tokens_per_s']:10.0f} {peak:>9} {ratio:>9}")
 
 
 if __name__ == "__main__":
