@@ -234,10 +234,10 @@ def _times_w(q, weight):
     return torch.mm(q, weight)  # no fp32-output GEMM on this device: one rounding more
 
 
-def _chunk_grads(q, h, weight, a, dh, dw, db, first, v):
+def _chunk_grads(q, h, weight, a, dh, dw, db, first):
     """A chunk's share of the gradients from q (dl = a ⊙ q, in place of its logits): its rows of
     dh, and its terms of dW and db (written by the first chunk, added by the others; none where
-    ``dw`` is None: a frozen head). q and ``weight`` may run past the vocabulary's ``v`` columns and rows
+    ``dw`` is None: a frozen head). q and ``weight`` may run past the vocabulary (dW's rows) in columns and rows
     (``_padded``: zeros there)."""
     rows, hdim = h.shape
     hs = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # a ⊙ h (written by the kernel even where unused)
@@ -249,13 +249,13 @@ def _chunk_grads(q, h, weight, a, dh, dw, db, first, v):
     if dw is None:
         pass
     elif first:
-        torch.mm(q[:, :v].t(), hs, out=dw)
+        torch.mm(q[:, :dw.shape[0]].t(), hs, out=dw)
     else:
-        dw.addmm_(q[:, :v].t(), hs)
+        dw.addmm_(q[:, :dw.shape[0]].t(), hs)
     if db is not None:
         # Σ_n a_n q_n, with a split into two rounded parts so that the sum sees a to ~2⁻¹⁶.
         hi = a.to(q.dtype)
-        db += _times_w(torch.stack([hi, (a - hi.float()).to(q.dtype)]), q).sum(0)[:v]
+        db += _times_w(torch.stack([hi, (a - hi.float()).to(q.dtype)]), q).sum(0)[:db.shape[0]]
 
 
 def _padded(weight):
@@ -401,7 +401,7 @@ def linear_cross_entropy_fwd(hidden, weight, bias, labels, ignore_index, softcap
             dw = _chunk_grads_fp8(z, h, qwt, a, dh[start:start + size], None if start == 0 else dw,
                                   db if with_db else None, tensorwise, weight.dtype, weight_grad)
         elif need_grad:
-            _chunk_grads(z, h, wmm, a, dh[start:start + size], dw, db if with_db else None, start == 0, v)
+            _chunk_grads(z, h, wmm, a, dh[start:start + size], dw, db if with_db else None, start == 0)
         del z  # before the next chunk's logits are allocated: one chunk alive at a time
     loss = losses.sum()
     if mean:
