@@ -548,8 +548,9 @@ def _fake_vs_real(op, *args):
 def test_outputs_match_fake_impls():
     ops = torch.ops.torchfuser
     x, w, b = _rand(2, 5, 96).bfloat16(), _rand(96).bfloat16(), _rand(96).bfloat16()
-    y, rstd = ops.rms_norm_fwd(x, w, 1e-6, 0.0, "triton")
-    _fake_vs_real(ops.rms_norm_fwd, x, w, 1e-6, 0.0)
+    y, rstd = ops.rms_norm_fwd(x, w, 1e-6, 0.0, None, "triton")
+    _fake_vs_real(ops.rms_norm_fwd, x, w, 1e-6, 0.0, None)
+    _fake_vs_real(ops.rms_norm_fwd, x, w.float(), 1e-6, 0.0, torch.float32)  # bf16 read, fp32 written
     _fake_vs_real(ops.rms_norm_bwd, y, x, w, rstd, 1e-6, 0.0)
     y, mean, rstd = ops.layer_norm_fwd(x, w, b, 1e-5, "triton")
     _fake_vs_real(ops.layer_norm_fwd, x, w, None, 1e-5)
@@ -561,10 +562,12 @@ def test_outputs_match_fake_impls():
     _fake_vs_real(ops.swiglu_packed_bwd, _rand(2, 5, 96).bfloat16(), gu)
     _fake_vs_real(ops.gelu_fwd, x, "tanh")
     q, k, cos = _rand(2, 4, 3, 16), _rand(2, 2, 3, 16), _rand(1, 3, 16)
-    _fake_vs_real(ops.rope_fwd, q, k, cos, cos)
-    _fake_vs_real(ops.rope_fwd, _rand(2, 3, 4, 16).transpose(1, 2), k, cos, cos)
-    _fake_vs_real(ops.rope_bwd, q, k, cos, cos)
-    _fake_vs_real(ops.rope_bwd, *ops.rope_fwd(q, k, cos, cos, "triton"), cos, cos)  # as SDPA lays out dq, dk
+    _fake_vs_real(ops.rope_fwd, q, k, cos, cos, None)
+    _fake_vs_real(ops.rope_fwd, q, k, cos, cos, torch.bfloat16)  # fp32 read, bf16 written (attention under autocast)
+    _fake_vs_real(ops.rope_fwd, _rand(2, 3, 4, 16).transpose(1, 2), k, cos, cos, None)
+    _fake_vs_real(ops.rope_bwd, q, k, cos, cos, None)
+    _fake_vs_real(ops.rope_bwd, *ops.rope_fwd(q, k, cos, cos, None, "triton"), cos, cos, None)  # as SDPA lays out dq, dk
+    _fake_vs_real(ops.rope_bwd, q.bfloat16(), k.bfloat16(), cos, cos, torch.float32)
     h, wt, labels = _rand(7, 16), _rand(11, 16), torch.randint(0, 11, (7,)).to(DEVICE)
     for bias in (None, _rand(11)):
         for need_grad in (True, False):

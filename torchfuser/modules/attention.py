@@ -27,6 +27,7 @@ from torchfuser.modules import _attention_fallback, attention_bias, decode, fall
 from torchfuser.modules._attention_fallback import _IMPLEMENTATIONS, _collector, _recorded_from  # noqa: F401
 from torchfuser.modules.adapters import lora
 from torchfuser.modules.projections import project, single
+from torchfuser.ops._call import autocast_enabled
 
 # Names the KV cache goes by in the attention forwards of different transformers versions and
 # families: ``cache`` (5.24+), ``past_key_values`` (earlier 5.x), ``layer_past`` (GPT-NeoX).
@@ -162,6 +163,22 @@ def _half_to_axes(x: Tensor, axes: int) -> Tensor:
     return x.unflatten(-1, (2, axes, -1)).transpose(-3, -2).flatten(-3)
 
 
+def _attention_dtype(s: AttentionSpec, q: Tensor, k: Tensor, cache) -> torch.dtype | None:
+    """The dtype rope may write q and k in: autocast's, where they come fp32 (after fp32 q/k norms: Qwen3's,
+    OLMo-2's under autocast) and go nowhere but to attention, which autocast rounds them to next (SDPA is on
+    its lower-precision list on every device). Rounded once by the kernel instead, the values are the same, and
+    the fp32 rope outputs, SDPA's casts of them and, in the backward, the casts of dq and dk back are not made.
+    None elsewhere: a cache or a hand-out keeps k as rope gives it, a norm after rope reads its output, a bias
+    mask is built in q's dtype, interleaved pairs rotate through slices."""
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or not torch._C._is_any_autocast_enabled():
+        return None
+    device = q.device.type
+    if (cache is not None or s.kv_out is not None or s.norm_after_rope or s.rotary_interleave is not None
+            or s.bias is not None or s.mask_fill or not autocast_enabled(device)):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
 def split_concat(spec: AttentionSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v (…, heads·head_dim) from a "concat" projection's output (…, (heads + 2·kv heads)·head_dim)."""
     q_width, kv_width = (n * spec.head_dim // spec.qkv_blocks for n in (spec.num_heads, spec.num_kv_heads))
@@ -231,7 +248,7 @@ class FusedAttention(FusedModule):
             v = getattr(self, s.v_norm)(v)
         return q.view(*lead, -1, d), k.view(*lead, -1, d), v.view(*lead, -1, d)
 
-    def _rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
+    def _rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, out_dtype: torch.dtype | None = None):
         rd, pairs = self.spec.rotary_dim, self.spec.rotary_interleave
         if pairs is not None:
             # Adjacent channels rotate together: de-interleave them into rotate-half's order (evens,
@@ -249,7 +266,7 @@ class FusedAttention(FusedModule):
                (type(cos), cos.dtype, cos.device, cos.shape), (type(sin), sin.dtype, sin.device, sin.shape),
                cos.requires_grad, sin.requires_grad, torch.is_grad_enabled(), self.backend)
         backend = decided(self, key, lambda: F.backend_for(self.backend, F.check_rope(q, k, cos, sin)))
-        return ops.rope(q, k, cos, sin, backend)
+        return ops.rope(q, k, cos, sin, backend, out_dtype)
 
     def forward(self, hidden_states: Tensor, *args, **kwargs):
         if not torch.is_grad_enabled() and (o := decode.original(self, hidden_states)) is not None:  # a decode step
@@ -295,7 +312,7 @@ class FusedAttention(FusedModule):
                 sin = -sin
             if s.rotary_axes > 1:  # one rotate-half part per axis: rotate-half over the whole head, channels reordered
                 q, k, cos, sin = (_axes_to_half(t, s.rotary_axes) for t in (q, k, cos, sin))
-            q, k = self._rope(q, k, cos, sin)
+            q, k = self._rope(q, k, cos, sin, _attention_dtype(s, q, k, cache))
             # q·kᵀ is the same over channels reordered alike in q and k: back only where k (or a norm's weight) sees them
             if s.rotary_axes > 1 and (cache is not None or s.kv_out is not None or s.norm_after_rope):
                 q, k = _half_to_axes(q, s.rotary_axes), _half_to_axes(k, s.rotary_axes)

@@ -139,13 +139,11 @@ class FusedRMSNorm(FusedModule):
                self.backend, x.device.type != "cpu" and autocast_enabled(x.device.type))
 
         def decide():
-            out = _out_dtype(s, x, w)
-            xin = x if out == x.dtype else _in_dtype(x, out)
-            return out, xin.dtype, F.backend_for(self.backend, F.check_rms_norm(xin, w))
-        out, in_dtype, backend = decided(self, key, decide)
-        if out == x.dtype:  # the kernel as it is (bf16 in, bf16 weights: no cast anywhere)
-            return ops.rms_norm(x, w, float(s.eps), float(s.offset), backend)
-        return ops.rms_norm(x.to(in_dtype), w, float(s.eps), float(s.offset), backend).to(out)
+            return _out_dtype(s, x, w), F.backend_for(self.backend, F.check_rms_norm(x, w))
+        out, backend = decided(self, key, decide)
+        # One kernel either way: x read as it is, the norm rounded once, to the original's dtype (bf16 x with fp32
+        # weights under Llama's rule: an fp32 norm, not bf16 widened; nor x widened by a cast kernel first)
+        return ops.rms_norm(x, w, float(s.eps), float(s.offset), backend, None if out == x.dtype else out)
 
     def add(self, x: Tensor, residual: Tensor, out_dtype: torch.dtype | None = None,
             maxima: tuple[bool, bool] = (False, False)) -> tuple[Tensor, Tensor]:

@@ -8,13 +8,15 @@ from ._call import _plain_rows, autograd, empty, kernel, nograd_forward, plain_e
 
 
 @torch.library.custom_op("torchfuser::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> tuple[Tensor, Tensor]:
-    return kernel(backend, "rms_norm_fwd")(x, weight, eps, offset)
+def rms_norm_fwd(
+    x: Tensor, weight: Tensor, eps: float, offset: float, out_dtype: torch.dtype | None, backend: str
+) -> tuple[Tensor, Tensor]:
+    return kernel(backend, "rms_norm_fwd")(x, weight, eps, offset, out_dtype)
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, eps, offset, backend):
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+def _(x, weight, eps, offset, out_dtype, backend):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("torchfuser::add_rms_norm_fwd", mutates_args=())
@@ -57,22 +59,27 @@ def _(dy, s, weight, rstd, eps, offset, backend, ds, r_dtype):
 
 
 def _setup(ctx, inputs, output):
-    x, weight, eps, offset, backend = inputs
+    x, weight, eps, offset, _, backend = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.args = (eps, offset, backend)
 
 
 def _backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = run(rms_norm_bwd, dy, x, weight, rstd, *ctx.args)
-    return dx, dw, None, None, None
+    dx, dw = run(rms_norm_bwd, dy, x, weight, rstd, *ctx.args)  # dx in x's dtype, whatever dy's
+    return dx, dw, None, None, None, None
 
 
 _rms_norm = autograd(rms_norm_fwd, _setup, _backward)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float, backend: str) -> Tensor:
-    return _rms_norm(x, weight, eps, offset, backend)[0]
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, offset: float, backend: str, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """The norm of x in ``out_dtype`` (default x's), computed in fp32 and rounded once, to it, and x's gradient
+    rounded once, to x's dtype: a bf16 x whose norm is to be fp32 (Llama's rule with fp32 weights, Qwen3's q/k
+    norms under autocast) is read as it is, neither widened by a cast kernel first nor saved widened."""
+    return _rms_norm(x, weight, eps, offset, out_dtype, backend)[0]
 
 
 def _add_setup(ctx, inputs, output):
@@ -195,4 +202,4 @@ def rms_norm_opening_residual(
         if not torch.is_grad_enabled() and not y_amax:  # no graph to record (decode): the kernel alone
             return nograd_forward("rms_norm_fwd", (x, weight, eps, offset, out_dtype, backend))[0], x
         return _NormOpeningResidual.apply(x, weight, eps, offset, backend, out_dtype, y_amax)
-    return rms_norm(x, weight, eps, offset, backend).to(out_dtype or x.dtype), x
+    return rms_norm(x, weight, eps, offset, backend, out_dtype), x

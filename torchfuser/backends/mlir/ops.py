@@ -7,6 +7,8 @@ flattened into rows, so one kernel serves every batch × sequence length.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from torchfuser.backends.reference import gated as ref_gated
@@ -45,6 +47,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
     check_dtypes("rms_norm", x, weight)
+    x = ref_rms.widened(x, out_dtype)  # the result rounded once, to out_dtype
     h = _hidden(x)
     k = kernel_for(
         "rms_norm_fwd", {"eps": eps, "offset": offset},
@@ -57,7 +60,9 @@ def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
     check_dtypes("rms_norm", dy, x, weight, dres)
-    dy = dy.to(torch.promote_types(dy.dtype, x.dtype))  # a bf16 dy of a norm whose output was asked for in bf16
+    x_dtype = x.dtype  # dx rounded once, to it: a bf16 dy of a norm whose output was asked for in bf16 is widened,
+    wide = torch.promote_types(dy.dtype, x_dtype)  # and a bf16 x whose norm was asked for in fp32 too
+    dy, x = dy.to(wide), x.to(wide)
     if dres is not None and dres.shape != x.shape:
         raise ValueError(f"rms_norm_bwd: dres must have x's shape {tuple(x.shape)}, got {tuple(dres.shape)}")
     h = _hidden(x)
@@ -71,8 +76,8 @@ def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
     if dres is not None:
         # Added on the host to the kernel's dx, which is already rounded to x's dtype: one rounding
         # more than the triton and reference backends for bf16/fp16 x, none for fp32.
-        dx = (dx.float() + dres.float()).to(x.dtype)
-    return dx, dw
+        dx = dx.float() + dres.float()
+    return dx.to(x_dtype), dw
 
 
 def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
@@ -260,12 +265,12 @@ def _rope(op: str, q, k, cos, sin):
     return qo, ko
 
 
-def rope_fwd(q, k, cos, sin):
-    return _rope("rope_fwd", q, k, cos, sin)
+def rope_fwd(q, k, cos, sin, out_dtype=None):
+    return ref_rope.in_out_dtype(partial(_rope, "rope_fwd"), q, k, cos, sin, out_dtype)
 
 
-def rope_bwd(dq, dk, cos, sin):
-    return _rope("rope_bwd", dq, dk, cos, sin)
+def rope_bwd(dq, dk, cos, sin, out_dtype=None):
+    return ref_rope.in_out_dtype(partial(_rope, "rope_bwd"), dq, dk, cos, sin, out_dtype)
 
 
 # ---- residual add + layer_norm ---------------------------------------------------------------

@@ -17,8 +17,18 @@ def rms_norm(x, weight, eps: float, offset: float):
     return cast(y, x.dtype), rstd
 
 
+def widened(x, out_dtype):
+    """x for a norm whose output is to be ``out_dtype``: widened where out_dtype is not narrower, so that the
+    norm's result is rounded once, to out_dtype (a bf16 x's fp32 norm has fp32's precision, not bf16's widened).
+    Every backend's kernels round this way."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return x
+    wide = torch.promote_types(x.dtype, out_dtype)
+    return x if wide == x.dtype else x.to(wide)
+
+
 def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
-    y, rstd = rms_norm(x, weight, eps, offset)
+    y, rstd = rms_norm(widened(x, out_dtype), weight, eps, offset)
     return cast(y, out_dtype or y.dtype).contiguous(), rstd.contiguous()
 
 
@@ -26,6 +36,7 @@ def rms_norm_infer(x, weight, eps, offset, out_dtype=None):
     """``rms_norm_fwd`` for a call with no backward (``ops._call.nograd_forward``): the same arithmetic, the
     statistic kept as a column (one ATen call less) and not returned (None). Tensors of their own, never views
     (``ops._call`` calls the ``_infer`` kernels unwrapped)."""
+    x = widened(x, out_dtype)
     ct = compute_dtype(x, weight)
     xf = x if x.dtype == ct else x.to(ct)  # (inline, not cast(): host time, a decode step calls this per norm)
     w = weight if weight.dtype == ct else weight.to(ct)
@@ -66,11 +77,13 @@ def add_rms_norm_bwd(dy, s, weight, rstd, eps, offset, ds, r_dtype):
 
 def rms_norm_bwd(dy, x, weight, rstd, eps, offset, dres=None):
     """(dx, dw); with ``dres`` (the residual stream's gradient) dx + dres, summed in the compute dtype.
-    dy may come in a lower precision than x (a norm whose output was asked for in bf16)."""
-    dy = dy.to(torch.promote_types(dy.dtype, x.dtype))
+    dy may come in a lower precision than x (a norm whose output was asked for in bf16) or a higher one (a bf16
+    x whose norm was asked for in fp32): dx is rounded once, to x's dtype."""
+    wide = torch.promote_types(dy.dtype, x.dtype)
+    dy = cast(dy, wide)
     if dres is None:
-        dx, dw = vjp(lambda a, w: rms_norm(a, w, eps, offset)[0], (x, weight), dy)
-        return dx.contiguous(), dw.contiguous()
+        dx, dw = vjp(lambda a, w: rms_norm(a, w, eps, offset)[0], (cast(x, wide), weight), dy)
+        return cast(dx, x.dtype).contiguous(), dw.contiguous()
     if dres.shape != x.shape:
         raise ValueError(f"rms_norm_bwd: dres must have x's shape {tuple(x.shape)}, got {tuple(dres.shape)}")
     ct = compute_dtype(x, weight)

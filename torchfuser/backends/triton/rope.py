@@ -89,12 +89,12 @@ def _dense_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, cos, sin, backward: bool):
+def _launch(q, k, cos, sin, backward: bool, out_dtype: torch.dtype | None):
     check_dtypes("rope", q=q, k=k, cos=cos, sin=sin)
     q, k, cos, sin = _dense_last(q), _dense_last(k), _dense_last(cos), _dense_last(sin)
     b, hq, s, d = q.shape
     hk = k.shape[1]
-    qo, ko = empty_heads_inner(q), empty_heads_inner(k)
+    qo, ko = empty_heads_inner(q, out_dtype), empty_heads_inner(k, out_dtype)  # (fp32 math, one rounding to it)
     if q.numel() == 0 and k.numel() == 0:
         return qo, ko
     rd = cos.shape[-1]  # < d: partial rotary, the rest copied through
@@ -112,9 +112,9 @@ def _launch(q, k, cos, sin, backward: bool):
     return qo, ko
 
 
-def rope_fwd(q, k, cos, sin):
-    return _launch(q, k, cos, sin, backward=False)
+def rope_fwd(q, k, cos, sin, out_dtype=None):
+    return _launch(q, k, cos, sin, False, out_dtype)
 
 
-def rope_bwd(dq, dk, cos, sin):
-    return _launch(dq, dk, cos, sin, backward=True)
+def rope_bwd(dq, dk, cos, sin, out_dtype=None):
+    return _launch(dq, dk, cos, sin, True, out_dtype)

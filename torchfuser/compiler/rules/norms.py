@@ -88,7 +88,7 @@ def rms_norm(graph):
                 dtype = _out_dtype(out)
 
                 def build(g, ins, backend, eps=eps, offset=offset, dtype=dtype):
-                    y = call(g, operator.getitem, call(g, tf.rms_norm_fwd.default, ins["x"], ins["weight"], eps, offset, backend), 0)
+                    y = call(g, operator.getitem, call(g, tf.rms_norm_fwd.default, ins["x"], ins["weight"], eps, offset, None, backend), 0)
                     return cast_like(g, y, dtype, val(ins["x"]).dtype)
 
                 yield Match(

@@ -94,7 +94,7 @@ def _match(out_q, q, cos, sin, out_k=None, k=None):
 
     def build(g, ins, backend):
         kk = ins.get("k", ins["q"])
-        r = call(g, tf.rope_fwd.default, ins["q"], kk, ins["cos"], ins["sin"], backend)
+        r = call(g, tf.rope_fwd.default, ins["q"], kk, ins["cos"], ins["sin"], None, backend)
         qo = call(g, operator.getitem, r, 0)
         qo = qo if dq == val(ins["q"]).dtype else call(g, aten.to.dtype, qo, dq)
         if "k" not in ins:
