@@ -75,3 +75,25 @@ def test_qk_norms_save_the_bf16_projection(monkeypatch):
         fused(input_ids=torch.randint(0, 128, (1, 8))).logits.sum().backward()
     qk = [c for c in calls if c[0] == BF16]
     assert qk and all(out == torch.float32 for _, out in qk)  # bf16 read, fp32 written, in one call
+
+
+def test_per_head_rows_copied_once_and_saved_dense():
+    """A per-head norm of q sliced from a joint projection's output: rows not one stride apart. The op copies them
+    dense once and saves that copy, so the backward reads it without copying again; values as on dense input."""
+    from torchfuser.ops.rms_norm import _evenly_strided_rows
+
+    joint = torch.randn(2, 5, 3 * 4 * 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    q = joint[..., : 4 * 8].view(2, 5, 4, 8)  # B × S × H × D, token rows 96 apart, head rows 8 apart
+    assert not _evenly_strided_rows(q) and _evenly_strided_rows(joint[..., :8]) and _evenly_strided_rows(q[:, :1, :1])
+    w = torch.randn(8, generator=torch.Generator().manual_seed(4))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ops.rms_norm(q, w, 1e-6, 0.0, "reference")
+    assert any(t.shape == q.shape and t.is_contiguous() for t in saved)
+    assert not any(t.shape == q.shape and not t.is_contiguous() for t in saved)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+    (dq,) = torch.autograd.grad(y, joint, g)
+    dense = q.detach().contiguous().requires_grad_()
+    y_dense = ops.rms_norm(dense, w, 1e-6, 0.0, "reference")
+    (d_dense,) = torch.autograd.grad(y_dense, dense, g)
+    assert torch.equal(y, y_dense) and torch.equal(dq[..., : 4 * 8].view(q.shape), d_dense)

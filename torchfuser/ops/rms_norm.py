@@ -78,8 +78,28 @@ def rms_norm(
 ) -> Tensor:
     """The norm of x in ``out_dtype`` (default x's), computed in fp32 and rounded once, to it, and x's gradient
     rounded once, to x's dtype: a bf16 x whose norm is to be fp32 (Llama's rule with fp32 weights, Qwen3's q/k
-    norms under autocast) is read as it is, neither widened by a cast kernel first nor saved widened."""
+    norms under autocast) is read as it is, neither widened by a cast kernel first nor saved widened.
+
+    Rows that are not evenly strided (a head's rows of a joint projection's output, per-head q/k norms) are copied
+    dense once, here, and that copy is what the backward reads: the kernels take one row stride, and would
+    otherwise copy them in the forward and again in the backward."""
+    if not x.is_contiguous() and not _evenly_strided_rows(x):
+        x = x.contiguous()
     return _rms_norm(x, weight, eps, offset, out_dtype, backend)[0]
+
+
+def _evenly_strided_rows(t: Tensor) -> bool:
+    """Whether ``t`` reads as rows of its last dim (dense) one row stride apart: ``t.reshape(-1, n)`` is a view."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        return False
+    outer = None
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if outer is not None and stride != outer:
+            return False
+        outer = stride * size
+    return True
 
 
 def _add_setup(ctx, inputs, output):
