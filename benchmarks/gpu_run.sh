@@ -219,6 +219,15 @@ for stage in "$@"; do
     families) for m in ${MODELS:-gpt2_medium pythia1b4 qwen3_1_7b gemma2b starcoder2_3b phi3mini}; do
               timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-eager compile torchfuser liger} \
                 ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-families.jsonl"; done ;;
+    # "before" in a before/after table, on the same machine: the same steps from another revision of the code, made
+    # here by `mkdir -p .rev && git archive REV | gzip > .rev/REV.tgz` and carried (run's carry: [".rev"]);
+    # REV=<rev> names it; each line of the output file carries {"code": REV}.
+    families-at) d=/tmp/rev-$REV; rm -rf $d && mkdir -p $d && tar -xzf .rev/$REV.tgz -C $d
+              for m in ${MODELS:-gpt2_medium pythia1b4 qwen3_1_7b gemma2b starcoder2_3b phi3mini}; do
+                (cd $d && PYTHONPATH=$d:${PYTHONPATH#$PWD} timeout ${FAM_S:-280} python3 $ts --models $m \
+                  --variants ${VARIANTS:-torchfuser} --out "$OUT/train-step-families-$REV.jsonl"); done
+              [ -f "$OUT/train-step-families-$REV.jsonl" ] && python3 -c "import json,sys; p=sys.argv[1]; rows=[json.loads(l) | {'code': sys.argv[2]} for l in open(p)]
+open(p, 'w').writelines(json.dumps(r) + chr(10) for r in rows)" "$OUT/train-step-families-$REV.jsonl" $REV ;;
     families-compose) for m in ${MODELS:-gpt2_medium pythia1b4 qwen3_1_7b gemma2b starcoder2_3b phi3mini}; do
               timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-torchfuser+compile} \
                 --out "$OUT/train-step-families.jsonl"; done ;;
