@@ -218,7 +218,7 @@ for stage in "$@"; do
     # TorchFuser in one run, one model a process; MODELS / VARIANTS narrow it (a 10-minute device call holds 2-3 models).
     families) for m in ${MODELS:-gpt2_medium pythia1b4 qwen3_1_7b gemma2b starcoder2_3b phi3mini}; do
               timeout ${FAM_S:-280} python3 $ts --models $m --variants ${VARIANTS:-eager compile torchfuser liger} \
-                ${PROFILE:+--profile-dir "$OUT/prof"} --out "$OUT/train-step-families.jsonl"; done ;;
+                ${PROFILE:+--profile-dir "$OUT/prof"} ${HOST_PROFILE:+--host-profile} --out "$OUT/train-step-families.jsonl"; done ;;
     # "before" in a before/after table, on the same machine: the same steps from another revision of the code, made
     # here by `mkdir -p .rev && git archive REV | gzip > .rev/REV.tgz` and carried (run's carry: [".rev"]);
     # REV=<rev> names it; each line of the output file carries {"code": REV}.

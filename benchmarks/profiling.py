@@ -70,6 +70,44 @@ def write_tables(prof, path: Path, keys: tuple[str, ...], rows: int, width: int,
     path.write_text("\n\n".join(averages.table(sort_by=k, row_limit=rows, max_name_column_width=width) for k in keys) + extra)
 
 
+# Where the host's Python time goes, by the file a function is defined in (the first rule that matches).
+_HOST_GROUPS = (("torchfuser", "/torchfuser/"), ("transformers", "/transformers/"), ("peft / trl", ("/peft/", "/trl/")),
+                ("triton's launcher", "/triton/"), ("torch (Python side)", "/torch/"))
+
+
+def host_profile(call, times: int) -> str:
+    """Where the host spends a step: ``call()`` run ``times`` times under cProfile, as a report of the wall time a
+    step, the Python time a step by package (each function's own time; a built-in's with the package of one of its
+    callers, the first cProfile lists: a kernel launch's C++ in the launcher's, an ``.item()``'s wait for the GPU in
+    whoever asked), and the functions with the most own time. On a host-bound step (the GPU waiting between kernels) this is what to cut."""
+    import cProfile
+    import pstats
+    import time
+
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(times):
+        call()
+    prof.disable()
+    wall = (time.perf_counter() - start) / times * 1e3
+    stats = pstats.Stats(prof).stats
+    groups: dict[str, float] = {}
+    rows = []
+    for (path, line, name), (_, calls, own, _, callers) in stats.items():
+        where = path if path != "~" else next((c[0] for c in callers if c[0] != "~"), "~")
+        group = next((g for g, keys in _HOST_GROUPS if any(k in where for k in ((keys,) if isinstance(keys, str) else keys))),
+                     "other")
+        groups[group] = groups.get(group, 0.0) + own / times * 1e3
+        rows.append((own / times * 1e3, calls // times, f"{path.split('site-packages/')[-1]}:{line} {name}"[-110:]))
+    lines = [f"Host time a step ({times} steps under cProfile, which slows Python down): wall {wall:.2f} ms",
+             "Python time a step by package (own time; a built-in's with a caller's package):"]
+    lines += [f"  {g:24} {ms:8.2f} ms" for g, ms in sorted(groups.items(), key=lambda kv: -kv[1])]
+    lines.append("Functions by own time (ms a step, calls a step):")
+    lines += [f"  {ms:8.3f} {n:6d}  {where}" for ms, n, where in sorted(rows, reverse=True)[:40]]
+    return "\n".join(lines) + "\n"
+
+
 # A GPU kernel's kind, from its name in a profiler table: the first rule that matches.
 _KINDS = (("GEMMs", ("nvjet", "cutlass", "splitKreduce", "gemm")), ("cuDNN attention", ("cudnn",)),
           ("AdamW", ("FusedOptimizer",)), ("Inductor's kernels", ("triton_",)),

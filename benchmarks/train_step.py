@@ -60,7 +60,7 @@ import ladder  # noqa: E402
 import qlora  # noqa: E402
 import unsloth_variant  # noqa: E402
 import workloads  # noqa: E402
-from profiling import copies_by_shape, gpu_idle, profiled, write_tables  # noqa: E402
+from profiling import copies_by_shape, gpu_idle, host_profile, profiled, write_tables  # noqa: E402
 
 # TorchFuser's FP8 variants: "torchfuser-fp8", then any of these options in this order, then "-graphs" or
 # "+compile": tensorwise or blockwise (the recipe; else rowwise), pair or rt (rowwise both-ways
@@ -241,7 +241,11 @@ def run_variant(recipe, variant, args, device):
         climbed = ladder.climb(step_fn, opt, model.config.vocab_size, args, device, autocast, sync, times[-1])
     if args.profile_dir:
         inputs = {k: v for k, v in batches[0].items() if k != "tokens"}
-        profile(step_fn, opt, inputs, autocast, device, Path(args.profile_dir) / f"profile-{recipe}-{variant.replace('+', '_')}.txt")
+        name = f"{recipe}-{variant.replace('+', '_')}.txt"
+        profile(step_fn, opt, inputs, autocast, device, Path(args.profile_dir) / f"profile-{name}")
+        if getattr(args, "host_profile", False):
+            host = host_profile(functools.partial(ladder.one_step, step_fn, opt, inputs, autocast), 3)
+            (Path(args.profile_dir) / f"host-{name}").write_text(host)
     ms = statistics.median(times) * 1e3
     row = {
         "model": recipe, "variant": variant, "precision": args.precision, "workload": args.workload, "lora": args.lora,
@@ -363,6 +367,8 @@ def main(argv=None):
     parser.add_argument("--ladder-budget", type=float, default=0, help="seconds the ladder may take (0: no limit)")
     parser.add_argument("--out", help="append JSON lines here")
     parser.add_argument("--profile-dir", help="write a profiler table per variant here")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="with --profile-dir: also where the host's Python time goes (cProfile, host-*.txt)")
     args = parser.parse_args(argv)
     if args.quant and not args.lora:
         parser.error("--quant trains LoRA adapters on the quantised base: pass --lora R too")

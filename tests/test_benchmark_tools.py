@@ -54,3 +54,24 @@ def test_a_tiny_fp8_convergence_run_writes_curves_and_gaps(tmp_path, monkeypatch
     assert len(fp8["losses"]) == len(fp8["smoothed"]) == len(fp8["relative_gap"]) == 6
     assert fp8["notes"] and fp8["notes"][0].startswith("fp8: rowwise")  # it ran FP8 GEMMs
     assert math.isfinite(fp8["max_gap_after_warmup"]) and isinstance(fp8["passed"], bool)
+
+
+def test_host_profile_reports_a_step_by_package():
+    """benchmarks/profiling.host_profile on a fused tiny model's step: wall time a step, torchfuser's share of the
+    Python time, and the functions that take it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torchfuser
+    from profiling import host_profile
+
+    torch.manual_seed(0)
+    model = torchfuser.optimize(LlamaForCausalLM(LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64)), backend="reference")
+    ids = torch.randint(0, 64, (1, 8))
+    report = host_profile(lambda: model(input_ids=ids, labels=ids).loss.backward(), 2)
+    lines = report.splitlines()
+    assert lines[0].startswith("Host time a step (2 steps") and float(lines[0].split("wall ")[1].split()[0]) > 0
+    shares = {line.split(None, 1)[0]: line for line in lines[2:] if line.startswith("  ") and " ms" in line}
+    assert "torchfuser" in shares and "transformers" in shares
+    assert any("torchfuser/modules/" in line for line in lines[lines.index("Functions by own time (ms a step, calls a step):"):])
