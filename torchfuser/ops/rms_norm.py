@@ -89,16 +89,13 @@ def rms_norm(
 
 
 def _evenly_strided_rows(t: Tensor) -> bool:
-    """Whether ``t`` reads as rows of its last dim (dense) one row stride apart: ``t.reshape(-1, n)`` is a view."""
+    """Whether ``t`` reads as rows of its last dim (dense) one row stride apart: ``t.view(-1, n)`` works."""
     if t.dim() == 0 or t.stride(-1) != 1:
         return False
-    outer = None
-    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
-        if size == 1:
-            continue
-        if outer is not None and stride != outer:
-            return False
-        outer = stride * size
+    try:
+        t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return False
     return True
 
 

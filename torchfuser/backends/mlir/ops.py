@@ -15,7 +15,7 @@ from torchfuser.backends.reference import gated as ref_gated
 from torchfuser.backends.reference import layer_norm as ref_ln
 from torchfuser.backends.reference import rms_norm as ref_rms
 from torchfuser.backends.reference import rope as ref_rope
-from torchfuser.backends.reference._autodiff import compute_dtype, vjp
+from torchfuser.backends.reference._autodiff import compute_dtype, vjp, widened
 
 from .capture import BCAST, ROW, ArgSpec
 from .compile import kernel_for
@@ -47,7 +47,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):
     check_dtypes("rms_norm", x, weight)
-    x = ref_rms.widened(x, out_dtype)  # the result rounded once, to out_dtype
+    x = widened(x, out_dtype)  # the result rounded once, to out_dtype
     h = _hidden(x)
     k = kernel_for(
         "rms_norm_fwd", {"eps": eps, "offset": offset},

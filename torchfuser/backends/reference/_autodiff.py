@@ -22,6 +22,16 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def widened(t: torch.Tensor, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` for an op whose result is to be ``out_dtype``: widened where out_dtype is not narrower than t's dtype,
+    so that the result is rounded once, to out_dtype (a bf16 input's fp32 result has fp32's precision, not bf16's
+    widened). Every backend's kernels round this way."""
+    if out_dtype is None or out_dtype == t.dtype:
+        return t
+    wide = torch.promote_types(t.dtype, out_dtype)
+    return t if wide == t.dtype else t.to(wide)
+
+
 def vjp(fn: Callable, inputs: Sequence[torch.Tensor | None], grads, *args) -> tuple:
     return value_and_vjp(fn, inputs, grads, *args)[1]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._autodiff import cast, compute_dtype, vjp
+from ._autodiff import cast, compute_dtype, vjp, widened
 
 
 def rms_norm(x, weight, eps: float, offset: float):
@@ -15,16 +15,6 @@ def rms_norm(x, weight, eps: float, offset: float):
     # offset 0 (all but Gemma-style norms): w itself, not w + 0 (the same values, one kernel less a call)
     y = xf * rstd.unsqueeze(-1) * (w + offset if offset else w)
     return cast(y, x.dtype), rstd
-
-
-def widened(x, out_dtype):
-    """x for a norm whose output is to be ``out_dtype``: widened where out_dtype is not narrower, so that the
-    norm's result is rounded once, to out_dtype (a bf16 x's fp32 norm has fp32's precision, not bf16's widened).
-    Every backend's kernels round this way."""
-    if out_dtype is None or out_dtype == x.dtype:
-        return x
-    wide = torch.promote_types(x.dtype, out_dtype)
-    return x if wide == x.dtype else x.to(wide)
 
 
 def rms_norm_fwd(x, weight, eps, offset, out_dtype=None):

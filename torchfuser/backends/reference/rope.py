@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ._autodiff import cast, compute_dtype, vjp
+from ._autodiff import cast, compute_dtype, vjp, widened
 
 
 def _rotate_half(t):
@@ -44,11 +44,10 @@ def in_out_dtype(rope_fn, q, k, cos, sin, out_dtype):
     outputs in ``out_dtype``, each rounded once: the inputs widened first where out_dtype is wider (a bf16
     gradient whose input was fp32), the fp32 results rounded after where it is narrower (fp32 q and k rotated
     for attention under autocast, which would round them to bf16 next)."""
-    if out_dtype is None or q.dtype == k.dtype == out_dtype:
-        return rope_fn(q, k, cos, sin)
-    wide = torch.promote_types(q.dtype, out_dtype)
-    qo, ko = rope_fn(cast(q, wide), cast(k, wide), cos, sin)
-    return (qo, ko) if wide == out_dtype else (_heads_inner(qo, out_dtype), _heads_inner(ko, out_dtype))
+    qo, ko = rope_fn(widened(q, out_dtype), widened(k, out_dtype), cos, sin)
+    if out_dtype is None or qo.dtype == ko.dtype == out_dtype:
+        return qo, ko
+    return _heads_inner(qo, out_dtype), _heads_inner(ko, out_dtype)
 
 
 def _rope_fwd(q, k, cos, sin):
