@@ -221,10 +221,14 @@ def run_variant(recipe, variant, args, device):
     losses, times, tokens = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    warm_peak = 0.0  # the warm-up's peak (cuda_graphs="auto" times and captures there) apart from the timed steps
+    # The warm-up's peaks (cuda_graphs="auto" times and captures there) apart from the timed steps'. Reserved beside
+    # allocated: a CUDA graph's pool is reserved, not allocated, once captured (replays allocate nothing), so for
+    # graph variants the reserved peak is the footprint; for the others it adds the caching allocator's slack.
+    warm_peak = warm_reserved = 0.0
     for step in range(args.warmup + args.steps):
         if step == args.warmup and device.type == "cuda":
             warm_peak = torch.cuda.max_memory_allocated(device) / 2**30
+            warm_reserved = torch.cuda.max_memory_reserved(device) / 2**30
             torch.cuda.reset_peak_memory_stats(device)
         inputs = dict(batches[step % len(batches)])
         real = inputs.pop("tokens")
@@ -237,6 +241,7 @@ def run_variant(recipe, variant, args, device):
             tokens.append(real)
     timed_peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     peak = None if timed_peak is None else max(warm_peak, timed_peak)
+    reserved = max(warm_reserved, torch.cuda.max_memory_reserved(device) / 2**30) if device.type == "cuda" else None
     if getattr(args, "ladder", None):  # context_length.py: longer rows on the same model
         climbed = ladder.climb(step_fn, opt, model.config.vocab_size, args, device, autocast, sync, times[-1])
     if args.profile_dir:
@@ -254,6 +259,7 @@ def run_variant(recipe, variant, args, device):
         "ms_per_step": round(ms, 2), "tokens_per_s": round(sum(tokens) / sum(times)),  # real tokens
         "trained_parameters": sum(p.numel() for p in trained), "peak_gib": None if peak is None else round(peak, 2),
         "peak_gib_timed": None if timed_peak is None else round(timed_peak, 2),
+        "peak_reserved_gib": None if reserved is None else round(reserved, 2),
         "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4), "losses": [round(v, 5) for v in losses],
         "step_ms": [round(t * 1e3, 2) for t in times], "step_tokens": tokens,
         "fused_blocks": len(torchfuser.report(model).fused),
@@ -321,7 +327,7 @@ def environment(device):
 
 
 def table(rows):
-    lines = [f"{'model':10} {'variant':30} {'ms/step':>9} {'tok/s':>9} {'peak GiB':>9} {'vs eager':>9} {'vs compile':>10} {'loss first→last':>18}"]
+    lines = [f"{'model':10} {'variant':30} {'ms/step':>9} {'tok/s':>9} {'peak GiB':>9} {'reserved':>9} {'vs eager':>9} {'vs compile':>10} {'loss first→last':>18}"]
     for r in rows:
         if "error" in r or "skipped" in r:
             what = f"failed: {r['error'][:80]}" if "error" in r else f"skipped: {r['skipped'][:80]}"
@@ -329,8 +335,8 @@ def table(rows):
             continue
         base = {v: x for x in rows if x["model"] == r["model"] and "ms_per_step" in x for v in [x["variant"]]}
         ratio = lambda v: f"{base[v]['ms_per_step'] / r['ms_per_step']:.2f}×" if v in base else "-"
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        lines.append(f"{r['model']:10} {r['variant']:30} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9,d} {peak:>9} "
+        peak, held = (("-" if r.get(k) is None else f"{r[k]:.1f}") for k in ("peak_gib", "peak_reserved_gib"))
+        lines.append(f"{r['model']:10} {r['variant']:30} {r['ms_per_step']:9.1f} {r['tokens_per_s']:9,d} {peak:>9} {held:>9} "
                      f"{ratio('eager'):>9} {ratio('compile'):>10} {r['first_loss']:8.3f}→{r['last_loss']:<8.3f}")
         # unsloth variants: the first step's loss against PEFT's, same weights and batch (none in a ladder run)
         if "loss_parity" in r and r["loss_first_step"].get("peft_eager_bf16") is not None:

@@ -182,6 +182,19 @@ def test_stack_takes_buckets_and_reports_hit_rates(monkeypatch):
     assert "length buckets (16: 4 steps, 75% hits, 32: 2 steps, 50% hits); 2 set(s) kept (max 8), 2.0 GiB" in s.describe()
 
 
+def test_a_sets_memory_is_what_its_pool_reserves_not_only_what_stays_allocated(monkeypatch):
+    # After a capture the blocks its backward freed again (saved activations, scratch) read as unallocated, yet
+    # stay reserved for the graphs' pool: a set of graphs holds the reserved growth when that is the larger.
+    stand = _Stand(monkeypatch, GraphOptions(pool_gib=4))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 3 * 2**30 * len(stand.captured))  # 3 GiB a set
+    for seq in (16, 32, 16):
+        stand.step(seq)
+    s = stand.stack
+    # Counted as allocated (1 GiB a set) both lengths would fit the 4 GiB: two captures, none dropped.
+    assert stand.captured == [16, 32, 16] and s.dropped == 2
+    assert [b.bytes for b in s.sets.values()] == [3 * 2**30] and "1 set(s) kept (max 8), 3.0 GiB, 2 dropped" in s.describe()
+
+
 @pytest.mark.parametrize("options", [GraphOptions(max_buckets=1), GraphOptions(pool_gib=1.2)], ids=["max_buckets", "pool_gib"])
 def test_stack_drops_sets_to_stay_in_bounds_then_stops(monkeypatch, options):
     stand = _Stand(monkeypatch, options)

@@ -31,13 +31,25 @@ def _fsdp2(mod: nn.Module) -> bool:
     return fsdp is not None and isinstance(mod, getattr(fsdp, "FSDPModule", ()))
 
 
+def _memory() -> tuple[int, int]:
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+
+def _took(before: tuple[int, int], after: tuple[int, int]) -> int:
+    """What a capture took: the larger of the allocated and the reserved growth. Once a capture ends, the
+    caching allocator counts the blocks its graphs use and free again (saved activations the backward
+    consumed, scratch) as unallocated, yet they stay reserved for the private pool, and replays allocate
+    nothing: the allocated growth alone (and ``max_memory_allocated``) leaves most of a set out."""
+    return max(after[0] - before[0], after[1] - before[1], 0)
+
+
 @dataclass(eq=False)
 class Bucket:
     """One set of graphs, every layer's, for one call signature: one length bucket (or one exact length)."""
 
     graphs: list[LayerGraphs]
     length: int  # the sequence length the graphs were captured for
-    bytes: int  # device memory the capture left allocated (static buffers, saved activations)
+    bytes: int  # device memory the capture took (static buffers, saved activations, the pool's scratch): see held()
     used: int = 0  # the stack's step count at its last use: the least recently used set is dropped first
 
     def pending(self) -> bool:
@@ -270,7 +282,7 @@ class Stack(_auto.StackPolicy):
             # (capturing into a pool whose graphs were all destroyed trips the caching allocator's asserts).
             self.pool = torch.cuda.graph_pool_handle()
         sample = pad.sample(tensors) if pad.l else tensors
-        start, held = time.perf_counter(), torch.cuda.memory_allocated()
+        start, before = time.perf_counter(), _memory()
         graphs = None
         try:
             graphs = capture(self.layers, self.forwards, [self._scan(layer)[1] for layer in self.layers], layout,
@@ -285,7 +297,7 @@ class Stack(_auto.StackPolicy):
             recover_from_failed_capture(torch.device("cuda", torch.cuda.current_device()))
             return self.disabled, None
         took = time.perf_counter() - start
-        bucket = self.sets[key] = Bucket(graphs, length, max(torch.cuda.memory_allocated() - held, 0))
+        bucket = self.sets[key] = Bucket(graphs, length, _took(before, _memory()))
         self.pooled_grads = frozenset(s.data_ptr() for b in self.sets.values() for g in b.graphs
                                       for s in g.grad_inputs[len(g.inputs):] if s is not None)
         self.captures += 1
