@@ -282,8 +282,8 @@ def test_real_clock_decides_and_frees_memory_when_eager():
     assert "auto: graphs kept" in stack.describe() or "auto: eager for good" in stack.describe()
     if not stack.auto.kept:
         assert not stack.sets and stack.pool is None
-    # Released, the graphs and their pool go: their static buffers are freed (what the pool reserved goes back to the
-    # device only once no tensor made in it lives, e.g. gradients it handed out as .grad, and the cache is emptied).
+    # Released, the graphs and their pool handle go and their static buffers are freed. What the pool reserved is not
+    # checked: on an H100 it had not gone back two steps later (NOTES-families.md, twelfth session: an open question).
     held, kept = torch.cuda.memory_allocated(), bool(stack.sets)
     stack.release("test")  # eager for good: what the graphs held is given back
     _train((plain, model), 2)

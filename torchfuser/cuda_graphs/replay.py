@@ -39,7 +39,8 @@ def _took(before: tuple[int, int], after: tuple[int, int]) -> int:
     """What a capture took: the larger of the allocated and the reserved growth. Once a capture ends, the
     caching allocator counts the blocks its graphs use and free again (saved activations the backward
     consumed, scratch) as unallocated, yet they stay reserved for the private pool, and replays allocate
-    nothing: the allocated growth alone (and ``max_memory_allocated``) leaves most of a set out."""
+    nothing: the allocated growth alone (and ``max_memory_allocated``) leaves much of a set out (llama1b on an
+    H100: 5.9 of 12.9 GiB). The reserved growth also counts what the capture's warm-up added to the cache."""
     return max(after[0] - before[0], after[1] - before[1], 0)
 
 
@@ -49,7 +50,7 @@ class Bucket:
 
     graphs: list[LayerGraphs]
     length: int  # the sequence length the graphs were captured for
-    bytes: int  # device memory the capture took (static buffers, saved activations, the pool's scratch): see held()
+    bytes: int  # device memory the capture took (static buffers, saved activations, the pool's scratch): _took
     used: int = 0  # the stack's step count at its last use: the least recently used set is dropped first
 
     def pending(self) -> bool:
