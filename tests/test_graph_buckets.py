@@ -193,6 +193,11 @@ def test_a_sets_memory_is_what_its_pool_reserves_not_only_what_stays_allocated(m
     # Counted as allocated (1 GiB a set) both lengths would fit the 4 GiB: two captures, none dropped.
     assert stand.captured == [16, 32, 16] and s.dropped == 2
     assert [b.bytes for b in s.sets.values()] == [3 * 2**30] and "1 set(s) kept (max 8), 3.0 GiB, 2 dropped" in s.describe()
+    # What a peak of allocated memory misses while they replay: the 2 GiB that read as unallocated.
+    assert s.pool_bytes() == (3 * 2**30, 2 * 2**30)
+    stand.model.__dict__[cuda_graphs._ATTR] = [s, s]  # as install() keeps a model's stacks: summed over them
+    assert cuda_graphs.pool_bytes(stand.model) == (6 * 2**30, 4 * 2**30)
+    assert cuda_graphs.pool_bytes(_model()) == (0, 0)  # no graphs, nothing held
 
 
 @pytest.mark.parametrize("options", [GraphOptions(max_buckets=1), GraphOptions(pool_gib=1.2)], ids=["max_buckets", "pool_gib"])

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from torchfuser import demo
+from torchfuser import cuda_graphs, demo
 from torchfuser.api import optimize, report
 from torchfuser.bench_saved import SavedPerLayer
 from torchfuser.cli import CLIError, _said
@@ -154,8 +154,10 @@ class _Variant:
         if cuda:
             torch.cuda.synchronize(self.device)
             # All variants live on the device at once: this one's peak is its own resident state plus
-            # what its step allocated above the step's start, as if it ran alone.
-            peak = torch.cuda.max_memory_allocated(self.device) - before + _resident_bytes(self.model, self.opt)
+            # what its step allocated above the step's start, as if it ran alone, plus its CUDA graphs' pool
+            # (allocated before the step or read as unallocated; replays allocate nothing).
+            peak = (torch.cuda.max_memory_allocated(self.device) - before + _resident_bytes(self.model, self.opt)
+                    + cuda_graphs.pool_bytes(self.model)[0])
         self.times.append(time.perf_counter() - start)
         self.losses.append(loss.item())
         self.saved = max(self.saved, saved.total)
@@ -273,7 +275,7 @@ def _rows(runs, size, steps, lora, target, dev) -> list[dict]:
             # the first step's, per decoder layer (None: not counted, see _Variant); the table shows the largest
             "saved_activation_bytes_per_layer": r.per_layer or None,
             "peak_memory_bytes": r.peak,  # measured on CUDA only; None on the CPU
-            "peak_memory_measure": "cuda_max_memory_allocated_as_alone" if r.peak is not None else None,
+            "peak_memory_measure": "cuda_max_memory_allocated_as_alone_with_graph_pools" if r.peak is not None else None,
             "losses": r.losses, "loss_reference": ref.name,
             "loss_max_rel_diff": max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, r.losses)),
             "step_ms": [t * 1e3 for t in r.times], "warmup_steps": skip,
@@ -317,7 +319,8 @@ def print_table(console: Console, rows: list[dict]) -> None:
             console.print(f"{r['variant']}: {note}")
     if peak:
         console.print("peak memory: the variant's largest CUDA allocation in a step as if it were alone on the device "
-                      "(its parameters, gradients and optimizer state, plus what the step allocated)")
+                      "(its parameters, gradients and optimizer state, plus what the step allocated, plus the memory its "
+                      "CUDA graphs hold)")
     console.print("saved act.: bytes autograd saved for the backward in a step (activations, each storage once; "
                   "under torch.compile what the compiled graph saves; n/a under CUDA graphs; with checkpointing, the "
                   "layer inputs kept on the host too); saved/layer: the part saved while one decoder layer ran, the "

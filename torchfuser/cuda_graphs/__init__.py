@@ -54,7 +54,7 @@ from torchfuser.modules.base import FusedModule, follow_replicas, unfollow_repli
 from torchfuser.modules.residual_norm import ResidualNormForward  # ours on the instance: graphed, put back
 
 __all__ = ["install", "install_auto", "remove", "detach", "reattach", "refresh_notes", "describe", "find_stacks",
-           "split_call", "join_call", "GraphOptions", "CHURN", "options"]
+           "split_call", "join_call", "GraphOptions", "CHURN", "options", "pool_bytes"]
 _ATTR = "_torchfuser_cuda_graphs"
 HEAD = "cuda graphs: "  # every report note made here starts so
 
@@ -186,6 +186,13 @@ def options(model: nn.Module) -> GraphOptions:
     """The options the model's stacks were installed with (the defaults where none is)."""
     stacks = model.__dict__.get(_ATTR)
     return stacks[0].options if stacks else GraphOptions()
+
+
+def pool_bytes(model: nn.Module) -> tuple[int, int]:
+    """(the device memory the model's CUDA graphs hold, the part of it that ``torch.cuda.memory_allocated``
+    leaves out): what a peak of allocated memory misses while graphs replay. (0, 0) without graphs."""
+    held = [s.pool_bytes() for s in model.__dict__.get(_ATTR) or ()]
+    return sum(h for h, _ in held), sum(u for _, u in held)
 
 
 def describe(model: nn.Module) -> list[str] | None:

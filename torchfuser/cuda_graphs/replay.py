@@ -35,13 +35,15 @@ def _memory() -> tuple[int, int]:
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
-def _took(before: tuple[int, int], after: tuple[int, int]) -> int:
-    """What a capture took: the larger of the allocated and the reserved growth. Once a capture ends, the
-    caching allocator counts the blocks its graphs use and free again (saved activations the backward
-    consumed, scratch) as unallocated, yet they stay reserved for the private pool, and replays allocate
-    nothing: the allocated growth alone (and ``max_memory_allocated``) leaves much of a set out (llama1b on an
-    H100: 5.9 of 12.9 GiB). The reserved growth also counts what the capture's warm-up added to the cache."""
-    return max(after[0] - before[0], after[1] - before[1], 0)
+def _took(before: tuple[int, int], after: tuple[int, int]) -> tuple[int, int]:
+    """What a capture took, and how much of it reads as unallocated: the larger of the allocated and the
+    reserved growth, and the reserved growth beyond the allocated. Once a capture ends, the caching allocator
+    counts the blocks its graphs use and free again (saved activations the backward consumed, scratch) as
+    unallocated, yet they stay reserved for the private pool, and replays allocate nothing: the allocated
+    growth alone (and ``max_memory_allocated``) leaves much of a set out (llama1b on an H100: 5.9 of 12.9 GiB).
+    The reserved growth also counts what the capture's warm-up added to the cache."""
+    allocated, reserved = after[0] - before[0], after[1] - before[1]
+    return max(allocated, reserved, 0), max(reserved - max(allocated, 0), 0)
 
 
 @dataclass(eq=False)
@@ -51,6 +53,7 @@ class Bucket:
     graphs: list[LayerGraphs]
     length: int  # the sequence length the graphs were captured for
     bytes: int  # device memory the capture took (static buffers, saved activations, the pool's scratch): _took
+    unallocated: int = 0  # of those, what reads as unallocated though the pool keeps it reserved
     used: int = 0  # the stack's step count at its last use: the least recently used set is dropped first
 
     def pending(self) -> bool:
@@ -298,7 +301,7 @@ class Stack(_auto.StackPolicy):
             recover_from_failed_capture(torch.device("cuda", torch.cuda.current_device()))
             return self.disabled, None
         took = time.perf_counter() - start
-        bucket = self.sets[key] = Bucket(graphs, length, _took(before, _memory()))
+        bucket = self.sets[key] = Bucket(graphs, length, *_took(before, _memory()))
         self.pooled_grads = frozenset(s.data_ptr() for b in self.sets.values() for g in b.graphs
                                       for s in g.grad_inputs[len(g.inputs):] if s is not None)
         self.captures += 1
@@ -308,6 +311,11 @@ class Stack(_auto.StackPolicy):
         log.info("torchfuser: captured CUDA graphs for %s (%d layers, length %d) in %.1f s", self.name,
                  len(self.layers), length, took)
         return None, bucket
+
+    def pool_bytes(self) -> tuple[int, int]:
+        """(what the kept and retired sets of graphs hold, the part of it ``memory_allocated`` does not count)."""
+        sets = (*self.sets.values(), *self.retired)
+        return sum(b.bytes for b in sets), sum(b.unallocated for b in sets)
 
     def head(self) -> str:
         return f"cuda graphs: {self.name} ({len(self.layers)} × {type(self.layers[0]).__name__})"
