@@ -141,6 +141,8 @@ class _Variant:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
+            # As the step starts: a capture inside this step is counted by the allocated peak itself.
+            graphs = cuda_graphs.pool_bytes(self.model)[0]
         start = time.perf_counter()
         counted = SavedPerLayer(self.model, per_layer=self.per_layer == [])
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda), counted as saved:
@@ -156,8 +158,7 @@ class _Variant:
             # All variants live on the device at once: this one's peak is its own resident state plus
             # what its step allocated above the step's start, as if it ran alone, plus its CUDA graphs' pool
             # (allocated before the step or read as unallocated; replays allocate nothing).
-            peak = (torch.cuda.max_memory_allocated(self.device) - before + _resident_bytes(self.model, self.opt)
-                    + cuda_graphs.pool_bytes(self.model)[0])
+            peak = torch.cuda.max_memory_allocated(self.device) - before + _resident_bytes(self.model, self.opt) + graphs
         self.times.append(time.perf_counter() - start)
         self.losses.append(loss.item())
         self.saved = max(self.saved, saved.total)

@@ -105,6 +105,9 @@ class _Run:
     def step(self, ids):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            # CUDA graphs' pools keep reserved what reads as unallocated (replays allocate nothing): added back, as
+            # the step starts (a capture inside this step is in the allocated peak itself).
+            unallocated = cuda_graphs.pool_bytes(self.model)[1]
         start = time.perf_counter()
         with self.autocast, _SavedBytes() as counter:
             loss = self.model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -114,8 +117,6 @@ class _Run:
         self.opt.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            # CUDA graphs' pools keep reserved what reads as unallocated (replays allocate nothing): added back.
-            unallocated = cuda_graphs.pool_bytes(self.model)[1]
             self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) + unallocated)
         self.times.append(time.perf_counter() - start)
         self.losses.append(loss.item())
