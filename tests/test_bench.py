@@ -178,3 +178,46 @@ def test_saved_bytes_per_layer_and_the_offload_variant(tmp_path, capsys):
     assert rows["torchfuser-offload"]["saved_activation_bytes"] < rows["torchfuser"]["saved_activation_bytes"]
     text = capsys.readouterr().out
     assert "saved/layer" in text and f"{layer_input / 2**10:,.1f} KiB" in text
+
+
+class _FakeCudaMemory:
+    """torch.cuda's memory counters as a GPU step would move them, for the CUDA branch of a step on the CPU: the
+    step starts at 5 GiB allocated and peaks 2 GiB above it."""
+
+    def __init__(self, monkeypatch):
+        gib = 2**30
+        for name, value in (("synchronize", None), ("reset_peak_memory_stats", None), ("memory_allocated", 5 * gib),
+                            ("max_memory_allocated", 7 * gib)):
+            monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+
+
+class _Stack:  # what install() keeps on a model for each stack of graphed layers: only its pool is read here
+    def pool_bytes(self):
+        return 3 * 2**30, 2 * 2**30
+
+
+@pytest.mark.parametrize("tool", ["bench", "demo"])
+def test_a_cuda_steps_peak_counts_what_its_cuda_graphs_hold(tool, monkeypatch):
+    """The peak a GPU step reports adds the graphs' pool, which replays never allocate: the bench (as if alone:
+    the step's growth, the resident state, the whole pool) and the demo (the allocated peak, and the pool's part
+    that reads as unallocated)."""
+    from rich.progress import Progress
+
+    from torchfuser import cuda_graphs
+
+    _FakeCudaMemory(monkeypatch)
+    autocast = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: autocast("cpu", enabled=False))  # the model runs on the CPU
+    model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "model_type"}))
+    model.__dict__[cuda_graphs._ATTR] = [_Stack()]
+    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
+    cuda = type("Device", (), {"type": "cuda"})()
+    with Progress(disable=True) as progress:
+        if tool == "bench":
+            run = bench._Variant("torchfuser", model, cuda, progress, 1)
+            run.step(ids)
+            assert run.peak == 2 * 2**30 + bench._resident_bytes(model, run.opt) + 3 * 2**30
+        else:
+            run = demo._Run(model, cuda, progress, "fused", 1)
+            run.step(ids)
+            assert run.peak == 7 * 2**30 + 2 * 2**30
